@@ -1,0 +1,96 @@
+"""``moe-plugins verify``: check one MoE layer against the single-process reference.
+
+Spawns ``--world`` gloo ranks on this machine, or, under torchrun (RANK and WORLD_SIZE set), runs as one
+of the launched ranks on the cluster. Exit code 0 when every error is within tolerance, 1 on a mismatch,
+2 on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..verify import DTYPES, VerifySpec, run_rank, spec_problems
+
+
+def register(sub) -> None:
+    p = sub.add_parser("verify", help="check an MoE layer against the single-process reference")
+    p.add_argument("--world", type=int, default=4, help="number of ranks (ignored under torchrun)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: world)")
+    p.add_argument("--mp", type=int, default=1, help="tensor (model) parallel degree of the dense layers")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel degree")
+    p.add_argument("--esp", type=int, default=1, help="expert-sharding degree (each expert split along H)")
+    p.add_argument("--experts", type=int, default=4, help="E, number of experts")
+    p.add_argument("--k", type=int, default=1, help="top-k")
+    p.add_argument("--capacity-factor", type=float, default=1.0, help="f")
+    p.add_argument("--min-capacity", type=int, default=0)
+    p.add_argument("--drop", dest="drop", action="store_true", default=True, help="drop tokens over capacity")
+    p.add_argument("--no-drop", dest="drop", action="store_false", help="dropless")
+    p.add_argument("--tokens", type=int, default=16, help="B*L tokens per rank")
+    p.add_argument("--hidden", type=int, default=8, help="M")
+    p.add_argument("--ffn", type=int, default=16, help="H")
+    p.add_argument("--schedule", default="baseline")
+    p.add_argument("--pipeline-degree", type=int, default=1, help="capacity chunks per layer")
+    p.add_argument("--dtype", default="float64", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0, help="bias routing towards expert 0")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def spec_from_args(args: argparse.Namespace, world: int) -> VerifySpec:
+    return VerifySpec(world=world, ranks_per_node=args.ranks_per_node or world, mp=args.mp, ep=args.ep,
+                      esp=args.esp, experts=args.experts, k=args.k, capacity_factor=args.capacity_factor,
+                      min_capacity=args.min_capacity, drop=args.drop, tokens=args.tokens, hidden=args.hidden,
+                      ffn=args.ffn, schedule=args.schedule, pipeline_degree=args.pipeline_degree,
+                      dtype=args.dtype, seed=args.seed, skew=args.skew)
+
+
+def run(args: argparse.Namespace) -> int:
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world
+    spec = spec_from_args(args, world)
+    problems = spec_problems(spec)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if under_torchrun:
+        report = _run_torchrun(spec)
+        if report is None:
+            return 0
+    else:
+        from ..pool import WorkerPool
+        with WorkerPool(world) as pool:
+            report = pool.run(run_rank, spec)[0]
+    _print(report, args.json)
+    return 0 if report["ok"] else 1
+
+
+def _run_torchrun(spec: VerifySpec):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return run_rank(spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def _print(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+        return
+    status = "ok" if report["ok"] else "MISMATCH"
+    s = report["spec"]
+    print(f"{status}: schedule={s['schedule']} world={s['world']} mp={s['mp']} ep={s['ep']} esp={s['esp']} "
+          f"k={s['k']} drop={s['drop']} dtype={s['dtype']} (tolerance {report['tolerance']:g})")
+    for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
+        print(f"  {key:16s} {report[key]:.3e}")
+    print(f"  routing equal    {report['routing_equal']}  (dropped routes: {report['dropped_routes']})")
+    for layer, ops in report["ledger"].items():
+        print(f"  ledger [{layer}] rank 0:")
+        for key, row in sorted(ops.items()):
+            print(f"    {key:32s} x{row['count']}  {row['numel']:>10d} elems  {row['inter_node_bytes']:>10d} B inter-node")
+    sys.stdout.flush()

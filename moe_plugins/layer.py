@@ -1,0 +1,80 @@
+"""The host-independent MoE layer: a gate, this rank's expert shard, and a schedule.
+
+Shapes: B batch, L sequence, M model dim, E experts (E_l local), H FFN hidden (H_s per ESP shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .comm import Recorder
+from .config import MoEConfig, moe_config_problems
+from .experts import ExpertWeights, shard_weights
+from .groups import MoEProcessGroups
+from .ledger import CommLedger
+from .schedules import SCHEDULES, LayerParams, run_schedule, schedule_problems
+
+
+@dataclass(frozen=True)
+class MoEOutput:
+    y: torch.Tensor              # same shape as the input
+    aux_loss: torch.Tensor       # this rank's load-balancing loss (GShard/Switch)
+    exp_counts_E: torch.Tensor   # routes per expert before dropping, this rank's tokens
+    dropped: int                 # routes dropped by capacity, this rank's tokens
+
+
+def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: str, pipeline_degree: int) -> None:
+    """Raise one ValueError listing every problem, before anything is built."""
+    problems = moe_config_problems(config, groups.layout) + schedule_problems(schedule, groups.layout)
+    if not isinstance(pipeline_degree, int) or pipeline_degree < 1:
+        problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer")
+    if problems:
+        raise ValueError("invalid MoE layer: " + "; ".join(problems))
+
+
+class MoELayer(nn.Module):
+    """Gate (replicated) + expert shard (sharded over EP and ESP), run by a named schedule."""
+
+    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: str = "baseline",
+                 pipeline_degree: int = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        check_layer_args(config, groups, schedule, pipeline_degree)
+        self.config, self.groups, self.pipeline_degree, self.name = config, groups, pipeline_degree, name
+        self.ledger = ledger
+        self.schedule = SCHEDULES[schedule](config, groups, Recorder(ledger, name))
+        e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
+        self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
+        self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))
+        self.b1_EH = nn.Parameter(torch.zeros(e_l, h_s, dtype=dtype))
+        self.w2_EHM = nn.Parameter(torch.zeros(e_l, h_s, m, dtype=dtype))
+        self.b2_EM = nn.Parameter(torch.zeros(e_l, m, dtype=dtype))
+        for p in (self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM):
+            p.allreduce = False          # expert params: reduced over expert-DP, not DP (DeepSpeed's marker)
+
+    @property
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM)
+
+    @torch.no_grad()
+    def load_full(self, wg_EM: torch.Tensor, full: ExpertWeights) -> None:
+        """Copy this rank's shard out of full (unsharded) weights."""
+        c = self.groups.layout.coords(self.groups.global_rank)
+        shard = shard_weights(full, c["ep"], self.groups.ep.size, c["esp"], self.groups.esp.size)
+        self.wg_EM.copy_(wg_EM)
+        for p, t in zip((self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM),
+                        (shard.w1_EMH, shard.b1_EH, shard.w2_EHM, shard.b2_EM)):
+            p.copy_(t)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        x_SM = x.reshape(-1, x.shape[-1])
+        if x_SM.shape[0] == 0:
+            raise ValueError("MoE layer input has no tokens")
+        params = LayerParams(wg_EM=self.wg_EM, experts=self.expert_weights)
+        y_SM, d = run_schedule(self.schedule, x_SM, params, self.pipeline_degree)
+        return MoEOutput(y=y_SM.reshape(x.shape), aux_loss=d.aux_loss, exp_counts_E=d.exp_counts_E,
+                         dropped=d.dropped)

@@ -1,0 +1,113 @@
+"""A reusable pool of gloo worker processes: start N ranks once, run many collective jobs on them.
+
+Spawning 4 ranks per test costs seconds on 2 cores; the pool pays it once. A job is a module-level
+function run on every rank with the same arguments; its per-rank return values come back in rank order.
+A failed or timed-out job tears the pool down (its collectives may be wedged); the next job restarts it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+
+class WorkerError(RuntimeError):
+    """A job failed on at least one rank; the message holds every failing rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, init_method: str, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], timeout_s: float,
+                 tasks: "mp.Queue", results: "mp.Queue") -> None:
+    os.environ.update(env)
+    init_gloo(rank, world, init_method, timeout_s)
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        job_id, fn, args, kwargs = job
+        try:
+            results.put((job_id, rank, True, fn(*args, **kwargs)))
+        except Exception:  # reported to the parent, which raises WorkerError
+            results.put((job_id, rank, False, traceback.format_exc()))
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world: int, *, env: Optional[Dict[str, str]] = None, collective_timeout_s: float = 120.0):
+        self.world, self.env, self.collective_timeout_s = world, dict(env or {}), collective_timeout_s
+        self._procs: List[mp.Process] = []
+        self._job = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._procs = [ctx.Process(target=_worker_main, daemon=True,
+                                   args=(r, self.world, init_method, self.env, self.collective_timeout_s,
+                                         self._tasks[r], self._results))
+                       for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> List[Any]:
+        if not self._procs:
+            self._start()
+        self._job += 1
+        for q in self._tasks:
+            q.put((self._job, fn, args, kwargs))
+        got: Dict[int, Any] = {}
+        errors: Dict[int, str] = {}
+        try:
+            while len(got) + len(errors) < self.world:
+                # once a rank failed, the others are likely blocked in a collective: wait briefly only
+                job_id, rank, ok, value = self._results.get(timeout=10.0 if errors else timeout_s)
+                if job_id != self._job:
+                    continue
+                (got if ok else errors)[rank] = value
+        except queue.Empty:
+            errors.setdefault(-1, f"timed out after {timeout_s:.0f} s waiting for ranks "
+                                  f"{sorted(set(range(self.world)) - set(got) - set(errors))}")
+        if errors:
+            self.close()
+            raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return [got[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q, p in zip(getattr(self, "_tasks", []), self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
