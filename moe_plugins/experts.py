@@ -62,3 +62,12 @@ def init_full_weights(num_experts: int, hidden: int, ffn: int, generator: torch.
         return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).mul(bound).to(dtype)
     return ExpertWeights(w1_EMH=uniform((num_experts, hidden, ffn), hidden), b1_EH=uniform((num_experts, ffn), hidden),
                          w2_EHM=uniform((num_experts, ffn, hidden), ffn), b2_EM=uniform((num_experts, hidden), ffn))
+
+
+def sharded_experts(x_ElNM: torch.Tensor, *, weights: ExpertWeights, activation: str, esp, rec) -> torch.Tensor:
+    """This rank's expert shard on rows x_ElNM: ESP partial sums all-reduced (forward), input gradient
+    all-reduced (backward, via copy_to), b2 added once. ``esp`` is a groups.Group, ``rec`` a comm.Recorder."""
+    from . import comm
+    x_ElNM = comm.copy_to(x_ElNM, esp, rec)
+    y_ElNM = comm.all_reduce(partial_ffn(x_ElNM, weights, activation), esp, rec)
+    return y_ElNM + weights.b2_EM.unsqueeze(1)

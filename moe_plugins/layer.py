@@ -6,16 +6,20 @@ Shapes: B batch, L sequence, M model dim, E experts (E_l local), H FFN hidden (H
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
 from torch import nn
 
+
+
 from .comm import Recorder
 from .config import MoEConfig, moe_config_problems
-from .experts import ExpertWeights, shard_weights
+from .experts import ExpertWeights, shard_weights, sharded_experts
 from .groups import MoEProcessGroups
 from .ledger import CommLedger
+from .router import route_tokens
 from .schedules import SCHEDULES, LayerParams, run_schedule, schedule_problems
 
 
@@ -46,7 +50,8 @@ class MoELayer(nn.Module):
         check_layer_args(config, groups, schedule, pipeline_degree)
         self.config, self.groups, self.pipeline_degree, self.name = config, groups, pipeline_degree, name
         self.ledger = ledger
-        self.schedule = SCHEDULES[schedule](config, groups, Recorder(ledger, name))
+        self.rec = Recorder(ledger, name)
+        self.schedule = SCHEDULES[schedule](config, groups, self.rec)
         e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
         self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
         self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))
@@ -74,7 +79,10 @@ class MoELayer(nn.Module):
         x_SM = x.reshape(-1, x.shape[-1])
         if x_SM.shape[0] == 0:
             raise ValueError("MoE layer input has no tokens")
-        params = LayerParams(wg_EM=self.wg_EM, experts=self.expert_weights)
+        params = LayerParams(
+            router=partial(route_tokens, wg_EM=self.wg_EM, config=self.config, groups=self.groups, rec=self.rec),
+            experts=partial(sharded_experts, weights=self.expert_weights, activation=self.config.activation,
+                            esp=self.groups.esp, rec=self.rec))
         y_SM, d = run_schedule(self.schedule, x_SM, params, self.pipeline_degree)
         return MoEOutput(y=y_SM.reshape(x.shape), aux_loss=d.aux_loss, exp_counts_E=d.exp_counts_E,
                          dropped=d.dropped)

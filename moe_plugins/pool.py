@@ -36,6 +36,10 @@ def init_gloo(rank: int, world: int, init_method: str, timeout_s: float) -> None
 
 def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], timeout_s: float,
                  tasks: "mp.Queue", results: "mp.Queue") -> None:
+    host, port = init_method[len("tcp://"):].rsplit(":", 1)
+    # the variables torchrun would set: hosts (DeepSpeed) read them even when the group already exists
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port})
     os.environ.update(env)
     init_gloo(rank, world, init_method, timeout_s)
     while True:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, List, Tuple
+from typing import Any, Callable, ClassVar, List, Tuple
 
 import torch
 
 from .. import comm
 from ..comm import Recorder
 from ..config import MoEConfig
-from ..experts import ExpertWeights, partial_ffn
 from ..gating import Routing
 from ..groups import MoEProcessGroups
 
@@ -43,10 +42,15 @@ class Dispatched:
 
 @dataclass(frozen=True)
 class LayerParams:
-    """What a schedule computes with: the replicated gate and this rank's expert shard."""
+    """What a schedule computes with, supplied by the layer (the core's or a host's):
 
-    wg_EM: torch.Tensor
-    experts: ExpertWeights
+    - ``router(x_SM) -> Routing``: gate plus capacity; in dropless mode the capacity it returns is
+      uniform over every rank the layer exchanges with (a host's gate does this its own way);
+    - ``experts(x_ElNM) -> y_ElNM``: the local experts on their rows, ESP reduction included.
+    """
+
+    router: Callable[[torch.Tensor], Routing]
+    experts: Callable[[torch.Tensor], torch.Tensor]
 
 
 class Schedule(ABC):
@@ -77,19 +81,19 @@ class Schedule(ABC):
 
     # -- helpers shared by schedules -------------------------------------------------------------------
 
-    def uniform_capacity(self, local_max: int) -> int:
-        """Dropless capacity: the largest expert count over every rank this layer exchanges with."""
-        cap = comm.all_reduce_max(local_max, self.groups.ep_esp, self.rec)
-        return max(1, comm.all_reduce_max(cap, self.groups.mp, self.rec))
-
-    def sharded_expert(self, x_ENM: torch.Tensor, w: ExpertWeights, grad_scale: float = 1.0) -> torch.Tensor:
-        """Expert shard on rows x_ENM (E = local experts), ESP partial sums reduced, b2 added once."""
-        esp = self.groups.esp
-        if grad_scale != 1.0:
-            w = ExpertWeights(*(comm.grad_scale(t, grad_scale) for t in (w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM)))
-        x_ENM = comm.copy_to(x_ENM, esp, self.rec)
-        y_ENM = comm.all_reduce(partial_ffn(x_ENM, w, self.config.activation), esp, self.rec)
-        return y_ENM + w.b2_EM.unsqueeze(1)
+    def run_experts(self, e_XM: torch.Tensor, params: LayerParams, replicas: int = 1) -> torch.Tensor:
+        """Local experts on a received chunk laid out (EP sources, E_l, ..., M): regroup rows per local
+        expert, compute, and restore the layout. ``replicas`` > 1 means every row arrives that many times
+        (MP replicas); the weight gradients are then divided by it while the input gradients stay exact."""
+        ep, shape = self.groups.ep.size, e_XM.shape
+        e_l = self.config.num_experts // ep
+        x_ElRM = e_XM.reshape(ep, e_l, -1, shape[-1]).transpose(0, 1).reshape(e_l, -1, shape[-1])
+        if replicas > 1:
+            x_ElRM = comm.grad_scale(x_ElRM, float(replicas))
+        y_ElRM = params.experts(x_ElRM)
+        if replicas > 1:
+            y_ElRM = comm.grad_scale(y_ElRM, 1.0 / replicas)
+        return y_ElRM.reshape(e_l, ep, -1, shape[-1]).transpose(0, 1).reshape(shape)
 
 
 def chunk_bounds(length: int, degree: int) -> List[Tuple[int, int]]:

@@ -22,7 +22,7 @@ import torch
 
 from .. import comm
 from ..dispatch import combine, dispatch
-from ..gating import Routing, apply_capacity, assign_topk, capacity, gate_logits
+from ..gating import Routing
 from .base import Dispatched, LayerParams, Schedule, routing_stats
 
 
@@ -38,36 +38,24 @@ class BaselineSchedule(Schedule):
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, esp = self.config, self.groups.esp
         x_NSM = comm.all_gather(x_SM.unsqueeze(0), esp, self.rec, dim=0, bwd="split")
-        assigns = []
+        routings = []
         for i in range(esp.size):
             if i == esp.rank:
-                assigns.append(assign_topk(gate_logits(x_NSM[i], params.wg_EM), cfg.k))
+                routings.append(params.router(x_NSM[i]))
             else:  # another member's block: gated again here, only its routing decisions are used
                 with torch.no_grad():
-                    assigns.append(assign_topk(gate_logits(x_NSM[i], params.wg_EM), cfg.k))
-        cap = self._capacity(x_SM.shape[0], max(a.max_count for a in assigns))
-        routings = [apply_capacity(a, cap) for a in assigns]
-        d_ENCM = torch.stack([dispatch(x_NSM[i], r, cfg.num_experts) for i, r in enumerate(routings)], dim=1)
+                    routings.append(params.router(x_NSM[i]))
+        slots = max(r.capacity for r in routings)
+        d_ENCM = torch.stack([dispatch(x_NSM[i], r, cfg.num_experts, slots) for i, r in enumerate(routings)], 1)
         counts, dropped = routing_stats(routings[esp.rank:esp.rank + 1])
         return Dispatched(d=d_ENCM, cap_dim=2, state=_State(routings, x_SM.shape[0]),
                           aux_loss=routings[esp.rank].aux_loss, exp_counts_E=counts, dropped=dropped)
-
-    def _capacity(self, num_tokens: int, local_max: int) -> int:
-        cfg = self.config
-        if cfg.drop_tokens:
-            return capacity(num_tokens, cfg.num_experts, cfg.k, cfg.capacity_factor, cfg.min_capacity)
-        return self.uniform_capacity(local_max)
 
     def exchange_in(self, d_ENcM: torch.Tensor) -> torch.Tensor:
         return comm.all_to_all(d_ENcM, self.groups.ep, self.rec)          # rows now: source-major, E_l local
 
     def expert(self, e_ENcM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        ep = self.groups.ep.size
-        e_l = self.config.num_experts // ep
-        shape = e_ENcM.shape                                                # (EP*E_l, N, c, M)
-        x_ElRM = e_ENcM.reshape(ep, e_l, -1, shape[-1]).transpose(0, 1).reshape(e_l, -1, shape[-1])
-        y_ElRM = self.sharded_expert(x_ElRM, params.experts, grad_scale=1.0 / self.groups.mp.size)
-        return y_ElRM.reshape(e_l, ep, -1, shape[-1]).transpose(0, 1).reshape(shape)
+        return self.run_experts(e_ENcM, params, replicas=self.groups.mp.size)
 
     def exchange_out(self, o_ENcM: torch.Tensor) -> torch.Tensor:
         return comm.all_to_all(o_ENcM, self.groups.ep, self.rec)

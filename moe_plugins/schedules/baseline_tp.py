@@ -17,7 +17,7 @@ import torch
 
 from .. import comm
 from ..dispatch import combine, dispatch
-from ..gating import Routing, apply_capacity, assign_topk, capacity, gate_logits
+from ..gating import Routing
 from ..layout import ParallelLayout
 from .base import Dispatched, LayerParams, Schedule
 
@@ -38,13 +38,8 @@ class BaselineTPSchedule(Schedule):
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, mp = self.config, self.groups.mp
-        assign = assign_topk(gate_logits(x_SM, params.wg_EM), cfg.k)
-        if cfg.drop_tokens:
-            cap = capacity(x_SM.shape[0], cfg.num_experts, cfg.k, cfg.capacity_factor, cfg.min_capacity)
-        else:
-            cap = self.uniform_capacity(assign.max_count)
-        routing = apply_capacity(assign, cap)
-        d_ECM = dispatch(x_SM, routing, cfg.num_experts, slots=_round_up(cap, mp.size))
+        routing = params.router(x_SM)
+        d_ECM = dispatch(x_SM, routing, cfg.num_experts, slots=_round_up(routing.capacity, mp.size))
         d_EcM = comm.split(d_ECM, mp, self.rec, dim=1)
         return Dispatched(d=d_EcM, cap_dim=1, state=routing, aux_loss=routing.aux_loss,
                           exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
@@ -54,12 +49,7 @@ class BaselineTPSchedule(Schedule):
         return comm.all_gather(e_EcM, self.groups.esp, self.rec, dim=1, bwd="split")
 
     def expert(self, e_EcM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        ep = self.groups.ep.size
-        e_l = self.config.num_experts // ep
-        shape = e_EcM.shape
-        x_ElRM = e_EcM.reshape(ep, e_l, -1, shape[-1]).transpose(0, 1).reshape(e_l, -1, shape[-1])
-        y_ElRM = self.sharded_expert(x_ElRM, params.experts)
-        return y_ElRM.reshape(e_l, ep, -1, shape[-1]).transpose(0, 1).reshape(shape)
+        return self.run_experts(e_EcM, params)
 
     def exchange_out(self, o_EcM: torch.Tensor) -> torch.Tensor:
         o_EcM = comm.split(o_EcM, self.groups.esp, self.rec, dim=1)
