@@ -21,6 +21,7 @@ from .groups import MoEProcessGroups
 from .ledger import CommLedger
 from .router import route_tokens
 from .schedules import SCHEDULES, LayerParams, run_schedule, schedule_problems
+from .pipemoe import AutoDegree, Degree, PipelineLane, run_pipelined
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,13 @@ class MoEOutput:
     dropped: int                 # routes dropped by capacity, this rank's tokens
 
 
-def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: str, pipeline_degree: int) -> None:
+def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: str,
+                     pipeline_degree: Degree) -> None:
     """Raise one ValueError listing every problem, before anything is built."""
     problems = moe_config_problems(config, groups.layout) + schedule_problems(schedule, groups.layout)
-    if not isinstance(pipeline_degree, int) or pipeline_degree < 1:
-        problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer")
+    fixed_ok = isinstance(pipeline_degree, int) and pipeline_degree >= 1
+    if not (fixed_ok or isinstance(pipeline_degree, AutoDegree)):
+        problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer or an AutoDegree")
     if problems:
         raise ValueError("invalid MoE layer: " + "; ".join(problems))
 
@@ -44,14 +47,18 @@ class MoELayer(nn.Module):
     """Gate (replicated) + expert shard (sharded over EP and ESP), run by a named schedule."""
 
     def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: str = "baseline",
-                 pipeline_degree: int = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
-                 dtype: torch.dtype = torch.float32):
+                 pipeline_degree: Degree = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
+                 dtype: torch.dtype = torch.float32, pipeline_lane: Optional[PipelineLane] = None):
         super().__init__()
         check_layer_args(config, groups, schedule, pipeline_degree)
         self.config, self.groups, self.pipeline_degree, self.name = config, groups, pipeline_degree, name
         self.ledger = ledger
         self.rec = Recorder(ledger, name)
         self.schedule = SCHEDULES[schedule](config, groups, self.rec)
+        # PipeMoE: degree != 1 runs the exchanges on a lane (collective to build; layers may share one)
+        if pipeline_lane is None and pipeline_degree != 1:
+            pipeline_lane = PipelineLane(groups)
+        self.pipeline_lane = pipeline_lane
         e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
         self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
         self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))
@@ -83,6 +90,9 @@ class MoELayer(nn.Module):
             router=partial(route_tokens, wg_EM=self.wg_EM, config=self.config, groups=self.groups, rec=self.rec),
             experts=partial(sharded_experts, weights=self.expert_weights, activation=self.config.activation,
                             esp=self.groups.esp, rec=self.rec))
-        y_SM, d = run_schedule(self.schedule, x_SM, params, self.pipeline_degree)
+        if self.pipeline_degree == 1:
+            y_SM, d = run_schedule(self.schedule, x_SM, params)
+        else:
+            y_SM, d = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.pipeline_lane)
         return MoEOutput(y=y_SM.reshape(x.shape), aux_loss=d.aux_loss, exp_counts_E=d.exp_counts_E,
                          dropped=d.dropped)

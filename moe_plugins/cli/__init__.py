@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import verify_cmd
+from . import plan_cmd, profile_cmd, verify_cmd
 
-SUBCOMMANDS = (verify_cmd,)
+SUBCOMMANDS = (verify_cmd, profile_cmd, plan_cmd)
 
 
 class UsageError(Exception):

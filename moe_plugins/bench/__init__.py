@@ -1,0 +1,13 @@
+"""``moe-plugins bench``: side-by-side timing of MoE layers on an emulated multi-node cluster.
+
+- :mod:`.matrix`: the typed plan (cases x rows x link rates) and its checks (pure);
+- :mod:`.cluster`: network namespaces joined by tbf-shaped links (bring-up, rate changes, teardown);
+- :mod:`.launch`: the rank processes, one per (node, local rank), bounded in time;
+- :mod:`.rows`: what a row is and how one is built: every schedule in ``moe_plugins.schedules.SCHEDULES``
+  is a row, and so are the stock layers (:mod:`.stock_deepspeed`, :mod:`.stock_megatron`);
+- :mod:`.runner`: the rank side (interleaved timing, traffic, output agreement);
+- :mod:`.report`: statistics, ratios, link lower bound, JSON, Markdown and PNG;
+- :mod:`.harness`: the parent side that ties them together.
+
+Nothing in the training path imports this package.
+"""

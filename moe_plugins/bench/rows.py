@@ -1,0 +1,166 @@
+"""Rows of the benchmark matrix: what one implementation of an MoE case looks like to the runner.
+
+Every schedule registered in ``moe_plugins.schedules.SCHEDULES`` is a row of kind *plugin* (the project's
+``MoELayer``), with option ``r`` (the pipeline degree). A later issue adds rows by registering a schedule
+(``parm-s1``, ``parm-s2``, ...) or, for something that is not a schedule, one entry in :data:`ROW_KINDS`.
+The stock layers are rows too: ``deepspeed`` (:mod:`.stock_deepspeed`) and ``megatron``
+(:mod:`.stock_megatron`).
+
+Every row of a case starts from the same weights and the same tokens (:class:`CaseData`), so their outputs
+are comparable; the runner reports how far each row's output is from the first row's.
+
+Shapes: S tokens per rank, M model dim, E experts, H FFN hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..experts import ExpertWeights, init_full_weights
+from ..groups import MoEProcessGroups
+from ..layer import MoELayer
+from ..ledger import CommLedger
+from ..schedules import SCHEDULES
+from .matrix import CaseConfig, RowSpec, moe_config
+from .traffic import LedgerMeter
+
+AUX_COEF = 0.01
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CaseData:
+    """What every row of a case is built from and fed with (this rank's share)."""
+
+    case: CaseConfig
+    groups: MoEProcessGroups
+    wg_EM: torch.Tensor
+    full: ExpertWeights          # all E experts, unsharded; each row takes its own shard
+    x_SM: torch.Tensor           # this rank's tokens (the same on the MP ranks of one DP block)
+    g_SM: torch.Tensor           # upstream gradient for those tokens
+    dtype: torch.dtype
+    extras: Dict[str, object] = field(default_factory=dict)   # per-case host objects, e.g. singleton groups
+
+
+def make_case_data(case: CaseConfig, groups: MoEProcessGroups, seed: int, dtype: str) -> CaseData:
+    """Weights from ``seed`` (same on every rank); tokens from ``seed`` and this rank's DP block."""
+    gen = torch.Generator().manual_seed(seed)
+    full = init_full_weights(case.experts, case.hidden, case.ffn, gen, torch.float32)
+    wg_EM = torch.randn(case.experts, case.hidden, generator=gen) / case.hidden ** 0.5
+    block = groups.layout.coords(groups.global_rank)["dp"]
+    gen_x = torch.Generator().manual_seed(seed * 100_003 + 1 + block)
+    x_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
+    g_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
+    td = TORCH_DTYPES[dtype]
+    return CaseData(case=case, groups=groups, wg_EM=wg_EM, full=full, x_SM=x_SM.to(td), g_SM=g_SM.to(td), dtype=td)
+
+
+@dataclass
+class Row:
+    """A built row: ``forward(x_SM) -> (y_SM, aux_loss)``; ``scope()`` is entered around construction-free
+    work (forward and backward), for hosts that need shims or scoped settings; ``meter`` measures the
+    inter-node bytes of one step."""
+
+    label: str
+    kind: str                     # plugin | stock
+    module: nn.Module
+    forward: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    meter: object                 # LedgerMeter or traffic.CollectiveCounter (start() / stop() -> bytes)
+    scope: Callable[[], ContextManager] = contextlib.nullcontext
+    notes: Tuple[str, ...] = ()
+
+
+def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
+    """One forward and backward of ``row`` on this rank's tokens; returns the output (detached)."""
+    row.module.zero_grad(set_to_none=True)
+    x_SM = data.x_SM.detach().requires_grad_(True)
+    with row.scope():
+        y_SM, aux = row.forward(x_SM)
+        ((y_SM * data.g_SM).float().sum() + AUX_COEF * aux.float()).backward()
+    return y_SM.detach()
+
+
+# ---- plugin rows: the project's MoELayer with a registered schedule -------------------------------------
+
+PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; later issues add 'auto')"}
+
+
+def _pipeline_degree(spec: RowSpec):
+    r = spec.option("r", "1")
+    return int(r) if r.isdigit() else r      # a non-int ('auto') goes to MoELayer, which accepts or names it
+
+
+def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
+    ledger = CommLedger()
+    layer = MoELayer(moe_config(data.case), data.groups, schedule=spec.name, pipeline_degree=_pipeline_degree(spec),
+                     ledger=ledger, name=spec.label, dtype=data.dtype)
+    layer.load_full(data.wg_EM.to(data.dtype), ExpertWeights(*(t.to(data.dtype) for t in (
+        data.full.w1_EMH, data.full.b1_EH, data.full.w2_EHM, data.full.b2_EM))))
+
+    def forward(x_SM: torch.Tensor):
+        out = layer(x_SM)
+        return out.y, out.aux_loss
+    return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger))
+
+
+# ---- the registry ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowKind:
+    build: Callable[[RowSpec, CaseData], Row]
+    options: Dict[str, str]       # allowed option -> what it means
+    kind: str = "stock"
+
+
+def _build_deepspeed(spec: RowSpec, data: CaseData) -> Row:
+    from .stock_deepspeed import build_deepspeed_row
+    return build_deepspeed_row(spec, data)
+
+
+def _build_megatron(spec: RowSpec, data: CaseData) -> Row:
+    from .stock_megatron import build_megatron_row
+    return build_megatron_row(spec, data)
+
+
+ROW_KINDS: Dict[str, RowKind] = {
+    "deepspeed": RowKind(_build_deepspeed, {}),
+    "megatron": RowKind(_build_megatron, {"dispatcher": "Megatron's moe_token_dispatcher_type: alltoall "
+                                                        "(default) or allgather"}),
+}
+STOCK_ROWS = tuple(ROW_KINDS)
+
+
+def row_kind(name: str) -> Optional[RowKind]:
+    if name in ROW_KINDS:
+        return ROW_KINDS[name]
+    if name in SCHEDULES:
+        return RowKind(build_plugin_row, PLUGIN_OPTIONS, kind="plugin")
+    return None
+
+
+def row_problems(spec: RowSpec) -> List[str]:
+    kind = row_kind(spec.name)
+    if kind is None:
+        known = sorted(ROW_KINDS) + sorted(SCHEDULES)
+        return [f"row ({spec.name!r}) is unknown; allowed: {', '.join(known)} (schedules from "
+                f"moe_plugins.schedules.SCHEDULES, plus the stock layers)"]
+    problems = []
+    for key, value in spec.options:
+        if key not in kind.options:
+            allowed = ", ".join(kind.options) or "none"
+            problems.append(f"row ({spec.label!r}): option {key!r} is unknown; allowed: {allowed}")
+    if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):
+        problems.append(f"row ({spec.label!r}): dispatcher ({spec.option('dispatcher')!r}) must be alltoall or allgather")
+    return problems
+
+
+def build_row(spec: RowSpec, data: CaseData) -> Row:
+    problems = row_problems(spec)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return row_kind(spec.name).build(spec, data)

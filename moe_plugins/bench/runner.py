@@ -1,0 +1,168 @@
+"""The rank side of ``moe-plugins bench``: build the rows of each case and time them side by side.
+
+For every case the rows are built once, from the same weights and tokens; then for every link rate:
+
+1. round 0 (untimed): each row runs one forward+backward with its traffic meter on, between barriers,
+   giving its inter-node bytes per rank (model) and, on an emulated cluster, the bytes that left each
+   node's NIC (wire); its output is compared with the first row's (max |difference| over all ranks);
+2. rounds 1 .. warmup-1: untimed warm-up;
+3. ``iters`` timed rounds. The rows are interleaved (round i runs every row once, starting at row i mod R),
+   so slow drifts of a shared machine hit every row alike. Each measurement is barrier, time the
+   forward+backward, max-reduce over ranks: the slowest rank's time.
+
+Rank 0 returns raw measurements; :mod:`.report` turns them into statistics and ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..groups import MoEProcessGroups, build_process_groups
+from ..layout import ParallelLayout
+from .cluster import Cluster, set_rate
+from .matrix import BenchPlan, CaseConfig, RowSpec
+from .rows import CaseData, Row, build_row, fwd_bwd, make_case_data
+from .traffic import nic_tx_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    plan: BenchPlan
+    cluster: Optional[Cluster]          # None: loopback run, rates cannot be applied
+    progress_path: Optional[str] = None
+
+
+def _emit(job: RankJob, event: Dict[str, Any]) -> None:
+    if job.progress_path and dist.get_rank() == 0:
+        with open(job.progress_path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+def _layout_key(case: CaseConfig) -> Tuple[int, int, int]:
+    return case.mp, case.ep, case.esp
+
+
+def build_rows(specs: Sequence[RowSpec], data: CaseData) -> Tuple[List[Row], Dict[str, str]]:
+    """Build every row; a row that fails on any rank is skipped on all ranks, with the reason."""
+    rows, skipped = [], {}
+    for spec in specs:
+        row, error = None, None
+        try:
+            row = build_row(spec, data)
+        except Exception as exc:  # reported in the results as the row's skip reason
+            error = f"{type(exc).__name__}: {exc}"
+        errors: List[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        reasons = [e for e in errors if e is not None]
+        if reasons:
+            skipped[spec.label] = reasons[0]
+        else:
+            rows.append(row)
+    return rows, skipped
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _rotated(rows: List[Row], start: int) -> List[Row]:
+    s = start % len(rows)
+    return rows[s:] + rows[:s]
+
+
+def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str]) -> Dict[str, Dict[str, Any]]:
+    out, ref_y = {}, None
+    for row in rows:
+        dist.barrier()
+        tx0 = nic_tx_bytes(ifname)
+        row.meter.start()
+        try:
+            y_SM = fwd_bwd(row, data)
+        finally:
+            model_bytes = row.meter.stop()
+        dist.barrier()
+        tx1 = nic_tx_bytes(ifname)
+        if ref_y is None:
+            ref_y = y_SM.float()
+        diff = float((y_SM.float() - ref_y).abs().max()) if y_SM.numel() else 0.0
+        out[row.label] = {"model_bytes": model_bytes, "source": row.meter.source,
+                          "nic_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
+                          "max_abs_diff": _max_over_ranks(diff)}
+    scale = _max_over_ranks(float(ref_y.abs().max())) if ref_y is not None else 0.0
+    for v in out.values():
+        v["ref_max_abs"] = scale
+    return out
+
+
+def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[str]) -> Dict[str, Any]:
+    """Collective: traffic round, warm-up, interleaved timed rounds. Every rank returns the same times;
+    per-rank traffic is gathered (rank order)."""
+    traffic = _traffic_round(rows, data, ifname)
+    for r in range(1, plan.warmup):
+        for row in _rotated(rows, r):
+            fwd_bwd(row, data)
+    times: Dict[str, List[float]] = {row.label: [] for row in rows}
+    for i in range(plan.iters):
+        for row in _rotated(rows, i):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fwd_bwd(row, data)
+            times[row.label].append(_max_over_ranks(time.perf_counter() - t0))
+    per_rank: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {k: (v["model_bytes"], v["nic_tx_bytes"]) for k, v in traffic.items()})
+    out = {}
+    for row in rows:
+        t = traffic[row.label]
+        out[row.label] = {"kind": row.kind, "times_s": times[row.label], "traffic_source": t["source"],
+                          "model_bytes_per_rank": [p[row.label][0] for p in per_rank],
+                          "nic_tx_bytes_per_rank": [p[row.label][1] for p in per_rank],
+                          "max_abs_diff_vs_first": t["max_abs_diff"], "first_row_max_abs": t["ref_max_abs"],
+                          "notes": list(row.notes)}
+    return out
+
+
+def _apply_rate(job: RankJob, rate: str) -> None:
+    if job.cluster is not None and dist.get_rank() == 0:
+        set_rate(job.cluster, rate)
+    dist.barrier()
+
+
+def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
+    """Collective over the default group. Rank 0 returns one record per (case, rate); others None."""
+    plan = job.plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.world:
+        raise ValueError(f"the plan needs {plan.world} ranks (nodes {plan.nodes} x ranks_per_node "
+                         f"{plan.ranks_per_node}); this group has {world}")
+    ifname = job.cluster.ifname if job.cluster is not None else None
+    singleton = None
+    if any(r.name == "megatron" for r in plan.rows):
+        from .stock_megatron import singleton_groups
+        singleton = singleton_groups(world, rank)
+    layouts: Dict[Tuple[int, int, int], MoEProcessGroups] = {}
+    records, done, total = [], 0, len(plan.cases) * len(plan.rates)
+    for case in plan.cases:
+        key = _layout_key(case)
+        if key not in layouts:
+            layouts[key] = build_process_groups(ParallelLayout(world=world, ranks_per_node=plan.ranks_per_node,
+                                                               mp=case.mp, ep=case.ep, esp=case.esp))
+        data = make_case_data(case, layouts[key], plan.seed, plan.dtype)
+        data.extras["singleton"] = singleton
+        rows, skipped = build_rows(plan.rows, data)
+        for rate in plan.rates:
+            _apply_rate(job, rate)
+            measured = measure(rows, data, plan, ifname) if rows else {}
+            records.append({"case": asdict(case), "case_label": case.label, "rate": rate,
+                            "rows": measured, "skipped": skipped})
+            done += 1
+            _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
+        del rows
+    return records if rank == 0 else None

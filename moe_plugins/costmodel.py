@@ -1,0 +1,243 @@
+"""The project's one cost-model layer: linear (alpha-beta) time models and the profile that holds them.
+
+Every op is modelled as ``t(x) = alpha + beta * x`` (pipemoe.txt Eq. 13/16, parm.txt Eq. 12):
+
+==============  ===============================================  ==========================
+op               x (the same convention as the CommLedger)        unit of x
+==============  ===============================================  ==========================
+``gemm``         m * k * n of one (batched) matmul                 multiply-add ("mac")
+``all_to_all``   bytes each rank passes in                         byte
+``all_gather``   bytes of the gathered (output) tensor             byte
+``all_reduce``   bytes of the reduced tensor                       byte
+``saa``          bytes each rank passes to the all-to-all, run     byte
+                 concurrently with an all-gather of the same
+                 bytes (Parm's simultaneous all-to-all/all-gather)
+==============  ===============================================  ==========================
+
+alpha is in seconds, beta in seconds per unit of x. Collectives are keyed per group kind
+(``all_to_all@ep``, ``all_gather@mp``, ``saa@ep_esp+mp``): alpha and beta depend on the group's size
+and on how many of its members sit on other nodes (pipemoe.txt Table II, parm.txt §IV-A).
+
+A :class:`CostProfile` is what ``moe-plugins profile`` measures and caches. Its :class:`ProfileKey` (world
+size, layout, backend, device) names the cache file; the cache directory is always passed in explicitly
+(the CLI resolves the default with :func:`default_cache_dir`). Nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+OPS = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa")
+UNITS = {"gemm": "mac", "all_to_all": "byte", "all_gather": "byte", "all_reduce": "byte", "saa": "byte"}
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearModel:
+    """t(x) = alpha + beta * x, in seconds; ``r2`` and ``samples`` describe the fit (None when given by hand)."""
+
+    alpha: float
+    beta: float
+    unit: str
+    r2: Optional[float] = None
+    samples: int = 0
+    alpha_clamped: bool = False   # least squares gave alpha < 0; refitted through the origin
+
+    def time(self, x: float) -> float:
+        return self.alpha + self.beta * x
+
+
+def model_problems(name: str, model: LinearModel) -> List[str]:
+    """Reasons a model cannot be used for planning (negative or non-finite terms), naming ``name``."""
+    problems = []
+    for term in ("alpha", "beta"):
+        value = getattr(model, term)
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"{name}.{term} ({value!r}) must be a finite number >= 0")
+    return problems
+
+
+def fit_linear(x: Sequence[float], t: Sequence[float], unit: str) -> LinearModel:
+    """Least-squares fit of t = alpha + beta * x (numpy ``lstsq``), with R^2 of the fit.
+
+    A negative intercept is not a start-up time: the fit is then redone through the origin and marked
+    ``alpha_clamped`` (reported, never silent)."""
+    x_N, t_N = np.asarray(x, dtype=np.float64), np.asarray(t, dtype=np.float64)
+    if x_N.shape != t_N.shape or x_N.ndim != 1:
+        raise ValueError(f"fit_linear: x and t must be 1-D of equal length (got {x_N.shape} and {t_N.shape})")
+    if len(np.unique(x_N)) < 2:
+        raise ValueError(f"fit_linear: need at least 2 distinct sizes (got {sorted(set(x_N.tolist()))})")
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([np.ones_like(x_N), x_N], 1), t_N, rcond=None)
+    clamped = bool(alpha < 0)
+    if clamped:
+        alpha, beta = 0.0, float(x_N @ t_N / (x_N @ x_N))
+    return LinearModel(alpha=float(alpha), beta=float(beta), unit=unit, r2=r_squared(x_N, t_N, alpha, beta),
+                       samples=int(x_N.size), alpha_clamped=clamped)
+
+
+def r_squared(x_N: np.ndarray, t_N: np.ndarray, alpha: float, beta: float) -> float:
+    resid = t_N - (alpha + beta * x_N)
+    total = float(((t_N - t_N.mean()) ** 2).sum())
+    return 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+
+
+def model_key(op: str, group: Optional[str] = None) -> str:
+    """``gemm`` or ``<op>@<group kind>``."""
+    if op not in OPS:
+        raise ValueError(f"op ({op!r}) is unknown; allowed: {', '.join(OPS)}")
+    if op == "gemm":
+        if group is not None:
+            raise ValueError(f"op 'gemm' takes no group (got {group!r})")
+        return op
+    if not group:
+        raise ValueError(f"op ({op!r}) needs a group kind, e.g. 'ep'")
+    return f"{op}@{group}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileKey:
+    """What a profile is valid for: the cache is keyed by all of it."""
+
+    world: int
+    ranks_per_node: int
+    mp: int
+    ep: int
+    esp: int
+    backend: str     # gloo | nccl
+    device: str      # cpu | a device name such as "NVIDIA H100 80GB HBM3"
+
+    def slug(self) -> str:
+        dev = re.sub(r"[^A-Za-z0-9]+", "-", self.device).strip("-").lower() or "unknown"
+        return (f"w{self.world}-n{self.ranks_per_node}-mp{self.mp}-ep{self.ep}-esp{self.esp}-"
+                f"{self.backend}-{dev}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """Raw timings of one op: sizes x and the per-size median seconds (kept for the plot and re-fits)."""
+
+    x: Tuple[float, ...]
+    seconds: Tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostProfile:
+    key: ProfileKey
+    dtype: str
+    models: Mapping[str, LinearModel]
+    measurements: Mapping[str, Measurement] = field(default_factory=dict)
+    source: str = ""           # how it was made (a command line, "paper", ...)
+
+    def model(self, op: str, group: Optional[str] = None) -> LinearModel:
+        key = model_key(op, group)
+        if key not in self.models:
+            raise ValueError(f"profile {self.key.slug()} has no model for {key!r}; it has: "
+                             f"{', '.join(sorted(self.models)) or 'none'}")
+        return self.models[key]
+
+    def time(self, op: str, x: float, group: Optional[str] = None) -> float:
+        return self.model(op, group).time(x)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": PROFILE_VERSION, "key": asdict(self.key), "dtype": self.dtype,
+                           "source": self.source,
+                           "models": {k: asdict(m) for k, m in sorted(self.models.items())},
+                           "measurements": {k: {"x": list(m.x), "seconds": list(m.seconds)}
+                                            for k, m in sorted(self.measurements.items())}}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "CostProfile":
+        raw = json.loads(text)
+        if raw.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version ({raw.get('version')!r}) is not {PROFILE_VERSION}")
+        return CostProfile(key=ProfileKey(**raw["key"]), dtype=raw["dtype"], source=raw.get("source", ""),
+                           models={k: LinearModel(**m) for k, m in raw["models"].items()},
+                           measurements={k: Measurement(x=tuple(m["x"]), seconds=tuple(m["seconds"]))
+                                         for k, m in raw.get("measurements", {}).items()})
+
+    def save(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def load(path: Path) -> "CostProfile":
+        return CostProfile.from_json(Path(path).read_text())
+
+
+def cache_path(cache_dir: Path, key: ProfileKey) -> Path:
+    return Path(cache_dir) / f"profile-{key.slug()}.json"
+
+
+def load_cached(cache_dir: Path, key: ProfileKey) -> Optional[CostProfile]:
+    """The cached profile for ``key``, or None when there is none."""
+    path = cache_path(cache_dir, key)
+    return CostProfile.load(path) if path.is_file() else None
+
+
+def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    """CLI boundary only: ``$MOE_PLUGINS_CACHE``, else ``$XDG_CACHE_HOME/moe_plugins``, else
+    ``~/.cache/moe_plugins``. Library code takes the directory as an argument."""
+    env = os.environ if environ is None else environ
+    if env.get("MOE_PLUGINS_CACHE"):
+        return Path(env["MOE_PLUGINS_CACHE"])
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "moe_plugins"
+
+
+# ---- the PipeMoE terms (pipemoe.txt Table I, Eq. 15 and 17) ----------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PipeCosts:
+    """The four numbers PipeMoE plans with.
+
+    - ``alpha_a`` [s], ``beta_a`` [s/byte]: one dispatch (or combine) exchange of n_d bytes per rank;
+    - ``alpha_e`` [s], ``beta_e`` [s/mac]: the expert FFN forward on n_e = rows * M * H_shard multiply-adds
+      per GEMM, i.e. two GEMMs: alpha_e = 2 alpha_gemm, beta_e = 2 beta_gemm (Eq. 14-15).
+    """
+
+    alpha_a: float
+    beta_a: float
+    alpha_e: float
+    beta_e: float
+
+    def problems(self) -> List[str]:
+        out = []
+        for name in ("alpha_a", "beta_a", "alpha_e", "beta_e"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                out.append(f"{name} ({value!r}) must be a finite number >= 0")
+        return out
+
+    def check(self) -> "PipeCosts":
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid PipeMoE costs: " + "; ".join(problems))
+        return self
+
+    @staticmethod
+    def from_profile(profile: CostProfile, exchange: str = "ep") -> "PipeCosts":
+        """alpha_a/beta_a from the all-to-all on ``exchange``; alpha_e/beta_e from the GEMM model (x2)."""
+        a2a, gemm = profile.model("all_to_all", exchange), profile.model("gemm")
+        problems = model_problems(model_key("all_to_all", exchange), a2a) + model_problems("gemm", gemm)
+        if problems:
+            raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
+        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=2 * gemm.alpha, beta_e=2 * gemm.beta)
+
+
+# The paper's 16-GPU testbed (pipemoe.txt Fig. 6 caption: 16 x RTX2080Ti over 100 Gb/s InfiniBand):
+# alpha_gemm = 6.19e-5 s, beta_gemm = 4.1e-14 s/mac, (alpha_a, beta_a) = (1.72e-5 s, 2.96e-10 s/byte).
+PAPER_TESTBED = PipeCosts(alpha_a=1.72e-5, beta_a=2.96e-10, alpha_e=2 * 6.19e-5, beta_e=2 * 4.1e-14)
+PAPER_TESTBED_SOURCE = ("default: PipeMoE paper's 16-GPU testbed (Fig. 6: alpha_gemm=6.19e-5 s, "
+                        "beta_gemm=4.1e-14 s/mac, alpha_a=1.72e-5 s, beta_a=2.96e-10 s/byte)")

@@ -1,0 +1,541 @@
+"""PipeMoE (pipemoe.txt): pipelined dispatch / experts / combine with the optimal pipeline degree r.
+
+Three parts, each small:
+
+1. **The time model.** Eq. 9-12 as an executable recurrence over per-chunk times, and Theorem 1's optimal r.
+   Eq. 9-12 as printed let a combine C_1 start while dispatches D_2..D_r still hold the link, yet the
+   paper's closed forms (Eq. 25, 33, 40 and the condition Q2) only hold if dispatch and combine share one
+   link in FIFO order D_1..D_r, C_1..C_r (Tutel's single communication stream). We add that one
+   constraint (C_1 starts after D_r) and then, for equal chunks d = t_d(n_d/r), e = t_e(n_e/r),
+
+       T(r) = max(2 r d, 2 d + r e) = max(f4(r), f3(r))                      (f2 = f4 as functions)
+
+   exactly: Q2 <=> f3 > f4, and Q1 (d >= e) implies not Q2 for r >= 2. T is convex in r, so the integer
+   optimum is a neighbour of the continuous one; f3/f4 are solved on their regions by scipy's SLSQP and
+   every candidate is re-timed with the recurrence itself. r = 1 costs 2 t_d + t_e (Eq. 19; Algorithm 1's
+   line 5, 2 t_e + t_d, contradicts it and is not used). ``shared_link=False`` gives Eq. 9-12 verbatim.
+   Training runs the pipeline twice: forward, then backward with the mirrored stages (combine-grad,
+   expert backward = ``backward_factor`` x the forward GEMM work, dispatch-grad) and the same r; its
+   optimum lies between the two passes' optima (a sum of convex functions) and is found there exactly.
+
+2. **Units.** n_d = bytes one rank sends in one dispatch exchange (E * C * M * element bytes for the
+   plain expert-parallel layer), n_e = multiply-adds of one expert GEMM summed over local experts
+   (rows * M * H_shard). alpha_* in seconds, beta_a in s/byte, beta_e in s/mac (:class:`PipeCosts`).
+
+3. **The runner** (:func:`run_pipelined`, replacing run_schedule's sequential loop). See docs/pipemoe.md.
+   Chunks are cut along ``Dispatched.cap_dim`` (so dropping and math are exactly those of r = 1). The
+   exchange stages of every chunk run on a *lane*: one worker thread with its own twin process groups
+   (:class:`PipelineLane`), so its collectives never interleave with the expert stage's collectives on a
+   shared group. The main thread queues D_1..D_r on the lane, runs E_i as soon as D_i lands, and queues
+   C_i behind them: D(i+1) || E(i) || C(i-1) on a FIFO link, which is what the model above assumes.
+   Autograd: every exchange stage is an island graph built on the lane; two custom Functions bracket it
+   in the main graph. ``_Join`` (forward: wait for the island's output) launches the island's backward on
+   the lane when the engine reaches it and returns at once; ``_Fence`` (placed on the stage's input, earlier
+   in creation order, so the engine's newest-first ready queue reaches it later) waits for that gradient.
+   In backward the lane therefore runs combine-grad(i) while the main thread runs expert-backward(i+1).
+   On GPU the same code runs the lane's work on a side CUDA stream and orders it with events
+   (:class:`_Streams`); on CPU/gloo the lane's collectives are synchronous in the lane thread.
+
+Shapes: E experts, C capacity (c = a chunk of it), M model dim, H FFN hidden, S tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .costmodel import CostProfile, PipeCosts
+from .gating import capacity
+from .groups import MoEProcessGroups, build_process_groups
+from .schedules.base import Dispatched, LayerParams, Schedule, chunk_bounds
+
+R_MAX = 64
+OBJECTIVES = ("forward", "training")
+
+
+# ================================ 1. the time model (pure) ============================================
+
+def pipeline_time(t_d: Sequence[float], t_e: Sequence[float], t_c: Sequence[float], *,
+                  shared_link: bool = True) -> float:
+    """Eq. 9-12 for r chunks with the given per-chunk times; returns t_moe.
+
+    ``shared_link``: dispatch and combine use one link in FIFO order, so C_1 also waits for D_r to end
+    (the assumption behind the paper's closed forms). False: Eq. 9-12 exactly as printed."""
+    r = len(t_d)
+    if not r or len(t_e) != r or len(t_c) != r:
+        raise ValueError(f"pipeline_time: t_d, t_e, t_c need the same length >= 1 (got {len(t_d)}, "
+                         f"{len(t_e)}, {len(t_c)})")
+    tau_d, tau_e, tau_c = [0.0] * r, [0.0] * r, [0.0] * r
+    for i in range(1, r):                                                  # Eq. 9
+        tau_d[i] = tau_d[i - 1] + t_d[i - 1]
+    tau_e[0] = tau_d[0] + t_d[0]                                           # Eq. 10
+    for i in range(1, r):
+        tau_e[i] = max(tau_e[i - 1] + t_e[i - 1], tau_d[i] + t_d[i])
+    tau_c[0] = tau_e[0] + t_e[0]                                           # Eq. 11
+    if shared_link:
+        tau_c[0] = max(tau_c[0], tau_d[r - 1] + t_d[r - 1])
+    for i in range(1, r):
+        tau_c[i] = max(tau_e[i] + t_e[i], tau_c[i - 1] + t_c[i - 1])
+    return tau_c[r - 1] + t_c[r - 1] - tau_d[0]                            # Eq. 12
+
+
+def chunk_costs(costs: PipeCosts, n_d: float, n_e: float, r: float) -> Tuple[float, float]:
+    """(t_d, t_e) of one of r equal chunks (Eq. 15, 17); t_c = t_d (Eq. 18)."""
+    return costs.alpha_a + costs.beta_a * n_d / r, costs.alpha_e + costs.beta_e * n_e / r
+
+
+def moe_time(costs: PipeCosts, n_d: float, n_e: float, r: int, *, shared_link: bool = True,
+             expert_factor: float = 1.0) -> float:
+    """The recurrence for r equal chunks; ``expert_factor`` scales the expert stage (backward = 2)."""
+    d, e = chunk_costs(costs, n_d, n_e, r)
+    return pipeline_time([d] * r, [expert_factor * e] * r, [d] * r, shared_link=shared_link)
+
+
+def training_time(costs: PipeCosts, n_d: float, n_e: float, r: int, backward_factor: float = 2.0) -> float:
+    """Forward pipeline plus the mirrored backward pipeline, same r."""
+    return moe_time(costs, n_d, n_e, r) + moe_time(costs, n_d, n_e, r, expert_factor=backward_factor)
+
+
+# -- Theorem 1's pieces (Eq. 19-44), continuous in r ---------------------------------------------------
+
+def f1(c: PipeCosts, n_d: float, n_e: float) -> float:                          # Eq. 19
+    return 2 * c.alpha_a + c.alpha_e + 2 * c.beta_a * n_d + c.beta_e * n_e
+
+
+def f2(c: PipeCosts, n_d: float, n_e: float, r: float) -> float:                # Eq. 25 (= Eq. 40)
+    return 2 * r * c.alpha_a + 2 * n_d * c.beta_a
+
+
+def f3(c: PipeCosts, n_d: float, n_e: float, r: float) -> float:                # Eq. 33-34
+    return 2 * c.alpha_a + c.beta_e * n_e + 2 * c.beta_a * n_d / r + c.alpha_e * r
+
+
+f4 = f2                                                                         # Eq. 41
+
+
+def q1(c: PipeCosts, n_d: float, n_e: float, r: float) -> float:
+    """Q1 (Eq. 21) holds iff this is >= 0: t_d(n_d/r) - t_e(n_e/r)."""
+    d, e = chunk_costs(c, n_d, n_e, r)
+    return d - e
+
+
+def q2(c: PipeCosts, n_d: float, n_e: float, r: float) -> float:
+    """Q2 (Eq. 30) holds iff this is > 0: r alpha_e + beta_e n_e - 2(r-1)(alpha_a + beta_a n_d / r)."""
+    return r * c.alpha_e + c.beta_e * n_e - 2 * (r - 1) * (c.alpha_a + c.beta_a * n_d / r)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    r: int
+    time_s: float
+    case: str          # "r=1", "Q1 (f2)", "Q2 (f3)", "not Q2 (f4)", or the training search
+
+
+@dataclass(frozen=True)
+class DegreeChoice:
+    degree: int
+    predicted_time_s: float
+    case: str
+    candidates: Tuple[Candidate, ...]
+    objective: str
+
+
+def _slsqp(fun: Callable[[float], float], constraints: List[Callable[[float], float]], r_max: int,
+           starts: Sequence[float]) -> Optional[float]:
+    """Minimise fun(r) on [2, r_max] subject to g(r) >= 0 for g in constraints; best of several starts
+    (the feasible set of Q2 can be two intervals). None when no start converges to a feasible point."""
+    from scipy.optimize import minimize
+    cons = [{"type": "ineq", "fun": (lambda v, g=g: g(float(v[0])))} for g in constraints]
+    best: Optional[Tuple[float, float]] = None
+    for start in starts:
+        res = minimize(lambda v: fun(float(v[0])), x0=[min(max(start, 2.0), r_max)], method="SLSQP",
+                       bounds=[(2.0, float(r_max))], constraints=cons, options={"ftol": 1e-12, "maxiter": 200})
+        r = float(res.x[0])
+        scale = max(1.0, abs(fun(r)))
+        if all(g(r) >= -1e-9 * scale for g in constraints) and (best is None or fun(r) < best[1]):
+            best = (r, fun(r))
+    return None if best is None else best[0]
+
+
+def _neighbours(r: float, r_max: int) -> List[int]:
+    return sorted({min(max(v, 2), r_max) for v in (math.floor(r), math.ceil(r))})
+
+
+def _r2(c: PipeCosts, n_d: float, n_e: float, r_max: int) -> Optional[int]:
+    """Eq. 28 with the sign of (alpha_a - alpha_e) handled: the smallest r >= 2 where Q1 holds."""
+    da, rhs = c.alpha_a - c.alpha_e, c.beta_e * n_e - c.beta_a * n_d       # Q1 <=> da * r >= rhs
+    if da > 0:
+        r = max(2, math.ceil(rhs / da - 1e-12))
+    elif da < 0:
+        r = 2 if 2 * da >= rhs else None
+    else:
+        r = 2 if rhs <= 0 else None
+    return r if r is not None and r <= r_max else None
+
+
+def optimal_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_MAX) -> DegreeChoice:
+    """Theorem 1 for one pass: candidates from r = 1, Q1 (Eq. 28), Q2 (f3 by SLSQP) and not-Q2 (f4 by
+    SLSQP), each SLSQP optimum rounded both ways and re-timed with the recurrence; the fastest wins
+    (ties go to the smaller r)."""
+    _check_plan_inputs(costs, n_d, n_e, r_max)
+    cands = [Candidate(1, moe_time(costs, n_d, n_e, 1), "r=1")]
+    if r_max >= 2:
+        def f3r(r: float) -> float:
+            return f3(costs, n_d, n_e, r)
+
+        def f4r(r: float) -> float:
+            return f4(costs, n_d, n_e, r)
+
+        def not_q1(r: float) -> float:
+            return -q1(costs, n_d, n_e, r)
+
+        def q2r(r: float) -> float:
+            return q2(costs, n_d, n_e, r)
+
+        def not_q2(r: float) -> float:
+            return -q2(costs, n_d, n_e, r)
+
+        r2 = _r2(costs, n_d, n_e, r_max)
+        if r2 is not None:
+            cands.append(Candidate(r2, moe_time(costs, n_d, n_e, r2), "Q1 (f2)"))
+        free = math.sqrt(2 * costs.beta_a * n_d / costs.alpha_e) if costs.alpha_e > 0 else float(r_max)
+        starts = sorted({2.0, float(r_max), min(max(free, 2.0), r_max), (2.0 + r_max) / 2})
+        for fun, cons, case in ((f3r, [not_q1, q2r], "Q2 (f3)"), (f4r, [not_q1, not_q2], "not Q2 (f4)")):
+            r = _slsqp(fun, cons, r_max, starts)
+            if r is not None:
+                cands += [Candidate(v, moe_time(costs, n_d, n_e, v), case) for v in _neighbours(r, r_max)]
+    return _pick(cands, "forward")
+
+
+def optimal_training_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_MAX,
+                            backward_factor: float = 2.0) -> DegreeChoice:
+    """The r minimising forward + backward time: Theorem 1 on each pass, then every integer between
+    (and one beyond) the two optima, timed with the recurrence for both passes."""
+    fwd = optimal_degree(costs, n_d, n_e, r_max=r_max)
+    bwd_costs = PipeCosts(alpha_a=costs.alpha_a, beta_a=costs.beta_a, alpha_e=backward_factor * costs.alpha_e,
+                          beta_e=backward_factor * costs.beta_e)
+    bwd = optimal_degree(bwd_costs, n_d, n_e, r_max=r_max)
+    lo, hi = max(1, min(fwd.degree, bwd.degree) - 1), min(r_max, max(fwd.degree, bwd.degree) + 1)
+    case = f"forward + backward (Theorem 1: forward r={fwd.degree}, backward r={bwd.degree})"
+    cands = [Candidate(r, training_time(costs, n_d, n_e, r, backward_factor), case) for r in range(lo, hi + 1)]
+    if lo > 1:
+        cands.insert(0, Candidate(1, training_time(costs, n_d, n_e, 1, backward_factor), "r=1"))
+    return _pick(cands, "training")
+
+
+def _pick(cands: List[Candidate], objective: str) -> DegreeChoice:
+    best = min(cands, key=lambda c: (c.time_s, c.r))
+    uniq = {c.r: c for c in sorted(cands, key=lambda c: (c.r, c.time_s))}
+    return DegreeChoice(degree=best.r, predicted_time_s=best.time_s, case=best.case,
+                        candidates=tuple(uniq[r] for r in sorted(uniq)), objective=objective)
+
+
+def _check_plan_inputs(costs: PipeCosts, n_d: float, n_e: float, r_max: int) -> None:
+    problems = costs.problems()
+    for name, value in (("n_d", n_d), ("n_e", n_e)):
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"{name} ({value!r}) must be a finite number >= 0")
+    if not isinstance(r_max, int) or r_max < 1:
+        problems.append(f"r_max ({r_max!r}) must be a positive integer")
+    if problems:
+        raise ValueError("cannot plan a pipeline degree: " + "; ".join(problems))
+
+
+def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = "training",
+                  r_max: int = R_MAX, backward_factor: float = 2.0) -> DegreeChoice:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
+    if objective == "forward":
+        return optimal_degree(costs, n_d, n_e, r_max=r_max)
+    return optimal_training_degree(costs, n_d, n_e, r_max=r_max, backward_factor=backward_factor)
+
+
+@dataclass(frozen=True)
+class Workload:
+    capacity: int     # C, slots per expert per rank
+    n_d: float        # bytes one rank sends per dispatch
+    n_e: float        # multiply-adds of one expert GEMM over this rank's experts
+
+
+def plan_workload(*, B: int, L: int, M: int, H: int, E: int, k: int, f: float, P: int,
+                  element_bytes: int = 4) -> Workload:
+    """The paper's layer (Table I/IV) on P expert-parallel ranks: C = ceil(k f B L / E); each rank sends
+    n_d = E C M element_bytes and its E/P experts receive P C rows each: n_e = (E/P)(P C) M H = E C M H.
+
+    (Algorithm 1 lines 2-3 multiply by l = E/P instead; with the capacity rule above the buffer a rank
+    exchanges does not grow with l, so the sizes here are those of the tensors actually moved.)"""
+    problems = []
+    for name, value in (("B", B), ("L", L), ("M", M), ("H", H), ("E", E), ("k", k), ("P", P),
+                        ("element_bytes", element_bytes)):
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{name} ({value!r}) must be a positive integer")
+    if not (isinstance(f, (int, float)) and f > 0):
+        problems.append(f"f ({f!r}) must be > 0")
+    if not problems and E % P:
+        problems.append(f"E ({E}) must be divisible by P ({P})")
+    if not problems and k > E:
+        problems.append(f"k ({k}) must not exceed E ({E})")
+    if problems:
+        raise ValueError("invalid PipeMoE layer: " + "; ".join(problems))
+    cap = capacity(B * L, E, k, f, 0)
+    return Workload(capacity=cap, n_d=float(E * cap * M * element_bytes), n_e=float(E * cap * M * H))
+
+
+# ================================ 2. auto degree ======================================================
+
+# How many expert rows one dispatched row becomes on this rank, per schedule (the expert stage's
+# workload is not visible from the dispatched tensor alone). Schedules add themselves here.
+EXPERT_ROWS_PER_SENT_ROW: Dict[str, Callable[[MoEProcessGroups], int]] = {
+    "baseline": lambda g: 1,                 # EP all-to-all keeps the row count
+    "baseline-tp": lambda g: g.esp.size,     # ... then an ESP all-gather along capacity
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoDegree:
+    """``pipeline_degree="auto"``: pick r per layer call from the dispatched tensor's shape and the costs.
+    Objective: forward + backward when autograd records, else forward only. Deterministic, so every rank
+    of an exchange group (same shapes) picks the same r."""
+
+    costs: PipeCosts
+    r_max: int = R_MAX
+    backward_factor: float = 2.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.costs.check()
+        if not isinstance(self.r_max, int) or self.r_max < 1:
+            raise ValueError(f"r_max ({self.r_max!r}) must be a positive integer")
+
+    def workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[float, float]:
+        name = type(schedule).name
+        if name not in EXPERT_ROWS_PER_SENT_ROW:
+            raise ValueError(f"pipeline_degree 'auto' does not know the expert workload of schedule {name!r}; "
+                             f"known: {', '.join(sorted(EXPERT_ROWS_PER_SENT_ROW))}")
+        d, cfg, groups = dispatched.d, schedule.config, schedule.groups
+        rows = d.numel() // d.shape[-1] * EXPERT_ROWS_PER_SENT_ROW[name](groups)
+        return float(d.numel() * d.element_size()), float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size))
+
+    def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
+        n_d, n_e = self.workload(schedule, dispatched)
+        r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
+        return _cached_choice(self.costs, n_d, n_e, "training" if training else "forward", r_max,
+                              self.backward_factor).degree
+
+
+@lru_cache(maxsize=256)
+def _cached_choice(costs: PipeCosts, n_d: float, n_e: float, objective: str, r_max: int,
+                   backward_factor: float) -> DegreeChoice:
+    return choose_degree(costs, n_d, n_e, objective=objective, r_max=r_max, backward_factor=backward_factor)
+
+
+Degree = Union[int, AutoDegree]
+
+
+def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, exchange: str = "ep",
+                     r_max: int = R_MAX) -> Degree:
+    """A host flag's value (an int, a digit string or "auto") to what MoELayer takes. "auto" needs a
+    profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its boundary."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if profile is None:
+            raise ValueError("pipeline_degree ('auto') needs a cost profile: run `moe-plugins profile` on "
+                             "this cluster, or pass an int degree")
+        return AutoDegree(costs=PipeCosts.from_profile(profile, exchange), r_max=r_max,
+                          source=f"profile {profile.key.slug()}")
+    try:
+        degree = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer or 'auto'") from None
+    if degree < 1 or (isinstance(value, float) and value != degree):
+        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer or 'auto'")
+    return degree
+
+
+# ================================ 3. the pipelined runner =============================================
+
+class _Streams:
+    """Device ordering between the main thread's work and the lane's. CPU: nothing to do (a gloo
+    collective has finished when it returns on the lane thread). CUDA: the lane runs on a side stream;
+    ``mark`` records an event on the current stream, ``lane`` makes the side stream wait for it, and
+    ``wait`` makes the current stream wait for the lane's event (no host synchronisation)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def mark(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def lane(self, ready):
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.side):
+            if ready is not None:
+                self.side.wait_event(ready)
+            yield
+
+    def wait(self, done, *tensors: torch.Tensor) -> None:
+        if self.cuda and done is not None:
+            torch.cuda.current_stream().wait_event(done)
+            for t in tensors:                       # memory made on the side stream, now used here
+                t.record_stream(torch.cuda.current_stream())
+
+
+class PipelineLane:
+    """Where exchange stages run, with twin process groups of the layout so that their collectives never
+    share a group with the expert stage's.
+
+    - CPU/gloo: one worker thread, FIFO. gloo collectives block the thread that issues them, so the lane
+      thread is what lets them proceed while this thread computes.
+    - CUDA/NCCL: no thread. Collectives are asynchronous to the host already; the lane's work is issued
+      inline on a side stream (:class:`_Streams`), and the autograd engine's device thread is never made
+      to wait on another host thread (which could deadlock it).
+
+    Collective: build it on every rank in the same order (it creates process groups). One lane may serve
+    many layers of a model. ``close()`` stops the thread; the groups live as long as the default group."""
+
+    def __init__(self, groups: MoEProcessGroups):
+        self.groups = build_process_groups(groups.layout)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-pipe-lane")
+        self._twins: Dict[int, Schedule] = {}
+        self._lock = threading.Lock()
+
+    def twin(self, schedule: Schedule) -> Schedule:
+        """The same schedule class on the lane's groups. Built once per schedule object."""
+        with self._lock:
+            twin = self._twins.get(id(schedule))
+            if twin is None:
+                twin = type(schedule)(schedule.config, self.groups, schedule.rec)
+                self._twins[id(schedule)] = twin
+            return twin
+
+    def submit(self, streams: _Streams, fn: Callable, *args) -> Future:
+        if not streams.cuda:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:                # handed to the caller, as the thread pool does
+            done.set_exception(exc)
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass
+class _Stage:
+    """One exchange stage of one chunk: the island graph built on the lane and its pending results."""
+
+    lane: PipelineLane
+    streams: _Streams
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    fenced: Optional[torch.Tensor] = None
+    forward: Optional[Future] = None
+    backward: Optional[Future] = None
+    shape: Tuple[int, ...] = field(default_factory=tuple)
+
+    def start(self, x: torch.Tensor) -> "_Stage":
+        track = torch.is_grad_enabled() and x.requires_grad
+        self.fenced = _Fence.apply(x, self) if track else x
+        self.shape = tuple(x.shape)
+        self.forward = self.lane.submit(self.streams, self._run_forward, self.fenced.detach(), track,
+                                        self.streams.mark())
+        return self
+
+    def _run_forward(self, x: torch.Tensor, track: bool, ready):
+        with self.streams.lane(ready), torch.set_grad_enabled(track):
+            leaf = x.requires_grad_(track)
+            y = self.fn(leaf)
+            return leaf, y, self.streams.mark()
+
+    def join(self) -> torch.Tensor:
+        leaf, y, done = self.forward.result()
+        self.streams.wait(done, y)
+        if leaf.requires_grad:
+            return _Join.apply(self.fenced, self)
+        return y
+
+    def launch_backward(self, g: torch.Tensor) -> None:
+        self.backward = self.lane.submit(self.streams, self._run_backward, g, self.streams.mark())
+
+    def _run_backward(self, g: torch.Tensor, ready):
+        leaf, y, _ = self.forward.result()
+        with self.streams.lane(ready):
+            if y.requires_grad:
+                (gx,) = torch.autograd.grad(y, leaf, g, allow_unused=True)
+            else:
+                gx = None
+            return (torch.zeros_like(leaf) if gx is None else gx), self.streams.mark()
+
+    def input_grad(self) -> torch.Tensor:
+        gx, done = self.backward.result()
+        self.streams.wait(done, gx)
+        return gx
+
+
+class _Fence(torch.autograd.Function):
+    """Identity on a stage's input. Backward: wait for the lane's gradient of the stage (launched earlier
+    by ``_Join``) and pass it on; the incoming gradient is ``_Join``'s placeholder."""
+
+    @staticmethod
+    def forward(ctx, x, stage):
+        ctx.stage = stage
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        return ctx.stage.input_grad(), None
+
+
+class _Join(torch.autograd.Function):
+    """The stage's output in the main graph. Backward: queue the island's backward on the lane and return
+    a one-element placeholder at once, so the engine goes on with other chunks' work."""
+
+    @staticmethod
+    def forward(ctx, fenced, stage):
+        ctx.stage = stage
+        _, y, _ = stage.forward.result()
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        stage = ctx.stage
+        stage.launch_backward(g.contiguous())
+        return g.new_zeros(()).expand(stage.shape), None
+
+
+def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, degree: Degree,
+                  lane: Optional[PipelineLane] = None):
+    """Drop-in for ``run_schedule``: steps 2-4 over ``degree`` capacity chunks, pipelined on ``lane``.
+    ``degree`` may be an :class:`AutoDegree`; a degree of 1 runs sequentially on this thread."""
+    dispatched = schedule.prepare(x_SM, params)
+    d, dim = dispatched.d, dispatched.cap_dim
+    r = degree.degree(schedule, dispatched, torch.is_grad_enabled()) if isinstance(degree, AutoDegree) else degree
+    if r == 1:
+        y = schedule.exchange_out(schedule.expert(schedule.exchange_in(d), params))
+        return schedule.finish(y, dispatched), dispatched
+    if lane is None:
+        raise ValueError(f"pipeline degree {r} needs a PipelineLane (MoELayer builds one when "
+                         "pipeline_degree != 1)")
+    twin, streams = lane.twin(schedule), _Streams(d.device)
+    chunks = [d.narrow(dim, a, b - a) for a, b in chunk_bounds(d.shape[dim], r)]
+    # D_1..D_r queue first on the lane (FIFO link); E_i runs here as soon as D_i lands; C_i queues behind.
+    ins = [_Stage(lane, streams, twin.exchange_in).start(c) for c in chunks]
+    outs = [_Stage(lane, streams, twin.exchange_out).start(schedule.expert(s.join(), params)) for s in ins]
+    parts = [s.join() for s in outs]
+    return schedule.finish(torch.cat(parts, dim=dim), dispatched), dispatched
