@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -60,3 +61,22 @@ def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None) 
                 made[kind] = Group(kind=kind, ranks=ranks, pg=pg, rank=ranks.index(rank),
                                    remote_peers=layout.remote_peers(kind, rank))
     return MoEProcessGroups(layout=layout, global_rank=rank, **made)
+
+
+def destroy_process_groups(groups: MoEProcessGroups) -> None:
+    """Free the groups' communicators (gloo keeps worker threads per group). Every member must call it."""
+    seen = set()
+    for group in groups.by_kind().values():
+        if group.pg is not None and id(group.pg) not in seen:
+            seen.add(id(group.pg))
+            dist.destroy_process_group(group.pg)
+
+
+@contextmanager
+def process_groups(layout: ParallelLayout, backend: Optional[str] = None) -> Iterator[MoEProcessGroups]:
+    """Build the layout's groups for the duration of a block, then destroy them (short jobs, tests)."""
+    groups = build_process_groups(layout, backend)
+    try:
+        yield groups
+    finally:
+        destroy_process_groups(groups)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .config import MoEConfig, moe_config_problems
 from .experts import ExpertWeights, init_full_weights, shard_weights
-from .groups import build_process_groups
+from .groups import process_groups
 from .layer import MoELayer
 from .layout import ParallelLayout, layout_problems
 from .ledger import CommLedger
@@ -111,7 +111,14 @@ def run_rank(spec: VerifySpec) -> Optional[Dict[str, Any]]:
 def collect_rank(spec: VerifySpec) -> Optional[List[Dict[str, Any]]]:
     """Collective: run forward and backward on this rank; rank 0 gets every rank's results."""
     layout = spec.layout()
-    groups = build_process_groups(layout)
+    with process_groups(layout) as groups:
+        mine = _run_layer(spec, layout, groups)
+    gathered: List[Any] = [None] * layout.world
+    dist.all_gather_object(gathered, mine)
+    return gathered if dist.get_rank() == 0 else None
+
+
+def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups) -> Dict[str, Any]:
     ledger = CommLedger()
     layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,
                      ledger=ledger, dtype=DTYPES[spec.dtype])
@@ -121,14 +128,11 @@ def collect_rank(spec: VerifySpec) -> Optional[List[Dict[str, Any]]]:
     x = prob.x_DSM[coords["dp"]].clone().requires_grad_(True)
     out = layer(x)
     ((out.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * out.aux_loss).backward()
-    mine = {"rank": groups.global_rank, "coords": coords, "y": out.y.detach(), "grad_x": x.grad,
+    return {"rank": groups.global_rank, "coords": coords, "y": out.y.detach(), "grad_x": x.grad,
             "aux": out.aux_loss.detach(), "counts": out.exp_counts_E, "dropped": out.dropped,
             "grad_wg": layer.wg_EM.grad,
             "grad_experts": [p.grad for p in (layer.w1_EMH, layer.b1_EH, layer.w2_EHM, layer.b2_EM)],
             "ledger": ledger.summary()}
-    gathered: List[Any] = [None] * layout.world
-    dist.all_gather_object(gathered, mine)
-    return gathered if groups.global_rank == 0 else None
 
 
 def _maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
