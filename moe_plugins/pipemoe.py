@@ -33,8 +33,8 @@ Three parts, each small:
    the lane when the engine reaches it and returns at once; ``_Fence`` (placed on the stage's input, earlier
    in creation order, so the engine's newest-first ready queue reaches it later) waits for that gradient.
    In backward the lane therefore runs combine-grad(i) while the main thread runs expert-backward(i+1).
-   On GPU the same code runs the lane's work on a side CUDA stream and orders it with events
-   (:class:`_Streams`); on CPU/gloo the lane's collectives are synchronous in the lane thread.
+   On GPU the same code issues the lane's work inline on a side CUDA stream (no thread: NCCL is already
+   asynchronous to the host) and orders it with events (:class:`_Streams`); untested, no GPU here.
 
 Shapes: E experts, C capacity (c = a chunk of it), M model dim, H FFN hidden, S tokens.
 """
@@ -47,13 +47,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .costmodel import CostProfile, PipeCosts
 from .gating import capacity
-from .groups import MoEProcessGroups, build_process_groups
+from .groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from .schedules.base import Dispatched, LayerParams, Schedule, chunk_bounds
 
 R_MAX = 64
@@ -147,19 +147,24 @@ class DegreeChoice:
     objective: str
 
 
-def _slsqp(fun: Callable[[float], float], constraints: List[Callable[[float], float]], r_max: int,
-           starts: Sequence[float]) -> Optional[float]:
-    """Minimise fun(r) on [2, r_max] subject to g(r) >= 0 for g in constraints; best of several starts
-    (the feasible set of Q2 can be two intervals). None when no start converges to a feasible point."""
+Fn = Tuple[Callable[[float], float], Callable[[float], float]]       # a function of r and its derivative
+
+
+def _slsqp(objective: Fn, constraints: List[Fn], r_max: int, starts: Sequence[float]) -> Optional[float]:
+    """Minimise objective(r) on [2, r_max] subject to g(r) >= 0 for every constraint (analytic gradients);
+    best of several starts (Q2's feasible set can be two intervals). None when no start ends feasible."""
     from scipy.optimize import minimize
-    cons = [{"type": "ineq", "fun": (lambda v, g=g: g(float(v[0])))} for g in constraints]
+    fun, grad = objective
+    cons = [{"type": "ineq", "fun": (lambda v, g=g: g(float(v[0]))), "jac": (lambda v, dg=dg: [dg(float(v[0]))])}
+            for g, dg in constraints]
     best: Optional[Tuple[float, float]] = None
     for start in starts:
         res = minimize(lambda v: fun(float(v[0])), x0=[min(max(start, 2.0), r_max)], method="SLSQP",
-                       bounds=[(2.0, float(r_max))], constraints=cons, options={"ftol": 1e-12, "maxiter": 200})
+                       jac=lambda v: [grad(float(v[0]))], bounds=[(2.0, float(r_max))], constraints=cons,
+                       options={"ftol": 1e-12, "maxiter": 200})
         r = float(res.x[0])
         scale = max(1.0, abs(fun(r)))
-        if all(g(r) >= -1e-9 * scale for g in constraints) and (best is None or fun(r) < best[1]):
+        if all(g(r) >= -1e-9 * scale for g, _ in constraints) and (best is None or fun(r) < best[1]):
             best = (r, fun(r))
     return None if best is None else best[0]
 
@@ -187,28 +192,23 @@ def optimal_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_M
     _check_plan_inputs(costs, n_d, n_e, r_max)
     cands = [Candidate(1, moe_time(costs, n_d, n_e, 1), "r=1")]
     if r_max >= 2:
-        def f3r(r: float) -> float:
-            return f3(costs, n_d, n_e, r)
-
-        def f4r(r: float) -> float:
-            return f4(costs, n_d, n_e, r)
-
-        def not_q1(r: float) -> float:
-            return -q1(costs, n_d, n_e, r)
-
-        def q2r(r: float) -> float:
-            return q2(costs, n_d, n_e, r)
-
-        def not_q2(r: float) -> float:
-            return -q2(costs, n_d, n_e, r)
-
+        c, ad, ae = costs, costs.beta_a * n_d, costs.beta_e * n_e
+        obj3: Fn = (lambda r: f3(c, n_d, n_e, r), lambda r: c.alpha_e - 2 * ad / r ** 2)
+        obj4: Fn = (lambda r: f4(c, n_d, n_e, r), lambda r: 2 * c.alpha_a)
+        not_q1: Fn = (lambda r: -q1(c, n_d, n_e, r), lambda r: (ad - ae) / r ** 2)
+        is_q2: Fn = (lambda r: q2(c, n_d, n_e, r), lambda r: c.alpha_e - 2 * c.alpha_a - 2 * ad / r ** 2)
+        not_q2: Fn = (lambda r: -is_q2[0](r), lambda r: -is_q2[1](r))
         r2 = _r2(costs, n_d, n_e, r_max)
         if r2 is not None:
             cands.append(Candidate(r2, moe_time(costs, n_d, n_e, r2), "Q1 (f2)"))
-        free = math.sqrt(2 * costs.beta_a * n_d / costs.alpha_e) if costs.alpha_e > 0 else float(r_max)
-        starts = sorted({2.0, float(r_max), min(max(free, 2.0), r_max), (2.0 + r_max) / 2})
-        for fun, cons, case in ((f3r, [not_q1, q2r], "Q2 (f3)"), (f4r, [not_q1, not_q2], "not Q2 (f4)")):
-            r = _slsqp(fun, cons, r_max, starts)
+        # not-Q1 is monotone in r: when it fails at both ends, cases 2 and 3 are empty (no solver needed)
+        if max(not_q1[0](2.0), not_q1[0](float(r_max))) < 0:
+            return _pick(cands, "forward")
+        free = math.sqrt(2 * ad / c.alpha_e) if c.alpha_e > 0 else float(r_max)   # f3's unconstrained optimum
+        starts = {"Q2 (f3)": sorted({2.0, float(r_max), min(max(free, 2.0), r_max)}),
+                  "not Q2 (f4)": [2.0, float(r_max)]}           # f4 rises with r: its optimum is a left end
+        for obj, cons, case in ((obj3, [not_q1, is_q2], "Q2 (f3)"), (obj4, [not_q1, not_q2], "not Q2 (f4)")):
+            r = _slsqp(obj, cons, r_max, starts[case])
             if r is not None:
                 cands += [Candidate(v, moe_time(costs, n_d, n_e, v), case) for v in _neighbours(r, r_max)]
     return _pick(cands, "forward")
@@ -290,43 +290,69 @@ def plan_workload(*, B: int, L: int, M: int, H: int, E: int, k: int, f: float, P
 
 # ================================ 2. auto degree ======================================================
 
-# How many expert rows one dispatched row becomes on this rank, per schedule (the expert stage's
-# workload is not visible from the dispatched tensor alone). Schedules add themselves here.
-EXPERT_ROWS_PER_SENT_ROW: Dict[str, Callable[[MoEProcessGroups], int]] = {
-    "baseline": lambda g: 1,                 # EP all-to-all keeps the row count
-    "baseline-tp": lambda g: g.esp.size,     # ... then an ESP all-gather along capacity
+@dataclass(frozen=True)
+class Exchange:
+    """How a schedule's exchange relates to its dispatched tensor d (not visible from d alone)."""
+
+    group: str       # the group kind whose all-to-all carries it: its alpha_a/beta_a are used
+    sent: float      # bytes the all-to-all moves per byte of d
+    rows: float      # expert rows per row of d
+
+
+def _parm(g: MoEProcessGroups, d: torch.Tensor) -> Exchange:
+    # S1 (d_EcM): the dump copies each row to the N_ESP shards; S2 (d_EPcM): MP-split first, then the dump
+    per = g.esp.size / (g.mp.size if d.dim() == 4 else 1)
+    return Exchange("ep_esp", per, per)
+
+
+# Per schedule name. A new schedule adds its line here (auto refuses schedules it does not know).
+EXCHANGES: Dict[str, Callable[[MoEProcessGroups, torch.Tensor], Exchange]] = {
+    "baseline": lambda g, d: Exchange("ep", 1.0, 1.0),               # EP all-to-all keeps the rows
+    "baseline-tp": lambda g, d: Exchange("ep", 1.0, g.esp.size),     # then an ESP all-gather of capacity
+    "parm-s1": _parm, "parm-s2": _parm, "parm-s2-saa": _parm, "parm-auto": _parm,
 }
 
 
 @dataclass(frozen=True, kw_only=True)
 class AutoDegree:
-    """``pipeline_degree="auto"``: pick r per layer call from the dispatched tensor's shape and the costs.
-    Objective: forward + backward when autograd records, else forward only. Deterministic, so every rank
-    of an exchange group (same shapes) picks the same r."""
+    """``pipeline_degree="auto"``: pick r per layer call from the dispatched tensor's shape and the costs
+    (``costs`` keyed by the exchange's group kind, "ep" or "ep_esp"). Objective: forward + backward when
+    autograd records, else forward only. Deterministic, so every rank of an exchange group (same shapes)
+    picks the same r."""
 
-    costs: PipeCosts
+    costs: Mapping[str, PipeCosts]
     r_max: int = R_MAX
     backward_factor: float = 2.0
     source: str = ""
 
     def __post_init__(self) -> None:
-        self.costs.check()
+        problems = [f"costs[{k!r}]: {p}" for k, c in self.costs.items() for p in c.problems()]
+        if not self.costs:
+            problems.append("costs ({}) must name at least one exchange group, e.g. 'ep'")
         if not isinstance(self.r_max, int) or self.r_max < 1:
-            raise ValueError(f"r_max ({self.r_max!r}) must be a positive integer")
+            problems.append(f"r_max ({self.r_max!r}) must be a positive integer")
+        if problems:
+            raise ValueError("invalid AutoDegree: " + "; ".join(problems))
 
-    def workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[float, float]:
+    def workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[PipeCosts, float, float]:
+        """(costs, n_d, n_e) of this call: bytes into one exchange all-to-all, macs of one expert GEMM."""
         name = type(schedule).name
-        if name not in EXPERT_ROWS_PER_SENT_ROW:
-            raise ValueError(f"pipeline_degree 'auto' does not know the expert workload of schedule {name!r}; "
-                             f"known: {', '.join(sorted(EXPERT_ROWS_PER_SENT_ROW))}")
+        if name not in EXCHANGES:
+            raise ValueError(f"pipeline_degree 'auto' does not know the exchange of schedule {name!r}; "
+                             f"known: {', '.join(sorted(EXCHANGES))}")
         d, cfg, groups = dispatched.d, schedule.config, schedule.groups
-        rows = d.numel() // d.shape[-1] * EXPERT_ROWS_PER_SENT_ROW[name](groups)
-        return float(d.numel() * d.element_size()), float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size))
+        ex = EXCHANGES[name](groups, d)
+        if ex.group not in self.costs:
+            raise ValueError(f"pipeline_degree 'auto' needs all-to-all costs on group {ex.group!r} for schedule "
+                             f"{name!r}; it has: {', '.join(sorted(self.costs))}")
+        rows = d.numel() // max(d.shape[-1], 1) * ex.rows
+        return (self.costs[ex.group], float(d.numel() * d.element_size() * ex.sent),
+                float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size)))
 
     def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
-        n_d, n_e = self.workload(schedule, dispatched)
+        costs, n_d, n_e = self.workload(schedule, dispatched)
         r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
-        return _cached_choice(self.costs, n_d, n_e, "training" if training else "forward", r_max,
+        return _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
                               self.backward_factor).degree
 
 
@@ -339,15 +365,15 @@ def _cached_choice(costs: PipeCosts, n_d: float, n_e: float, objective: str, r_m
 Degree = Union[int, AutoDegree]
 
 
-def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, exchange: str = "ep",
-                     r_max: int = R_MAX) -> Degree:
+def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, r_max: int = R_MAX) -> Degree:
     """A host flag's value (an int, a digit string or "auto") to what MoELayer takes. "auto" needs a
     profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its boundary."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         if profile is None:
             raise ValueError("pipeline_degree ('auto') needs a cost profile: run `moe-plugins profile` on "
                              "this cluster, or pass an int degree")
-        return AutoDegree(costs=PipeCosts.from_profile(profile, exchange), r_max=r_max,
+        kinds = [g for g in ("ep", "ep_esp") if f"all_to_all@{g}" in profile.models]
+        return AutoDegree(costs={g: PipeCosts.from_profile(profile, g) for g in kinds}, r_max=r_max,
                           source=f"profile {profile.key.slug()}")
     try:
         degree = int(value)
@@ -406,17 +432,19 @@ class PipelineLane:
       to wait on another host thread (which could deadlock it).
 
     Collective: build it on every rank in the same order (it creates process groups). One lane may serve
-    many layers of a model. ``close()`` stops the thread; the groups live as long as the default group."""
+    many layers of a model. ``close()`` stops the thread and destroys the twin groups."""
 
     def __init__(self, groups: MoEProcessGroups):
         self.groups = build_process_groups(groups.layout)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-pipe-lane")
-        self._twins: Dict[int, Schedule] = {}
+        self._twins: Optional[Dict[int, Schedule]] = {}
         self._lock = threading.Lock()
 
     def twin(self, schedule: Schedule) -> Schedule:
         """The same schedule class on the lane's groups. Built once per schedule object."""
         with self._lock:
+            if self._twins is None:
+                raise RuntimeError("this PipelineLane is closed")
             twin = self._twins.get(id(schedule))
             if twin is None:
                 twin = type(schedule)(schedule.config, self.groups, schedule.rec)
@@ -434,7 +462,13 @@ class PipelineLane:
         return done
 
     def close(self) -> None:
+        """Stop the thread and free the twin groups (gloo keeps threads per group). Collective: every
+        rank closes its lanes in the same order; a closed lane must not be used again."""
         self._pool.shutdown(wait=True)
+        with self._lock:
+            if self._twins is not None:
+                self._twins = None
+                destroy_process_groups(self.groups)
 
 
 @dataclass

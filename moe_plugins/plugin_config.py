@@ -7,7 +7,8 @@ Schema (documented for users in ``docs/config.md``)::
         "enabled": true,            # false keeps the section but runs the host's stock MoE layers
         "schedule": "baseline",     # a name in moe_plugins.schedules.SCHEDULES
         "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1, or "auto"
-        "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree
+        "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
+                                    # another value is a layout the host cannot express (docs/config.md)
         "ranks_per_node": null,     # ranks per node for the node-aware layout; null: LOCAL_WORLD_SIZE
         "a2a_priority": false,      # reserved (Lina)
         "fssdp": false,             # reserved (Hecate)

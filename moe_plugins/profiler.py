@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .costmodel import UNITS, CostProfile, Measurement, ProfileKey, fit_linear
-from .groups import Group, MoEProcessGroups, build_process_groups
+from .groups import Group, MoEProcessGroups, process_groups
 from .layout import ParallelLayout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -180,9 +180,12 @@ def _count(bench: _Bench, spec: ProfileSpec) -> int:
 
 def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
                  groups: Optional[MoEProcessGroups] = None) -> Optional[CostProfile]:
-    """Collective over the default group: measure every op and fit it. Rank 0 returns the profile."""
+    """Collective over the default group: measure every op and fit it. Rank 0 returns the profile.
+    Without ``groups`` it builds the layout's groups and destroys them afterwards."""
     spec.check()
-    groups = groups if groups is not None else build_process_groups(spec.layout)
+    if groups is None:
+        with process_groups(spec.layout) as made:
+            return profile_rank(spec, source=source, progress=progress, groups=made)
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     benches = _benches(spec, groups, device)

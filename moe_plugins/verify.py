@@ -128,6 +128,8 @@ def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups) -> Dict[str, An
     x = prob.x_DSM[coords["dp"]].clone().requires_grad_(True)
     out = layer(x)
     ((out.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * out.aux_loss).backward()
+    if layer.pipeline_lane is not None:       # the pipelined runner's own groups: free them with the job's
+        layer.pipeline_lane.close()
     return {"rank": groups.global_rank, "coords": coords, "y": out.y.detach(), "grad_x": x.grad,
             "aux": out.aux_loss.detach(), "counts": out.exp_counts_E, "dropped": out.dropped,
             "grad_wg": layer.wg_EM.grad,

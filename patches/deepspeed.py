@@ -33,8 +33,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from moe_plugins import comm
 from moe_plugins.comm import Recorder
 from moe_plugins.config import MoEConfig, moe_config_problems
+from moe_plugins.experts import ExpertWeights, ffn_shard, partial_ffn
 from moe_plugins.gating import Routing
 from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups
 from moe_plugins.layout import ParallelLayout, layout_problems
@@ -46,12 +48,14 @@ logger = logging.getLogger("moe_plugins.deepspeed")
 
 SUPPORTED_VERSION = "0.19.8"
 
-# (module, class, attribute) of every function the adapter replaces.
-HOOKS: Tuple[Tuple[str, str, str], ...] = (
-    ("deepspeed.moe.layer", "MoE", "_create_process_groups"),
-    ("deepspeed.moe.sharded_moe", "MOELayer", "forward"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model"),
-)
+# Every function the adapter replaces: (module, class, attribute) -> the DeepSpeedPlugin method that builds the
+# replacement from the original. Lina's micro-op gradient reduction adds its entries here
+# (DeepSpeedEngine._reduce_non_expert_gradients, DeepSpeedZeroOptimizer.average_tensor; docs/deepspeed.md).
+HOOKS: Dict[Tuple[str, str, str], str] = {
+    ("deepspeed.moe.layer", "MoE", "_create_process_groups"): "_patched_create_process_groups",
+    ("deepspeed.moe.sharded_moe", "MOELayer", "forward"): "_patched_forward",
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model"): "_patched_configure",
+}
 
 # DeepSpeed's name-keyed registry of expert groups (deepspeed.utils.groups), restored on disable.
 _REGISTRY = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
@@ -109,6 +113,50 @@ def host_experts(experts: torch.nn.Module, ep: int, x_ElRM: torch.Tensor) -> tor
     return y_PElCM.transpose(0, 1).reshape(e_l, rows, model_dim)
 
 
+_FFN_ACTIVATIONS = {torch.nn.GELU: "gelu", torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+
+
+def ffn_activation(expert: torch.nn.Module, hidden: int) -> Optional[str]:
+    """The activation's name when ``expert`` is ``nn.Sequential(nn.Linear(M, H), GELU|ReLU|SiLU, nn.Linear(H, M))``,
+    the form the plugin can slice along H itself (esp > 1 without DeepSpeed's expert tensor parallelism)."""
+    if not isinstance(expert, torch.nn.Sequential) or len(expert) != 3:
+        return None
+    fc1, act, fc2 = expert
+    if type(fc1) is not torch.nn.Linear or type(fc2) is not torch.nn.Linear:
+        return None
+    if fc1.in_features != hidden or fc2.out_features != hidden or fc1.out_features != fc2.in_features:
+        return None
+    if isinstance(act, torch.nn.GELU) and act.approximate != "none":
+        return None
+    return _FFN_ACTIVATIONS.get(type(act))
+
+
+def sliced_experts(experts: torch.nn.ModuleList, esp: Group, rec: Recorder, activation: str,
+                   x_ElRM: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's full FFN experts computed H-sliced over the ESP group: this member computes its slice H_s of
+    every local expert from the full parameters (views, so gradients land in the slice), the partial sums are
+    all-reduced, b2 is added with its gradient divided by N_ESP. The members see the same rows, so DeepSpeed's
+    sum over the replicas (ESP x expert-DP, the group registered as expert-DP) is the full gradient."""
+    fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
+    h = ffn_shard(esp.rank, fc1s[0].out_features, esp.size)
+    w = ExpertWeights(w1_EMH=torch.stack([f.weight[h].t() for f in fc1s]),
+                      b1_EH=torch.stack([_bias(f)[h] for f in fc1s]),
+                      w2_EHM=torch.stack([f.weight[:, h].t() for f in fc2s]),
+                      b2_EM=torch.stack([_bias(f) for f in fc2s]))
+    x_ElRM = comm.copy_to(x_ElRM, esp, rec)
+    y_ElRM = comm.all_reduce(partial_ffn(x_ElRM, w, activation), esp, rec)
+    return y_ElRM + comm.grad_scale(w.b2_EM, 1.0 / esp.size).unsqueeze(1)
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+
+
+def replica_groups(layout: ParallelLayout) -> List[Tuple[int, ...]]:
+    """The ranks that hold the same local experts (the same EP index): the ESP group times the expert-DP group."""
+    return [tuple(r for r in range(layout.world) if layout.coords(r)["ep"] == e) for e in range(layout.ep)]
+
+
 def expert_ffn_width(expert: torch.nn.Module, hidden: int, esp_sharded: int) -> int:
     """H of one expert, read from its first 2-D weight that takes M inputs (nn.Linear stores (H, M)), times the
     tensor-parallel degree the expert is already sharded by. Raises when no such weight exists."""
@@ -116,6 +164,10 @@ def expert_ffn_width(expert: torch.nn.Module, hidden: int, esp_sharded: int) -> 
         if p.dim() == 2 and p.shape[1] == hidden:
             return int(p.shape[0]) * esp_sharded
     raise ValueError(f"cannot read the expert FFN width H: no 2-D weight of the expert takes M={hidden} inputs")
+
+
+def _common(values: List[Optional[str]]) -> Optional[str]:
+    return values[0] if values and all(v == values[0] for v in values) else None
 
 
 @dataclass(frozen=True)
@@ -136,12 +188,18 @@ class HostLayerFacts:
     tp_ranks: Tuple[int, ...]
     use_tutel: bool
     ffn: int
+    ffn_activation: Optional[str] = None   # set when every local expert is a plain FFN the plugin can slice
+
+    @property
+    def host_esp(self) -> int:
+        """The degree DeepSpeed itself shards the experts by (its expert tensor parallelism)."""
+        return self.tp if self.expert_tp else 1
 
 
 def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: int, ranks_per_node: int,
                    use_data_before_expert_parallel: bool) -> List[str]:
     """Every reason the plugin cannot run this layer, each naming the setting and its value (empty when fine)."""
-    host_esp = facts.tp if facts.expert_tp else 1
+    host_esp = facts.host_esp
     esp = cfg.esp if cfg.esp is not None else host_esp
     problems = []
     if use_data_before_expert_parallel:
@@ -151,10 +209,13 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
         problems.append("use_tutel (true) is not supported: the schedules replace Tutel's dispatcher")
     if facts.pp > 1:
         problems.append(f"pipeline parallel degree ({facts.pp}) must be 1: the plugin's layout has no PP axis")
-    if esp != host_esp:
-        problems.append(f"{SECTION}.esp ({esp}) must equal the degree DeepSpeed shards this layer's experts by "
-                        f"({host_esp}: enable_expert_tensor_parallelism={facts.expert_tp}, tensor parallel "
-                        f"{facts.tp}); DeepSpeed's expert modules cannot be sharded over another group")
+    if esp != host_esp and host_esp > 1:
+        problems.append(f"{SECTION}.esp ({esp}) must equal the tensor-parallel degree ({host_esp}) that "
+                        "enable_expert_tensor_parallelism shards this layer's expert modules by")
+    elif esp != host_esp and facts.ffn_activation is None:
+        problems.append(f"{SECTION}.esp ({esp}) > 1 without DeepSpeed's expert tensor parallelism needs every "
+                        "expert to be nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M)), "
+                        "which the plugin slices along H; this layer's experts are not")
     problems += layout_problems(world, ranks_per_node, facts.tp, facts.ep, esp)
     if problems:
         return problems
@@ -162,9 +223,6 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
     if facts.tp > 1 and facts.tp_ranks != layout.group_of("mp", rank):
         problems.append(f"the mpu's tensor-parallel group of rank {rank} {list(facts.tp_ranks)} must be the "
                         f"contiguous block {list(layout.group_of('mp', rank))} (Megatron's rank order)")
-    if isinstance(cfg.pipeline_degree, str):
-        problems.append(f"{SECTION}.pipeline_degree ('auto') needs the PipeMoE planner (issue 7), which this "
-                        "build does not have; give an integer")
     problems += moe_config_problems(moe_config(facts), layout) + schedule_problems(cfg.schedule, layout)
     return problems
 
@@ -184,7 +242,15 @@ class SwappedLayer:
     name: str
     schedule: Schedule
     groups: MoEProcessGroups
-    pipeline_degree: int
+    pipeline_degree: Any            # 1, an int > 1 or a pipemoe.AutoDegree
+    lane: Any = None                # the pipemoe.PipelineLane when pipeline_degree != 1
+    slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
+
+    def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.slice_activation is None:
+            return partial(host_experts, layer.experts, self.groups.ep.size)
+        return partial(sliced_experts, layer.experts.deepspeed_experts, self.groups.esp, self.schedule.rec,
+                       self.slice_activation)
 
     def forward(self, layer: torch.nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
         if used_token is not None and self.groups.esp.size > 1:
@@ -194,9 +260,12 @@ class SwappedLayer:
         if timed:
             layer.timers("moe").start()
         x_SM = x.reshape(-1, x.shape[-1])
-        params = LayerParams(router=GateReplay(layer.gate, used_token),
-                             experts=partial(host_experts, layer.experts, self.groups.ep.size))
-        y_SM, dispatched = run_schedule(self.schedule, x_SM, params, self.pipeline_degree)
+        params = LayerParams(router=GateReplay(layer.gate, used_token), experts=self.experts(layer))
+        if self.pipeline_degree == 1:
+            y_SM, dispatched = run_schedule(self.schedule, x_SM, params)
+        else:
+            from moe_plugins.pipemoe import run_pipelined
+            y_SM, dispatched = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.lane)
         layer.l_aux, layer.exp_counts = dispatched.aux_loss, dispatched.exp_counts_E
         if timed:
             layer.timers("moe").stop()
@@ -212,6 +281,7 @@ class _HostGroups:
     groups: MoEProcessGroups
     ep_pg: Any
     expert_dp_pg: Any
+    expert_dp_ranks: Tuple[int, ...]
 
 
 # ---- the plugin ----------------------------------------------------------------------------------------
@@ -220,12 +290,15 @@ class DeepSpeedPlugin:
     """The state of one :func:`enable`: the originals to restore, the swapped layers, the groups built.
     Use as a context manager, or call :meth:`disable`."""
 
-    def __init__(self, config: Optional[PluginConfig], *, ledger: Optional[CommLedger], ranks_per_node: Optional[int]):
-        self.config, self.ledger, self.ranks_per_node = config, ledger, ranks_per_node
+    def __init__(self, config: Optional[PluginConfig], *, ledger: Optional[CommLedger], ranks_per_node: Optional[int],
+                 profile_dir: Optional[str]):
+        self.config, self.ledger, self.ranks_per_node, self.profile_dir = config, ledger, ranks_per_node, profile_dir
         self.swaps: List[Dict[str, Any]] = []                    # one record per swapped layer, in setup order
         self._layers: "weakref.WeakKeyDictionary[torch.nn.Module, SwappedLayer]" = weakref.WeakKeyDictionary()
         self._originals: Dict[Tuple[type, str], Tuple[bool, Any]] = {}
-        self._groups: Dict[ParallelLayout, _HostGroups] = {}
+        self._built: Dict[ParallelLayout, MoEProcessGroups] = {}
+        self._groups: Dict[Tuple[ParallelLayout, bool], _HostGroups] = {}
+        self._lanes: Dict[ParallelLayout, Any] = {}
         self._singletons: Optional[List[Any]] = None
         self._registered: List[str] = []
         self._etp_before: Optional[int] = None
@@ -236,20 +309,16 @@ class DeepSpeedPlugin:
     # -- patching --------------------------------------------------------------------------------------
 
     def _install(self, ds) -> None:
+        """Replace every hook; if one fails, put back those already replaced."""
         self._ds = ds
-        originals = {hook: ds.owner(hook)[1] for hook in HOOKS}
-        replacements = {
-            HOOKS[0]: self._patched_create_process_groups(originals[HOOKS[0]]),
-            HOOKS[1]: self._patched_forward(originals[HOOKS[1]]),
-            HOOKS[2]: self._patched_configure(originals[HOOKS[2]]),
-        }
         try:
-            for hook, replacement in replacements.items():
-                cls = ds.owner(hook)[0]
-                self._originals[(cls, hook[2])] = (hook[2] in cls.__dict__, cls.__dict__.get(hook[2]))
-                setattr(cls, hook[2], replacement)
+            for hook, factory in HOOKS.items():
+                cls, original = ds.owner(hook)
+                self._originals[(cls, hook[2])] = (hook[2] in cls.__dict__, original)
+                setattr(cls, hook[2], getattr(self, factory)(original))
         except BaseException:
             self._restore_functions()
+            self._ds = None
             raise
 
     def _restore_functions(self) -> None:
@@ -286,8 +355,12 @@ class DeepSpeedPlugin:
             try:
                 self._restore_registry()
             finally:
+                for lane in self._lanes.values():
+                    lane.close()
+                self._lanes.clear()
                 self._layers.clear()
                 self._groups.clear()
+                self._built.clear()
                 self._ds = None
                 if _ACTIVE is self:
                     _ACTIVE = None
@@ -376,18 +449,22 @@ class DeepSpeedPlugin:
             drop_tokens=bool(gate.drop_tokens), expert_tp=expert_tp, tp=int(tp),
             pp=int(ds.bwc.bwc_pipeline_parallel_world_size(mpu)), tp_ranks=tp_ranks,
             use_tutel=bool(layer.use_tutel),
-            ffn=expert_ffn_width(layer.experts.deepspeed_experts[0], hidden, tp if expert_tp else 1))
+            ffn=expert_ffn_width(layer.experts.deepspeed_experts[0], hidden, tp if expert_tp else 1),
+            ffn_activation=_common([ffn_activation(e, hidden) for e in layer.experts.deepspeed_experts]))
 
     def _swap(self, moe, cfg: PluginConfig, use_data_before_expert_parallel: bool) -> None:
+        """Validate, build (or reuse) the layout's groups, register them with DeepSpeed, swap the layer."""
         facts = self._facts(moe)
         world, rank = dist.get_world_size(), dist.get_rank()
         rpn = cfg.ranks_per_node or self.ranks_per_node or world
         problems = layer_problems(facts, cfg, world, rank, rpn, use_data_before_expert_parallel)
         if problems:
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
-        esp = cfg.esp if cfg.esp is not None else (facts.tp if facts.expert_tp else 1)
+        esp = cfg.esp if cfg.esp is not None else facts.host_esp
+        sliced = esp != facts.host_esp
         layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
-        host = self._host_groups(layout)
+        host = self._host_groups(layout, sliced)
+        degree, lane = self._pipeline(cfg.pipeline_degree, layout, host.groups, moe)
         ep_pg = self._register(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:
@@ -395,23 +472,55 @@ class DeepSpeedPlugin:
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
         schedule = SCHEDULES[cfg.schedule](moe_config(facts), host.groups, Recorder(self.ledger, facts.name))
-        self._layers[moe.deepspeed_moe] = SwappedLayer(name=facts.name, schedule=schedule, groups=host.groups,
-                                                       pipeline_degree=int(cfg.pipeline_degree))
-        record = {"layer": facts.name, "schedule": cfg.schedule, "pipeline_degree": int(cfg.pipeline_degree),
-                  "mp": layout.mp, "ep": layout.ep, "esp": layout.esp, "num_experts": facts.num_experts, "k": facts.k}
+        self._layers[moe.deepspeed_moe] = SwappedLayer(
+            name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
+            slice_activation=facts.ffn_activation if sliced else None)
+        record = {"layer": facts.name, "schedule": cfg.schedule, "pipeline_degree": cfg.pipeline_degree,
+                  "mp": layout.mp, "ep": layout.ep, "esp": layout.esp, "num_experts": facts.num_experts, "k": facts.k,
+                  "experts_sliced_by_plugin": sliced, "expert_dp_ranks": list(host.expert_dp_ranks)}
         self.swaps.append(record)
         log = logger.info if rank == 0 else logger.debug
-        log("moe_plugins: DeepSpeed MoE layer %s (E=%d, k=%d) runs schedule %r, pipeline_degree %d, on layout "
-            "mp=%d ep=%d esp=%d ranks_per_node=%d", facts.name, facts.num_experts, facts.k, cfg.schedule,
-            int(cfg.pipeline_degree), layout.mp, layout.ep, layout.esp, rpn)
+        log("moe_plugins: DeepSpeed MoE layer %s (E=%d, k=%d) runs schedule %r, pipeline_degree %s, on layout "
+            "mp=%d ep=%d esp=%d ranks_per_node=%d%s", facts.name, facts.num_experts, facts.k, cfg.schedule,
+            cfg.pipeline_degree, layout.mp, layout.ep, layout.esp, rpn,
+            " (the plugin slices DeepSpeed's FFN experts along H)" if sliced else "")
 
-    def _host_groups(self, layout: ParallelLayout) -> _HostGroups:
-        """Collective the first time a layout is seen: every rank sets up the same layers in the same order."""
-        if layout not in self._groups:
-            groups = build_process_groups(layout)
-            self._groups[layout] = _HostGroups(groups=groups, ep_pg=self._real_pg(groups.ep),
-                                               expert_dp_pg=self._real_pg(groups.expert_dp))
-        return self._groups[layout]
+    def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
+        """PipeMoE's degree (``"auto"``: from the cost profile cached for this layout and device) and its lane,
+        one per layout (collective to build)."""
+        if value == 1:
+            return 1, None
+        from moe_plugins import costmodel, pipemoe, profiler
+        profile = None
+        if value == "auto":
+            device = next(moe.parameters()).device
+            key = profiler.profile_key(layout, dist.get_backend(), device)
+            profile = costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
+        degree = pipemoe.degree_from_flag(value, profile)
+        if layout not in self._lanes:
+            self._lanes[layout] = pipemoe.PipelineLane(groups)
+        return degree, self._lanes[layout]
+
+    def _host_groups(self, layout: ParallelLayout, sliced: bool) -> _HostGroups:
+        """Collective the first time a layout is seen: every rank sets up the same layers in the same order.
+        DeepSpeed's expert-DP group is the ranks holding the same expert parameters: the layout's expert-DP
+        group when each rank holds its own shard, the ESP x expert-DP replicas when the plugin slices full
+        experts."""
+        if (layout, sliced) not in self._groups:
+            if layout not in self._built:
+                self._built[layout] = build_process_groups(layout)
+            groups = self._built[layout]
+            if sliced:
+                rank, made = dist.get_rank(), None
+                for ranks in replica_groups(layout):
+                    pg = dist.new_group(list(ranks))      # collective, real even at size 1
+                    made = (pg, ranks) if rank in ranks else made
+                edp_pg, edp_ranks = made
+            else:
+                edp_pg, edp_ranks = self._real_pg(groups.expert_dp), groups.expert_dp.ranks
+            self._groups[(layout, sliced)] = _HostGroups(groups=groups, ep_pg=self._real_pg(groups.ep),
+                                                         expert_dp_pg=edp_pg, expert_dp_ranks=tuple(edp_ranks))
+        return self._groups[(layout, sliced)]
 
     def _real_pg(self, group: Group):
         if group.pg is not None:
@@ -424,7 +533,7 @@ class DeepSpeedPlugin:
         """Put the layout's EP and expert-DP groups in DeepSpeed's registry under ``name``; an entry already
         there must hold the same ranks (it is then kept: the engine may hold it)."""
         groups = self._ds.groups
-        ep_ranks, edp_ranks = list(host.groups.ep.ranks), list(host.groups.expert_dp.ranks)
+        ep_ranks, edp_ranks = list(host.groups.ep.ranks), list(host.expert_dp_ranks)
         if name in groups._EXPERT_PARALLEL_GROUP:
             have_ep = list(groups._EXPERT_PARALLEL_GROUP_RANKS.get(name, ()))
             have_edp = list(groups._EXPERT_DATA_PARALLEL_GROUP_RANKS.get(name, ()))
@@ -466,7 +575,8 @@ def _import_deepspeed() -> _DeepSpeed:
                          f"(pip install 'moe_plugins[deepspeed]'): {exc}") from exc
     ds = _DeepSpeed(version=deepspeed.__version__, modules=modules, groups=groups, bwc=bwc)
     missing = [f"{m}.{c}.{a}" for (m, c, a) in HOOKS if not callable(ds.owner((m, c, a))[1])]
-    missing += [f"deepspeed.utils.groups.{attr}" for attr in _REGISTRY if not isinstance(getattr(groups, attr, None), dict)]
+    missing += [f"deepspeed.utils.groups.{attr}" for attr in _REGISTRY
+                if not isinstance(getattr(groups, attr, None), dict)]
     if missing:
         raise ValueError(f"DeepSpeed {ds.version} lacks the hook points {', '.join(missing)}; moe_plugins' "
                          f"adapter was written against {SUPPORTED_VERSION}")
@@ -482,6 +592,15 @@ def _default_ranks_per_node() -> Optional[int]:
     return int(value) if value and value.isdigit() and int(value) > 0 else None
 
 
+def _profile_dir() -> Optional[str]:
+    """Where ``moe-plugins profile`` caches cost profiles (pipeline_degree "auto"), read once at enable."""
+    try:
+        from moe_plugins.costmodel import default_cache_dir
+    except ImportError:
+        return None
+    return str(default_cache_dir())
+
+
 def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]] = None, *,
            ledger: Optional[CommLedger] = None) -> DeepSpeedPlugin:
     """Patch DeepSpeed so that its MoE layers run the project's schedules; returns the handle (a context
@@ -490,13 +609,11 @@ def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]
     anything is patched; a failed enable leaves DeepSpeed untouched."""
     global _ACTIVE
     resolved = resolve(config)
-    if resolved is not None and isinstance(resolved.pipeline_degree, str):
-        raise ValueError(f"{SECTION}.pipeline_degree ('auto') needs the PipeMoE planner (issue 7), which this build "
-                         "does not have; give an integer")
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for DeepSpeed; call moe_plugins.disable() first")
     ds = _import_deepspeed()
-    plugin = DeepSpeedPlugin(resolved, ledger=ledger, ranks_per_node=_default_ranks_per_node())
+    plugin = DeepSpeedPlugin(resolved, ledger=ledger, ranks_per_node=_default_ranks_per_node(),
+                             profile_dir=_profile_dir())
     plugin._install(ds)
     _ACTIVE = plugin
     logger.info("moe_plugins: DeepSpeed %s patched (%s)", ds.version,

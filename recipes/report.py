@@ -10,18 +10,29 @@ from typing import Any, Dict, List
 class RunLog:
     """Collects (step, loss, seconds); only rank 0 prints and writes."""
 
-    def __init__(self, *, rank: int, total: int, start: int, meta: Dict[str, Any]):
+    def __init__(self, *, rank: int, total: int, start: int, meta: Dict[str, Any], out: Path):
         self.rank, self.meta = rank, meta
         self.steps: List[Dict[str, float]] = []
         self.bar = None
+        self.jsonl = None
         if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(out / "steps.jsonl", "a", encoding="utf-8")   # survives a kill: one line per step
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-            plugin = meta.get("plugin")
-            self.bar.write(f"plugin: {json.dumps(plugin) if plugin is not None else 'off (stock DeepSpeed)'}")
+            layers = meta.get("plugin")
+            if layers is None:
+                self.bar.write("moe_plugins: off (stock layers)")
+            for rec in layers or []:
+                self.bar.write(f"moe_plugins: {rec['layer']}: schedule {rec['schedule']}, pipeline degree "
+                               f"{rec['pipeline_degree']}, mp={rec['mp']} ep={rec['ep']} esp={rec['esp']} "
+                               f"E={rec['num_experts']} k={rec['k']}")
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.steps.append({"step": step, "loss": loss, "time_s": seconds})
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(self.steps[-1]) + "\n")
+            self.jsonl.flush()
         if self.bar is not None:
             self.bar.write(f"step {step:4d} | loss {loss:8.4f} | {seconds * 1000:7.1f} ms")
             self.bar.set_postfix(loss=f"{loss:.3f}")
@@ -30,6 +41,8 @@ class RunLog:
     def finish(self, out: Path) -> Dict[str, Any]:
         if self.bar is not None:
             self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         out.mkdir(parents=True, exist_ok=True)
         losses = [s["loss"] for s in self.steps]
         n = min(10, len(losses) // 2)

@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     start = _resume(engine, args.ckpt_dir)
     batch_size = engine.train_micro_batch_size_per_gpu()
-    log = report.RunLog(rank=rank, total=args.steps, start=start, meta={
+    log = report.RunLog(rank=rank, total=args.steps, start=start, out=Path(args.out), meta={
         "model": args.model, "size": models.describe(size), "world": world, "ep": args.ep,
         "ds_config": ds_config, "plugin": _plugin_summary(plugin)})
     for step in range(start, args.steps):
@@ -129,10 +129,8 @@ def _mean_over_ranks(t: torch.Tensor) -> float:
 
 
 def _plugin_summary(plugin) -> Any:
-    if plugin is None:
-        return None
-    describe = getattr(plugin, "describe", None)
-    return describe() if callable(describe) else repr(plugin)
+    """One record per swapped MoE layer: its schedule, pipeline degree and layout (None when off)."""
+    return None if plugin is None else list(plugin.swaps)
 
 
 if __name__ == "__main__":

@@ -121,32 +121,33 @@ CASE_KEYS: Dict[str, Tuple[str, type]] = {
 }
 
 
-def _convert(key: str, value: str, kind: type, text: str):
+def _convert(key: str, value: str, kind: type):
     if kind is bool:
         if value.lower() not in ("0", "1", "true", "false"):
-            raise ValueError(f"case ({text!r}): {key} ({value!r}) must be true/false/1/0")
+            raise ValueError(f"{key} ({value!r}) must be true/false/1/0")
         return value.lower() in ("1", "true")
     try:
         return kind(value)
     except ValueError:
-        raise ValueError(f"case ({text!r}): {key} ({value!r}) must be a{'n int' if kind is int else ' number'}") from None
+        raise ValueError(f"{key} ({value!r}) must be a{'n int' if kind is int else ' number'}") from None
 
 
 def parse_cases(text: str) -> List[CaseConfig]:
     """``S=512,M=256,H=512,E=8,k=2,f=1,ep=4``; ``S=256/512`` expands to one case per value."""
     axes: Dict[str, list] = {}
-    problems = []
+    problems, seen = [], set()
     for item in filter(None, text.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in CASE_KEYS:
             problems.append(f"{item!r} is not KEY=VALUE with KEY one of {', '.join(CASE_KEYS)}")
             continue
+        seen.add(key)
         fname, kind = CASE_KEYS[key]
         try:
-            axes[fname] = [_convert(key, v, kind, text) for v in value.split("/")]
+            axes[fname] = [_convert(key, v, kind) for v in value.split("/")]
         except ValueError as exc:
             problems.append(str(exc))
-    missing = [k for k, (f, _) in CASE_KEYS.items() if f in ("tokens", "hidden", "ffn", "experts") and f not in axes]
+    missing = [k for k in ("S", "M", "H", "E") if k not in seen]
     if missing:
         problems.append(f"missing {', '.join(missing)}")
     if problems:
@@ -206,3 +207,14 @@ def plan_problems(plan: BenchPlan) -> List[str]:
     for row in plan.rows:
         problems += row_problems(row)
     return problems
+
+
+# Named plans. ``committed`` is the run in benchmarks/results/ (2 emulated nodes x 2 ranks, two link rates,
+# the baseline schedule against both stock layers); ``smoke`` is a seconds-long check of the whole path.
+PRESETS: Dict[str, Dict[str, object]] = {
+    "committed": dict(nodes=2, ranks_per_node=2, rates=("1gbit", "200mbit"), iters=20, warmup=3,
+                      cases="S=1024,M=256,H=512,E=8,k=2,f=1.0,ep=4",
+                      rows=("baseline", "deepspeed", "megatron")),
+    "smoke": dict(nodes=2, ranks_per_node=2, rates=("200mbit",), iters=3, warmup=1,
+                  cases="S=64,M=32,H=64,E=4,k=2,f=1.0,ep=4", rows=("baseline", "deepspeed", "megatron")),
+}

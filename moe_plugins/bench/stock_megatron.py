@@ -4,7 +4,8 @@ shims of :mod:`.megatron_cpu_shims`, entered around construction and around ever
 
 Made comparable with the project's layer and DeepSpeed's: the same E, k, f, M, H, tokens and EP; the same
 weights; ``moe_token_drop_policy="position"`` with ``moe_pad_expert_input_to_capacity=True`` (capacity-sized
-buffers, as in DeepSpeed); the GShard aux loss with coefficient 0.01 (Megatron adds it through its own
+buffers, as in DeepSpeed); the gate's bias (Megatron adds one with ``add_bias_linear``) set to zero, as
+the other gates have none; the GShard aux loss with coefficient 0.01 (Megatron adds it through its own
 autograd hook, so the row returns a zero aux loss to the runner). Known differences that remain: Megatron
 has no ``min_capacity``; it orders capacity positions by token only (DeepSpeed and the core place all first
 choices before second choices), and does not renormalise the gates of a token that lost a route, so
@@ -77,6 +78,8 @@ def _load(layer, data: CaseData) -> None:
     g, case = data.groups, data.case
     coords = g.layout.coords(g.global_rank)
     layer.router.weight.copy_(data.wg_EM)
+    if layer.router.bias is not None:      # add_bias_linear also gives Megatron's gate a bias; the others have none
+        layer.router.bias.zero_()
     experts = range(case.experts)[local_experts(coords["ep"], case.experts, g.ep.size)]
     h = ffn_shard(coords["esp"], case.ffn, g.esp.size)
     for mlp, e in zip(layer.experts.local_experts, experts):

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 
 from ..verify import DTYPES, VerifySpec, run_rank, spec_problems
 
@@ -37,6 +38,15 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="bias routing towards expert 0")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--host", default="core", choices=("core", "deepspeed", "megatron"),
+                   help="core: against the single-process reference; deepspeed: the plugin against DeepSpeed's "
+                        "stock MoE layer in the same process groups (--esp equal to --mp turns on its expert "
+                        "tensor parallelism); megatron: the plugin against Megatron-core's stock MoELayer "
+                        "(alltoall dispatcher; --mp is its sequence-parallel TP, --esp its expert TP)")
+    p.add_argument("--rts", action="store_true", help="deepspeed host: the gate's random token selection")
+    p.add_argument("--jitter", action="store_true", help="deepspeed host: the gate's input jitter")
+    p.add_argument("--top2-sampling", action="store_true", help="deepspeed host: top-2 second-expert sampling")
+    p.add_argument("--pad", action="store_true", help="megatron host: pad expert inputs to capacity (with --drop)")
     p.set_defaults(run=run)
 
 
@@ -51,29 +61,38 @@ def spec_from_args(args: argparse.Namespace, world: int) -> VerifySpec:
 def run(args: argparse.Namespace) -> int:
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world
-    spec = spec_from_args(args, world)
+    spec, rank_fn = spec_from_args(args, world), run_rank
     problems = spec_problems(spec)
+    if args.host == "deepspeed":
+        from .. import verify_deepspeed as host
+        spec = host.DeepSpeedVerifySpec(**asdict(spec), rts=args.rts, jitter=args.jitter,
+                                        top2_sampling=args.top2_sampling)
+        problems, rank_fn = host.host_spec_problems(spec), host.run_rank
+    if args.host == "megatron":
+        from .. import verify_megatron as megatron_host
+        spec = megatron_host.MegatronVerifySpec(**asdict(spec), pad=args.pad)
+        problems, rank_fn = megatron_host.host_spec_problems(spec), megatron_host.run_rank
     if problems:
         raise ValueError("; ".join(problems))
     if under_torchrun:
-        report = _run_torchrun(spec)
+        report = _run_torchrun(spec, rank_fn)
         if report is None:
             return 0
     else:
         from ..pool import WorkerPool
         with WorkerPool(world) as pool:
-            report = pool.run(run_rank, spec)[0]
+            report = pool.run(rank_fn, spec)[0]
     _print(report, args.json)
     return 0 if report["ok"] else 1
 
 
-def _run_torchrun(spec: VerifySpec):
+def _run_torchrun(spec: VerifySpec, rank_fn=run_rank):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        return run_rank(spec)
+        return rank_fn(spec)
     finally:
         dist.destroy_process_group()
 
@@ -89,6 +108,8 @@ def _print(report: dict, as_json: bool) -> None:
     for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
         print(f"  {key:16s} {report[key]:.3e}")
     print(f"  routing equal    {report['routing_equal']}  (dropped routes: {report['dropped_routes']})")
+    if "bitwise_equal" in report:
+        print(f"  bitwise equal    {report['bitwise_equal']}  (host {report['host']}; swapped: {report['swaps']})")
     for layer, ops in report["ledger"].items():
         print(f"  ledger [{layer}] rank 0:")
         for key, row in sorted(ops.items()):

@@ -8,8 +8,10 @@ from ..layout import ParallelLayout
 from .base import Dispatched, LayerParams, Schedule, chunk_bounds, run_schedule
 from .baseline import BaselineSchedule
 from .baseline_tp import BaselineTPSchedule
+from .parm import PARM_SCHEDULES
 
-SCHEDULES: Dict[str, Type[Schedule]] = {cls.name: cls for cls in (BaselineSchedule, BaselineTPSchedule)}
+SCHEDULES: Dict[str, Type[Schedule]] = {cls.name: cls for cls in (BaselineSchedule, BaselineTPSchedule,
+                                                                   *PARM_SCHEDULES)}
 
 
 def schedule_problems(name: str, layout: ParallelLayout) -> List[str]:

@@ -1,0 +1,166 @@
+"""Statistics, ratios and the link lower bound of a bench run; JSON, Markdown and PNG output.
+
+Per row of every (case, rate):
+
+- ``median_ms``, ``p10_ms``, ``p90_ms``: forward+backward time of the slowest rank over the timed rounds;
+- ``vs_<stock>``: the row's median divided by that stock layer's median in the same (case, rate) group
+  (1.0 = as fast; below 1 = faster);
+- ``model_MB_per_node``: the largest node's inter-node bytes of one forward+backward in the model
+  (ledger for the project's layers, counted collectives for the stock ones), per node = summed over
+  its ranks; ``nic_MB_per_node``: what left the busiest node's NIC, measured (headers, TCP acks and gloo's
+  own algorithms included); both in MB = 10^6 bytes;
+- ``link_lb_ms``: the **link lower bound**, model bytes of the busiest node x 8 / shaped rate: the time the
+  shaped NIC needs just to send them; ``vs_link_lb`` = median / link_lb_ms (>= 1; near 1 means the row is
+  bound by the link, large means compute or software overhead dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .matrix import BenchPlan, parse_rate
+from .rows import STOCK_ROWS
+
+
+def time_stats(times_s: Sequence[float]) -> Dict[str, float]:
+    a = np.asarray(times_s, dtype=float) * 1e3
+    if a.size == 0:
+        raise ValueError("time_stats needs at least one time")
+    return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
+            "p90_ms": float(np.percentile(a, 90)), "n": int(a.size)}
+
+
+def per_node(values: Sequence[Optional[int]], ranks_per_node: int, mode: str) -> Optional[List[int]]:
+    """Per-node totals of per-rank values: ``sum`` (model bytes each rank sends) or ``first`` (a counter
+    every rank of the node reads, such as the node's NIC)."""
+    if any(v is None for v in values):
+        return None
+    nodes = [list(values[i:i + ranks_per_node]) for i in range(0, len(values), ranks_per_node)]
+    return [int(sum(n)) if mode == "sum" else int(n[0]) for n in nodes]
+
+
+def link_lower_bound_ms(node_bytes: Sequence[int], rate_bps: Optional[int]) -> Optional[float]:
+    """Busiest node's bytes x 8 / rate, in ms; None when unshaped. Every op here is symmetric (what a node
+    sends equals what it receives), so the busiest sender also bounds the receive side."""
+    if rate_bps is None:
+        return None
+    return max(node_bytes) * 8 / rate_bps * 1e3
+
+
+def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
+    rate_bps = parse_rate(record["rate"])
+    rows: Dict[str, Dict[str, Any]] = {}
+    for label, raw in record["rows"].items():
+        model = per_node(raw["model_bytes_per_rank"], plan.ranks_per_node, "sum")
+        nic = per_node(raw["nic_tx_bytes_per_rank"], plan.ranks_per_node, "first")
+        lb = link_lower_bound_ms(model, rate_bps)
+        st = time_stats(raw["times_s"])
+        rows[label] = {**st, "kind": raw["kind"], "traffic_source": raw["traffic_source"],
+                       "model_MB_per_node": max(model) / 1e6, "nic_MB_per_node": None if nic is None else max(nic) / 1e6,
+                       "link_lb_ms": lb, "vs_link_lb": (st["median_ms"] / lb) if lb else None,
+                       "max_abs_diff_vs_first": raw["max_abs_diff_vs_first"],
+                       "first_row_max_abs": raw["first_row_max_abs"], "times_s": raw["times_s"]}
+    for label, row in rows.items():
+        for stock in STOCK_ROWS:
+            ref = rows.get(stock)
+            row[f"vs_{stock}"] = row["median_ms"] / ref["median_ms"] if ref else None
+    return {"case": record["case"], "case_label": record["case_label"], "rate": record["rate"],
+            "rows": rows, "skipped": record["skipped"]}
+
+
+def summarize(records: List[Dict[str, Any]], plan: BenchPlan, meta: Dict[str, Any]) -> Dict[str, Any]:
+    return {"meta": meta, "groups": [summarize_group(r, plan) for r in records]}
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+
+def _fmt(v: Optional[float], digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v:.{digits}f}"
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    meta = report["meta"]
+    out = [f"# moe-plugins bench: {meta['title']}", ""]
+    out += [f"- {line}" for line in meta["header_lines"]]
+    out += ["", "Columns: time = forward+backward of the slowest rank (median, p10–p90 over the timed rounds); "
+            "t/t_X = median over stock layer X's median in the same group; model MB/node = inter-node bytes "
+            "of the busiest node in one forward+backward (ledger, or counted collectives for stock layers); "
+            "NIC MB/node = measured on the node's NIC; link LB = model bytes x 8 / rate; t/LB = median / link LB; "
+            "max|Δy| = largest output difference from the first row (same weights and tokens).", ""]
+    stock_cols = [s for s in STOCK_ROWS if any(s in g["rows"] for g in report["groups"])]
+    head = (["case", "rate", "row", "time ms (p10–p90)"] + [f"t/t_{s}" for s in stock_cols]
+            + ["model MB/node", "NIC MB/node", "link LB ms", "t/LB", "max|Δy|"])
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in report["groups"]:
+        for label, r in g["rows"].items():
+            cells = [g["case_label"], g["rate"], label,
+                     f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}–{r['p90_ms']:.1f})"]
+            cells += [_fmt(r.get(f"vs_{s}")) for s in stock_cols]
+            cells += [_fmt(r["model_MB_per_node"], 3), _fmt(r["nic_MB_per_node"], 3), _fmt(r["link_lb_ms"], 1),
+                      _fmt(r["vs_link_lb"]), f"{r['max_abs_diff_vs_first']:.1e}"]
+            out.append("| " + " | ".join(cells) + " |")
+        for label, reason in g["skipped"].items():
+            out.append(f"| {g['case_label']} | {g['rate']} | {label} | skipped: {reason} |"
+                       + " |" * (len(head) - 4))
+    return "\n".join(out) + "\n"
+
+
+def plot(report: Dict[str, Any], path: Path) -> Path:
+    """One panel per case: median time per row (bars, p10–p90 whiskers) at each rate, with each row's link
+    lower bound as a black tick; a second panel row shows the time relative to DeepSpeed's layer."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(dict.fromkeys(g["case_label"] for g in report["groups"]))
+    fig, axes = plt.subplots(2, len(cases), figsize=(1 + 5 * len(cases), 7.5), squeeze=False)
+    for c, case in enumerate(cases):
+        groups = [g for g in report["groups"] if g["case_label"] == case]
+        labels = list(dict.fromkeys(label for g in groups for label in g["rows"]))
+        width = 0.8 / max(len(labels), 1)
+        for i, label in enumerate(labels):
+            xs, med, lo, hi, lbs, rel = [], [], [], [], [], []
+            for x, g in enumerate(groups):
+                r = g["rows"].get(label)
+                if r is None:
+                    continue
+                xs.append(x + (i - (len(labels) - 1) / 2) * width)
+                med.append(r["median_ms"])
+                lo.append(r["median_ms"] - r["p10_ms"])
+                hi.append(r["p90_ms"] - r["median_ms"])
+                lbs.append(r["link_lb_ms"])
+                rel.append(r.get("vs_deepspeed"))
+            axes[0][c].bar(xs, med, width, yerr=[lo, hi], capsize=3, label=label)
+            for x, lb in zip(xs, lbs):
+                if lb:
+                    axes[0][c].hlines(lb, x - width / 2, x + width / 2, colors="black", linewidth=2)
+            if any(v is not None for v in rel):
+                axes[1][c].bar(xs, [v if v is not None else 0 for v in rel], width, label=label)
+        for ax in axes[:, c]:
+            ax.set_xticks(range(len(groups)))
+            ax.set_xticklabels([g["rate"] for g in groups])
+        axes[0][c].set_title(case, fontsize=9)
+        axes[0][c].set_ylabel("fwd+bwd ms (median, p10–p90); black: link lower bound")
+        axes[1][c].axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        axes[1][c].set_ylabel("time / DeepSpeed stock layer")
+        axes[0][c].legend(fontsize=8)
+    fig.suptitle(report["meta"]["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(report: Dict[str, Any], out_dir: Path, stem: str = "bench") -> List[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
+    paths[0].write_text(json.dumps(report, indent=1) + "\n")
+    paths[1].write_text(markdown(report))
+    plot(report, paths[2])
+    return paths

@@ -1,0 +1,25 @@
+"""Put on PYTHONPATH by ``moe-plugins launch``: enables moe_plugins when DeepSpeed is imported (see
+``moe_plugins.launch_shim``), reading ``MOE_PLUGINS_CONFIG`` once, then runs the ``sitecustomize`` this file
+shadows, if any."""
+
+
+def _moe_plugins_launch_shim() -> None:
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        from moe_plugins.launch_shim import install
+        install(os.environ.get("MOE_PLUGINS_CONFIG") or None)
+    finally:
+        rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        if spec is not None and spec.loader is not None:
+            shadowed = importlib.util.module_from_spec(spec)
+            sys.modules["_moe_plugins_shadowed_sitecustomize"] = shadowed
+            spec.loader.exec_module(shadowed)
+
+
+_moe_plugins_launch_shim()

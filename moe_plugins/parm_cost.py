@@ -1,0 +1,314 @@
+"""Parm's communication-time model (parm.txt §IV-V) and the automatic S1/S2 choice, as pure functions.
+
+Notation (parm.txt Table I): B samples and L tokens per sample on a rank (so S = B*L tokens per MP group
+member, the same tokens on every member of an MP group), M model dim, H FFN hidden, E experts, k routes
+per token, f capacity factor, N_MP / N_EP / N_ESP the group sizes.
+
+Sizes, in elements (the paper's convention; the ledger's ``numel``):
+
+    x = B L M                      the MoE layer's input on one rank
+    T = k f B L / E                slots per expert (the paper's real number; the layer uses ceil(T))
+    y = E T M N_ESP                what one rank passes to an EP&ESP all-to-all when nothing is split
+
+Times, one direction (forward; the backward issues the same collectives with the same sizes). A
+collective on a group of size 1 is not issued, so it costs nothing (not even alpha):
+
+    t_B  = AG_ESP(x N_ESP) + AR_ESP(y) + 2 A2A_EP(y)                                  (Eq. 1)
+    t_D1 = 2 A2A_EP&ESP(y / N_MP) + AG_MP(x)                                          (Eq. 11, 13)
+    t_D2 = 2 A2A_EP&ESP(y / N_MP) + AG_MP(E T M)             sequential (AAS)       (Eq. 7, right side)
+    t_D2 = A2A_EP&ESP(y / N_MP) + SAA(y / N_MP)              with SAA               (Eq. 7, 14)
+
+where every op is alpha + beta * n (Eq. 12) and SAA(n) = alpha_o + beta_o * n is the overlapped
+EP&ESP-AlltoAll (n elements) run together with the MP-AllGather of the same step (E T M elements).
+
+Typos in the paper that are not copied here (derived from the equations instead):
+
+- Algorithm 1, line 2 writes T = k f B L M / E; T is a slot count, k f B L / E (§II-A). The extra M
+  would make y quadratic in M.
+- Eq. 13's second line drops N_ESP from the all-to-all size; its first line and Eq. 11 keep it.
+- Eq. 14 adds AG_MP(E T M) on top of Overlap(.), the overlapped all-to-all + all-gather; Eq. 7 (and
+  §III-D) count the all-gather inside the overlap. Counting it twice would make SAA never pay off, so
+  t_D2 with SAA is A2A + SAA only.
+- Algorithm 1, line 5 writes beta_o * y; the overlapped all-to-all moves y / N_MP elements (Eq. 14).
+
+The choice (Algorithm 1): S1 when t_D1 <= t_D2, else S2.
+
+Units: alpha in seconds, beta in seconds per element, sizes in elements, times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Tuple
+
+SCHEDULE_S1 = "parm-s1"
+SCHEDULE_S2 = "parm-s2"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParmShape:
+    """One MoE layer and its parallel degrees, in the paper's letters (per rank: B samples of L tokens)."""
+
+    B: int
+    L: int
+    M: int
+    H: int
+    E: int
+    k: int = 1
+    f: float = 1.0
+    mp: int = 1
+    ep: int = 1
+    esp: int = 1
+
+
+def shape_problems(shape: ParmShape) -> List[str]:
+    """Every reason the shape cannot be planned, each naming the field and the values (empty when fine)."""
+    problems = []
+    for name in ("B", "L", "M", "H", "E", "k", "mp", "ep", "esp"):
+        value = getattr(shape, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{name} ({value!r}) must be a positive integer")
+    if not isinstance(shape.f, (int, float)) or not math.isfinite(shape.f) or shape.f <= 0:
+        problems.append(f"f ({shape.f!r}) must be a finite number > 0")
+    if problems:
+        return problems
+    if shape.k > shape.E:
+        problems.append(f"k ({shape.k}) must not exceed E ({shape.E})")
+    if shape.E % shape.ep:
+        problems.append(f"E ({shape.E}) must be divisible by ep ({shape.ep})")
+    if shape.H % shape.esp:
+        problems.append(f"H ({shape.H}) must be divisible by esp ({shape.esp})")
+    return problems
+
+
+def check_shape(shape: ParmShape) -> ParmShape:
+    problems = shape_problems(shape)
+    if problems:
+        raise ValueError("invalid Parm shape: " + "; ".join(problems))
+    return shape
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """x, T and y of §IV (elements, slots, elements)."""
+
+    x: float
+    T: float
+    y: float
+
+
+def sizes(shape: ParmShape, T: Optional[float] = None) -> Sizes:
+    """x = B L M, T = k f B L / E (or the given T, e.g. a measured capacity), y = E T M N_ESP."""
+    check_shape(shape)
+    slots = shape.k * shape.f * shape.B * shape.L / shape.E if T is None else float(T)
+    return Sizes(x=float(shape.B * shape.L * shape.M), T=slots, y=float(shape.E * slots * shape.M * shape.esp))
+
+
+# ---- the collectives each schedule issues (one direction) ----------------------------------------------
+
+@dataclass(frozen=True)
+class Op:
+    """One collective: ``op`` on the group kind ``group``, passing ``numel`` elements (ledger convention:
+    the gathered size for an all-gather, the input size otherwise)."""
+
+    op: str
+    group: str
+    numel: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}@{self.group}"
+
+
+def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None) -> List[Op]:
+    """The collectives of one direction of ``schedule`` ("baseline", "parm-s1", "parm-s2"), with the paper's
+    sizes; collectives on groups of size 1 are left out (the layer does not issue them)."""
+    s = sizes(shape, T)
+    etm = shape.E * s.T * shape.M
+    if schedule == "baseline":
+        ops = [Op("all_gather", "esp", s.x * shape.esp), Op("all_to_all", "ep", s.y),
+               Op("all_reduce", "esp", s.y), Op("all_to_all", "ep", s.y)]
+    elif schedule == SCHEDULE_S1:
+        ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", s.x)]
+    elif schedule == SCHEDULE_S2:
+        ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", etm)]
+    else:
+        raise ValueError(f"schedule ({schedule!r}) must be 'baseline', {SCHEDULE_S1!r} or {SCHEDULE_S2!r}")
+    size = {"mp": shape.mp, "ep": shape.ep, "esp": shape.esp, "ep_esp": shape.ep * shape.esp}
+    return [o for o in ops if size[o.group] > 1]
+
+
+def op_volumes(ops: List[Op]) -> Dict[str, Tuple[int, float]]:
+    """``op@group`` -> (count, total elements): the shape of a CommLedger summary row."""
+    out: Dict[str, Tuple[int, float]] = {}
+    for o in ops:
+        count, total = out.get(o.key, (0, 0.0))
+        out[o.key] = (count + 1, total + o.numel)
+    return out
+
+
+# ---- alpha-beta costs ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class AlphaBeta:
+    """t(n) = alpha + beta * n: alpha in seconds, beta in seconds per element (Eq. 12)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, n: float) -> float:
+        return self.alpha + self.beta * n
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParmCosts:
+    """The alpha-beta terms Parm plans with. ``a2a_ep_esp`` and ``ag_mp`` are Algorithm 1's inputs;
+    ``saa`` is (alpha_o, beta_o) of the overlapped collective as a function of its all-to-all size (None:
+    S2 is costed without overlap, the upper bound of Eq. 7); the last three cost the baseline (Eq. 1) and
+    are only needed for ``t_baseline``."""
+
+    a2a_ep_esp: AlphaBeta
+    ag_mp: AlphaBeta
+    saa: Optional[AlphaBeta] = None
+    ag_esp: Optional[AlphaBeta] = None
+    ar_esp: Optional[AlphaBeta] = None
+    a2a_ep: Optional[AlphaBeta] = None
+
+    def problems(self) -> List[str]:
+        out = []
+        for f in fields(self):
+            term = getattr(self, f.name)
+            if term is None:
+                continue
+            for part in ("alpha", "beta"):
+                value = getattr(term, part)
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    out.append(f"{f.name}.{part} ({value!r}) must be a finite number >= 0")
+        return out
+
+    def check(self) -> "ParmCosts":
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid Parm costs: " + "; ".join(problems))
+        return self
+
+    def term(self, op: Op) -> Optional[AlphaBeta]:
+        return {"all_to_all@ep_esp": self.a2a_ep_esp, "all_gather@mp": self.ag_mp, "all_gather@esp": self.ag_esp,
+                "all_reduce@esp": self.ar_esp, "all_to_all@ep": self.a2a_ep}[op.key]
+
+    @staticmethod
+    def from_profile(profile, element_bytes: int) -> "ParmCosts":
+        """Fill from a :class:`moe_plugins.costmodel.CostProfile` (x in bytes there, elements here).
+        Missing optional models (saa, the baseline's) stay None; the two Algorithm 1 needs must exist."""
+        if element_bytes < 1:
+            raise ValueError(f"element_bytes ({element_bytes}) must be >= 1")
+
+        def get(op: str, group: str, required: bool) -> Optional[AlphaBeta]:
+            key = f"{op}@{group}"
+            if key not in profile.models:
+                if required:
+                    raise ValueError(f"profile {profile.key.slug()} has no model for {key!r}, which Parm's "
+                                     f"choice needs; it has: {', '.join(sorted(profile.models)) or 'none'}")
+                return None
+            m = profile.models[key]
+            return AlphaBeta(alpha=m.alpha, beta=m.beta * element_bytes)
+
+        return ParmCosts(a2a_ep_esp=get("all_to_all", "ep_esp", True), ag_mp=get("all_gather", "mp", True),
+                         saa=get("saa", "ep_esp+mp", False), ag_esp=get("all_gather", "esp", False),
+                         ar_esp=get("all_reduce", "esp", False), a2a_ep=get("all_to_all", "ep", False)).check()
+
+
+# The paper's only published terms (§VI-B, Fig. 6): the MP all-gather on its two testbeds.
+PAPER_AG_MP = {
+    "testbed-a": AlphaBeta(alpha=6.64e-4, beta=5.38e-10),   # 8 x RTX4090, PCIe 4.0 x16, one node
+    "testbed-b": AlphaBeta(alpha=1.09e-4, beta=7.14e-10),   # 32 x RTX2080Ti, 8 nodes, 100 Gb/s ConnectX-5
+}
+
+# Placeholders measured on this project's development machine (2 CPU cores, gloo over loopback, world 4,
+# mp=2 ep=2 esp=2, fp32, benchmarks/parm_saa.py --fit; see docs/parm.md). The paper publishes no all-to-all
+# or overlap terms, so no paper testbed can stand in for them; these only make the CLI and parm-auto
+# usable before `moe-plugins profile` has run on the real cluster.
+DEFAULT_COSTS = ParmCosts(
+    a2a_ep_esp=AlphaBeta(alpha=2.0e-4, beta=1.6e-9),
+    ag_mp=AlphaBeta(alpha=1.0e-4, beta=1.2e-9),
+    saa=AlphaBeta(alpha=4.0e-4, beta=2.2e-9),
+    ag_esp=AlphaBeta(alpha=1.0e-4, beta=1.2e-9),
+    ar_esp=AlphaBeta(alpha=1.5e-4, beta=2.4e-9),
+    a2a_ep=AlphaBeta(alpha=1.5e-4, beta=1.4e-9),
+)
+DEFAULT_COSTS_SOURCE = ("default: placeholders measured on the project's 2-core CPU development machine (gloo, "
+                        "loopback, world 4), not a real cluster; run `moe-plugins profile` or pass alpha/beta")
+
+
+# ---- times and the choice ----------------------------------------------------------------------------
+
+def ops_time(ops: List[Op], costs: ParmCosts) -> float:
+    total = 0.0
+    for o in ops:
+        term = costs.term(o)
+        if term is None:
+            raise ValueError(f"costs have no term for {o.key}")
+        total += term.time(o.numel)
+    return total
+
+
+def t_baseline(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) -> Optional[float]:
+    """Eq. 1, or None when the costs lack a baseline term that the layout needs."""
+    ops = schedule_ops("baseline", shape, T)
+    if any(costs.term(o) is None for o in ops):
+        return None
+    return ops_time(ops, costs)
+
+
+def t_s1(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) -> float:
+    """t_D1 (Eq. 11)."""
+    return ops_time(schedule_ops(SCHEDULE_S1, shape, T), costs)
+
+
+def t_s2(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True) -> float:
+    """t_D2: with SAA (Eq. 14 without its double-counted all-gather) when ``saa`` and the costs have the
+    overlap term and N_MP > 1; otherwise the sequential form (Eq. 7's right side)."""
+    ops = schedule_ops(SCHEDULE_S2, shape, T)
+    if not (saa and costs.saa is not None and shape.mp > 1):
+        return ops_time(ops, costs)
+    a2a = [o for o in ops if o.key == "all_to_all@ep_esp"]
+    n = sizes(shape, T).y / shape.mp
+    return (ops_time(a2a[:1], costs) if a2a else 0.0) + costs.saa.time(n)
+
+
+@dataclass(frozen=True)
+class ParmChoice:
+    """What Algorithm 1 decided, with every number it used."""
+
+    x: float
+    T: float
+    y: float
+    t_baseline: Optional[float]
+    t_s1: float
+    t_s2: float
+    s2_form: str           # "saa" or "sequential"
+    choice: str            # "parm-s1" or "parm-s2"
+
+
+def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *,
+                    saa: bool = True) -> ParmChoice:
+    """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper)."""
+    costs.check()
+    s = sizes(shape, T)
+    d1, d2 = t_s1(shape, costs, T), t_s2(shape, costs, T, saa=saa)
+    form = "saa" if (saa and costs.saa is not None and shape.mp > 1) else "sequential"
+    return ParmChoice(x=s.x, T=s.T, y=s.y, t_baseline=t_baseline(shape, costs, T), t_s1=d1, t_s2=d2,
+                      s2_form=form, choice=SCHEDULE_S1 if d1 <= d2 else SCHEDULE_S2)
+
+
+def break_even_T(shape: ParmShape, costs: ParmCosts, *, saa: bool = True) -> Optional[float]:
+    """The T at which t_D1 = t_D2 for this shape (both are linear in T), or None when they never cross
+    (parallel lines). Below it S2 wins when its slope in T is the larger; the sign tells which."""
+    a, b = 1.0, 2.0
+    f_a = t_s1(shape, costs, a) - t_s2(shape, costs, a, saa=saa)
+    f_b = t_s1(shape, costs, b) - t_s2(shape, costs, b, saa=saa)
+    slope = f_b - f_a
+    if slope == 0:
+        return None
+    return a - f_a / slope

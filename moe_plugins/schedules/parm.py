@@ -1,0 +1,300 @@
+"""Parm's dedicated schedules for MP+EP+ESP (parm.txt §III): S1, S2, S2 with SAA, and the automatic choice.
+
+    baseline     ESP-AllGather -> gate -> EP-A2A -> experts -> ESP-AllReduce -> EP-A2A -> combine -> ESP-Split
+    parm-s1      gate -> MP-Split(tokens) -> dump -> EP&ESP-A2A -> expert partials -> EP&ESP-A2A
+    (Fig. 3b)      -> local combine (sum of the ESP partials) -> combine -> MP-AllGather(tokens)
+    parm-s2      gate -> dispatch -> MP-Split(capacity) -> dump -> EP&ESP-A2A -> expert partials
+    (Fig. 3c)      -> EP&ESP-A2A -> local combine -> MP-AllGather(capacity) -> combine
+    parm-s2-saa  parm-s2 with the EP&ESP-A2A and the MP-AllGather beside it run as one overlapped
+                 collective (SAA, moe_plugins/saa.py), in forward and in backward
+    parm-auto    per layer and token count, S1 or S2 with SAA by Algorithm 1 (moe_plugins/parm_cost.py)
+
+What pausing MP buys: each MP rank sends a distinct 1/N_MP of the group's work, so no expert computes a
+row twice; the dump + one EP&ESP all-to-all (Fig. 4c) replaces ESP-AllGather + EP-AlltoAll, and the
+all-to-all back + local combine (Fig. 4d) replaces ESP-AllReduce + EP-AlltoAll + ESP-Split. Backward
+mirrors it: MP-Split <-> MP-AllGather, dump <-> sum, all-to-all <-> all-to-all.
+
+Exactness. The gate runs on the MP group's whole token block, which every MP rank already holds (the
+layer's input is replicated over MP). Capacity positions, dropped routes, combine weights and the aux loss
+are therefore exactly the baseline's with no reconciliation traffic, and the gate's weight gradient is
+complete on every MP rank (the MP-Split of the combine weights all-gathers their S x K gradient in
+backward). The gate is S x M x E multiply-adds, the same as in the baseline and negligible next to the
+experts; what S1 splits is everything after it. A gate run on 1/N_MP of the tokens (Fig. 3b taken
+literally) would need the raw gate values behind the host's router, which the Schedule interface does
+not expose, and would leave the gate gradient a partial sum over MP that DeepSpeed never reduces.
+
+S1's buffer. Each rank dispatches only the kept routes of its own tokens, in the baseline's slot order,
+into C_l slots per expert, C_l = the largest per-expert count of kept routes over the MP group's token
+blocks (known on every MP rank) made uniform over the EP&ESP group by one integer max. With balanced
+routing C_l ~ C / N_MP, the paper's T / N_MP; it is never above C.
+
+Shapes: S tokens of the MP group (s = S' / P per rank after padding S to S' = a multiple of P), E experts
+(E_l per EP rank), C capacity (c a chunk), M model dim, K routes per token, G = N_EP * N_ESP members of
+the fused group, P = N_MP. S1 moves d_EcM; S2 moves d_EPcM (its MP axis is split on the wire to size 1:
+w_GE1cM), which is how the shared exchange steps tell the two apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, ClassVar, Dict, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..dispatch import combine, dispatch
+from ..experts import ExpertWeights, partial_ffn, sharded_experts
+from ..gating import Routing
+from ..groups import Group
+from ..parm_cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, SCHEDULE_S1, ParmChoice, ParmCosts, ParmShape,
+                         choose_schedule)
+from ..saa import block_order, saa_gather, saa_scatter
+from .base import Dispatched, LayerParams, Schedule
+
+log = logging.getLogger(__name__)
+
+
+# ---- expert partial sums (no ESP reduction: Parm's local combine does it) -------------------------------
+
+def sharded_expert_partials(x_ElNM: torch.Tensor, *, weights: ExpertWeights, activation: str,
+                            esp_size: int) -> torch.Tensor:
+    """This shard's H-partial of every local expert, plus b2 / N_ESP, so that the N_ESP partials of a row
+    sum to the expert's output. b2 is replicated on the ESP shards; its gradient is scaled by N_ESP so each
+    replica gets the full gradient, as with the ESP all-reduce of the baseline."""
+    b2_EM = comm.grad_scale(weights.b2_EM, float(esp_size)) / esp_size
+    return partial_ffn(x_ElNM, weights, activation) + b2_EM.unsqueeze(1)
+
+
+def expert_partials(params: LayerParams, esp: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The callable that gives un-reduced expert partials. With N_ESP = 1 the layer's ``experts`` is one
+    already. Otherwise ``params.partial_experts`` when the host supplies it, else the core's
+    :func:`sharded_experts` re-bound to its partial form."""
+    if esp.size == 1:
+        return params.experts
+    supplied = getattr(params, "partial_experts", None)
+    if supplied is not None:
+        return supplied
+    fn = params.experts
+    if isinstance(fn, partial) and fn.func is sharded_experts and not fn.args:
+        return partial(sharded_expert_partials, weights=fn.keywords["weights"],
+                       activation=fn.keywords["activation"], esp_size=esp.size)
+    raise ValueError(f"Parm schedules with esp ({esp.size}) > 1 need the experts' partial sums: the host must "
+                     "supply LayerParams.partial_experts (its experts callable does the ESP all-reduce itself)")
+
+
+# ---- prepared state ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _TokenSplit:
+    """S1: this rank's token block, routed into its own C_l-slot buffer."""
+
+    local: Routing          # this rank's s rows: slots in [0, C_l), weights split from the full routing
+    num_tokens: int         # S before padding
+
+
+@dataclass(frozen=True)
+class _CapacitySplit:
+    """S2: the MP group's full routing; the capacity axis is split over MP."""
+
+    routing: Routing
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), value)
+    return torch.cat([t, pad])
+
+
+def block_counts(expert_SK: torch.Tensor, slot_SK: torch.Tensor, num_experts: int, blocks: int,
+                 block_rows: int) -> torch.Tensor:
+    """counts_PE: kept routes of each token block (rows [p*s, (p+1)*s)) per expert."""
+    kept_SK = slot_SK >= 0
+    block_SK = (torch.arange(expert_SK.shape[0]) // block_rows).unsqueeze(1).expand_as(kept_SK)
+    flat = (block_SK * num_experts + expert_SK)[kept_SK]
+    return torch.bincount(flat, minlength=blocks * num_experts).view(blocks, num_experts)
+
+
+def local_slots(expert_sK: torch.Tensor, slot_sK: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
+    """Slots of a token block's kept routes in its own buffer: the baseline's slot order, compacted per
+    expert (route at global slot j of expert e goes to the number of the block's kept routes of e below
+    j). Dropped routes stay -1."""
+    kept = slot_sK >= 0
+    occupied_EC = torch.zeros(num_experts, max(cap, 1), dtype=torch.long)
+    occupied_EC[expert_sK[kept], slot_sK[kept]] = 1
+    rank_EC = occupied_EC.cumsum(1) - 1
+    out = torch.full_like(slot_sK, -1)
+    out[kept] = rank_EC[expert_sK[kept], slot_sK[kept]]
+    return out
+
+
+# ---- the schedules ---------------------------------------------------------------------------------------
+
+class _ParmSchedule(Schedule):
+    """Steps 2-4, shared by S1 and S2 (so parm-auto's pipeline twin needs no state)."""
+
+    saa: ClassVar[bool] = False
+
+    @property
+    def _esp(self) -> int:
+        return self.groups.esp.size
+
+    def _order(self):
+        return block_order(self.groups.layout, self.groups.mp, self._esp)
+
+    def _dump(self, d_EXM: torch.Tensor) -> torch.Tensor:
+        """Fig. 4c's local dump: the rows for EP block b go to each of its N_ESP expert shards."""
+        esp, g = self._esp, self.groups.ep_esp.size
+        rest = tuple(d_EXM.shape[1:])
+        blocks = d_EXM.reshape((g // esp, 1, d_EXM.shape[0] * esp // g) + rest)
+        return blocks.expand((g // esp, esp) + tuple(blocks.shape[2:])).reshape((g, blocks.shape[2]) + rest)
+
+    def exchange_in(self, d: torch.Tensor) -> torch.Tensor:
+        groups = self.groups
+        if d.dim() == 4:                                         # S2: d_EPcM, keep this rank's MP block
+            if self.saa and groups.mp.size > 1:
+                return saa_scatter(d, ep_esp=groups.ep_esp, mp=groups.mp, esp=self._esp, order=self._order(),
+                                   rec=self.rec)
+            d = comm.split(d, groups.mp, self.rec, dim=1)        # E, 1, c, M
+        return comm.all_to_all(self._dump(d), groups.ep_esp, self.rec)
+
+    def expert(self, e: torch.Tensor, params: LayerParams) -> torch.Tensor:
+        """Rows from every member of the fused group, regrouped per local expert; H-partials come back."""
+        g, e_l, m = e.shape[0], e.shape[1], e.shape[-1]
+        x_ElNM = e.transpose(0, 1).reshape(e_l, e.numel() // max(e_l * m, 1), m)
+        y_ElNM = expert_partials(params, self.groups.esp)(x_ElNM)
+        return y_ElNM.reshape((e_l, g) + tuple(e.shape[2:])).transpose(0, 1)
+
+    def exchange_out(self, o: torch.Tensor) -> torch.Tensor:
+        groups, esp = self.groups, self._esp
+        if o.dim() == 5 and self.saa and groups.mp.size > 1:    # S2 with SAA: r_EPcM
+            return saa_gather(o, ep_esp=groups.ep_esp, mp=groups.mp, esp=esp, order=self._order(), rec=self.rec)
+        r = comm.all_to_all(o, groups.ep_esp, self.rec)
+        g, e_l, rest = r.shape[0], r.shape[1], tuple(r.shape[2:])
+        r = r.reshape((g // esp, esp, e_l) + rest).sum(1).reshape((g // esp * e_l,) + rest)   # Fig. 4d
+        if r.dim() == 4:                                         # S2: gather the capacity over MP
+            r = comm.all_gather(r, groups.mp, self.rec, dim=1, bwd="split")
+        return r
+
+    # -- S1 ---------------------------------------------------------------------------------------------
+
+    def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        cfg, mp, rec = self.config, self.groups.mp, self.rec
+        routing = params.router(x_SM)
+        num_tokens, e = x_SM.shape[0], cfg.num_experts
+        rows = _round_up(num_tokens, mp.size)
+        s = rows // mp.size
+        expert_SK = _pad_rows(routing.expert_SK, rows, 0)
+        slot_SK = _pad_rows(routing.slot_SK, rows, -1)
+        cap_local = int(block_counts(expert_SK, slot_SK, e, mp.size, s).max())
+        if not set(self.groups.ep_esp.ranks) <= set(mp.ranks):  # members with other tokens: agree on C_l
+            cap_local = comm.all_reduce_max(cap_local, self.groups.ep_esp, rec)
+        cap_local = max(cap_local, 1)
+        own = slice(mp.rank * s, (mp.rank + 1) * s)
+        x_sM = comm.split(F.pad(x_SM, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
+        w_sK = comm.split(F.pad(routing.weight_SK, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
+        local = Routing(expert_SK=expert_SK[own], slot_SK=local_slots(expert_SK[own], slot_SK[own], e,
+                                                                      routing.capacity),
+                        weight_SK=w_sK, capacity=cap_local, aux_loss=routing.aux_loss,
+                        exp_counts_E=routing.exp_counts_E)
+        d_EcM = dispatch(x_sM, local, e, cap_local)
+        return Dispatched(d=d_EcM, cap_dim=1, state=_TokenSplit(local, num_tokens), aux_loss=routing.aux_loss,
+                          exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def _finish_tokens(self, r_EcM: torch.Tensor, st: _TokenSplit) -> torch.Tensor:
+        y_sM = combine(r_EcM, st.local)
+        return comm.all_gather(y_sM, self.groups.mp, self.rec, dim=0, bwd="split")[:st.num_tokens]
+
+    # -- S2 ---------------------------------------------------------------------------------------------
+
+    def _prepare_capacity(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        cfg, p = self.config, self.groups.mp.size
+        routing = params.router(x_SM)
+        slots = _round_up(routing.capacity, p)
+        d_EPcM = dispatch(x_SM, routing, cfg.num_experts, slots).view(cfg.num_experts, p, slots // p, -1)
+        return Dispatched(d=d_EPcM, cap_dim=2, state=_CapacitySplit(routing), aux_loss=routing.aux_loss,
+                          exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def _finish_capacity(self, r_EPcM: torch.Tensor, st: _CapacitySplit) -> torch.Tensor:
+        e, p, c, m = r_EPcM.shape
+        return combine(r_EPcM.reshape(e, p * c, m), st.routing)
+
+    def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        st = dispatched.state
+        if isinstance(st, _TokenSplit):
+            return self._finish_tokens(r, st)
+        return self._finish_capacity(r, st)
+
+
+class ParmS1Schedule(_ParmSchedule):
+    """Fig. 3b: pause MP before the experts by splitting tokens; gather the combined output."""
+
+    name = "parm-s1"
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        return self._prepare_tokens(x_SM, params)
+
+
+class ParmS2Schedule(_ParmSchedule):
+    """Fig. 3c: pause MP after the gate by splitting the capacity axis; gather it before the combine."""
+
+    name = "parm-s2"
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        return self._prepare_capacity(x_SM, params)
+
+
+class ParmS2SAASchedule(ParmS2Schedule):
+    """S2 whose EP&ESP all-to-all and MP all-gather overlap slice by slice (§III-D)."""
+
+    name = "parm-s2-saa"
+    saa = True
+
+
+class ParmAutoSchedule(_ParmSchedule):
+    """Parm: per layer and token count, S1 or S2 (with SAA) by Algorithm 1. The decision depends only on
+    the token count, the config, the layout and the costs, so every rank makes the same one; it is logged
+    once per layer and token count and kept in ``choices``. Costs: the class attribute ``costs`` (use
+    :meth:`with_costs` for a measured profile; a class, so PipeMoE's lane twin inherits it)."""
+
+    name = "parm-auto"
+    saa = True
+    costs: ClassVar[ParmCosts] = DEFAULT_COSTS
+    costs_source: ClassVar[str] = DEFAULT_COSTS_SOURCE
+
+    def __init__(self, config, groups, rec):
+        super().__init__(config, groups, rec)
+        self.choices: Dict[int, ParmChoice] = {}
+
+    @classmethod
+    def with_costs(cls, costs: ParmCosts, source: str) -> Type["ParmAutoSchedule"]:
+        return type(cls.__name__, (cls,), {"costs": costs.check(), "costs_source": source})
+
+    def shape_for(self, num_tokens: int) -> ParmShape:
+        cfg, layout = self.config, self.groups.layout
+        return ParmShape(B=1, L=num_tokens, M=cfg.hidden, H=cfg.ffn, E=cfg.num_experts, k=cfg.k,
+                         f=cfg.capacity_factor, mp=layout.mp, ep=layout.ep, esp=layout.esp)
+
+    def choose(self, num_tokens: int) -> ParmChoice:
+        if num_tokens not in self.choices:
+            choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.saa)
+            self.choices[num_tokens] = choice
+            log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s, t_s2=%.3g s [%s]; costs: %s)",
+                     self.rec.layer, choice.choice, num_tokens, choice.t_s1, choice.t_s2, choice.s2_form,
+                     self.costs_source)
+        return self.choices[num_tokens]
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        if self.choose(x_SM.shape[0]).choice == SCHEDULE_S1:
+            return self._prepare_tokens(x_SM, params)
+        return self._prepare_capacity(x_SM, params)
+
+
+PARM_SCHEDULES: Tuple[Type[Schedule], ...] = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule, ParmAutoSchedule)

@@ -1,0 +1,280 @@
+"""Megatron-core host adapter: Megatron's MoE layers run the project's schedules, with Megatron's own router
+(routing stays Megatron's) and Megatron's own expert modules (state-dict keys and the expert parameters'
+``allreduce=False`` stay Megatron's, so checkpoints load both ways and DDP keeps them in its expert buffers).
+
+Checked against megatron-core 0.16.1, where layer specs are ``ModuleSpec`` objects (0.18 moved to
+``functools.partial``; not supported). Two ways in, both validated by the shared :class:`PluginConfig`:
+
+1. **Spec provider** (no patching): pass :func:`get_moe_module_spec` where you pass Megatron's
+   ``megatron.core.models.gpt.moe_module_specs.get_moe_module_spec``; with ``groups=build_megatron_groups(layout)``
+   the node-aware process groups travel in the spec, and ``groups.pg_collection`` goes to the model, DDP, the
+   optimizer and ``finalize_model_grads``.
+2. **Megatron-LM flag**: ``initialize_megatron(extra_args_provider=extra_args_provider)`` adds
+   ``--moe-plugins <json or path>``; :func:`enable_from_args` (or :func:`enable`) then patches the two names
+   Megatron's GPT layer specs build MoE specs through (:data:`HOOKS`), so the unchanged model provider builds
+   :class:`~moe_plugins.patches.megatron_layer.PluginMoELayer`. :func:`disable` puts the identical functions back.
+
+The layer: :mod:`moe_plugins.patches.megatron_layer`; groups and ``ProcessGroupCollection``:
+:mod:`moe_plugins.patches.megatron_groups`; settings and their checks: :mod:`moe_plugins.patches.megatron_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+from moe_plugins.ledger import CommLedger
+from moe_plugins.plugin_config import SECTION, PluginConfig
+
+from .megatron_config import facts_from_args, plugin_problems
+from .megatron_groups import MegatronGroups, build_megatron_groups, groups_from_pg_collection, token_view
+
+logger = logging.getLogger("moe_plugins.megatron")
+
+SUPPORTED_VERSION = "0.16.1"
+FLAG = "--moe-plugins"
+
+# (module, name) of every binding the flag path replaces: Megatron's GPT layer specs call the second, and the
+# first serves moe_module_specs.get_moe_module_spec and the experimental attention specs (looked up at call time).
+HOOKS: Tuple[Tuple[str, str], ...] = (
+    ("megatron.core.models.gpt.moe_module_specs", "get_moe_module_spec_for_backend"),
+    ("megatron.core.models.gpt.gpt_layer_specs", "get_moe_module_spec_for_backend"),
+)
+
+_ACTIVE: Optional["MegatronPlugin"] = None   # the one enabled plugin, so that disable() can restore Megatron
+
+PluginLike = Union[PluginConfig, Mapping[str, Any], str, os.PathLike]
+
+
+# ---- the plugin config, from what users write ------------------------------------------------------------
+
+def resolve_plugin(plugin: PluginLike, path: str = SECTION) -> PluginConfig:
+    """A PluginConfig from: a PluginConfig; a dict (the section, or an object holding a ``moe_plugins`` key); a
+    JSON object as text; or the path of a JSON file holding either. Every problem is reported at once."""
+    if isinstance(plugin, PluginConfig):
+        return plugin
+    if isinstance(plugin, (str, os.PathLike)):
+        text = os.fspath(plugin)
+        if text.lstrip().startswith("{"):
+            plugin = _json(text, path)
+        elif os.path.isfile(text):
+            path = f"{path} ({text})"
+            with open(text, "r", encoding="utf-8") as fh:
+                plugin = _json(fh.read(), path)
+        else:
+            raise ValueError(f"{path} ({text!r}) must be a JSON object or the path of a JSON file")
+    if isinstance(plugin, Mapping) and SECTION in plugin:
+        return PluginConfig.from_dict(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION)
+    return PluginConfig.from_dict(plugin, path)
+
+
+def _json(text: str, path: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+# ---- 1. the spec provider ----------------------------------------------------------------------------------
+
+def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[MegatronGroups] = None,
+                ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None) -> Any:
+    """Megatron's MoE ``ModuleSpec`` with the layer class swapped for PluginMoELayer (same submodules, so the
+    same router, experts and shared experts). A disabled config returns the stock spec unchanged."""
+    if not plugin.enabled:
+        return stock_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .megatron_layer import PluginMoELayer
+    params = dict(stock_spec.params, plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+    return ModuleSpec(module=PluginMoELayer, params=params, submodules=stock_spec.submodules,
+                      metainfo=dict(stock_spec.metainfo))
+
+
+def get_moe_module_spec(use_te: Optional[bool] = True, num_experts: Optional[int] = None,
+                        moe_grouped_gemm: Optional[bool] = False, moe_use_legacy_grouped_gemm: Optional[bool] = False,
+                        *, plugin: PluginLike, groups: Optional[MegatronGroups] = None,
+                        ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None) -> Any:
+    """Drop-in for ``megatron.core.models.gpt.moe_module_specs.get_moe_module_spec`` (same positional
+    arguments) plus the plugin: its ``moe_plugins`` section, the node-aware ``groups`` (else the layer uses the
+    ``pg_collection`` it is given or Megatron's ``parallel_state``), ``ranks_per_node`` and a ledger."""
+    config = resolve_plugin(plugin)
+    megatron = _import_megatron(check_hooks=False)
+    stock = megatron["megatron.core.models.gpt.moe_module_specs"].get_moe_module_spec(
+        use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+        moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
+    return plugin_spec(stock, config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+
+
+# ---- 2. the Megatron-LM flag --------------------------------------------------------------------------------
+
+def _flag_value(value: str) -> str:
+    """argparse ``type`` of the flag: validate now (every problem in one message), keep the text in ``args``
+    (Megatron-LM saves its args in checkpoints; a string loads without moe_plugins installed)."""
+    try:
+        resolve_plugin(value, FLAG)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """For Megatron-LM's ``initialize_megatron(extra_args_provider=...)`` / ``parse_args``: adds ``--moe-plugins``."""
+    group = parser.add_argument_group(title="moe_plugins")
+    group.add_argument(FLAG, type=_flag_value, default=None, metavar="JSON_OR_PATH",
+                       help="run Megatron's MoE layers with moe_plugins: the moe_plugins section as a JSON object, "
+                            "or the path of a JSON file holding it (keys: docs/config.md)")
+    return parser
+
+
+def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroups] = None,
+                     ledger: Optional[CommLedger] = None) -> Optional["MegatronPlugin"]:
+    """After Megatron-LM parsed its arguments: check the flag against them (all problems at once, nothing
+    patched on failure) and enable the plugin. Returns None when the flag is absent or ``enabled`` is false."""
+    value = getattr(args, "moe_plugins", None)
+    if value is None:
+        return None
+    plugin = resolve_plugin(value, FLAG)
+    rpn = plugin.ranks_per_node or _local_world_size()
+    problems = plugin_problems(facts_from_args(args), plugin, world=getattr(args, "world_size", None),
+                               ranks_per_node=rpn)
+    if problems:
+        raise ValueError(f"{FLAG} cannot run this Megatron model: " + "; ".join(problems))
+    if not plugin.enabled:
+        logger.info("moe_plugins: %s has enabled=false; Megatron's MoE layers stay stock", FLAG)
+        return None
+    return enable(plugin, groups=groups, ranks_per_node=rpn, ledger=ledger)
+
+
+class MegatronPlugin:
+    """One :func:`enable`: the replaced spec builders and their originals. A context manager, or call
+    :meth:`disable`. Layers built while it was enabled keep running the plugin after it is disabled."""
+
+    def __init__(self, plugin: PluginConfig, *, groups: Optional[MegatronGroups], ranks_per_node: Optional[int],
+                 ledger: Optional[CommLedger]):
+        self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
+        self.specs_built = 0
+        self._originals: Dict[Tuple[Any, str], Any] = {}
+
+    def _install(self, modules: Dict[str, Any]) -> None:
+        original = getattr(modules[HOOKS[0][0]], HOOKS[0][1])
+        replacement = self._wrap(original)
+        try:
+            for module_name, attr in HOOKS:
+                module = modules[module_name]
+                self._originals[(module, attr)] = module.__dict__[attr]
+                setattr(module, attr, replacement)
+        except BaseException:
+            self._restore()
+            raise
+
+    def _wrap(self, original: Callable) -> Callable:
+        plugin = self
+
+        def get_moe_module_spec_for_backend(*args, **kwargs):
+            plugin.specs_built += 1
+            return plugin_spec(original(*args, **kwargs), plugin.plugin, groups=plugin.groups,
+                               ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger)
+
+        get_moe_module_spec_for_backend.__wrapped__ = original
+        return get_moe_module_spec_for_backend
+
+    def _restore(self) -> None:
+        try:
+            for (module, attr), value in self._originals.items():
+                setattr(module, attr, value)
+        finally:
+            self._originals.clear()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._originals)
+
+    def disable(self) -> None:
+        """Put Megatron's spec builders back (the identical function objects)."""
+        global _ACTIVE
+        if not self._originals:
+            return
+        try:
+            self._restore()
+        finally:
+            if _ACTIVE is self:
+                _ACTIVE = None
+        if self.specs_built:
+            logger.info("moe_plugins: Megatron restored; %d MoE spec(s) had been built with the plugin",
+                        self.specs_built)
+        else:
+            logger.warning("moe_plugins: Megatron restored; no MoE layer spec was built while the plugin was enabled "
+                           "(was the model built before enable(), or with a spec module other than "
+                           "megatron.core.models.gpt?)")
+
+    def __enter__(self) -> "MegatronPlugin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disable()
+
+
+def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks_per_node: Optional[int] = None,
+           ledger: Optional[CommLedger] = None) -> MegatronPlugin:
+    """Make Megatron's GPT layer specs build PluginMoELayer for every MoE layer. The config is validated before
+    anything is patched; the layer checks it against its TransformerConfig when it is built."""
+    global _ACTIVE
+    config = resolve_plugin(plugin)
+    if _ACTIVE is not None:
+        raise ValueError("moe_plugins is already enabled for Megatron; call disable() first")
+    handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+    handle._install(_import_megatron(check_hooks=True))
+    _ACTIVE = handle
+    logger.info("moe_plugins: Megatron-core spec builders patched (config %s)", config.to_dict())
+    return handle
+
+
+def disable() -> None:
+    """Restore Megatron if the plugin is enabled (a no-op otherwise)."""
+    if _ACTIVE is not None:
+        _ACTIVE.disable()
+
+
+def active() -> Optional[MegatronPlugin]:
+    return _ACTIVE
+
+
+# ---- Megatron, imported once per call, version and hook points checked ----------------------------------------
+
+def _import_megatron(check_hooks: bool) -> Dict[str, Any]:
+    try:
+        from megatron.core import package_info
+        modules = {name: importlib.import_module(name) for name, _ in HOOKS}
+    except ImportError as exc:
+        raise ValueError(f"moe_plugins' Megatron adapter needs megatron-core=={SUPPORTED_VERSION} "
+                         f"(pip install 'moe_plugins[megatron]'): {exc}") from exc
+    version = package_info.__version__
+    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if major_minor >= (0, 18):
+        raise ValueError(f"megatron-core {version} builds layer specs with functools.partial; moe_plugins' adapter "
+                         f"supports the ModuleSpec style of {SUPPORTED_VERSION}")
+    if check_hooks:
+        missing = [f"{m}.{a}" for m, a in HOOKS if not callable(modules[m].__dict__.get(a))]
+        if missing:
+            raise ValueError(f"megatron-core {version} lacks {', '.join(missing)}; moe_plugins' adapter was written "
+                             f"against {SUPPORTED_VERSION}")
+    if version != SUPPORTED_VERSION:
+        logger.warning("moe_plugins: megatron-core %s found; the adapter was checked against %s", version,
+                       SUPPORTED_VERSION)
+    return modules
+
+
+def _local_world_size() -> Optional[int]:
+    """LOCAL_WORLD_SIZE as torchrun sets it, read once at the boundary."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+__all__ = ["FLAG", "HOOKS", "SUPPORTED_VERSION", "MegatronGroups", "MegatronPlugin", "active", "build_megatron_groups",
+           "disable", "enable", "enable_from_args", "extra_args_provider", "get_moe_module_spec",
+           "groups_from_pg_collection", "plugin_spec", "resolve_plugin", "token_view"]

@@ -1,0 +1,145 @@
+"""What the Megatron adapter reads from Megatron's settings, and every reason it cannot run them: pure functions,
+no Megatron import, no process group.
+
+Megatron's settings come in two spellings that share field names: a ``TransformerConfig`` (the layer sees it)
+and a Megatron-LM ``argparse.Namespace`` (training scripts). Each is translated once, at the boundary, into
+:class:`MegatronFacts`; :func:`plugin_problems` checks the facts against a :class:`PluginConfig` and a world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from moe_plugins.config import MoEConfig, moe_config_problems
+from moe_plugins.experts import ACTIVATIONS
+from moe_plugins.layout import ParallelLayout, layout_problems
+from moe_plugins.plugin_config import SECTION, PluginConfig
+from moe_plugins.schedules import schedule_problems
+
+DISPATCHERS = ("alltoall", "allgather")
+
+# Megatron features the adapter refuses, as (field, value that is fine, why). The field names are those of
+# TransformerConfig, which Megatron-LM's arguments share.
+UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
+    ("pipeline_model_parallel_size", 1, "the plugin's layout has no PP axis"),
+    ("context_parallel_size", 1, "the plugin's layout has no CP axis"),
+    ("moe_shared_expert_overlap", False, "the shared experts' overlap lives inside Megatron's alltoall dispatcher, "
+                                         "which the plugin replaces"),
+    ("overlap_moe_expert_parallel_comm", False, "Megatron's EP-overlap schedule cuts the graph between the stage "
+                                                "methods, while a schedule keeps its routing from dispatch to combine"),
+    ("moe_apply_probs_on_input", False, "the schedules apply the routing weights at the combine, after the expert"),
+    ("moe_router_padding_for_quantization", False, "padded routing maps are an FP8/FP4 kernel detail"),
+    ("cuda_graph_impl", "none", "a schedule reads its capacities on the host, which CUDA graphs cannot capture"),
+)
+
+# Router options that draw random numbers: the baseline schedule re-gates its ESP group's token blocks, which
+# must give the routing their owners drew.
+RANDOM_ROUTING = ("moe_input_jitter_eps", "moe_router_force_load_balancing", "moe_enable_routing_replay")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronFacts:
+    """The settings of one Megatron MoE layer that the adapter depends on."""
+
+    tp: int
+    ep: int
+    etp: int
+    num_experts: Optional[int]
+    hidden: int
+    ffn: int
+    topk: int
+    capacity_factor: Optional[float]
+    dispatcher: str
+    activation: str
+    unsupported: Tuple[Tuple[str, Any], ...]   # (field, value) of every UNSUPPORTED field, in that order
+    random_routing: Tuple[str, ...]            # RANDOM_ROUTING options that are on
+
+
+def _unsupported(source: Any) -> Tuple[Tuple[str, Any], ...]:
+    return tuple((name, getattr(source, name, fine)) for name, fine, _ in UNSUPPORTED)
+
+
+def _random_routing(source: Any) -> Tuple[str, ...]:
+    return tuple(name for name in RANDOM_ROUTING if getattr(source, name, None) not in (None, False))
+
+
+def _activation_name(fn: Any) -> str:
+    name = getattr(fn, "__name__", "")
+    return name if name in ACTIVATIONS else "gelu"     # informational: Megatron's own experts compute
+
+
+def facts_from_config(config: Any) -> MegatronFacts:
+    """From a ``TransformerConfig`` (after its ``__post_init__``, which fills expert-TP and the MoE FFN size)."""
+    return MegatronFacts(
+        tp=int(config.tensor_model_parallel_size), ep=int(config.expert_model_parallel_size),
+        etp=int(config.expert_tensor_parallel_size or config.tensor_model_parallel_size),
+        num_experts=config.num_moe_experts, hidden=int(config.moe_latent_size or config.hidden_size),
+        ffn=int(config.moe_ffn_hidden_size or config.ffn_hidden_size), topk=int(config.moe_router_topk),
+        capacity_factor=config.moe_expert_capacity_factor, dispatcher=str(config.moe_token_dispatcher_type),
+        activation=_activation_name(config.activation_func), unsupported=_unsupported(config),
+        random_routing=_random_routing(config))
+
+
+def facts_from_args(args: Any) -> MegatronFacts:
+    """From Megatron-LM's parsed arguments (``args.num_experts`` is the config's ``num_moe_experts``)."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None) or 0
+    return MegatronFacts(
+        tp=tp, ep=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+        etp=int(getattr(args, "expert_tensor_parallel_size", None) or tp),
+        num_experts=getattr(args, "num_experts", None),
+        hidden=int(getattr(args, "moe_latent_size", None) or getattr(args, "hidden_size", 0) or 0), ffn=int(ffn),
+        topk=int(getattr(args, "moe_router_topk", 2)),
+        capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+        dispatcher=str(getattr(args, "moe_token_dispatcher_type", "allgather")), activation="gelu",
+        unsupported=_unsupported(args), random_routing=_random_routing(args))
+
+
+def moe_config(facts: MegatronFacts) -> MoEConfig:
+    """The core's view of the layer. Routing stays Megatron's: capacity and dropping are decided by its router."""
+    return MoEConfig(hidden=facts.hidden, ffn=facts.ffn, num_experts=int(facts.num_experts), k=facts.topk,
+                     capacity_factor=facts.capacity_factor or 1.0, min_capacity=0,
+                     drop_tokens=facts.capacity_factor is not None, activation=facts.activation)
+
+
+def token_layout(facts: MegatronFacts, world: int, ranks_per_node: int) -> ParallelLayout:
+    """The layout a schedule runs on: MP = 1 (Megatron's MoE tokens are distinct per TP rank)."""
+    return ParallelLayout(world=world, ranks_per_node=ranks_per_node, mp=1, ep=facts.ep, esp=facts.etp)
+
+
+def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Optional[int],
+                    ranks_per_node: Optional[int]) -> List[str]:
+    """Every reason the plugin cannot run this Megatron MoE layer, each naming the setting and its value (empty
+    when fine). ``world`` None skips the checks that need it (argument parsing before launch)."""
+    problems = []
+    if facts.num_experts is None:
+        return [f"num_moe_experts (None): the {SECTION} flag is set but the model has no MoE layer"]
+    if facts.dispatcher not in DISPATCHERS:
+        problems.append(f"moe_token_dispatcher_type ({facts.dispatcher!r}) must be one of {', '.join(DISPATCHERS)}: "
+                        "the plugin replaces the dispatcher, and Megatron builds it first")
+    for (name, value), (_, fine, why) in zip(facts.unsupported, UNSUPPORTED):
+        if value != fine:
+            problems.append(f"{name} ({value!r}) must be {fine!r}: {why}")
+    if plugin.esp is not None and plugin.esp != facts.etp:
+        problems.append(f"{SECTION}.esp ({plugin.esp}) must equal expert_tensor_parallel_size ({facts.etp}): "
+                        "Megatron's expert weights are sharded over its expert-TP group")
+    if isinstance(plugin.pipeline_degree, str):
+        problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile, which the "
+                        "Megatron adapter does not load yet; give an integer")
+    if facts.etp > 1 and facts.random_routing:
+        problems.append(f"{', '.join(facts.random_routing)} must be off with expert_tensor_parallel_size "
+                        f"({facts.etp}) > 1: a schedule may re-gate its ESP group's token blocks, which needs "
+                        "the deterministic routing their owners made")
+    if world is None:
+        return problems
+    rpn = ranks_per_node or world
+    bad_layout = layout_problems(world, rpn, facts.tp, facts.ep, facts.etp)
+    if bad_layout:
+        return problems + [f"layout of tensor_model_parallel_size {facts.tp}, expert_model_parallel_size "
+                           f"{facts.ep}, expert_tensor_parallel_size {facts.etp}: {p}" for p in bad_layout]
+    layout = token_layout(facts, world, rpn)
+    problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
+                 f"per TP rank): {p}" for p in schedule_problems(plugin.schedule, layout)]
+    problems += moe_config_problems(moe_config(facts), layout)
+    return problems

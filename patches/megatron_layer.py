@@ -1,0 +1,267 @@
+"""Megatron-core's ``MoELayer`` running the project's schedules: Megatron's router decides the routing, Megatron's
+expert modules compute (same parameters, names and attributes), and a schedule moves the tokens.
+
+Shapes: S tokens of this rank, M model dim, E experts (E_l local), K routes per token, C capacity, N rows per
+local expert, R rows. ``probs_SE`` / ``map_SE`` are Megatron's router outputs (``probs``, ``routing_map``).
+
+How the stage methods map (megatron-core 0.16.1; see docs/megatron.md)::
+
+    MoELayer stage            Megatron's alltoall dispatcher        here (pipeline degree 1)
+    route                     TopKRouter                            TopKRouter (unchanged)
+    preprocess                permute + split sizes                 Routing from probs/map; schedule.prepare
+    dispatch                  EP all-to-all                         schedule.exchange_in
+    routed_experts_compute    ETP all-gather, experts, ETP RS       schedule.expert (experts + ESP reduction)
+    combine                   EP all-to-all                         schedule.exchange_out
+    postprocess               unpermute (+ shared experts)          schedule.finish (+ shared experts)
+
+With a pipeline degree r > 1 the capacity chunks of steps 2-4 run in ``routed_experts_compute`` (PipeMoE's
+runner), and dispatch/combine pass their input through.
+
+Exactness: Megatron's experts scale their hidden activation by the routing weight (``per_token_scale``); here
+they get a scale of one and the schedule's combine multiplies by the same weight, so the forward differs only in
+rounding and the gradients reach the router's ``probs`` (and its aux-loss hooks) the same way. (Megatron 0.16.1
+allows expert biases only with expert-TP 1, so the ESP reduction never sums a bias.)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import get_capacity, get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from moe_plugins import comm
+from moe_plugins.comm import Recorder
+from moe_plugins.gating import Routing
+from moe_plugins.groups import Group, MoEProcessGroups
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.ledger import CommLedger
+from moe_plugins.pipemoe import PipelineLane, run_pipelined
+from moe_plugins.plugin_config import PluginConfig
+from moe_plugins.router import uniform_capacity
+from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule
+
+from .megatron_config import facts_from_config, moe_config, plugin_problems
+from .megatron_groups import MegatronGroups, groups_from_pg_collection, pg_collection_problems, token_view
+
+logger = logging.getLogger("moe_plugins.megatron")
+
+
+# ---- Megatron's routing as the core's Routing -------------------------------------------------------------
+
+def routing_from_megatron(probs_SE: torch.Tensor, map_SE: torch.Tensor, capacity: int) -> Routing:
+    """Megatron's ``(probs, routing_map)`` as a Routing with ``capacity`` slots per expert.
+
+    Every entry of the map is a route, in token order per expert (its slot), weighted by its probability; this
+    includes the zero-probability entries Megatron adds with ``moe_pad_expert_input_to_capacity``, which it
+    also sends through the experts. K is the most entries any token has; a token with fewer has -1 slots."""
+    counts_E = map_SE.sum(0)
+    if map_SE.numel() and int(counts_E.max()) > capacity:
+        raise ValueError(f"routing has {int(counts_E.max())} tokens for one expert, above the capacity ({capacity})")
+    k = max(1, int(map_SE.sum(1).max())) if map_SE.numel() else 1
+    expert_SK = map_SE.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :k]
+    kept_SK = map_SE.gather(1, expert_SK)
+    position_SE = map_SE.long().cumsum(0) - 1
+    slot_SK = torch.where(kept_SK, position_SE.gather(1, expert_SK), torch.full_like(expert_SK, -1))
+    weight_SK = probs_SE.gather(1, expert_SK) * kept_SK.to(probs_SE.dtype)
+    return Routing(expert_SK=expert_SK, slot_SK=slot_SK, weight_SK=weight_SK, capacity=int(capacity),
+                   aux_loss=probs_SE.new_zeros(()), exp_counts_E=counts_E.long())
+
+
+def block_capacity(map_SE: torch.Tensor, config: Any, groups: MoEProcessGroups, rec: Recorder) -> int:
+    """Slots per expert: Megatron's capacity with token dropping (its router already dropped), else the largest
+    expert count made uniform over the ranks whose buffers must match (EP&ESP; MP is 1 here)."""
+    if config.moe_expert_capacity_factor is not None:
+        return get_capacity(map_SE.shape[0] * config.moe_router_topk, config.num_moe_experts,
+                            config.moe_expert_capacity_factor)
+    local_max = int(map_SE.sum(0).max()) if map_SE.numel() else 0
+    return uniform_capacity(local_max, groups, rec)
+
+
+@dataclass(frozen=True)
+class MegatronRouting:
+    """``LayerParams.router`` for one forward. This rank's token block gets the routing Megatron's router made
+    in the ``route`` stage (gradients and aux-loss hooks attached). Another block (a schedule may gate its ESP
+    group's blocks) goes through the same router under ``no_grad``, which skips Megatron's side effects (aux and
+    z losses, their trackers, expert-bias counts) and, with no random router option on, gives exactly the
+    routing the block's owner made."""
+
+    router: torch.nn.Module
+    x_SM: torch.Tensor
+    own: Routing
+
+    def __call__(self, x_SM: torch.Tensor) -> Routing:
+        if x_SM is self.x_SM or (x_SM.shape == self.x_SM.shape and torch.equal(x_SM, self.x_SM)):
+            return self.own
+        with torch.no_grad():
+            probs_SE, map_SE = self.router(x_SM.unsqueeze(1))
+        return routing_from_megatron(probs_SE, map_SE, self.own.capacity)
+
+
+# ---- Megatron's experts as the core's experts callable ----------------------------------------------------
+
+def _run_experts(experts: torch.nn.Module, x_ElNM: torch.Tensor) -> torch.Tensor:
+    """Megatron's expert module (SequentialMLP, GroupedMLP, TEGroupedMLP) on rows grouped per local expert,
+    with a per-token scale of one (the schedule's combine applies the routing weights)."""
+    e_l, n, m = x_ElNM.shape
+    x_RM = x_ElNM.reshape(e_l * n, m)
+    tokens_per_expert = torch.full((e_l,), n, dtype=torch.long)      # host tensor, as Megatron's dispatchers pass it
+    y_RM, bias = experts(x_RM, tokens_per_expert, x_RM.new_ones(e_l * n))
+    if bias is not None:
+        raise ValueError("Megatron's experts returned a separate bias; the plugin supports experts that add it")
+    return y_RM.reshape(e_l, n, y_RM.shape[-1])
+
+
+def megatron_experts(x_ElNM: torch.Tensor, *, experts: torch.nn.Module, esp: Group, rec: Recorder) -> torch.Tensor:
+    """The core's experts contract: this rank's expert shard, ESP partial sums all-reduced (input gradient
+    all-reduced in backward). Megatron's expert linears do no communication here (``explicit_expert_comm``)."""
+    return comm.all_reduce(_run_experts(experts, comm.copy_to(x_ElNM, esp, rec)), esp, rec)
+
+
+@dataclass(frozen=True)
+class HostLayerParams(LayerParams):
+    """LayerParams plus the un-reduced expert partials, for schedules that reduce over ESP themselves (Parm)."""
+
+    partial_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
+# ---- the dispatcher: Megatron's stage interface over a schedule --------------------------------------------
+
+@dataclass(frozen=True)
+class _Pass:
+    """One forward's state, from preprocess to postprocess (Megatron's dispatchers keep theirs on self too)."""
+
+    hidden_shape: torch.Size
+    params: LayerParams
+    dispatched: Any          # schedules.Dispatched at degree 1, else None
+
+
+class ScheduleTokenDispatcher(MoETokenDispatcher):
+    """Megatron's token-dispatcher interface run by a project schedule (see the module docstring)."""
+
+    def __init__(self, config: Any, pg_collection: Any, *, groups: MoEProcessGroups, plugin: PluginConfig,
+                 router: torch.nn.Module, experts: torch.nn.Module, ledger: Optional[CommLedger], name: str):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.groups, self.plugin, self.ledger = groups, plugin, ledger
+        self.router, self.experts = router, experts
+        self.moe_config = moe_config(facts_from_config(config))
+        self.degree = int(plugin.pipeline_degree)
+        self.lane = PipelineLane(groups) if self.degree > 1 else None    # collective: layers build in order
+        self.rec = Recorder(ledger, name)
+        self.schedule: Schedule = SCHEDULES[plugin.schedule](self.moe_config, groups, self.rec)
+        self._pass: Optional[_Pass] = None
+
+    def rename(self, name: str) -> None:
+        """Ledger name of the layer (Megatron numbers layers after building them). The schedule object stays
+        the same: PipeMoE's lane keeps one twin per schedule object."""
+        self.rec = self.schedule.rec = Recorder(self.ledger, name)
+
+    def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
+        esp = self.groups.esp
+        return HostLayerParams(router=MegatronRouting(self.router, x_SM, own),
+                               experts=partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec),
+                               partial_experts=partial(_run_experts, self.experts))
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        x_SM = hidden_states.reshape(-1, hidden_states.shape[-1])
+        own = routing_from_megatron(probs, routing_map, block_capacity(routing_map, self.config, self.groups, self.rec))
+        params = self._params(x_SM, own)
+        if self.degree > 1:
+            self._pass = _Pass(hidden_states.shape, params, None)
+            return x_SM, probs
+        dispatched = self.schedule.prepare(x_SM, params)
+        self._pass = _Pass(hidden_states.shape, params, dispatched)
+        return dispatched.d, probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.degree > 1:
+            return hidden_states, probs
+        return self.schedule.exchange_in(hidden_states), probs
+
+    def expert_stage(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Between dispatch and combine: the schedule's expert step, or at degree r > 1 the whole pipelined
+        chunk loop (prepare, r x (exchange_in, expert, exchange_out), finish)."""
+        st = self._pass
+        if self.degree > 1:
+            y_SM, _ = run_pipelined(self.schedule, hidden_states, st.params, self.degree, self.lane)
+            return y_SM
+        return self.schedule.expert(hidden_states, st.params)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        if self.degree > 1:
+            return hidden_states
+        return self.schedule.exchange_out(hidden_states)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        st, self._pass = self._pass, None
+        y_SM = hidden_states if self.degree > 1 else self.schedule.finish(hidden_states, st.dispatched)
+        return y_SM.view(st.hidden_shape)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        raise RuntimeError("the plugin's expert step runs in PluginMoELayer.routed_experts_compute")
+
+    def combine_preprocess(self, hidden_states):
+        raise RuntimeError("the plugin's expert step runs in PluginMoELayer.routed_experts_compute")
+
+
+# ---- the layer ---------------------------------------------------------------------------------------------
+
+class PluginMoELayer(MoELayer):
+    """Megatron's ``MoELayer`` (router, experts, shared experts, parameter names and attributes unchanged) whose
+    token movement is a project schedule. Build it from :func:`moe_plugins.patches.megatron.get_moe_module_spec`.
+
+    Process groups: ``pg_collection`` when given (Megatron 0.16.1's TransformerLayer passes it only to the exact
+    MoELayer class, so the spec carries it in ``groups``), else ``groups.pg_collection``, else Megatron's
+    ``parallel_state`` groups, as the stock layer does. Everything is validated before anything is built."""
+
+    def __init__(self, config: Any, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
+                 pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
+                 ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None):
+        if pg_collection is None:
+            pg_collection = groups.pg_collection if groups is not None else get_default_pg_collection()
+        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node)
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.plugin = plugin
+        self.moe_groups = token_view(groups_from_pg_collection(pg_collection, layout))
+        self.token_dispatcher = ScheduleTokenDispatcher(
+            config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
+            ledger=ledger, name=self._ledger_name(layer_number))
+        log = logger.info if dist.get_rank() == 0 else logger.debug
+        log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %d) on tp=%d ep=%d etp=%d, "
+            "ranks_per_node=%d", self._ledger_name(layer_number), plugin.schedule, int(plugin.pipeline_degree),
+            layout.mp, layout.ep, layout.esp, layout.ranks_per_node)
+
+    @staticmethod
+    def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],
+               ranks_per_node: Optional[int]) -> ParallelLayout:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        rpn = plugin.ranks_per_node or (groups.layout.ranks_per_node if groups is not None else None) \
+            or ranks_per_node or world
+        facts = facts_from_config(config)
+        problems = plugin_problems(facts, plugin, world=world, ranks_per_node=rpn)
+        if not problems:
+            layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=facts.etp)
+            problems = pg_collection_problems(pg_collection, layout, rank)
+        if problems:
+            raise ValueError("moe_plugins cannot run this Megatron MoE layer: " + "; ".join(problems))
+        return layout
+
+    @staticmethod
+    def _ledger_name(layer_number: Optional[int]) -> str:
+        return "megatron.moe" if layer_number is None else f"megatron.moe.{layer_number}"
+
+    def set_layer_number(self, layer_number: int) -> None:
+        super().set_layer_number(layer_number)
+        self.token_dispatcher.rename(self._ledger_name(layer_number))
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Megatron's stage between dispatch and combine: the schedule's expert step (Megatron's experts, ESP
+        reduction included). Returns ``(output, None)`` as the stock method does."""
+        return self.token_dispatcher.expert_stage(hidden_states), None

@@ -1,0 +1,60 @@
+"""The rank side of ``moe-plugins bench`` on 4 gloo ranks (loopback): every row of a tiny case runs; the
+stock DeepSpeed layer computes the same function as the baseline schedule with the same inter-node bytes
+(counted collectives == ledger, both equal to the analytic volume); a row that cannot be built is skipped
+on every rank with its reason while the others still run."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_plugins.bench.matrix import BenchPlan, CaseConfig, RowSpec
+from moe_plugins.bench.runner import RankJob
+from tests.workers.bench import run_bench_plan
+
+# S=64 tokens per rank, E=4, k=2, f=2: capacity C = ceil(2*2*64/4) = 64 = S, so no layer drops a route and
+# all three must compute the same function; dispatch buffer E*C*M fp32.
+CASE = CaseConfig(tokens=64, hidden=16, ffn=32, experts=4, k=2, capacity_factor=2.0, ep=4)
+BUFFER_BYTES = 4 * 64 * 16 * 4
+# 4 all-to-alls per forward+backward; with 2 ranks per node, 2 of the 4 EP peers are remote: half the buffer
+EXPECTED_INTER_NODE_BYTES = 4 * BUFFER_BYTES // 2
+
+
+@pytest.fixture(scope="module")
+def records(world):
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(CASE,), rates=("unshaped",), iters=2, warmup=1,
+                     rows=(RowSpec(name="baseline"), RowSpec(name="deepspeed"), RowSpec(name="megatron"),
+                           RowSpec(name="baseline", options=(("r", "0"),))))
+    return world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)
+
+
+def test_every_row_runs_and_is_timed(records):
+    rank0 = records[0]
+    assert records[1:] == [None, None, None]
+    (group,) = rank0
+    assert group["rate"] == "unshaped" and group["case_label"] == CASE.label
+    assert set(group["rows"]) == {"baseline", "deepspeed", "megatron"}
+    for row in group["rows"].values():
+        assert len(row["times_s"]) == 2 and all(t > 0 for t in row["times_s"])
+        assert row["nic_tx_bytes_per_rank"] == [None] * 4          # loopback: no NIC to read
+
+
+def test_deepspeed_stock_layer_matches_baseline_schedule(records):
+    rows = records[0][0]["rows"]
+    base, ds = rows["baseline"], rows["deepspeed"]
+    assert base["traffic_source"] == "ledger" and ds["traffic_source"] == "counter"
+    assert base["model_bytes_per_rank"] == [EXPECTED_INTER_NODE_BYTES] * 4
+    assert ds["model_bytes_per_rank"] == [EXPECTED_INTER_NODE_BYTES] * 4
+    assert ds["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, ds["first_row_max_abs"])
+
+
+def test_megatron_stock_layer_is_comparable(records):
+    meg = records[0][0]["rows"]["megatron"]
+    assert meg["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, meg["first_row_max_abs"])
+    # capacity-padded all-to-alls like the others, plus Megatron's small metadata collectives
+    assert all(EXPECTED_INTER_NODE_BYTES <= b <= EXPECTED_INTER_NODE_BYTES * 1.1 for b in meg["model_bytes_per_rank"])
+
+
+def test_unbuildable_row_is_skipped_with_reason(records):
+    skipped = records[0][0]["skipped"]
+    assert list(skipped) == ["baseline@r=0"]
+    assert "pipeline_degree (0) must be a positive integer" in skipped["baseline@r=0"]

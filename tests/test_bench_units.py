@@ -1,0 +1,169 @@
+"""Pure parts of ``moe-plugins bench``: plan parsing and checks, statistics, lower bound, report, mode choice,
+names, and that the patches (Megatron CPU shims, collective counter) restore the originals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from moe_plugins.bench import cluster, harness, launch, matrix, report, rows
+from moe_plugins.bench.matrix import BenchPlan, CaseConfig, RowSpec
+
+
+def test_parse_rate_uses_tc_si_units():
+    assert matrix.parse_rate("200mbit") == 200_000_000
+    assert matrix.parse_rate("1gbit") == 1_000_000_000
+    assert matrix.parse_rate("1.5gbit") == 1_500_000_000
+    assert matrix.parse_rate("unshaped") is None
+    for bad in ("fast", "0mbit", "200MB", "200 mbit/s"):
+        with pytest.raises(ValueError, match=r"rate \('.*'\) must be a positive number"):
+            matrix.parse_rate(bad)
+
+
+def test_parse_row_options_and_errors():
+    assert matrix.parse_row("baseline") == RowSpec(name="baseline")
+    spec = matrix.parse_row("baseline@r=4,x=y")
+    assert spec.options == (("r", "4"), ("x", "y")) and spec.label == "baseline@r=4,x=y" and spec.option("r") == "4"
+    with pytest.raises(ValueError, match="must be key=value"):
+        matrix.parse_row("baseline@r")
+    with pytest.raises(ValueError, match="the name must be"):
+        matrix.parse_row("base line")
+
+
+def test_parse_cases_expands_value_lists_and_reports_every_problem():
+    cases = matrix.parse_cases("S=256/512,M=64,H=128,E=8,k=1/2,f=1.25,ep=4")
+    assert len(cases) == 4
+    assert {(c.tokens, c.k) for c in cases} == {(256, 1), (256, 2), (512, 1), (512, 2)}
+    assert all(c.capacity_factor == 1.25 and c.ep == 4 and c.drop_tokens for c in cases)
+    with pytest.raises(ValueError) as info:
+        matrix.parse_cases("S=x,M=64,Q=3")
+    message = str(info.value)
+    assert "S ('x') must be an int" in message and "'Q=3'" in message and "missing H, E" in message
+
+
+def _plan(**overrides) -> BenchPlan:
+    base = dict(nodes=2, ranks_per_node=2, cases=(CaseConfig(tokens=64, hidden=32, ffn=64, experts=4, ep=4),),
+                rows=(RowSpec(name="baseline"), RowSpec(name="deepspeed")), rates=("200mbit",))
+    base.update(overrides)
+    return BenchPlan(**base)
+
+
+def test_plan_problems_lists_everything_at_once():
+    assert matrix.plan_problems(_plan()) == []
+    bad = _plan(iters=0, rates=("fast",), rows=(RowSpec(name="nope"), RowSpec(name="deepspeed", options=(("r", "2"),)),
+                                                 RowSpec(name="baseline"), RowSpec(name="baseline")),
+                cases=(CaseConfig(tokens=64, hidden=32, ffn=64, experts=6, ep=4),))
+    message = "; ".join(matrix.plan_problems(bad))
+    for needle in ("iters (0)", "rate ('fast')", "row ('nope') is unknown", "option 'r' is unknown",
+                   "rows (baseline) are listed twice", "num_experts (6) must be divisible by ep (4)"):
+        assert needle in message, needle
+
+
+def test_every_registered_schedule_is_a_row():
+    from moe_plugins.schedules import SCHEDULES
+    for name in SCHEDULES:
+        assert rows.row_problems(RowSpec(name=name)) == []
+        assert rows.row_problems(RowSpec(name=name, options=(("r", "2"),))) == []
+    assert rows.row_kind("deepspeed").kind == "stock" and rows.row_kind("baseline").kind == "plugin"
+
+
+def test_statistics_and_link_lower_bound():
+    st = report.time_stats([0.010, 0.020, 0.030, 0.040, 0.050])
+    assert st["median_ms"] == pytest.approx(30.0) and st["p10_ms"] == pytest.approx(14.0)
+    assert st["p90_ms"] == pytest.approx(46.0) and st["n"] == 5
+    assert report.per_node([1, 2, 3, 4], 2, "sum") == [3, 7]
+    assert report.per_node([10, 10, 20, 20], 2, "first") == [10, 20]
+    assert report.per_node([1, None, 3, 4], 2, "sum") is None
+    # busiest node sends 2 MB at 8 Mbit/s: 2 s
+    assert report.link_lower_bound_ms([1_000_000, 2_000_000], 8_000_000) == pytest.approx(2000.0)
+    assert report.link_lower_bound_ms([1, 2], None) is None
+
+
+def _record():
+    def row(kind, times, bytes_per_rank, source):
+        return {"kind": kind, "times_s": times, "traffic_source": source, "model_bytes_per_rank": bytes_per_rank,
+                "nic_tx_bytes_per_rank": [5_000_000, 5_000_000, 6_000_000, 6_000_000], "max_abs_diff_vs_first": 0.0,
+                "first_row_max_abs": 1.0, "notes": []}
+    return {"case": {}, "case_label": "S64", "rate": "8mbit", "skipped": {"baseline@r=0": "ValueError: bad"},
+            "rows": {"baseline": row("plugin", [0.2, 0.3, 0.4], [1_000_000] * 4, "ledger"),
+                     "deepspeed": row("stock", [0.4, 0.6, 0.8], [1_000_000] * 4, "counter")}}
+
+
+def test_summarize_ratios_and_markdown(tmp_path):
+    plan = _plan(rates=("8mbit",))
+    group = report.summarize_group(_record(), plan)
+    base, ds = group["rows"]["baseline"], group["rows"]["deepspeed"]
+    assert base["vs_deepspeed"] == pytest.approx(0.5) and ds["vs_deepspeed"] == pytest.approx(1.0)
+    assert base["vs_megatron"] is None
+    assert base["model_MB_per_node"] == pytest.approx(2.0) and base["nic_MB_per_node"] == pytest.approx(6.0)
+    assert base["link_lb_ms"] == pytest.approx(2000.0) and base["vs_link_lb"] == pytest.approx(0.15)
+    rep = {"meta": {"title": "t", "header_lines": ["transport: test"]}, "groups": [group]}
+    md = report.markdown(rep)
+    assert "| S64 | 8mbit | baseline | 300.0 (220.0–380.0) | 0.50 |" in md
+    assert "skipped: ValueError: bad" in md and "transport: test" in md
+    paths = report.write_outputs(rep, tmp_path, "x")
+    assert [p.name for p in paths] == ["x.json", "x.md", "x.png"]
+    assert json.loads(paths[0].read_text())["groups"][0]["rows"]["baseline"]["median_ms"] == pytest.approx(300.0)
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mode_choice_falls_back_loudly_or_refuses():
+    assert harness.choose_mode("auto", None) == harness.Decision(True, None)
+    assert harness.choose_mode("auto", "not root") == harness.Decision(False, "not root")
+    assert harness.choose_mode("loopback", None).use_netns is False
+    with pytest.raises(ValueError, match="mode 'netns' needs network namespaces.*not root"):
+        harness.choose_mode("netns", "not root")
+    with pytest.raises(ValueError, match="mode"):
+        harness.choose_mode("fast", None)
+
+
+def test_cluster_names_are_unique_and_carry_the_owner():
+    c = cluster.plan_cluster(cluster.ClusterSpec(nodes=3), "moeb123x0a1f")
+    assert c.namespaces == ("moeb123x0a1fsw", "moeb123x0a1fn0", "moeb123x0a1fn1", "moeb123x0a1fn2")
+    assert c.addresses == ("10.99.0.1", "10.99.0.2", "10.99.0.3")
+    assert cluster.owner_pid("moeb123x0a1fn2") == 123 and cluster.owner_pid("other") is None
+    assert cluster.new_run_id() != cluster.new_run_id()
+    with pytest.raises(ValueError, match="nodes"):
+        cluster.plan_cluster(cluster.ClusterSpec(nodes=1), "moeb1x0000")
+
+
+def test_rank_environment_and_command():
+    env = launch.rank_env(3, 4, 2, "10.99.0.1", 29500, "nic0")
+    assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["GLOO_SOCKET_IFNAME"] == "nic0"
+    c = cluster.plan_cluster(cluster.ClusterSpec(nodes=2), "moeb1x0000")
+    assert launch.rank_command(3, 2, c, "job.pkl")[:4] == ["ip", "netns", "exec", "moeb1x0000n1"]
+    assert launch.rank_command(3, 2, None, "job.pkl")[1:3] == ["-m", "moe_plugins.bench.rank_main"]
+
+
+def test_megatron_shims_restore_every_original():
+    import torch
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from moe_plugins.bench.megatron_cpu_shims import _patches, megatron_on_cpu
+    targets = [(obj, name) for obj, name, _ in _patches()]
+    before = [(obj, name, obj.__dict__.get(name, "MISSING")) for obj, name in targets]
+    with megatron_on_cpu():
+        assert torch.cuda.current_device() == "cpu"
+        assert moe_utils.te_general_gemm is None
+        assert token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None
+    after = [(obj, name, obj.__dict__.get(name, "MISSING")) for obj, name in targets]
+    assert all(b[2] is a[2] for b, a in zip(before, after))      # same objects, absent names absent again
+    assert ("te_general_gemm" in vars(moe_utils)) == (dict((n, v) for _, n, v in before)["te_general_gemm"] != "MISSING")
+    assert mappings._gather_along_first_dim.__module__ == "megatron.core.tensor_parallel.mappings"
+
+
+def test_collective_counter_restores_torch_distributed():
+    from moe_plugins.bench.traffic import CollectiveCounter
+    from moe_plugins.layout import ParallelLayout
+    names = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
+             "reduce_scatter")
+    before = {n: getattr(dist, n) for n in names}
+    counter = CollectiveCounter(layout=ParallelLayout(world=4, ranks_per_node=2), rank=0)
+    counter.start()
+    assert all(getattr(dist, n) is not before[n] for n in names)
+    with pytest.raises(RuntimeError, match="already active"):
+        counter.start()
+    assert counter.stop() == 0
+    assert all(getattr(dist, n) is before[n] for n in names)

@@ -1,0 +1,151 @@
+"""The shared cost-model layer, the profiler (synthetic fit and one tiny real run) and the plan/profile CLIs."""
+
+import contextlib
+import io
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from moe_plugins.costmodel import (CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey,
+                                   cache_path, default_cache_dir, fit_linear, load_cached, model_key)
+from moe_plugins.cli import main
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.profiler import ProfileSpec, plot_profile
+from tests.workers.pipemoe import tiny_profile
+
+KEY = ProfileKey(world=4, ranks_per_node=2, mp=1, ep=4, esp=1, backend="gloo", device="cpu")
+
+
+def test_fit_recovers_known_alpha_beta_from_noisy_data():
+    rng = np.random.default_rng(0)
+    x = np.geomspace(1e4, 1e7, 12)
+    alpha, beta = 3e-4, 2.5e-9
+    t = (alpha + beta * x) * rng.normal(1.0, 0.02, x.size)
+    fit = fit_linear(x, t, "byte")
+    assert fit.alpha == pytest.approx(alpha, rel=0.15) and fit.beta == pytest.approx(beta, rel=0.03)
+    assert fit.r2 > 0.99 and fit.samples == 12 and not fit.alpha_clamped
+    exact = fit_linear([1, 2, 3], [1.5, 2.5, 3.5], "mac")
+    assert (exact.alpha, exact.beta, exact.r2) == pytest.approx((0.5, 1.0, 1.0))
+
+
+def test_negative_intercept_is_refitted_through_zero_and_flagged():
+    fit = fit_linear([1e3, 2e3, 4e3], [0.5e-3, 1.5e-3, 3.5e-3], "byte")
+    assert fit.alpha_clamped and fit.alpha == 0.0 and fit.beta > 0
+
+
+def test_fit_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"need at least 2 distinct sizes \(got \[5.0\]\)"):
+        fit_linear([5, 5], [1, 2], "byte")
+    with pytest.raises(ValueError, match="must be 1-D of equal length"):
+        fit_linear([1, 2, 3], [1, 2], "byte")
+
+
+def test_profile_json_roundtrip_cache_and_lookup(tmp_path):
+    prof = CostProfile(key=KEY, dtype="float32", source="test",
+                       models={"gemm": LinearModel(alpha=1e-4, beta=1e-11, unit="mac", r2=0.99, samples=4),
+                               "all_to_all@ep": LinearModel(alpha=2e-3, beta=3e-9, unit="byte", r2=0.98, samples=5)},
+                       measurements={"gemm": Measurement(x=(1.0, 2.0), seconds=(0.1, 0.2))})
+    path = prof.save(cache_path(tmp_path, KEY))
+    assert path.name == "profile-w4-n2-mp1-ep4-esp1-gloo-cpu.json"
+    assert load_cached(tmp_path, KEY) == prof and CostProfile.from_json(prof.to_json()) == prof
+    assert load_cached(tmp_path, ProfileKey(**{**KEY.__dict__, "ep": 2})) is None
+    costs = PipeCosts.from_profile(prof)
+    assert (costs.alpha_a, costs.beta_a, costs.alpha_e, costs.beta_e) == (2e-3, 3e-9, 2e-4, 2e-11)
+    with pytest.raises(ValueError, match=r"has no model for 'all_gather@mp'; it has: all_to_all@ep, gemm"):
+        prof.model("all_gather", "mp")
+    with pytest.raises(ValueError, match="op 'gemm' takes no group"):
+        model_key("gemm", "ep")
+
+
+def test_default_cache_dir_is_resolved_from_what_the_cli_passes():
+    assert str(default_cache_dir({"MOE_PLUGINS_CACHE": "/x/y"})) == "/x/y"
+    assert str(default_cache_dir({"XDG_CACHE_HOME": "/c"})) == "/c/moe_plugins"
+
+
+def test_profile_spec_reports_every_problem():
+    layout = ParallelLayout(world=2, ranks_per_node=2, ep=2)
+    with pytest.raises(ValueError, match=r"dtype \('int8'\).*repeats \(0\) must be >= 1.*sizes_bytes \(\[4\]\)"):
+        ProfileSpec(layout=layout, dtype="int8", repeats=0, sizes_bytes=(4,)).check()
+
+
+def test_tiny_real_profile_on_two_ranks(world, tmp_path):
+    layout = ParallelLayout(world=2, ranks_per_node=2, ep=2)
+    spec = ProfileSpec(layout=layout, sizes_bytes=(1 << 16, 1 << 18, 1 << 20), gemm_rows=(16, 64, 256),
+                       gemm_shape=(2, 64, 128), ops=("gemm", "all_to_all", "all_reduce"), groups=("ep", "ep_esp"),
+                       warmup=1, repeats=3)
+    prof, other = world(2).run(tiny_profile, spec)
+    assert other is None and prof.key.slug() == "w2-n2-mp1-ep2-esp1-gloo-cpu"
+    # ep_esp holds the same ranks as ep here: measured once, stored under both keys
+    assert set(prof.models) == {"gemm", "all_to_all@ep", "all_to_all@ep_esp", "all_reduce@ep", "all_reduce@ep_esp"}
+    assert prof.measurements["all_to_all@ep"] == prof.measurements["all_to_all@ep_esp"]
+    for key, model in prof.models.items():
+        m = prof.measurements[key]
+        assert len(m.x) == 3 and all(t > 0 for t in m.seconds) and model.samples == 3
+        assert model.r2 is not None and model.r2 <= 1.0
+    assert prof.measurements["all_to_all@ep"].x == (65536.0, 262144.0, 1048576.0)
+    assert prof.measurements["gemm"].x == tuple(float(2 * r * 64 * 128) for r in (16, 64, 256))
+    plot_profile(prof, tmp_path / "fit.png")
+    assert (tmp_path / "fit.png").stat().st_size > 10_000
+
+
+# ---- the CLIs ------------------------------------------------------------------------------------------------
+
+def run_cli(*args):
+    """The console script in this process (what `moe-plugins ...` runs), output captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+LAYER = ["--B", "4", "--L", "1024", "--M", "2048", "--H", "4096", "--E", "16", "--k", "2", "--P", "8"]
+
+
+def test_plan_pipemoe_json_with_manual_costs():
+    proc = run_cli("plan", "pipemoe", *LAYER, "--alpha-a", "1.5e-3", "--beta-a", "2.5e-9", "--alpha-e", "4e-4",
+                   "--beta-e", "3e-11", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["costs_source"] == "flags" and out["capacity"] == 512
+    assert out["n_d"] == 16 * 512 * 2048 * 4 and out["n_e"] == 16 * 512 * 2048 * 4096
+    best = min(out["curve"], key=lambda rt: rt[1])
+    assert out["degree"] == best[0] and out["predicted_time_s"] == pytest.approx(best[1])
+    assert out["degree"] in [c["r"] for c in out["candidates"]] and out["units"]["beta_a"] == "s/byte"
+
+
+def test_plan_pipemoe_text_uses_paper_default_without_profile(tmp_path):
+    proc = run_cli("plan", "pipemoe", *LAYER, "--cache-dir", str(tmp_path), "--objective", "forward")
+    assert proc.returncode == 0, proc.stderr
+    assert "PipeMoE plan: pipeline degree r = " in proc.stdout
+    assert "default: PipeMoE paper's 16-GPU testbed" in proc.stdout and "<- chosen" in proc.stdout
+
+
+def test_plan_pipemoe_reads_a_profile_file(tmp_path):
+    prof = CostProfile(key=KEY, dtype="float32", models={
+        "gemm": LinearModel(alpha=2e-4, beta=1.5e-11, unit="mac"),
+        "all_to_all@ep": LinearModel(alpha=1.5e-3, beta=2.5e-9, unit="byte")})
+    path = prof.save(tmp_path / "p.json")
+    proc = run_cli("plan", "pipemoe", *LAYER, "--profile", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["costs_source"] == f"profile {path}" and out["costs"]["alpha_e"] == pytest.approx(4e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--alpha-a", "1e-3"], "the manual costs need all four flags; missing: --beta-a, --alpha-e, --beta-e"),
+    (["--alpha-a", "1e-3", "--beta-a", "1", "--alpha-e", "1", "--beta-e", "-1"], "beta_e (-1.0) must be"),
+    (["--profile", "x.json", "--alpha-a", "1"], "give either --alpha-a/--beta-a/--alpha-e/--beta-e or --profile"),
+])
+def test_plan_pipemoe_bad_costs_are_one_line_errors(args, message):
+    proc = run_cli("plan", "pipemoe", *LAYER, *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("moe-plugins plan: error:")
+
+
+def test_profile_cli_bad_flags():
+    proc = run_cli("profile", "--world", "4", "--esp", "3", "--points", "1")
+    assert proc.returncode == 2
+    assert "world (4) must be divisible by ep*esp" in proc.stderr and "--points (1) must be >= 2" in proc.stderr

@@ -1,0 +1,302 @@
+"""Megatron-core host (issue 5): the plugin's layer against Megatron-core 0.16.1's stock MoELayer.
+
+Layers: pure functions and patching in this process; then 4 gloo ranks of the ``world`` pool running stock
+Megatron and the plugin side by side under the CPU shims (fp64 layer equivalence over TP x EP x expert-TP x k,
+20 training steps through Megatron's DDP and optimizer, checkpoints both ways, construction-time checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from moe_plugins.dispatch import combine, dispatch                                    # noqa: E402
+from moe_plugins.patches import megatron as mp                                        # noqa: E402
+from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems, token_layout  # noqa: E402
+from moe_plugins.plugin_config import PluginConfig                                    # noqa: E402
+from moe_plugins.schedules import SCHEDULES, schedule_problems                        # noqa: E402
+from moe_plugins.verify_megatron import MegatronVerifySpec, collect                   # noqa: E402
+from tests.workers import megatron as jobs                                            # noqa: E402
+
+WORLD, RPN = 4, 2
+LAYOUTS = [(tp, ep, etp) for tp in (1, 2) for ep in (1, 2, 4) for etp in (1, 2) if ep * etp <= WORLD]
+
+
+def spec(tp: int, ep: int, etp: int, **kw) -> MegatronVerifySpec:
+    return MegatronVerifySpec(world=WORLD, ranks_per_node=RPN, mp=tp, ep=ep, esp=etp, tokens=8, **kw)
+
+
+def megatron_args(**kw) -> argparse.Namespace:
+    """Megatron-LM's parsed arguments, the fields the adapter reads (its defaults unless given)."""
+    fields = dict(world_size=WORLD, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                  expert_tensor_parallel_size=None, pipeline_model_parallel_size=1, context_parallel_size=1,
+                  num_experts=4, hidden_size=8, ffn_hidden_size=16, moe_ffn_hidden_size=None, moe_router_topk=2,
+                  moe_expert_capacity_factor=None, moe_token_dispatcher_type="alltoall", moe_plugins=None)
+    fields.update(kw)
+    return argparse.Namespace(**fields)
+
+
+# ---- the flag and its validation (no processes) ----------------------------------------------------------------
+
+def test_flag_takes_a_json_object_or_a_file(tmp_path):
+    parser = mp.extra_args_provider(argparse.ArgumentParser())
+    args = parser.parse_args([mp.FLAG, '{"schedule": "baseline-tp", "pipeline_degree": 2}'])
+    assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(schedule="baseline-tp", pipeline_degree=2)
+    path = tmp_path / "plugins.json"
+    path.write_text(json.dumps({"moe_plugins": {"schedule": "baseline", "ranks_per_node": 8}}))
+    args = parser.parse_args([mp.FLAG, str(path)])
+    assert isinstance(args.moe_plugins, str)                 # Megatron-LM pickles args into checkpoints
+    assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(ranks_per_node=8)
+    assert parser.parse_args([]).moe_plugins is None
+
+
+def test_flag_reports_every_problem_at_once(capsys, tmp_path):
+    parser = mp.extra_args_provider(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args([mp.FLAG, '{"schedul": "baseline", "pipeline_degree": 0, "fssdp": true}'])
+    err = capsys.readouterr().err
+    assert "--moe-plugins.schedul: unknown key (did you mean 'schedule'?)" in err
+    assert "--moe-plugins.pipeline_degree (0) must be an integer >= 1" in err
+    assert "--moe-plugins.fssdp (True) is reserved" in err
+    with pytest.raises(SystemExit):
+        parser.parse_args([mp.FLAG, str(tmp_path / "missing.json")])
+    assert "must be a JSON object or the path of a JSON file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        mp.resolve_plugin("{schedule: baseline}")
+
+
+def test_megatron_settings_report_every_problem_at_once():
+    args = megatron_args(moe_token_dispatcher_type="flex", pipeline_model_parallel_size=2,
+                         moe_shared_expert_overlap=True, moe_apply_probs_on_input=True,
+                         expert_tensor_parallel_size=2, moe_input_jitter_eps=0.1, moe_ffn_hidden_size=15)
+    plugin = PluginConfig(esp=1, pipeline_degree="auto", schedule="baseline-tp")
+    problems = plugin_problems(facts_from_args(args), plugin, world=WORLD, ranks_per_node=RPN)
+    expected = ["moe_token_dispatcher_type ('flex') must be one of alltoall, allgather",
+                "pipeline_model_parallel_size (2) must be 1", "moe_shared_expert_overlap (True) must be False",
+                "moe_apply_probs_on_input (True) must be False",
+                "moe_plugins.esp (1) must equal expert_tensor_parallel_size (2)",
+                "moe_plugins.pipeline_degree ('auto') needs a cost profile",
+                "moe_input_jitter_eps must be off with expert_tensor_parallel_size (2) > 1",
+                "moe_plugins.schedule on Megatron's token layout", "ffn (15) must be divisible by esp (2)"]
+    for text in expected:
+        assert any(text in p for p in problems), (text, problems)
+    assert len(problems) == len(expected)
+    assert plugin_problems(facts_from_args(megatron_args()), PluginConfig(), world=WORLD, ranks_per_node=RPN) == []
+    bad_world = plugin_problems(facts_from_args(megatron_args(expert_model_parallel_size=3)), PluginConfig(),
+                                world=WORLD, ranks_per_node=RPN)
+    assert bad_world == ["layout of tensor_model_parallel_size 2, expert_model_parallel_size 3, "
+                         "expert_tensor_parallel_size 2: world (4) must be divisible by ep*esp (3*2=6)"]
+
+
+def test_megatron_tokens_are_one_block_per_rank():
+    """Sequence parallelism: the schedule's layout has MP = 1 whatever Megatron's TP, so the baseline-tp
+    schedule (which splits an MP group's replicated capacity) runs only without expert-TP."""
+    facts = facts_from_args(megatron_args(tensor_model_parallel_size=2, expert_tensor_parallel_size=2))
+    layout = token_layout(facts, WORLD, RPN)
+    assert (layout.mp, layout.ep, layout.esp, layout.dp) == (1, 2, 2, WORLD)
+    assert schedule_problems("baseline", layout) == []
+    assert schedule_problems("baseline-tp", layout) != []
+
+
+def _snapshot():
+    import importlib
+    return {name: dict(vars(importlib.import_module(name))) for name, _ in mp.HOOKS}
+
+
+def _same(before, after) -> bool:
+    return all(before[m].keys() == after[m].keys() and all(after[m][k] is v for k, v in before[m].items())
+               for m in before)
+
+
+def test_enable_from_args_validates_before_patching():
+    before = _snapshot()
+    args = megatron_args(moe_plugins='{"schedule": "baseline"}', moe_token_dispatcher_type="flex",
+                         context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"moe_token_dispatcher_type \('flex'\).*context_parallel_size \(2\)"):
+        mp.enable_from_args(args)
+    assert mp.active() is None and _same(before, _snapshot())
+    assert mp.enable_from_args(megatron_args()) is None                          # no flag: nothing happens
+    assert mp.enable_from_args(megatron_args(moe_plugins='{"enabled": false}')) is None
+    assert mp.active() is None and _same(before, _snapshot())
+
+
+def test_disable_restores_megatron_exactly():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moe_plugins.patches.megatron_layer import PluginMoELayer
+    before = _snapshot()
+    originals = [before[m][a] for m, a in mp.HOOKS]
+    handle = mp.enable_from_args(megatron_args(moe_plugins='{"schedule": "baseline"}'))
+    try:
+        assert mp.active() is handle and not _same(before, _snapshot())
+        with pytest.raises(ValueError, match="already enabled"):
+            mp.enable(PluginConfig())
+        mlp = get_gpt_layer_local_spec(num_experts=4).submodules.mlp
+        assert mlp.module is PluginMoELayer and mlp.params["plugin"] == PluginConfig(schedule="baseline")
+        assert handle.specs_built == 1
+    finally:
+        mp.disable()
+    assert mp.active() is None and not handle.active and _same(before, _snapshot())
+    assert [vars(__import__(m, fromlist=[a]))[a] for m, a in mp.HOOKS] == originals
+    assert get_gpt_layer_local_spec(num_experts=4).submodules.mlp.module is MoELayer
+    mp.disable()                                                                   # idempotent
+
+
+def test_spec_provider_swaps_only_the_layer_class():
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    stock = stock_spec(use_te=False, num_experts=4)
+    ours = mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"schedule": "baseline"})
+    assert issubclass(ours.module, MoELayer) and ours.module is not MoELayer
+    assert ours.submodules == stock.submodules and ours.metainfo == stock.metainfo
+    assert mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"enabled": False}).module is MoELayer
+    with pytest.raises(ValueError, match="moe_plugins.schedule .'nope'. must be one of"):
+        mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"schedule": "nope"})
+
+
+# ---- Megatron's routing as the core's Routing (one process) ------------------------------------------------------
+
+@pytest.mark.parametrize("k,capacity_factor,pad,policy", [(1, None, False, "probs"), (2, None, False, "probs"),
+                                                          (2, 0.75, False, "probs"), (2, 1.0, True, "position"),
+                                                          (1, 1.0, True, "probs")])
+def test_routing_matches_megatron_permute_and_unpermute(k, capacity_factor, pad, policy):
+    """dispatch/combine of the converted routing reproduce Megatron's permute -> experts (scaled by the routing
+    probability) -> unpermute, values and gradients, including dropped routes and zero-probability padding."""
+    from megatron.core.transformer.moe.moe_utils import (apply_router_token_dropping, get_capacity, permute,
+                                                         topk_routing_with_score_function, unpermute)
+
+    from moe_plugins.patches.megatron_layer import routing_from_megatron
+    tokens, experts, dim = 12, 4, 3
+    gen = torch.Generator().manual_seed(17 * k + int(pad))
+    x = torch.randn(tokens, dim, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(tokens, dim, generator=gen, dtype=torch.float64)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(rows * (e + 1)) + e
+
+    def routed(logits):
+        probs, rmap = topk_routing_with_score_function(logits, k, use_pre_softmax=k == 1)
+        if capacity_factor is None:
+            return probs, rmap, int(rmap.sum(0).max())
+        probs, rmap = apply_router_token_dropping(probs, rmap, router_topk=k, capacity_factor=capacity_factor,
+                                                  drop_policy=policy, pad_to_capacity=pad)
+        return probs, rmap, get_capacity(tokens * k, experts, capacity_factor)
+
+    logits = torch.randn(tokens, experts, generator=gen, dtype=torch.float64)
+    results = []
+    for side in ("megatron", "core"):
+        lg = logits.clone().requires_grad_(True)
+        probs, rmap, cap = routed(lg)
+        if side == "megatron":
+            drop_and_pad = pad and capacity_factor is not None
+            perm, perm_probs, order = permute(x, rmap, probs=probs, num_out_tokens=cap * experts if drop_and_pad
+                                              else int(rmap.sum()), drop_and_pad=drop_and_pad)
+            counts = [cap] * experts if drop_and_pad else rmap.sum(0).tolist()
+            out = torch.cat([expert(e, c) for e, c in enumerate(torch.split(perm, counts))]) * perm_probs[:, None]
+            y = unpermute(out, order, restore_shape=x.shape, routing_map=rmap, drop_and_pad=drop_and_pad)
+        else:
+            routing = routing_from_megatron(probs, rmap, cap)
+            d_ECM = dispatch(x, routing, experts, cap)
+            y = combine(torch.stack([expert(e, d_ECM[e]) for e in range(experts)]), routing)
+        (y * upstream).sum().backward()
+        results.append((y.detach(), lg.grad))
+    assert torch.allclose(results[0][0], results[1][0], rtol=0, atol=1e-12)
+    assert torch.allclose(results[0][1], results[1][1], rtol=0, atol=1e-12)
+    if capacity_factor is not None and not pad:
+        assert int(routed(logits)[1].sum()) < tokens * k            # the case really drops routes
+
+
+# ---- 4 gloo ranks: stock MoELayer (alltoall) vs the plugin -------------------------------------------------------
+
+def _check(results, tol: float):
+    bad = []
+    for r in results:
+        errs = {key: r[key] for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux")}
+        if max(errs.values()) > tol or not (r["routing_equal"] and r["grad_names_equal"] and r["bias_none"]):
+            bad.append((r["spec"], r["rank"], errs, r["routing_equal"], r["grad_names_equal"]))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("tp,ep,etp", LAYOUTS, ids=[f"tp{t}-ep{e}-etp{x}" for t, e, x in LAYOUTS])
+def test_plugin_matches_stock_alltoall_fp64(world, tp, ep, etp):
+    """Outputs, input gradients, every parameter gradient and the tracked aux loss agree to 1e-9 in fp64: top-1
+    with capacity dropping padded to capacity, top-2 dropless, top-2 dropping without padding."""
+    specs = [spec(tp, ep, etp, k=1, drop=True, capacity_factor=1.0, pad=True),
+             spec(tp, ep, etp, k=2, drop=False),
+             spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25)]
+    results = [r for rank in world(WORLD).run(jobs.equivalence_job, specs) for r in rank]
+    _check(results, 1e-9)
+    assert sum(r["dropped_routes"] for r in results if r["spec"].pad) > 0          # dropping was exercised
+    report = collect(specs[1], [r for r in results if r["spec"] == specs[1]])
+    assert report["ok"] and report["host"] == "megatron"
+    ops = report["ledger"].get("megatron.moe.1", {})                               # no collective at all: no entry
+    assert (ep > 1) == ("forward:all_to_all@ep" in ops)                            # the schedule's exchanges
+    assert (etp > 1) == ("forward:all_gather@esp" in ops and "forward:all_reduce@esp" in ops)
+
+
+def test_other_schedules_and_pipeline_degree_match_stock(world):
+    """Every registered schedule that is valid on Megatron's token layout (MP = 1), and PipeMoE's pipelined
+    chunks (degree 2), on a layout with expert-TP and one without."""
+    specs = []
+    for tp, ep, etp in ((2, 2, 1), (1, 2, 2)):
+        args = megatron_args(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                             expert_tensor_parallel_size=etp)
+        layout = token_layout(facts_from_args(args), WORLD, RPN)
+        specs += [spec(tp, ep, etp, k=2, drop=False, schedule=name) for name in sorted(SCHEDULES)
+                  if name != "baseline" and not schedule_problems(name, layout)]
+        specs.append(spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25, pipeline_degree=2))
+    assert any(s.schedule == "baseline-tp" for s in specs)
+    _check([r for rank in world(WORLD).run(jobs.equivalence_job, specs) for r in rank], 1e-9)
+
+
+@pytest.mark.parametrize("tp,ep,etp,overlap", [(2, 2, 1, False), (1, 2, 2, True)])
+def test_twenty_training_steps_through_megatron_ddp_and_optimizer(world, tp, ep, etp, overlap):
+    """fp32, Adam, Megatron's DistributedDataParallel (expert parameters in its expert buffers; overlapped
+    bucketed grad reduction in the second case), finalize_model_grads: equal losses to 1e-5 relative."""
+    results = world(WORLD).run(jobs.training_job, spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25,
+                                                       dtype="float32"), 20, overlap)
+    for r in results:
+        assert len(r["stock"]) == len(r["plugin"]) == 20
+        for a, b in zip(r["stock"], r["plugin"]):
+            assert abs(a - b) <= 1e-5 * abs(a), (r["stock"], r["plugin"])
+        assert sum(r["stock"][-4:]) < sum(r["stock"][:4])                              # it did learn
+        stock_n, plugin_n = r["expert_buffer_params"]
+        assert stock_n == plugin_n > 0
+
+
+def test_checkpoints_load_both_ways(world):
+    for r in world(WORLD).run(jobs.checkpoint_job, spec(2, 2, 1, k=2, drop=False)):
+        assert r["keys"] == r["plugin_keys"] and r["attrs_equal"]
+        assert r["expert_params"] and all(n.startswith("experts.") for n in r["expert_params"])
+        assert r["err_plugin_to_stock"] <= 1e-12 and r["err_stock_to_plugin"] <= 1e-12
+
+
+def test_bad_layer_config_lists_every_problem_before_building(world):
+    for r in world(WORLD).run(jobs.bad_layer_job):
+        message = r["message"]
+        for text in ("moe_token_dispatcher_type ('flex')", "overlap_moe_expert_parallel_comm (True) must be False",
+                     "moe_plugins.esp (1) must equal expert_tensor_parallel_size (2)",
+                     "moe_plugins.pipeline_degree ('auto')", "moe_input_jitter_eps must be off",
+                     "schedule 'baseline-tp' needs esp (2)"):
+            assert text in message, (text, message)
+        assert r["rng_untouched"]
+
+
+def test_pg_collection_that_breaks_the_layout_is_refused(world):
+    for rank, message in enumerate(world(WORLD).run(jobs.mismatched_groups_job)):
+        assert f"pg_collection.ep of rank {rank} holds ranks" in message
+        assert "needs [0, 1]" in message or "needs [2, 3]" in message
+
+
+def test_verify_cli_rejects_bad_megatron_flags(capsys):
+    from moe_plugins.cli import main
+    code = main(["verify", "--host", "megatron", "--world", "4", "--ep", "3", "--min-capacity", "2", "--skew", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "min_capacity (2) must be 0" in err and "skew (1.0)" in err and "ep*esp (3*1=3)" in err

@@ -1,0 +1,131 @@
+"""Parm's cost model (moe_plugins/parm_cost.py): sizes, per-op volumes, t_B / t_D1 / t_D2, Algorithm 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey
+from moe_plugins.parm_cost import (DEFAULT_COSTS, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
+                                   choose_schedule, op_volumes, schedule_ops, shape_problems, sizes, t_baseline,
+                                   t_s1, t_s2)
+
+SHAPE = ParmShape(B=4, L=512, M=1024, H=4096, E=8, k=2, f=1.2, mp=2, ep=2, esp=2)
+COSTS = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=1e-4, beta=2e-9), ag_mp=AlphaBeta(alpha=5e-5, beta=1e-9),
+                  saa=AlphaBeta(alpha=1.5e-4, beta=2.5e-9), ag_esp=AlphaBeta(alpha=5e-5, beta=1e-9),
+                  ar_esp=AlphaBeta(alpha=8e-5, beta=2e-9), a2a_ep=AlphaBeta(alpha=1e-4, beta=2e-9))
+
+
+def test_sizes_follow_section_iv_not_algorithm_1_line_2():
+    s = sizes(SHAPE)
+    assert s.x == 4 * 512 * 1024
+    assert s.T == pytest.approx(2 * 1.2 * 4 * 512 / 8)                    # k f B L / E: no factor M
+    assert s.y == pytest.approx(8 * s.T * 1024 * 2)                        # E T M N_ESP
+    assert sizes(ParmShape(**{**SHAPE.__dict__, "M": 2048})).T == s.T      # T does not grow with M
+
+
+def test_schedule_ops_are_the_papers_collectives():
+    s = sizes(SHAPE)
+    assert op_volumes(schedule_ops("baseline", SHAPE)) == {
+        "all_gather@esp": (1, s.x * 2), "all_to_all@ep": (2, 2 * s.y), "all_reduce@esp": (1, s.y)}
+    assert op_volumes(schedule_ops("parm-s1", SHAPE)) == {"all_to_all@ep_esp": (2, s.y), "all_gather@mp": (1, s.x)}
+    assert op_volumes(schedule_ops("parm-s2", SHAPE)) == {"all_to_all@ep_esp": (2, s.y),
+                                                          "all_gather@mp": (1, 8 * s.T * 1024)}
+
+
+def test_size_one_groups_issue_nothing():
+    flat = ParmShape(B=2, L=8, M=4, H=8, E=4, k=1, f=1.0, mp=1, ep=1, esp=1)
+    for name in ("baseline", "parm-s1", "parm-s2"):
+        assert schedule_ops(name, flat) == []
+        assert t_baseline(flat, COSTS) == 0.0 and t_s1(flat, COSTS) == 0.0 and t_s2(flat, COSTS) == 0.0
+    no_mp = ParmShape(**{**SHAPE.__dict__, "mp": 1})
+    assert t_s1(no_mp, COSTS) == t_s2(no_mp, COSTS, saa=False)             # nothing to split: same collectives
+    assert choose_schedule(no_mp, COSTS).s2_form == "sequential"
+
+
+def test_times_by_hand():
+    s = sizes(SHAPE)
+    a2a = 1e-4 + 2e-9 * s.y / 2
+    assert t_s1(SHAPE, COSTS) == pytest.approx(2 * a2a + 5e-5 + 1e-9 * s.x)                       # Eq. 11
+    assert t_s2(SHAPE, COSTS, saa=False) == pytest.approx(2 * a2a + 5e-5 + 1e-9 * 8 * s.T * 1024)  # Eq. 7
+    assert t_s2(SHAPE, COSTS) == pytest.approx(a2a + 1.5e-4 + 2.5e-9 * s.y / 2)                   # Eq. 14
+    assert t_baseline(SHAPE, COSTS) == pytest.approx(5e-5 + 1e-9 * 2 * s.x + 8e-5 + 2e-9 * s.y
+                                                     + 2 * (1e-4 + 2e-9 * s.y))                   # Eq. 1
+    assert t_baseline(SHAPE, ParmCosts(a2a_ep_esp=COSTS.a2a_ep_esp, ag_mp=COSTS.ag_mp)) is None
+
+
+def test_algorithm_1_ties_go_to_s1_and_the_choice_is_the_argmin():
+    same = ParmCosts(a2a_ep_esp=COSTS.a2a_ep_esp, ag_mp=COSTS.ag_mp)
+    tie = ParmShape(B=1, L=64, M=16, H=16, E=4, k=1, f=1.0, mp=2, ep=2, esp=1)   # E T M == B L M
+    c = choose_schedule(tie, same)
+    assert c.t_s1 == c.t_s2 and c.choice == "parm-s1"
+
+
+def test_paper_limits_in_t():
+    """§IV-B: with N_ESP = 1 and T -> 0, S2 wins (t_D2 -> 0, t_D1 -> AG_MP(BLM)); as T grows S1 wins when
+    the overlapped collective costs more per element than the all-to-all alone."""
+    shape = ParmShape(**{**SHAPE.__dict__, "esp": 1})
+    assert choose_schedule(shape, COSTS, T=1e-3).choice == "parm-s2"
+    assert choose_schedule(shape, COSTS, T=1e6).choice == "parm-s1"
+    t0 = break_even_T(shape, COSTS)
+    assert t0 is not None and t0 > 0
+    assert t_s1(shape, COSTS, t0) == pytest.approx(t_s2(shape, COSTS, t0), rel=1e-9)
+    assert choose_schedule(shape, COSTS, T=0.9 * t0).choice == "parm-s2"
+    assert choose_schedule(shape, COSTS, T=1.1 * t0).choice == "parm-s1"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 4096), st.sampled_from([256, 1024]), st.integers(1, 2),
+       st.floats(0.5, 2.5), st.sampled_from([(1, 2, 2), (2, 2, 2), (2, 4, 1), (4, 2, 2), (2, 1, 4)]),
+       st.floats(1e-6, 1e-3), st.floats(1e-10, 1e-8), st.floats(1e-10, 1e-8))
+def test_choice_is_argmin_and_eq_6_holds(B, L, M, k, f, degrees, alpha, beta_a2a, beta_ag):
+    mp, ep, esp = degrees
+    shape = ParmShape(B=B, L=L, M=M, H=1024, E=8, k=k, f=f, mp=mp, ep=ep, esp=esp)
+    # a network where the fused all-to-all is no slower per element than the EP all-to-all (Eq. 3-5)
+    link = AlphaBeta(alpha=alpha, beta=beta_a2a)
+    costs = ParmCosts(a2a_ep_esp=link, ag_mp=AlphaBeta(alpha=alpha, beta=beta_ag), a2a_ep=link,
+                      ag_esp=AlphaBeta(alpha=alpha, beta=beta_ag), ar_esp=AlphaBeta(alpha=alpha, beta=2 * beta_ag))
+    c = choose_schedule(shape, costs, saa=False)
+    assert c.choice == ("parm-s1" if c.t_s1 <= c.t_s2 else "parm-s2")
+    if ep > 1 and esp > 1:
+        # Eq. 6: with N_MP = 1 both schedules beat the baseline by at least the ESP all-gather
+        flat = ParmShape(**{**shape.__dict__, "mp": 1})
+        assert t_baseline(flat, costs) - t_s1(flat, costs) >= costs.ag_esp.time(sizes(flat).x * esp) - 1e-15
+
+
+def test_shape_problems_are_reported_together():
+    bad = ParmShape(B=0, L=8, M=4, H=10, E=6, k=1, f=-1.0, mp=1, ep=4, esp=4)
+    text = "; ".join(shape_problems(bad))
+    assert "B (0) must be a positive integer" in text and "f (-1.0) must be a finite number > 0" in text
+    text = "; ".join(shape_problems(ParmShape(B=1, L=8, M=4, H=10, E=6, k=7, ep=4, esp=4)))
+    for part in ("k (7) must not exceed E (6)", "E (6) must be divisible by ep (4)",
+                 "H (10) must be divisible by esp (4)"):
+        assert part in text
+    with pytest.raises(ValueError, match=r"invalid Parm shape: B \(0\)"):
+        sizes(bad)
+
+
+def test_costs_are_checked():
+    bad = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=-1.0, beta=1e-9), ag_mp=AlphaBeta(alpha=0.0, beta=math.inf))
+    with pytest.raises(ValueError, match=r"a2a_ep_esp.alpha \(-1.0\).*ag_mp.beta \(inf\)"):
+        bad.check()
+    assert DEFAULT_COSTS.check() is DEFAULT_COSTS
+    assert PAPER_AG_MP["testbed-b"] == AlphaBeta(alpha=1.09e-4, beta=7.14e-10)
+
+
+def profile(models):
+    key = ProfileKey(world=4, ranks_per_node=2, mp=2, ep=2, esp=2, backend="gloo", device="cpu")
+    return CostProfile(key=key, dtype="float32", models={k: LinearModel(alpha=a, beta=b, unit="byte")
+                                                         for k, (a, b) in models.items()})
+
+
+def test_costs_from_a_profile_convert_bytes_to_elements():
+    p = profile({"all_to_all@ep_esp": (1e-4, 1e-10), "all_gather@mp": (2e-5, 5e-11), "saa@ep_esp+mp": (3e-4, 2e-10)})
+    c = ParmCosts.from_profile(p, element_bytes=4)
+    assert c.a2a_ep_esp == AlphaBeta(alpha=1e-4, beta=4e-10) and c.ag_mp == AlphaBeta(alpha=2e-5, beta=2e-10)
+    assert c.saa == AlphaBeta(alpha=3e-4, beta=8e-10) and c.a2a_ep is None
+    with pytest.raises(ValueError, match=r"no model for 'all_gather@mp', which Parm's choice needs"):
+        ParmCosts.from_profile(profile({"all_to_all@ep_esp": (1e-4, 1e-10)}), element_bytes=4)

@@ -1,0 +1,169 @@
+"""PipeMoE: the Eq. 9-12 recurrence, Theorem 1's optimal degree, and the pipelined runner on 4 gloo ranks."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from moe_plugins.costmodel import PAPER_TESTBED, PipeCosts
+from moe_plugins.pipemoe import (AutoDegree, choose_degree, degree_from_flag, f1, f3, f4, moe_time, optimal_degree,
+                                 pipeline_time, plan_workload, training_time)
+from moe_plugins.verify import VerifySpec
+from tests.workers.pipemoe import auto_layer, overlap_probe, verify_many
+
+WORLD = 4
+
+# A CPU/gloo-like profile (slow link, start-up costs in the milliseconds) next to the paper's GPU testbed.
+CPU_LIKE = PipeCosts(alpha_a=1.5e-3, beta_a=2.5e-9, alpha_e=4e-4, beta_e=3e-11)
+
+
+# ---- the recurrence ----------------------------------------------------------------------------------------
+
+def test_recurrence_by_hand():
+    # D: [0,2] [2,4]; E_1 [2,5], E_2 [5,8]; literal Eq. 11: C_1 [5,7], C_2 [8,10]
+    assert pipeline_time([2, 2], [3, 3], [2, 2], shared_link=False) == 10
+    # one link: C_1 also waits for D_2 (ends at 4) -> same here; with a slow link it matters:
+    assert pipeline_time([4, 4], [1, 1], [4, 4], shared_link=False) == 13     # C_1 at 5 while D_2 runs
+    assert pipeline_time([4, 4], [1, 1], [4, 4], shared_link=True) == 16      # = 2 r t_d (Eq. 25)
+    assert pipeline_time([1], [5], [1]) == 7                                    # r = 1: 2 t_d + t_e (Eq. 19)
+
+
+def test_r1_is_eq19_not_algorithm1_line5():
+    c, n_d, n_e = CPU_LIKE, 3e6, 4e9
+    d, e = c.alpha_a + c.beta_a * n_d, c.alpha_e + c.beta_e * n_e
+    assert moe_time(c, n_d, n_e, 1) == pytest.approx(2 * d + e) == pytest.approx(f1(c, n_d, n_e))
+    assert not math.isclose(moe_time(c, n_d, n_e, 1), 2 * e + d)
+
+
+@pytest.mark.parametrize("costs", [PAPER_TESTBED, CPU_LIKE], ids=["paper", "cpu"])
+def test_closed_forms_equal_the_shared_link_recurrence(costs):
+    for n_d, n_e in itertools.product((1e4, 1e6, 1e8), (1e7, 1e9, 1e11)):
+        for r in range(2, 65):
+            want = max(f3(costs, n_d, n_e, r), f4(costs, n_d, n_e, r))
+            assert moe_time(costs, n_d, n_e, r) == pytest.approx(want, rel=1e-12)
+
+
+# ---- Theorem 1 ---------------------------------------------------------------------------------------------
+
+def _shapes():
+    """64 layers from tiny (start-up bound) to compute-heavy (H = 32768), fp16 and fp32 exchanges."""
+    for B, L, M, H, P, eb in itertools.product((1, 8), (128, 2048), (512, 4096), (1024, 32768), (4, 16), (2, 4)):
+        yield plan_workload(B=B, L=L, M=M, H=H, E=P * 2, k=2, f=1.0, P=P, element_bytes=eb)
+
+
+@pytest.mark.parametrize("costs", [PAPER_TESTBED, CPU_LIKE,
+                                   PipeCosts(alpha_a=2e-4, beta_a=1e-10, alpha_e=0.0, beta_e=2e-13),
+                                   PipeCosts(alpha_a=0.0, beta_a=4e-10, alpha_e=5e-5, beta_e=5e-14)],
+                         ids=["paper", "cpu", "alpha_e=0", "alpha_a=0"])
+@pytest.mark.parametrize("objective", ["forward", "training"])
+def test_chosen_degree_minimises_the_recurrence(costs, objective):
+    def time_of(w, r):
+        return moe_time(costs, w.n_d, w.n_e, r) if objective == "forward" else training_time(costs, w.n_d, w.n_e, r)
+    chosen = set()
+    for w in _shapes():
+        choice = choose_degree(costs, w.n_d, w.n_e, objective=objective, r_max=64)
+        best = min(time_of(w, r) for r in range(1, 65))
+        assert time_of(w, choice.degree) <= best * (1 + 1e-12), (w, choice)
+        assert choice.predicted_time_s == pytest.approx(time_of(w, choice.degree), rel=1e-12)
+        chosen.add(choice.degree)
+    assert len(chosen) >= 5, chosen          # the grid really moves the optimum
+
+
+def test_theorem_candidates_name_their_case():
+    choice = optimal_degree(CPU_LIKE, 2e6, 3e9)
+    cases = {c.case for c in choice.candidates}
+    assert "r=1" in cases and cases & {"Q1 (f2)", "Q2 (f3)", "not Q2 (f4)"}
+    assert choice.degree in {c.r for c in choice.candidates}
+
+
+def test_plan_workload_and_errors():
+    w = plan_workload(B=4, L=1024, M=2048, H=4096, E=16, k=2, f=1.0, P=8)
+    assert w.capacity == 512
+    assert w.n_d == 16 * 512 * 2048 * 4 and w.n_e == 16 * 512 * 2048 * 4096
+    with pytest.raises(ValueError, match=r"E \(6\) must be divisible by P \(4\)"):
+        plan_workload(B=1, L=8, M=8, H=8, E=6, k=1, f=1.0, P=4)
+    with pytest.raises(ValueError, match=r"B \(0\) must be a positive integer.*f \(0\) must be > 0"):
+        plan_workload(B=0, L=8, M=8, H=8, E=4, k=1, f=0, P=4)
+    with pytest.raises(ValueError, match=r"alpha_a \(-1.0\) must be a finite number >= 0"):
+        optimal_degree(PipeCosts(alpha_a=-1.0, beta_a=0, alpha_e=0, beta_e=0), 1, 1)
+
+
+def test_degree_from_flag():
+    assert degree_from_flag(3, None) == 3 and degree_from_flag("4", None) == 4
+    with pytest.raises(ValueError, match="needs a cost profile"):
+        degree_from_flag("auto", None)
+    with pytest.raises(ValueError, match=r"pipeline_degree \('two'\) must be a positive integer or 'auto'"):
+        degree_from_flag("two", None)
+    with pytest.raises(ValueError, match=r"pipeline_degree \(0\)"):
+        degree_from_flag(0, None)
+
+
+# ---- the runner on 4 gloo ranks ------------------------------------------------------------------------------
+
+def _check(reports):
+    bad = [(r["spec"]["schedule"], r["spec"]["pipeline_degree"], r["spec"]["tokens"],
+            {k: r[k] for k in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "routing_equal")})
+           for r in reports if not r["ok"]]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("schedule, layout", [("baseline", dict(mp=2, ep=2, esp=2)), ("baseline", dict(ep=4)),
+                                              ("baseline-tp", dict(mp=2, ep=2, esp=2)),
+                                              ("baseline-tp", dict(mp=2, ep=2)),
+                                              ("parm-s2", dict(mp=2, ep=2, esp=2)),
+                                              ("parm-s2-saa", dict(mp=2, ep=2, esp=2)),
+                                              ("parm-s1", dict(mp=2, ep=2, esp=2))])
+def test_pipelined_is_exact_fp64_with_drops(world, schedule, layout):
+    specs = [VerifySpec(world=WORLD, ranks_per_node=2, k=2, skew=0.5, schedule=schedule, pipeline_degree=r,
+                        tokens=16, **layout) for r in (2, 3, 4, 8)]
+    # fewer capacity slots than chunks (C = 1 here), and a dropless run
+    specs += [VerifySpec(world=WORLD, ranks_per_node=2, k=1, tokens=2, schedule=schedule, pipeline_degree=r,
+                         **layout) for r in (3, 8)]
+    specs.append(VerifySpec(world=WORLD, ranks_per_node=2, k=2, drop=False, schedule=schedule, pipeline_degree=3,
+                            **layout))
+    reports = world(WORLD).run(verify_many, specs)[0]
+    _check(reports)
+    assert sum(r["dropped_routes"] for r in reports[:4]) > 0
+    if schedule.startswith("baseline"):
+        for r, rep in zip((2, 3, 4, 8), reports):      # the exchanges really ran per chunk
+            assert rep["ledger"]["moe"]["forward:all_to_all@ep"]["count"] == 2 * r
+            assert rep["ledger"]["moe"]["backward:all_to_all@ep"]["count"] == 2 * r
+
+
+@pytest.mark.parametrize("r", [2, 4])
+def test_stages_overlap_forward_and_backward(world, r):
+    """Each probe only passes if D(i+1) runs during E(i), C(r-2) during E(r-1), and in backward the
+    combine-gradient of chunk j during the expert backward of chunk j+1; the sequential loop times out."""
+    assert world(WORLD).run(overlap_probe, r, True, 60.0) == ["ok"] * WORLD
+    seq = world(WORLD).run(overlap_probe, r, False, 1.0)
+    assert all(s.startswith("timeout") for s in seq), seq
+
+
+@pytest.mark.parametrize("schedule, layout, group, n_d, n_e, r_max", [
+    # d_ENCM = (E=4, N=1, C=8, M=8) fp64: 2048 bytes; 32 rows * M * H = 4096 macs; r <= C = 8
+    ("baseline", dict(ep=4), "ep", 2048.0, 4096.0, 8),
+    # d_EPcM = (4, 2, 4, 8): MP-split then dumped to 2 shards: 2048 bytes; 32 rows * M * H/2; r <= c = 4
+    ("parm-s2", dict(mp=2, ep=2, esp=2), "ep_esp", 2048.0, 2048.0, 4),
+])
+def test_auto_degree_in_the_layer(world, schedule, layout, group, n_d, n_e, r_max):
+    spec = VerifySpec(world=WORLD, ranks_per_node=2, k=2, tokens=16, schedule=schedule, **layout)
+    costs = PipeCosts(alpha_a=2e-5, beta_a=4e-6, alpha_e=5e-5, beta_e=1e-6)
+    res = world(WORLD).run(auto_layer, spec, {group: costs})
+    train = choose_degree(costs, n_d, n_e, objective="training", r_max=r_max).degree
+    infer = choose_degree(costs, n_d, n_e, objective="forward", r_max=r_max).degree
+    assert train > 1 and infer > 1
+    a2a = "all_to_all" if schedule == "baseline" else None
+    for rank in res:
+        if a2a:
+            assert rank["auto"]["fwd_a2a"] == 2 * train and rank["one"]["fwd_a2a"] == 2
+            assert rank["auto"]["eval_a2a"] == 2 * infer
+        assert rank["auto"]["chunks"] == [train, infer]
+        for key in ("y", "grad_x", "y_eval"):
+            torch.testing.assert_close(rank["auto"][key], rank["one"][key], rtol=0, atol=1e-12)
+
+
+def test_auto_degree_rejects_unknown_schedule_workload():
+    auto = AutoDegree(costs={"ep": CPU_LIKE})
+    with pytest.raises(ValueError, match="does not know the exchange of schedule 'nobody-knows'"):
+        auto.workload(type("S", (), {"name": "nobody-knows"})(), None)

@@ -1,0 +1,190 @@
+"""Jobs for tests/test_deepspeed_*.py, run on pool ranks: a small DeepSpeed MoE model trained through
+``deepspeed.initialize`` with the plugin on and off, and checkpoints saved by one and loaded by the other.
+
+Shapes: B batch, L sequence, M model dim, H FFN hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_plugins.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
+
+M, H, E, B, L = 8, 16, 4, 2, 8
+
+
+class TinyMoEModel(nn.Module):
+    """Linear -> DeepSpeed MoE (residual) -> Linear head; loss = MSE + 0.01 * aux. DeepSpeed's default gate
+    randomness stays on (RTS; top-2 sampling when k = 2): both runs are seeded identically."""
+
+    def __init__(self, ep: int, k: int):
+        from deepspeed.moe.layer import MoE
+        super().__init__()
+        self.inp = nn.Linear(M, M)
+        expert = nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M))
+        self.moe = MoE(hidden_size=M, expert=expert, num_experts=E, ep_size=ep, k=k, min_capacity=0)
+        self.head = nn.Linear(M, 1)
+
+    def forward(self, x_BLM: torch.Tensor, t_BL1: torch.Tensor) -> torch.Tensor:
+        h_BLM = self.inp(x_BLM)
+        m_BLM, aux, _ = self.moe(h_BLM)
+        return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1) + 0.01 * aux
+
+
+def ds_config(stage: int, plugin: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}}
+    if plugin is not None:
+        cfg["moe_plugins"] = plugin
+    return cfg
+
+
+def batch(seed: int, step: int):
+    gen = torch.Generator().manual_seed(seed * 7919 + step * 104729 + dist.get_rank())
+    x = torch.randn(B, L, M, generator=gen)
+    return x, torch.sin(x.sum(-1, keepdim=True))
+
+
+def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int):
+    """A fresh engine; every global expert gets weights from (seed, id), wherever the layout places it."""
+    import deepspeed
+    torch.manual_seed(seed)
+    model = TinyMoEModel(ep, k)
+    esp = (plugin or {}).get("esp") or 1
+    ep_rank = dist.get_rank() % (ep * esp) // esp        # stock: EP blocks of ranks; the plugin: ESP innermost
+    init_experts(model.moe, seed, ep_rank=ep_rank, tp_rank=0, tp=1)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(stage, plugin))
+    return engine
+
+
+def train(engine, seed: int, steps: range) -> List[float]:
+    losses = []
+    for step in steps:
+        torch.manual_seed(seed * 31 + step)   # the gate's random draws, the same in both runs
+        loss = engine(*batch(seed, step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
+    """Train a fresh engine; the plugin is enabled (moe_plugins.enable(), the ds_config section decides) iff
+    ``plugin`` is a section."""
+    import moe_plugins
+    init_deepspeed_comm()
+    capture = _Capture()
+    log = logging.getLogger("moe_plugins")
+    log.addHandler(capture)
+    log.setLevel(logging.INFO)
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            if plugin is not None:
+                stack.enter_context(moe_plugins.enable())
+            engine = make_engine(stage, plugin, ep, k, seed)
+            losses = train(engine, seed, range(steps))
+            attrs = sorted({(n, p.allreduce, p.group_name) for n, p in engine.module.named_parameters()
+                            if hasattr(p, "allreduce")})
+            engine.destroy()
+    finally:
+        log.removeHandler(capture)
+    return {"losses": losses, "expert_attrs": attrs, "log": capture.lines}
+
+
+def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
+    off = run_engine(stage, None, ep, k, seed, steps)
+    on = run_engine(stage, plugin, ep, k, seed, steps)
+    return {"off": off, "on": on}
+
+
+def _state(engine) -> Dict[str, torch.Tensor]:
+    """The module's state_dict with local expert ids turned into global ones (the layouts place experts
+    differently), as DeepSpeed's expert checkpoint files name them."""
+    from deepspeed.utils import groups
+    moe = engine.module.moe
+    first = moe.num_local_experts * groups._get_expert_parallel_rank(moe.expert_group_name)
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    out = {}
+    for n, t in engine.module.state_dict().items():
+        if n.startswith(prefix):
+            local, rest = n[len(prefix):].split(".", 1)
+            n = f"{prefix}{first + int(local)}.{rest}"
+        out[n] = t.detach().clone()
+    return out
+
+
+def checkpoint_round_trip(save_plugin: Optional[Dict[str, Any]], load_plugin: Optional[Dict[str, Any]],
+                          stage: int, ep: int, k: int, path: str) -> Dict[str, Any]:
+    """Train 3 steps under ``save_plugin`` and save; go on 2 steps. A fresh engine (another seed) under
+    ``load_plugin`` loads the checkpoint and runs the same 2 steps."""
+    import moe_plugins
+    init_deepspeed_comm()
+    seed = 5
+    results: Dict[str, Any] = {}
+    for role, plugin, init_seed in (("saver", save_plugin, seed), ("loader", load_plugin, seed + 100)):
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            if plugin is not None:
+                stack.enter_context(moe_plugins.enable())
+            engine = make_engine(stage, plugin, ep, k, init_seed)
+            initial = _state(engine)
+            if role == "saver":
+                train(engine, seed, range(3))
+                engine.save_checkpoint(path, tag="t3")
+            else:
+                engine.load_checkpoint(path, tag="t3")
+            state = _state(engine)
+            results[role] = {"keys": list(engine.module.state_dict()), "initial": initial, "state": state,
+                             "after": train(engine, seed, range(3, 5))}
+            engine.destroy()
+    dist.barrier()
+    results["files"] = sorted(os.listdir(os.path.join(path, "t3")))
+    return results
+
+
+def engine_sections() -> Dict[str, Any]:
+    """With ``moe_plugins.enable()`` and no config, each engine's ds_config decides: a bad section fails
+    ``deepspeed.initialize`` with every problem listed before any layer is swapped; no section, or
+    ``enabled: false``, keeps DeepSpeed's stock layers (logged)."""
+    import moe_plugins
+    init_deepspeed_comm()
+    out: Dict[str, Any] = {}
+    capture = _Capture()
+    log = logging.getLogger("moe_plugins")
+    log.addHandler(capture)
+    log.setLevel(logging.INFO)
+    try:
+        for name, section in (("bad", {"schedule": "warp", "pipeline_degree": -1, "fsdp": True}),
+                              ("absent", None), ("disabled", {"enabled": False})):
+            with deepspeed_groups(None), moe_plugins.enable() as plugin:
+                try:
+                    engine = make_engine(0, section, 2, 1, 0)
+                except ValueError as exc:
+                    out[name] = {"error": str(exc), "swaps": list(plugin.swaps)}
+                    continue
+                out[name] = {"losses": train(engine, 0, range(2)), "swaps": list(plugin.swaps)}
+                engine.destroy()
+    finally:
+        log.removeHandler(capture)
+    out["log"] = capture.lines
+    return out

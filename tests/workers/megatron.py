@@ -1,0 +1,202 @@
+"""Pool jobs for the Megatron-core host tests: stock ``MoELayer`` (alltoall dispatcher) and the plugin's layer side
+by side on the same process groups, weights and tokens, under the CPU shims. The layer-level comparison is
+``moe-plugins verify --host megatron``'s (:mod:`moe_plugins.verify_megatron`); training, checkpoints and
+construction-time validation are here.
+
+Shapes: s tokens per rank (Megatron's [s, b=1, M] layout; sequence parallel: distinct per TP rank), M model dim.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import ExitStack
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_plugins.bench.megatron_cpu_shims import megatron_on_cpu
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.plugin_config import PluginConfig
+from moe_plugins.verify_megatron import MegatronVerifySpec, build_pair, compare_on_rank, transformer_config
+
+from tests.megatron_shims_extra import cuda_factories_on_cpu
+
+RANKS_PER_NODE = 2
+
+
+def _groups(spec: MegatronVerifySpec):
+    from moe_plugins.patches.megatron import build_megatron_groups
+    return build_megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=spec.ranks_per_node, mp=spec.mp,
+                                                ep=spec.ep, esp=spec.esp))
+
+
+def _layout_key(spec: MegatronVerifySpec) -> Tuple[int, int, int]:
+    return spec.mp, spec.ep, spec.esp
+
+
+def equivalence_job(specs: List[MegatronVerifySpec]) -> List[Dict[str, Any]]:
+    """Every spec on this rank, each layout's process groups built once."""
+    out, built = [], {}
+    with megatron_on_cpu():
+        for spec in specs:
+            if _layout_key(spec) not in built:
+                built[_layout_key(spec)] = _groups(spec)
+            out.append(dict(compare_on_rank(spec, built[_layout_key(spec)]), spec=spec))
+    return out
+
+
+def _maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _forward_backward(layer, x: torch.Tensor, g: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    y, _ = layer(x)
+    (y * g).sum().backward()
+    return y.detach(), x.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------
+
+def _roundtrip(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _param_attrs(layer) -> Dict[str, Tuple[Any, Any]]:
+    return {n: (getattr(p, "allreduce", True), getattr(p, "sequence_parallel", False))
+            for n, p in layer.named_parameters()}
+
+
+def checkpoint_job(spec: MegatronVerifySpec) -> Dict[str, Any]:
+    """Plugin -> stock and stock -> plugin through torch.save/torch.load, after the plugin's weights moved away
+    from their initial values; each loaded layer reproduces the saved one's output and gradients."""
+    with megatron_on_cpu():
+        groups = _groups(spec)
+        config = transformer_config(spec)
+        stock, plugin = build_pair(spec, config, groups)
+        with torch.no_grad():
+            for p in plugin.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        fresh_stock, fresh_plugin = build_pair(spec, config, groups)
+        fresh_stock.load_state_dict(_roundtrip(plugin.state_dict()))         # plugin -> stock
+        fresh_plugin.load_state_dict(_roundtrip(fresh_stock.state_dict()))    # stock -> plugin
+        gen = torch.Generator().manual_seed(77 + dist.get_rank())
+        x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
+        g = torch.randn_like(x)
+        saved, *loaded = [_forward_backward(m, x, g) for m in (plugin, fresh_stock, fresh_plugin)]
+    errs = [max(_maxerr(saved[0], r[0]), _maxerr(saved[1], r[1]), max(_maxerr(saved[2][n], r[2][n]) for n in r[2]))
+            for r in loaded]
+    attrs = _param_attrs(stock)
+    return {"keys": list(stock.state_dict()), "plugin_keys": list(plugin.state_dict()),
+            "attrs_equal": attrs == _param_attrs(plugin), "err_plugin_to_stock": errs[0],
+            "err_stock_to_plugin": errs[1], "expert_params": sorted(n for n, a in attrs.items() if a[0] is False)}
+
+
+# ---- training through Megatron's DDP and optimizer ------------------------------------------------------------
+
+def _net(config, moe):
+    from megatron.core.transformer.module import MegatronModule
+
+    class Net(MegatronModule):
+        """A replicated per-channel scale (a dense parameter, sequence parallel with TP) before the MoE layer."""
+
+        def __init__(self):
+            super().__init__(config)
+            self.scale = torch.nn.Parameter(torch.ones(config.hidden_size))
+            self.scale.sequence_parallel = config.sequence_parallel
+            self.moe = moe
+
+        def forward(self, x):
+            y, _ = self.moe(x * self.scale)
+            return y
+    return Net()
+
+
+def _train(config, moe, pgc, data, overlap: bool) -> Tuple[List[float], int]:
+    """Losses of every step, and how many parameters DDP put in its expert-parallel buffers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=64 if overlap else None)
+    model = DistributedDataParallel(config, ddp_config, _net(config, moe), pg_collection=pgc)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32, clip_grad=0.0),
+                                 [model], use_gloo_process_groups=False, pg_collection=pgc)
+    losses = []
+    for x, t in data:
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), t)
+        loss.backward()
+        finalize_model_grads([model], pg_collection=pgc)
+        ok, _, _ = opt.step()
+        if not ok:
+            raise RuntimeError("Megatron's optimizer skipped a step")
+        losses.append(float(loss.detach()))
+    return losses, sum(len(buffer.params) for buffer in model.expert_parallel_buffers)
+
+
+def training_job(spec: MegatronVerifySpec, steps: int, overlap: bool) -> Dict[str, Any]:
+    """The same model twice (stock MoELayer, plugin layer; same initial weights, same data), each trained through
+    Megatron's DistributedDataParallel, finalize_model_grads and get_megatron_optimizer (Adam, fp32)."""
+    teacher_MM = torch.randn(spec.hidden, spec.hidden, generator=torch.Generator().manual_seed(3)) / spec.hidden ** 0.5
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    batches = [torch.randn(spec.tokens, 1, spec.hidden, generator=gen) for _ in range(4)]
+    data = [(x, torch.tanh(x @ teacher_MM)) for x in (batches * steps)[:steps]]      # a learnable target
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        stack.enter_context(cuda_factories_on_cpu())
+        groups = _groups(spec)
+        config = transformer_config(spec)
+        stock, plugin = build_pair(spec, config, groups)
+        stock_losses, stock_experts = _train(config, stock, groups.pg_collection, data, overlap)
+        plugin_losses, plugin_experts = _train(config, plugin, groups.pg_collection, data, overlap)
+    return {"stock": stock_losses, "plugin": plugin_losses, "expert_buffer_params": (stock_experts, plugin_experts)}
+
+
+# ---- construction-time validation -----------------------------------------------------------------------------
+
+def bad_layer_job() -> Dict[str, Any]:
+    """PluginMoELayer with several unsupported settings: one ValueError naming all, raised before any module is
+    built (building draws the initial weights from the RNG, which stays untouched)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
+
+    from moe_plugins.patches.megatron_layer import PluginMoELayer
+    spec = MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RANKS_PER_NODE, ep=2, esp=2, k=2)
+    with megatron_on_cpu():
+        groups = _groups(spec)
+        config = transformer_config(spec, moe_input_jitter_eps=0.01)
+        config.moe_token_dispatcher_type = "flex"                 # set after TransformerConfig's own checks
+        config.overlap_moe_expert_parallel_comm = True
+        before = torch.get_rng_state()
+        try:
+            PluginMoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+                           plugin=PluginConfig(schedule="baseline-tp", pipeline_degree="auto", esp=1), groups=groups)
+        except ValueError as exc:
+            message = str(exc)
+        else:
+            message = ""
+        rng_untouched = torch.equal(before, torch.get_rng_state())
+    return {"message": message, "rng_untouched": rng_untouched}
+
+
+def mismatched_groups_job() -> str:
+    """A ProcessGroupCollection whose EP groups do not follow the layout is refused, naming the ranks."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
+
+    from moe_plugins.patches.megatron_layer import PluginMoELayer
+    world = dist.get_world_size()
+    spec = MegatronVerifySpec(world=world, ranks_per_node=RANKS_PER_NODE, ep=2, k=2)
+    with megatron_on_cpu():
+        pgc = _groups(spec).pg_collection
+        strided = [dist.new_group([r for r in range(world) if r % 2 == parity]) for parity in range(2)]
+        pgc.ep = strided[dist.get_rank() % 2]                     # EP over {0,2},{1,3}; the layout has {0,1},{2,3}
+        try:
+            PluginMoELayer(transformer_config(spec), submodules=stock_spec(use_te=False, num_experts=4).submodules,
+                           pg_collection=pgc, plugin=PluginConfig())
+        except ValueError as exc:
+            return str(exc)
+    return ""

@@ -1,0 +1,129 @@
+"""Pool jobs for the Parm tests (tests/test_parm.py)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Iterator, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins import comm
+from moe_plugins.comm import Recorder
+from moe_plugins.config import MoEConfig
+from moe_plugins.experts import init_full_weights, sharded_experts
+from moe_plugins.groups import build_process_groups
+from moe_plugins.layer import MoELayer
+from moe_plugins.layout import ParallelLayout
+from moe_plugins.ledger import CommLedger
+from moe_plugins.router import route_tokens
+from moe_plugins.saa import block_order, saa_adjoint_raw, saa_raw
+from moe_plugins.parm_cost import ParmCosts
+from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule
+from moe_plugins.schedules.parm import ParmAutoSchedule
+from moe_plugins.verify import VerifySpec, run_rank
+
+
+def verify_many(specs: List[VerifySpec]):
+    """Run several verify specs in one job; rank 0 returns their reports (None elsewhere)."""
+    return [run_rank(spec) for spec in specs]
+
+
+@contextmanager
+def registered(name: str, cls: Type[Schedule]) -> Iterator[None]:
+    """Make ``cls`` reachable by ``name`` for this job only (verify builds layers by name)."""
+    if name in SCHEDULES:
+        raise ValueError(f"schedule name {name!r} is taken")
+    SCHEDULES[name] = cls
+    try:
+        yield
+    finally:
+        del SCHEDULES[name]
+
+
+def verify_auto_with_costs(name: str, costs: ParmCosts, specs: List[VerifySpec]):
+    """verify_many for parm-auto with the given costs, registered as ``name`` for this job."""
+    with registered(name, ParmAutoSchedule.with_costs(costs, f"test costs ({name})")):
+        return verify_many(specs)
+
+
+def balanced_ledgers(layout: Tuple[int, int, int], k: int, schedules: List[str], tokens: int = 16):
+    """Run each schedule once on an input whose routing is perfectly balanced (token i goes to expert i mod E,
+    then i+1 mod E), so every token block has the same count per expert. Rank 0 returns
+    {schedule: ledger summary of the layer}."""
+    mp, ep, esp = layout
+    world = dist.get_world_size()
+    groups = build_process_groups(ParallelLayout(world=world, ranks_per_node=2, mp=mp, ep=ep, esp=esp))
+    cfg = MoEConfig(hidden=8, ffn=16, num_experts=4, k=k, capacity_factor=1.0, min_capacity=0)
+    gen = torch.Generator().manual_seed(0)
+    full = init_full_weights(cfg.num_experts, cfg.hidden, cfg.ffn, gen, torch.float64)
+    wg_EM = torch.zeros(cfg.num_experts, cfg.hidden, dtype=torch.float64)
+    wg_EM[:, :cfg.num_experts] = torch.eye(cfg.num_experts, dtype=torch.float64)
+    idx = torch.arange(tokens)
+    x_SM = 0.1 * torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    x_SM[:, :cfg.num_experts] = 0.0
+    x_SM[idx, idx % cfg.num_experts] = 3.0
+    x_SM[idx, (idx + 1) % cfg.num_experts] = 1.0
+    out = {}
+    for name in schedules:
+        ledger = CommLedger()
+        layer = MoELayer(cfg, groups, schedule=name, ledger=ledger, name=name, dtype=torch.float64)
+        layer.load_full(wg_EM, full)
+        x = x_SM.clone().requires_grad_(True)
+        result = layer(x)
+        assert result.dropped == 0
+        result.y.sum().backward()
+        out[name] = ledger.summary()[name]
+    return out if dist.get_rank() == 0 else None
+
+
+def chunked_equals_whole(layout: Tuple[int, int, int], schedule: str, degrees: List[int], tokens: int = 12):
+    """``run_schedule`` with capacity chunks equals the unchunked run (output and input gradient), for the
+    same routing with drops. Every rank returns the largest difference it saw."""
+    mp, ep, esp = layout
+    groups = build_process_groups(ParallelLayout(world=dist.get_world_size(), ranks_per_node=2, mp=mp, ep=ep,
+                                                 esp=esp))
+    cfg = MoEConfig(hidden=8, ffn=16, num_experts=4, k=2, capacity_factor=0.75, min_capacity=0)
+    gen = torch.Generator().manual_seed(1)
+    full = init_full_weights(cfg.num_experts, cfg.hidden, cfg.ffn, gen, torch.float64)
+    wg_EM = torch.randn(cfg.num_experts, cfg.hidden, generator=gen, dtype=torch.float64)
+    x_SM = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    layer = MoELayer(cfg, groups, schedule=schedule, dtype=torch.float64)
+    layer.load_full(wg_EM, full)
+    rec = Recorder(None, "chunks")
+    params = LayerParams(
+        router=partial(route_tokens, wg_EM=layer.wg_EM, config=cfg, groups=groups, rec=rec),
+        experts=partial(sharded_experts, weights=layer.expert_weights, activation=cfg.activation, esp=groups.esp,
+                        rec=rec))
+    results = []
+    for degree in [1] + degrees:
+        x = x_SM.clone().requires_grad_(True)
+        y, _ = run_schedule(layer.schedule, x, params, degree)
+        y.pow(2).sum().backward()
+        results.append((y.detach(), x.grad))
+    return max(float((y - results[0][0]).abs().max()) + float((g - results[0][1]).abs().max())
+               for y, g in results[1:])
+
+
+def saa_matches_sequential(layout: Tuple[int, int, int]) -> Optional[float]:
+    """SAA and its adjoint against the sequential all-to-all, ESP sum and MP all-gather (and dump)."""
+    mp, ep, esp = layout
+    groups = build_process_groups(ParallelLayout(world=dist.get_world_size(), ranks_per_node=2, mp=mp, ep=ep,
+                                                 esp=esp))
+    rec = Recorder(None, "saa")
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    g_size, e_l, c, m = groups.ep_esp.size, 2, 3, 4
+    w = torch.randn(g_size, e_l, 1, c, m, generator=gen, dtype=torch.float64)
+    order = block_order(groups.layout, groups.mp, esp)
+    got = saa_raw(w, ep_esp=groups.ep_esp, mp=groups.mp, esp=esp, order=order, rec=rec, phase="forward")
+    r = comm.all_to_all(w, groups.ep_esp, rec)
+    r = r.reshape(g_size // esp, esp, e_l, 1, c, m).sum(1).reshape(g_size // esp * e_l, 1, c, m)
+    want = comm.all_gather(r, groups.mp, rec, dim=1)
+    g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    adj = saa_adjoint_raw(g, ep_esp=groups.ep_esp, mp=groups.mp, esp=esp, rec=rec, phase="backward")
+    own = g[:, groups.mp.rank:groups.mp.rank + 1]
+    dumped = own.reshape(g_size // esp, 1, e_l, 1, c, m).expand(g_size // esp, esp, e_l, 1, c, m)
+    adj_want = comm.all_to_all(dumped.reshape(g_size, e_l, 1, c, m), groups.ep_esp, rec)
+    return max(float((got - want).abs().max()), float((adj - adj_want).abs().max()))
+

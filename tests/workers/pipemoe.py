@@ -1,0 +1,190 @@
+"""Pool jobs for the PipeMoE tests (run on every rank of a gloo pool)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+
+from moe_plugins.costmodel import PipeCosts
+from moe_plugins.groups import process_groups
+from moe_plugins.layer import MoELayer
+from moe_plugins.ledger import CommLedger
+from moe_plugins.pipemoe import AutoDegree, PipelineLane, run_pipelined
+from moe_plugins.profiler import ProfileSpec, profile_rank
+from moe_plugins.schedules import LayerParams, run_schedule
+from moe_plugins.schedules.baseline import BaselineSchedule
+from moe_plugins.verify import DTYPES, VerifySpec, make_problem, run_rank
+
+
+def verify_many(specs: List[VerifySpec]):
+    return [run_rank(spec) for spec in specs]
+
+
+# ---- overlap probes: stages that only finish if another stage runs at the same time -----------------------
+
+class Probe:
+    """Rendezvous points between stages of different chunks. ``meet(a, b)`` marks ``a`` as running and waits
+    until ``b`` is running too; a runner that does not overlap them times out."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._events: Dict[Tuple[str, int], threading.Event] = {}
+        self._counts: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def event(self, key: Tuple[str, int]) -> threading.Event:
+        with self._lock:
+            return self._events.setdefault(key, threading.Event())
+
+    def next_index(self, stage: str) -> int:
+        with self._lock:
+            i = self._counts.get(stage, 0)
+            self._counts[stage] = i + 1
+            return i
+
+    def meet(self, mine: Tuple[str, int], other: Tuple[str, int]) -> None:
+        self.event(mine).set()
+        if not self.event(other).wait(self.timeout_s):
+            raise TimeoutError(f"{mine} never ran together with {other}")
+
+
+class _Meet(torch.autograd.Function):
+    """Identity; backward meets ``other`` (placed last in a stage, so it runs first in its backward)."""
+
+    @staticmethod
+    def forward(ctx, x, probe, mine, other):
+        ctx.args = (probe, mine, other)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        probe, mine, other = ctx.args
+        if other is not None:
+            probe.meet(mine, other)
+        return g, None, None, None
+
+
+def probed_schedule(probe: Probe, r: int):
+    """Baseline with rendezvous: forward D(i+1)||E(i) and C(r-2)||E(r-1); backward Cb(j)||Eb(j+1)."""
+
+    class Probed(BaselineSchedule):
+        def exchange_in(self, d):
+            i = probe.next_index("D")
+            if i >= 1:
+                probe.meet(("D", i), ("E", i - 1))
+            return super().exchange_in(d)
+
+        def expert(self, e, params):
+            i = probe.next_index("E")
+            if i <= r - 2:
+                probe.meet(("E", i), ("D", i + 1))
+            if i == r - 1:
+                probe.meet(("E", i), ("C", r - 2))
+            y = super().expert(e, params)
+            return _Meet.apply(y, probe, ("Eb", i), ("Cb", i - 1) if i >= 1 else None)
+
+        def exchange_out(self, o):
+            i = probe.next_index("C")
+            if i == r - 2:
+                probe.meet(("C", i), ("E", r - 1))
+            y = super().exchange_out(o)
+            return _Meet.apply(y, probe, ("Cb", i), ("Eb", i + 1) if i <= r - 2 else None)
+
+    return Probed
+
+
+def overlap_probe(r: int, pipelined: bool, timeout_s: float) -> str:
+    """Forward + backward of one layer with the probed schedule; "ok" or the probe's timeout message."""
+    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, k=2, tokens=32, schedule="baseline")
+    with process_groups(spec.layout()) as groups:
+        return _overlap_probe(spec, groups, r, pipelined, timeout_s)
+
+
+def _overlap_probe(spec: VerifySpec, groups, r: int, pipelined: bool, timeout_s: float) -> str:
+    layout = spec.layout()
+    layer = MoELayer(spec.moe_config(), groups, dtype=torch.float64)
+    prob = make_problem(spec)
+    layer.load_full(prob.wg_EM, prob.full)
+    probe = Probe(timeout_s)
+    schedule = probed_schedule(probe, r)(layer.config, groups, layer.rec)
+    lane = PipelineLane(groups) if pipelined else None
+    x = prob.x_DSM[layout.coords(groups.global_rank)["dp"]].clone().requires_grad_(True)
+    params = _params(layer)
+    try:
+        if pipelined:
+            y, _ = run_pipelined(schedule, x, params, r, lane)
+        else:
+            y, _ = run_schedule(schedule, x, params, r)
+        y.sum().backward()
+        return "ok"
+    except TimeoutError as exc:
+        return f"timeout: {exc}"
+    finally:
+        if lane is not None:
+            lane.close()
+
+
+def _params(layer: MoELayer) -> LayerParams:
+    from functools import partial
+
+    from moe_plugins.experts import sharded_experts
+    from moe_plugins.router import route_tokens
+    return LayerParams(router=partial(route_tokens, wg_EM=layer.wg_EM, config=layer.config, groups=layer.groups,
+                                      rec=layer.rec),
+                       experts=partial(sharded_experts, weights=layer.expert_weights,
+                                       activation=layer.config.activation, esp=layer.groups.esp, rec=layer.rec))
+
+
+# ---- auto degree and inference through MoELayer --------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class _Recording(AutoDegree):
+    """AutoDegree that also keeps the degrees it returned (test only)."""
+
+    chosen: list = field(default_factory=list)
+
+    def degree(self, schedule, dispatched, training):
+        r = super().degree(schedule, dispatched, training)
+        self.chosen.append(r)
+        return r
+
+
+def auto_layer(spec: VerifySpec, costs: Dict[str, PipeCosts]) -> dict:
+    """Run the layer with AutoDegree (training, then no_grad) and with r = 1; report outputs, input grads
+    and how many forward all-to-alls each call issued."""
+    with process_groups(spec.layout()) as groups:
+        return _auto_layer(spec, costs, groups)
+
+
+def _auto_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], groups) -> dict:
+    layout = spec.layout()
+    prob = make_problem(spec)
+    x0 = prob.x_DSM[layout.coords(groups.global_rank)["dp"]]
+    results = {}
+    for label, degree in (("auto", _Recording(costs=costs)), ("one", 1)):
+        ledger = CommLedger()
+        layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=degree, ledger=ledger,
+                         dtype=DTYPES[spec.dtype])
+        layer.load_full(prob.wg_EM, prob.full)
+        x = x0.clone().requires_grad_(True)
+        out = layer(x)
+        (out.y * prob.g_DSM[layout.coords(groups.global_rank)["dp"]]).sum().backward()
+        fwd_a2a = sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward")
+        ledger.clear()
+        with torch.no_grad():
+            y_eval = layer(x0).y
+        eval_a2a = sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward")
+        results[label] = {"y": out.y.detach(), "grad_x": x.grad, "y_eval": y_eval, "fwd_a2a": fwd_a2a,
+                          "eval_a2a": eval_a2a, "chunks": list(getattr(degree, "chosen", []))}
+        if layer.pipeline_lane is not None:
+            layer.pipeline_lane.close()
+    return results
+
+
+# ---- a tiny real profile --------------------------------------------------------------------------------------
+
+def tiny_profile(spec: ProfileSpec):
+    return profile_rank(spec, source="test", progress=False)
