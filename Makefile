@@ -15,9 +15,11 @@ $(STAMP): setup.py requirements.lock
 
 setup: $(STAMP)
 
+# The main job: a tiny GPT-2-MoE (HF transformers + deepspeed.moe) trained on Shakespeare on 4 CPU gloo ranks,
+# plugin on; per-step loss and time, each MoE layer's schedule; report in runs/demo/report.{json,png}.
 demo: $(STAMP)
-	$(BIN)/moe-plugins verify --world 4 --ranks-per-node 2 --mp 2 --ep 2 --esp 2 --k 2 --schedule baseline --dtype float64
-	$(BIN)/moe-plugins verify --world 4 --ranks-per-node 2 --mp 2 --ep 2 --esp 2 --k 2 --schedule baseline-tp --dtype float64
+	$(BIN)/torchrun --standalone --nproc-per-node 4 -m moe_plugins.recipes.train_deepspeed \
+		--model gpt2-moe --size tiny --ds-config recipes/configs/gpt2_moe_demo.json --steps 60 --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

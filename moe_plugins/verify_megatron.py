@@ -112,12 +112,13 @@ def build_pair(spec: MegatronVerifySpec, config: Any, megatron_groups: Any, ledg
 
     from .patches.megatron import get_moe_module_spec
 
-    torch.manual_seed(1000 + spec.seed)
-    stock = MoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
-                     pg_collection=megatron_groups.pg_collection)
     plugin_config = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree)
-    plugin = build_module(get_moe_module_spec(use_te=False, num_experts=spec.experts, plugin=plugin_config,
-                                              groups=megatron_groups, ledger=ledger), config=config)
+    with torch.random.fork_rng(devices=[]):                  # the caller's random state is left as it was
+        torch.manual_seed(1000 + spec.seed)
+        stock = MoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+                         pg_collection=megatron_groups.pg_collection)
+        plugin = build_module(get_moe_module_spec(use_te=False, num_experts=spec.experts, plugin=plugin_config,
+                                                  groups=megatron_groups, ledger=ledger), config=config)
     plugin.load_state_dict(stock.state_dict())
     for layer in (stock, plugin):
         layer.set_layer_number(1)                     # Megatron tracks aux losses of numbered layers only

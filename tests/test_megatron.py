@@ -300,3 +300,12 @@ def test_verify_cli_rejects_bad_megatron_flags(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "min_capacity (2) must be 0" in err and "skew (1.0)" in err and "ep*esp (3*1=3)" in err
+
+
+def test_flag_path_builds_the_plugin_inside_megatron_transformer_layer(world):
+    """Parse --moe-plugins, enable from the parsed args, build a TransformerLayer from Megatron's own local spec:
+    its MoE layer is the plugin's, on the layout's groups, and matches the stock layer's MoE in fp64."""
+    for r in world(WORLD).run(jobs.flag_path_job, '{"schedule": "baseline"}'):
+        assert (r["stock_class"], r["class"], r["specs_built"]) == ("MoELayer", "PluginMoELayer", 1)
+        assert (r["ep_ranks"], r["esp_ranks"]) == (r["layout_ep"], r["layout_esp"])
+        assert r["grad_names_equal"] and r["err"] <= 1e-9 and not r["active_after"]

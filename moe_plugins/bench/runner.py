@@ -57,11 +57,9 @@ def build_rows(specs: Sequence[RowSpec], data: CaseData) -> Tuple[List[Row], Dic
             row = build_row(spec, data)
         except Exception as exc:  # reported in the results as the row's skip reason
             error = f"{type(exc).__name__}: {exc}"
-        errors: List[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        reasons = [e for e in errors if e is not None]
-        if reasons:
-            skipped[spec.label] = reasons[0]
+        error = _agree(error)
+        if error is not None:
+            skipped[spec.label] = error
         else:
             rows.append(row)
     return rows, skipped
@@ -74,20 +72,40 @@ def _max_over_ranks(value: float) -> float:
 
 
 def _rotated(rows: List[Row], start: int) -> List[Row]:
+    if not rows:
+        return []
     s = start % len(rows)
     return rows[s:] + rows[:s]
 
 
-def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str]) -> Dict[str, Dict[str, Any]]:
+def _agree(error: Optional[str]) -> Optional[str]:
+    """Collective: the first error any rank reports (None when every rank succeeded)."""
+    errors: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str],
+                   failed: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
+    """First step of every row. A row whose step raises (on any rank; deterministic errors raise on all of
+    them before their collectives) is recorded in ``failed`` and dropped from ``rows``."""
     out, ref_y = {}, None
-    for row in rows:
+    for row in list(rows):
         dist.barrier()
         tx0 = nic_tx_bytes(ifname)
         row.meter.start()
+        error = None
         try:
             y_SM = fwd_bwd(row, data)
+        except Exception as exc:  # reported as the row's skip reason
+            error = f"failed in its first step: {type(exc).__name__}: {exc}"
         finally:
             model_bytes = row.meter.stop()
+        error = _agree(error)
+        if error is not None:
+            failed[row.label] = error
+            rows.remove(row)
+            continue
         dist.barrier()
         tx1 = nic_tx_bytes(ifname)
         if ref_y is None:
@@ -102,10 +120,11 @@ def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str]) -> Di
     return out
 
 
-def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[str]) -> Dict[str, Any]:
+def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[str],
+            failed: Dict[str, str]) -> Dict[str, Any]:
     """Collective: traffic round, warm-up, interleaved timed rounds. Every rank returns the same times;
-    per-rank traffic is gathered (rank order)."""
-    traffic = _traffic_round(rows, data, ifname)
+    per-rank traffic is gathered (rank order). Rows that fail their first step move to ``failed``."""
+    traffic = _traffic_round(rows, data, ifname, failed)
     for r in range(1, plan.warmup):
         for row in _rotated(rows, r):
             fwd_bwd(row, data)
@@ -159,9 +178,9 @@ def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
         rows, skipped = build_rows(plan.rows, data)
         for rate in plan.rates:
             _apply_rate(job, rate)
-            measured = measure(rows, data, plan, ifname) if rows else {}
+            measured = measure(rows, data, plan, ifname, skipped) if rows else {}
             records.append({"case": asdict(case), "case_label": case.label, "rate": rate,
-                            "rows": measured, "skipped": skipped})
+                            "rows": measured, "skipped": dict(skipped)})
             done += 1
             _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
         del rows

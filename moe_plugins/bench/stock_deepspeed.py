@@ -13,7 +13,8 @@ different layouts cannot clash in DeepSpeed's dict.
 Tensor parallelism (MP > 1): DeepSpeed reads it from ``deepspeed.utils.groups.mpu`` (set by
 ``deepspeed.initialize(mpu=...)`` in a Megatron-DeepSpeed job) and its expert-TP degree from
 ``groups.expert_tensor_parallel_world_size``. The row sets both for the duration of each step, from the
-case's groups, and restores them. With ESP > 1 DeepSpeed expects the user's expert module to be tensor
+case's groups, and restores them; on gloo it also views DeepSpeed's flat all-gather buffer the way gloo
+requires (:func:`_gloo_all_gather`, same bytes). With ESP > 1 DeepSpeed expects the user's expert module to be tensor
 parallel; :class:`TensorParallelExpert` is that module (column-parallel fc1, row-parallel fc2).
 """
 
@@ -77,15 +78,32 @@ class _Mpu:
         return self._dp.pg
 
 
+def _gloo_all_gather(original):
+    """DeepSpeed's ``_gather_tokens`` hands a flat output buffer to ``all_gather_into_tensor`` (NCCL accepts
+    it); gloo checks each output chunk against the input's shape. Same buffer, viewed as [world*d0, ...]."""
+    def gather(output_tensor, input_tensor, group=None, async_op=False):
+        if output_tensor.dim() == 1 and input_tensor.dim() > 1:
+            output_tensor = output_tensor.view((-1,) + tuple(input_tensor.shape[1:]))
+        return original(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+    return gather
+
+
 @contextlib.contextmanager
 def tensor_parallel_scope(mpu, expert_tp: int) -> Iterator[None]:
-    """Set DeepSpeed's TP globals for one step and restore them."""
+    """For one step: set DeepSpeed's TP globals (``groups.mpu``, ``expert_tensor_parallel_world_size``) and,
+    with MP > 1, make its token all-gather gloo-compatible; restore everything on exit."""
+    from deepspeed.comm import comm as ds_comm
     from deepspeed.utils import groups
     saved = groups.mpu, groups.expert_tensor_parallel_world_size
+    cdb = ds_comm.cdb
+    saved_gather = cdb.all_gather_function
     groups.mpu, groups.expert_tensor_parallel_world_size = mpu, expert_tp
+    if mpu is not None:
+        cdb.all_gather_function = _gloo_all_gather(saved_gather)
     try:
         yield
     finally:
+        cdb.all_gather_function = saved_gather
         groups.mpu, groups.expert_tensor_parallel_world_size = saved
 
 

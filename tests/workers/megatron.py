@@ -200,3 +200,50 @@ def mismatched_groups_job() -> str:
         except ValueError as exc:
             return str(exc)
     return ""
+
+
+# ---- the Megatron-LM flag path, through Megatron's own layer spec ---------------------------------------------
+
+def flag_path_job(flag: str) -> Dict[str, Any]:
+    """``--moe-plugins`` as a Megatron-LM script uses it: parse the flag, enable from the parsed arguments, build a
+    TransformerLayer from Megatron's unchanged ``get_gpt_layer_local_spec``, disable. Its MoE layer (which
+    TransformerLayer did not hand a pg_collection) must sit on the layout's groups and match the stock layer's."""
+    import argparse
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from moe_plugins.patches import megatron as mp
+    spec = MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RANKS_PER_NODE, ep=2, esp=2, k=2,
+                              drop=False, tokens=8)
+    parser = mp.extra_args_provider(argparse.ArgumentParser())
+    args = parser.parse_args([mp.FLAG, flag])
+    args.__dict__.update(world_size=spec.world, tensor_model_parallel_size=spec.mp, expert_model_parallel_size=spec.ep,
+                         expert_tensor_parallel_size=spec.esp, num_experts=spec.experts, hidden_size=spec.hidden,
+                         ffn_hidden_size=spec.ffn, moe_router_topk=spec.k, moe_token_dispatcher_type="alltoall")
+    with megatron_on_cpu():
+        groups = _groups(spec)
+        config = transformer_config(spec, num_attention_heads=2)
+        layers = []
+        for use_flag in (False, True):
+            handle = mp.enable_from_args(args, groups=groups) if use_flag else None
+            try:
+                layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts)
+            finally:
+                mp.disable()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(3)
+                layers.append(TransformerLayer(config, submodules=layer_spec.submodules, layer_number=1,
+                                               pg_collection=groups.pg_collection))
+        stock, ours = layers
+        ours.load_state_dict(stock.state_dict())
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
+        g = torch.randn_like(x)
+        (ys, gxs, gws), (yp, gxp, gwp) = [_forward_backward(layer.mlp, x, g) for layer in layers]
+    err = max(_maxerr(ys, yp), _maxerr(gxs, gxp), max(_maxerr(gws[n], gwp[n]) for n in gws))
+    moe = ours.mlp
+    return {"stock_class": type(stock.mlp).__name__, "class": type(moe).__name__, "specs_built": handle.specs_built,
+            "ep_ranks": list(moe.moe_groups.ep.ranks), "esp_ranks": list(moe.moe_groups.esp.ranks),
+            "layout_ep": list(groups.groups.ep.ranks), "layout_esp": list(groups.groups.esp.ranks),
+            "grad_names_equal": sorted(gws) == sorted(gwp), "err": err, "active_after": mp.active() is not None}
