@@ -136,10 +136,12 @@ def launch(cfg: dict, cluster, workdir: Path) -> dict:
             if cluster is not None:
                 cmd = ["ip", "netns", "exec", cluster.nodes[r // per_node]] + cmd
             env = {**os.environ, **rank_env(r, world, per_node, addr, port, ifname)}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=open(workdir / f"rank{r}.log", "w"),
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            with open(workdir / f"rank{r}.log", "w") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + cfg["timeout_s"]
         for r, p in enumerate(procs):
-            if p.wait(timeout=cfg["timeout_s"]) != 0:
+            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
                 raise RuntimeError(f"rank {r} failed:\n{(workdir / f'rank{r}.log').read_text()[-3000:]}")
     finally:
         for p in procs:
@@ -178,6 +180,12 @@ def main() -> int:
     if args.rank_config:
         rank_main(json.loads(Path(args.rank_config).read_text()))
         return 0
+    from moe_plugins.bench.launch import signals_raise
+    with signals_raise():            # SIGTERM/SIGHUP unwind, so the ranks are stopped and the namespaces removed
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     from moe_plugins.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason, set_rate
     reason = None if args.mode == "loopback" else netns_unavailable_reason()
     if args.mode == "netns" and reason:

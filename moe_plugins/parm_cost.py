@@ -225,20 +225,22 @@ PAPER_AG_MP = {
     "testbed-b": AlphaBeta(alpha=1.09e-4, beta=7.14e-10),   # 32 x RTX2080Ti, 8 nodes, 100 Gb/s ConnectX-5
 }
 
-# Placeholders measured on this project's development machine (2 CPU cores, gloo over loopback, world 4,
-# mp=2 ep=2 esp=2, fp32, benchmarks/parm_saa.py --fit; see docs/parm.md). The paper publishes no all-to-all
-# or overlap terms, so no paper testbed can stand in for them; these only make the CLI and parm-auto
-# usable before `moe-plugins profile` has run on the real cluster.
+# Placeholders measured on this project's development machine (2 CPU cores, gloo) on its emulated 2-node
+# cluster (2 ranks per node, 1 Gbit/s tbf link; mp=2 inside a node, ep=2, esp=2; fp32):
+# `python benchmarks/parm_saa.py --rates 1gbit --fit`, 2026-11-22, benchmarks/results/parm_saa.md. Negative
+# intercepts were refitted through the origin (costmodel.fit_linear). The paper publishes no all-to-all or
+# overlap terms, so no paper testbed can stand in for them; these only make the CLI and parm-auto usable
+# before `moe-plugins profile` has run on the real cluster.
 DEFAULT_COSTS = ParmCosts(
-    a2a_ep_esp=AlphaBeta(alpha=2.0e-4, beta=1.6e-9),
-    ag_mp=AlphaBeta(alpha=1.0e-4, beta=1.2e-9),
-    saa=AlphaBeta(alpha=4.0e-4, beta=2.2e-9),
-    ag_esp=AlphaBeta(alpha=1.0e-4, beta=1.2e-9),
-    ar_esp=AlphaBeta(alpha=1.5e-4, beta=2.4e-9),
-    a2a_ep=AlphaBeta(alpha=1.5e-4, beta=1.4e-9),
+    a2a_ep_esp=AlphaBeta(alpha=0.0, beta=3.93e-8),
+    ag_mp=AlphaBeta(alpha=7.36e-4, beta=1.64e-8),
+    saa=AlphaBeta(alpha=1.55e-3, beta=4.24e-8),
+    ag_esp=AlphaBeta(alpha=0.0, beta=3.45e-8),
+    ar_esp=AlphaBeta(alpha=2.85e-3, beta=1.49e-8),
+    a2a_ep=AlphaBeta(alpha=0.0, beta=4.38e-8),
 )
-DEFAULT_COSTS_SOURCE = ("default: placeholders measured on the project's 2-core CPU development machine (gloo, "
-                        "loopback, world 4), not a real cluster; run `moe-plugins profile` or pass alpha/beta")
+DEFAULT_COSTS_SOURCE = ("default: placeholders measured on the project's 2-core CPU machine (gloo, emulated 2-node "
+                        "cluster at 1 Gbit/s), not a real cluster; run `moe-plugins profile` or pass alpha/beta")
 
 
 # ---- times and the choice ----------------------------------------------------------------------------

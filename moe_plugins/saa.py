@@ -74,13 +74,15 @@ def saa_raw(w_GEXM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int, order: 
         sends.append(dist.isend(w[g], dst=peer, group=ep_esp.pg))
     out = w.new_empty((ep, e_l, mp.size) + inner)
     gathers = []
-    if not overlap:
-        for work in list(recvs.values()) + sends:
-            work.wait()
+    if not overlap:                    # a gloo p2p work must be waited exactly once: a second wait blocks
+        for g in list(recvs):
+            recvs.pop(g).wait()
+        while sends:
+            sends.pop().wait()
     for b in order:
         for g in range(b * esp, (b + 1) * esp):
             if g in recvs:
-                recvs[g].wait()
+                recvs.pop(g).wait()
         block_ElcM = got[b * esp:(b + 1) * esp].sum(0).squeeze(1)          # Parm's local combine
         if mp.size == 1:
             out[b, :, 0] = block_ElcM

@@ -156,6 +156,7 @@ def compare_on_rank(spec: MegatronVerifySpec, megatron_groups: Any) -> Dict[str,
     x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64).to(dtype)
     g = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64).to(dtype)
     a, b = _run(stock, x, g), _run(plugin, x, g)
+    plugin.close()
     shared = sorted(set(a["grads"]) & set(b["grads"]))
     kept = a["map"] & (a["probs"] != 0)
     return {"rank": rank, "max_err_out": _maxerr(a["y"], b["y"]), "max_err_grad_in": _maxerr(a["grad_x"], b["grad_x"]),
@@ -184,10 +185,10 @@ def collect(spec: MegatronVerifySpec, ranks: List[Dict[str, Any]]) -> Dict[str, 
 
 def run_rank(spec: MegatronVerifySpec) -> Optional[Dict[str, Any]]:
     """Collective over the default group; rank 0 returns the report."""
-    from .patches.megatron import build_megatron_groups
+    from .patches.megatron import megatron_groups
     layout = ParallelLayout(world=spec.world, ranks_per_node=spec.ranks_per_node, mp=spec.mp, ep=spec.ep, esp=spec.esp)
-    with host_on_this_machine():
-        mine = compare_on_rank(spec, build_megatron_groups(layout))
+    with host_on_this_machine(), megatron_groups(layout) as groups:
+        mine = compare_on_rank(spec, groups)
     gathered: List[Any] = [None] * spec.world
     dist.all_gather_object(gathered, mine)
     return collect(spec, gathered) if dist.get_rank() == 0 else None

@@ -31,7 +31,8 @@ from moe_plugins.ledger import CommLedger
 from moe_plugins.plugin_config import SECTION, PluginConfig
 
 from .megatron_config import facts_from_args, plugin_problems
-from .megatron_groups import MegatronGroups, build_megatron_groups, groups_from_pg_collection, token_view
+from .megatron_groups import (MegatronGroups, build_megatron_groups, destroy_megatron_groups,
+                              groups_from_pg_collection, megatron_groups, token_view)
 
 logger = logging.getLogger("moe_plugins.megatron")
 
@@ -276,5 +277,6 @@ def _local_world_size() -> Optional[int]:
 
 
 __all__ = ["FLAG", "HOOKS", "SUPPORTED_VERSION", "MegatronGroups", "MegatronPlugin", "active", "build_megatron_groups",
-           "disable", "enable", "enable_from_args", "extra_args_provider", "get_moe_module_spec",
-           "groups_from_pg_collection", "plugin_spec", "resolve_plugin", "token_view"]
+           "destroy_megatron_groups", "disable", "enable", "enable_from_args", "extra_args_provider",
+           "get_moe_module_spec", "groups_from_pg_collection", "megatron_groups", "plugin_spec", "resolve_plugin",
+           "token_view"]

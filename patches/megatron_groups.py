@@ -25,12 +25,13 @@ core's :class:`~moe_plugins.groups.Group` keeps ``pg=None`` for it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups
+from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups, destroy_process_groups
 from moe_plugins.layout import GROUP_KINDS, ParallelLayout
 
 # layout kind -> the ProcessGroupCollection field that holds the same ranks
@@ -49,6 +50,7 @@ class MegatronGroups:
     layout: ParallelLayout
     groups: MoEProcessGroups
     pg_collection: Any
+    singleton: Any           # this rank's group of one (Megatron's pp and cp, and its size-1 kinds)
 
 
 def build_megatron_groups(layout: ParallelLayout) -> MegatronGroups:
@@ -73,7 +75,23 @@ def build_megatron_groups(layout: ParallelLayout) -> MegatronGroups:
     pgc.pp, pgc.cp = mine, mine
     pgc.tp_dp_cp = pgc.intra_dist_opt = dist.group.WORLD
     pgc.embd = pgc.pos_embd = pgc.inter_dist_opt = None        # PP = 1; one optimizer instance
-    return MegatronGroups(layout=layout, groups=groups, pg_collection=pgc)
+    return MegatronGroups(layout=layout, groups=groups, pg_collection=pgc, singleton=mine)
+
+
+def destroy_megatron_groups(made: MegatronGroups) -> None:
+    """Free the groups' communicators (gloo keeps threads per group). Collective: every rank calls it."""
+    destroy_process_groups(made.groups)
+    dist.destroy_process_group(made.singleton)
+
+
+@contextmanager
+def megatron_groups(layout: ParallelLayout) -> Iterator[MegatronGroups]:
+    """:func:`build_megatron_groups` for the duration of a block, then destroyed (short jobs, checks, tests)."""
+    made = build_megatron_groups(layout)
+    try:
+        yield made
+    finally:
+        destroy_megatron_groups(made)
 
 
 def _ranks(pg: Optional[dist.ProcessGroup], rank: int) -> Tuple[int, ...]:

@@ -261,6 +261,12 @@ class PluginMoELayer(MoELayer):
         super().set_layer_number(layer_number)
         self.token_dispatcher.rename(self._ledger_name(layer_number))
 
+    def close(self) -> None:
+        """Free the PipeMoE lane's twin groups, if any (collective; the layer must not run afterwards)."""
+        if self.token_dispatcher.lane is not None:
+            self.token_dispatcher.lane.close()
+            self.token_dispatcher.lane = None
+
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Megatron's stage between dispatch and combine: the schedule's expert step (Megatron's experts, ESP
         reduction included). Returns ``(output, None)`` as the stock method does."""

@@ -58,3 +58,19 @@ def test_unbuildable_row_is_skipped_with_reason(records):
     skipped = records[0][0]["skipped"]
     assert list(skipped) == ["baseline@r=0"]
     assert "pipeline_degree (0) must be a positive integer" in skipped["baseline@r=0"]
+
+
+def test_tensor_parallel_stock_rows_match_deepspeeds_data_flow(world):
+    """MP=2: DeepSpeed's stock layer (drop_tokens/gather_tokens, through the gloo view of its all-gather) and
+    the core's baseline-tp schedule compute the same function with the same inter-node bytes; Megatron runs
+    sequence-parallel (1/MP of the tokens per rank) and agrees on its slice."""
+    case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=4, k=2, capacity_factor=2.0, mp=2, ep=4)
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=1, warmup=1,
+                     rows=(RowSpec(name="baseline-tp"), RowSpec(name="deepspeed"), RowSpec(name="megatron")))
+    (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
+    assert group["skipped"] == {}
+    tp, ds, meg = (group["rows"][k] for k in ("baseline-tp", "deepspeed", "megatron"))
+    # each MP rank sends half the capacity (C = 64 -> 32 slots), half of it to the other node, 4 times
+    assert tp["model_bytes_per_rank"] == ds["model_bytes_per_rank"] == [4 * (4 * 32 * 16 * 4) // 2] * 4
+    for row in (ds, meg):
+        assert row["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, row["first_row_max_abs"])

@@ -24,11 +24,16 @@ from moe_plugins.verify_megatron import MegatronVerifySpec, collect             
 from tests.workers import megatron as jobs                                            # noqa: E402
 
 WORLD, RPN = 4, 2
+JOB_TIMEOUT_S = 1800        # the first job imports Megatron on every rank: minutes on 2 shared, busy cores
 LAYOUTS = [(tp, ep, etp) for tp in (1, 2) for ep in (1, 2, 4) for etp in (1, 2) if ep * etp <= WORLD]
 
 
 def spec(tp: int, ep: int, etp: int, **kw) -> MegatronVerifySpec:
     return MegatronVerifySpec(world=WORLD, ranks_per_node=RPN, mp=tp, ep=ep, esp=etp, tokens=8, **kw)
+
+
+def run(world, fn, *args):
+    return world(WORLD).run(fn, *args, timeout_s=JOB_TIMEOUT_S)
 
 
 def megatron_args(**kw) -> argparse.Namespace:
@@ -230,7 +235,7 @@ def test_plugin_matches_stock_alltoall_fp64(world, tp, ep, etp):
     specs = [spec(tp, ep, etp, k=1, drop=True, capacity_factor=1.0, pad=True),
              spec(tp, ep, etp, k=2, drop=False),
              spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25)]
-    results = [r for rank in world(WORLD).run(jobs.equivalence_job, specs) for r in rank]
+    results = [r for rank in run(world, jobs.equivalence_job, specs) for r in rank]
     _check(results, 1e-9)
     assert sum(r["dropped_routes"] for r in results if r["spec"].pad) > 0          # dropping was exercised
     report = collect(specs[1], [r for r in results if r["spec"] == specs[1]])
@@ -252,14 +257,14 @@ def test_other_schedules_and_pipeline_degree_match_stock(world):
                   if name != "baseline" and not schedule_problems(name, layout)]
         specs.append(spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25, pipeline_degree=2))
     assert any(s.schedule == "baseline-tp" for s in specs)
-    _check([r for rank in world(WORLD).run(jobs.equivalence_job, specs) for r in rank], 1e-9)
+    _check([r for rank in run(world, jobs.equivalence_job, specs) for r in rank], 1e-9)
 
 
 @pytest.mark.parametrize("tp,ep,etp,overlap", [(2, 2, 1, False), (1, 2, 2, True)])
 def test_twenty_training_steps_through_megatron_ddp_and_optimizer(world, tp, ep, etp, overlap):
     """fp32, Adam, Megatron's DistributedDataParallel (expert parameters in its expert buffers; overlapped
     bucketed grad reduction in the second case), finalize_model_grads: equal losses to 1e-5 relative."""
-    results = world(WORLD).run(jobs.training_job, spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25,
+    results = run(world, jobs.training_job, spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25,
                                                        dtype="float32"), 20, overlap)
     for r in results:
         assert len(r["stock"]) == len(r["plugin"]) == 20
@@ -271,14 +276,14 @@ def test_twenty_training_steps_through_megatron_ddp_and_optimizer(world, tp, ep,
 
 
 def test_checkpoints_load_both_ways(world):
-    for r in world(WORLD).run(jobs.checkpoint_job, spec(2, 2, 1, k=2, drop=False)):
+    for r in run(world, jobs.checkpoint_job, spec(2, 2, 1, k=2, drop=False)):
         assert r["keys"] == r["plugin_keys"] and r["attrs_equal"]
         assert r["expert_params"] and all(n.startswith("experts.") for n in r["expert_params"])
         assert r["err_plugin_to_stock"] <= 1e-12 and r["err_stock_to_plugin"] <= 1e-12
 
 
 def test_bad_layer_config_lists_every_problem_before_building(world):
-    for r in world(WORLD).run(jobs.bad_layer_job):
+    for r in run(world, jobs.bad_layer_job):
         message = r["message"]
         for text in ("moe_token_dispatcher_type ('flex')", "overlap_moe_expert_parallel_comm (True) must be False",
                      "moe_plugins.esp (1) must equal expert_tensor_parallel_size (2)",
@@ -289,7 +294,7 @@ def test_bad_layer_config_lists_every_problem_before_building(world):
 
 
 def test_pg_collection_that_breaks_the_layout_is_refused(world):
-    for rank, message in enumerate(world(WORLD).run(jobs.mismatched_groups_job)):
+    for rank, message in enumerate(run(world, jobs.mismatched_groups_job)):
         assert f"pg_collection.ep of rank {rank} holds ranks" in message
         assert "needs [0, 1]" in message or "needs [2, 3]" in message
 
@@ -305,7 +310,7 @@ def test_verify_cli_rejects_bad_megatron_flags(capsys):
 def test_flag_path_builds_the_plugin_inside_megatron_transformer_layer(world):
     """Parse --moe-plugins, enable from the parsed args, build a TransformerLayer from Megatron's own local spec:
     its MoE layer is the plugin's, on the layout's groups, and matches the stock layer's MoE in fp64."""
-    for r in world(WORLD).run(jobs.flag_path_job, '{"schedule": "baseline"}'):
+    for r in run(world, jobs.flag_path_job, '{"schedule": "baseline"}'):
         assert (r["stock_class"], r["class"], r["specs_built"]) == ("MoELayer", "PluginMoELayer", 1)
         assert (r["ep_ranks"], r["esp_ranks"]) == (r["layout_ep"], r["layout_esp"])
         assert r["grad_names_equal"] and r["err"] <= 1e-9 and not r["active_after"]

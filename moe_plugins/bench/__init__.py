@@ -2,9 +2,12 @@
 
 - :mod:`.matrix`: the typed plan (cases x rows x link rates) and its checks (pure);
 - :mod:`.cluster`: network namespaces joined by tbf-shaped links (bring-up, rate changes, teardown);
-- :mod:`.launch`: the rank processes, one per (node, local rank), bounded in time;
+- :mod:`.launch`: the rank processes, one per (node, local rank), bounded in time (:mod:`.rank_main` is
+  their entry point);
 - :mod:`.rows`: what a row is and how one is built: every schedule in ``moe_plugins.schedules.SCHEDULES``
-  is a row, and so are the stock layers (:mod:`.stock_deepspeed`, :mod:`.stock_megatron`);
+  is a row, and so are the stock layers (:mod:`.stock_deepspeed`, :mod:`.stock_megatron` with the
+  test/bench-only CPU shims of :mod:`.megatron_cpu_shims`);
+- :mod:`.traffic`: inter-node bytes (ledger, counted collectives of stock layers, the NIC's counter);
 - :mod:`.runner`: the rank side (interleaved timing, traffic, output agreement);
 - :mod:`.report`: statistics, ratios, link lower bound, JSON, Markdown and PNG;
 - :mod:`.harness`: the parent side that ties them together.

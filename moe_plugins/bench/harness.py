@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from .cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason
 from .launch import RankFailure, run_ranks, signals_raise

@@ -151,7 +151,13 @@ def plot(report: Dict[str, Any], path: Path) -> Path:
         axes[1][c].set_ylabel("time / DeepSpeed stock layer")
         axes[0][c].legend(fontsize=8)
     fig.suptitle(report["meta"]["title"], fontsize=10)
-    fig.tight_layout()
+    notes = [line for line in report["meta"]["header_lines"] if line.startswith("note:")]
+    if notes:
+        import textwrap
+        fig.text(0.5, 0.003, textwrap.fill(" ".join(notes), int(fig.get_figwidth() * 13)), ha="center", va="bottom", fontsize=7, color="darkred")
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -72,16 +72,18 @@ class Row:
     forward: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
     meter: object                 # LedgerMeter or traffic.CollectiveCounter (start() / stop() -> bytes)
     scope: Callable[[], ContextManager] = contextlib.nullcontext
+    tokens: Optional[slice] = None    # the rows of x_SM this rank feeds (sequence parallelism); None: all
     notes: Tuple[str, ...] = ()
 
 
 def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
     """One forward and backward of ``row`` on this rank's tokens; returns the output (detached)."""
     row.module.zero_grad(set_to_none=True)
-    x_SM = data.x_SM.detach().requires_grad_(True)
+    part = row.tokens if row.tokens is not None else slice(None)
+    x_SM = data.x_SM[part].detach().clone().requires_grad_(True)
     with row.scope():
         y_SM, aux = row.forward(x_SM)
-        ((y_SM * data.g_SM).float().sum() + AUX_COEF * aux.float()).backward()
+        ((y_SM * data.g_SM[part]).float().sum() + AUX_COEF * aux.float()).backward()
     return y_SM.detach()
 
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..groups import MoEProcessGroups, build_process_groups
+from ..groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from ..layout import ParallelLayout
 from .cluster import Cluster, set_rate
 from .matrix import BenchPlan, CaseConfig, RowSpec
@@ -85,6 +85,19 @@ def _agree(error: Optional[str]) -> Optional[str]:
     return next((e for e in errors if e is not None), None)
 
 
+def _difference(y: torch.Tensor, part: Optional[slice], ref: torch.Tensor, ref_part: Optional[slice]) -> float:
+    """max |y - ref| on the tokens both cover (a sequence-parallel row holds a slice of them)."""
+    if part == ref_part:
+        a, b = y, ref
+    elif ref_part is None:
+        a, b = y, ref[part]
+    elif part is None:
+        a, b = y[ref_part], ref
+    else:
+        return float("nan")
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
 def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str],
                    failed: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
     """First step of every row. A row whose step raises (on any rank; deterministic errors raise on all of
@@ -109,8 +122,8 @@ def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str],
         dist.barrier()
         tx1 = nic_tx_bytes(ifname)
         if ref_y is None:
-            ref_y = y_SM.float()
-        diff = float((y_SM.float() - ref_y).abs().max()) if y_SM.numel() else 0.0
+            ref_y, ref_part = y_SM.float(), row.tokens
+        diff = _difference(y_SM.float(), row.tokens, ref_y, ref_part)
         out[row.label] = {"model_bytes": model_bytes, "source": row.meter.source,
                           "nic_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
                           "max_abs_diff": _max_over_ranks(diff)}
@@ -154,20 +167,10 @@ def _apply_rate(job: RankJob, rate: str) -> None:
     dist.barrier()
 
 
-def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
-    """Collective over the default group. Rank 0 returns one record per (case, rate); others None."""
-    plan = job.plan
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != plan.world:
-        raise ValueError(f"the plan needs {plan.world} ranks (nodes {plan.nodes} x ranks_per_node "
-                         f"{plan.ranks_per_node}); this group has {world}")
-    ifname = job.cluster.ifname if job.cluster is not None else None
-    singleton = None
-    if any(r.name == "megatron" for r in plan.rows):
-        from .stock_megatron import singleton_groups
-        singleton = singleton_groups(world, rank)
-    layouts: Dict[Tuple[int, int, int], MoEProcessGroups] = {}
-    records, done, total = [], 0, len(plan.cases) * len(plan.rates)
+def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups], singleton,
+               ifname: Optional[str], records: List[Dict[str, Any]]) -> None:
+    plan, world = job.plan, dist.get_world_size()
+    done, total = 0, len(plan.cases) * len(plan.rates)
     for case in plan.cases:
         key = _layout_key(case)
         if key not in layouts:
@@ -183,5 +186,28 @@ def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
                             "rows": measured, "skipped": dict(skipped)})
             done += 1
             _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
-        del rows
+        del rows, data
+
+
+def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
+    """Collective over the default group. Rank 0 returns one record per (case, rate); others None."""
+    plan = job.plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != plan.world:
+        raise ValueError(f"the plan needs {plan.world} ranks (nodes {plan.nodes} x ranks_per_node "
+                         f"{plan.ranks_per_node}); this group has {world}")
+    ifname = job.cluster.ifname if job.cluster is not None else None
+    singleton = None
+    if any(r.name == "megatron" for r in plan.rows):
+        from .stock_megatron import singleton_groups
+        singleton = singleton_groups(world, rank)
+    layouts: Dict[Tuple[int, int, int], MoEProcessGroups] = {}
+    records: List[Dict[str, Any]] = []
+    try:
+        _run_cases(job, layouts, singleton, ifname, records)
+    finally:      # gloo keeps threads per group: free them (a reused worker pool would leak them)
+        for groups in layouts.values():
+            destroy_process_groups(groups)
+        if singleton is not None:
+            dist.destroy_process_group(singleton)
     return records if rank == 0 else None

@@ -11,6 +11,10 @@ has no ``min_capacity``; it orders capacity positions by token only (DeepSpeed a
 choices before second choices), and does not renormalise the gates of a token that lost a route, so
 with drops the outputs differ on the dropped tokens; the runner reports the difference.
 
+With MP > 1 Megatron requires sequence parallelism to train an MoE layer, so each MP rank feeds its own
+1/MP of the block's tokens (the other rows see the whole block on every MP rank); the output is compared
+on that slice.
+
 Process groups travel explicitly in a ``ProcessGroupCollection`` built from the case's groups (no
 ``parallel_state`` globals): tp = MP, ep = EP, expt_tp = ESP, tp_ep = fused EP&ESP, expt_dp = expert-DP.
 Megatron calls ``.size()`` on every group, so size-1 groups are this rank's singleton group.
@@ -59,7 +63,7 @@ def transformer_config(data: CaseData, dispatcher: str):
     from megatron.core.transformer.transformer_config import TransformerConfig
     case, g = data.case, data.groups
     return TransformerConfig(
-        num_layers=1, hidden_size=case.hidden, num_attention_heads=1, ffn_hidden_size=case.ffn,
+        num_layers=1, hidden_size=case.hidden, num_attention_heads=g.mp.size, ffn_hidden_size=case.ffn,
         moe_ffn_hidden_size=case.ffn, num_moe_experts=case.experts, moe_router_topk=case.k,
         moe_router_pre_softmax=case.k == 1,          # Megatron's rule for top-1
         moe_token_dispatcher_type=dispatcher,
@@ -68,7 +72,7 @@ def transformer_config(data: CaseData, dispatcher: str):
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=AUX_COEF,
         moe_grouped_gemm=False, add_bias_linear=True, gated_linear_unit=False, activation_func=F.gelu,
         tensor_model_parallel_size=g.mp.size, expert_model_parallel_size=g.ep.size,
-        expert_tensor_parallel_size=g.esp.size, sequence_parallel=False,
+        expert_tensor_parallel_size=g.esp.size, sequence_parallel=g.mp.size > 1,
         use_cpu_initialization=True, perform_initialization=False, params_dtype=data.dtype,
         bf16=data.dtype == torch.bfloat16)
 
@@ -107,6 +111,14 @@ def build_megatron_row(spec: RowSpec, data: CaseData) -> Row:
         y_S1M, _ = layer(x_SM.unsqueeze(1))          # Megatron's layout: [sequence, batch, hidden]
         return y_S1M.squeeze(1), zero
 
+    mp = data.groups.mp
+    tokens = None
+    if mp.size > 1:           # sequence parallel: this MP rank feeds its 1/MP of the block's tokens
+        if data.case.tokens % mp.size:
+            raise ValueError(f"megatron row: S ({data.case.tokens}) must be divisible by mp ({mp.size}) "
+                             f"(Megatron trains MoE with TP only under sequence parallelism)")
+        n = data.case.tokens // mp.size
+        tokens = slice(mp.rank * n, (mp.rank + 1) * n)
     return Row(label=spec.label, kind="stock", module=layer, forward=forward,
                meter=CollectiveCounter(layout=data.groups.layout, rank=data.groups.global_rank),
-               scope=megatron_on_cpu)
+               scope=megatron_on_cpu, tokens=tokens)

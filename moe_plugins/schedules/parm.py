@@ -117,7 +117,7 @@ def block_counts(expert_SK: torch.Tensor, slot_SK: torch.Tensor, num_experts: in
                  block_rows: int) -> torch.Tensor:
     """counts_PE: kept routes of each token block (rows [p*s, (p+1)*s)) per expert."""
     kept_SK = slot_SK >= 0
-    block_SK = (torch.arange(expert_SK.shape[0]) // block_rows).unsqueeze(1).expand_as(kept_SK)
+    block_SK = (torch.arange(expert_SK.shape[0], device=expert_SK.device) // block_rows).unsqueeze(1).expand_as(kept_SK)
     flat = (block_SK * num_experts + expert_SK)[kept_SK]
     return torch.bincount(flat, minlength=blocks * num_experts).view(blocks, num_experts)
 
@@ -127,7 +127,7 @@ def local_slots(expert_sK: torch.Tensor, slot_sK: torch.Tensor, num_experts: int
     expert (route at global slot j of expert e goes to the number of the block's kept routes of e below
     j). Dropped routes stay -1."""
     kept = slot_sK >= 0
-    occupied_EC = torch.zeros(num_experts, max(cap, 1), dtype=torch.long)
+    occupied_EC = torch.zeros(num_experts, max(cap, 1), dtype=torch.long, device=expert_sK.device)
     occupied_EC[expert_sK[kept], slot_sK[kept]] = 1
     rank_EC = occupied_EC.cumsum(1) - 1
     out = torch.full_like(slot_sK, -1)

@@ -27,9 +27,10 @@ RANKS_PER_NODE = 2
 
 
 def _groups(spec: MegatronVerifySpec):
-    from moe_plugins.patches.megatron import build_megatron_groups
-    return build_megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=spec.ranks_per_node, mp=spec.mp,
-                                                ep=spec.ep, esp=spec.esp))
+    """The spec's Megatron groups for the duration of a block (destroyed after: gloo keeps threads per group)."""
+    from moe_plugins.patches.megatron import megatron_groups
+    return megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=spec.ranks_per_node, mp=spec.mp,
+                                          ep=spec.ep, esp=spec.esp))
 
 
 def _layout_key(spec: MegatronVerifySpec) -> Tuple[int, int, int]:
@@ -39,10 +40,11 @@ def _layout_key(spec: MegatronVerifySpec) -> Tuple[int, int, int]:
 def equivalence_job(specs: List[MegatronVerifySpec]) -> List[Dict[str, Any]]:
     """Every spec on this rank, each layout's process groups built once."""
     out, built = [], {}
-    with megatron_on_cpu():
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
         for spec in specs:
             if _layout_key(spec) not in built:
-                built[_layout_key(spec)] = _groups(spec)
+                built[_layout_key(spec)] = stack.enter_context(_groups(spec))
             out.append(dict(compare_on_rank(spec, built[_layout_key(spec)]), spec=spec))
     return out
 
@@ -75,8 +77,7 @@ def _param_attrs(layer) -> Dict[str, Tuple[Any, Any]]:
 def checkpoint_job(spec: MegatronVerifySpec) -> Dict[str, Any]:
     """Plugin -> stock and stock -> plugin through torch.save/torch.load, after the plugin's weights moved away
     from their initial values; each loaded layer reproduces the saved one's output and gradients."""
-    with megatron_on_cpu():
-        groups = _groups(spec)
+    with megatron_on_cpu(), _groups(spec) as groups:
         config = transformer_config(spec)
         stock, plugin = build_pair(spec, config, groups)
         with torch.no_grad():
@@ -149,7 +150,7 @@ def training_job(spec: MegatronVerifySpec, steps: int, overlap: bool) -> Dict[st
     with ExitStack() as stack:
         stack.enter_context(megatron_on_cpu())
         stack.enter_context(cuda_factories_on_cpu())
-        groups = _groups(spec)
+        groups = stack.enter_context(_groups(spec))
         config = transformer_config(spec)
         stock, plugin = build_pair(spec, config, groups)
         stock_losses, stock_experts = _train(config, stock, groups.pg_collection, data, overlap)
@@ -166,8 +167,7 @@ def bad_layer_job() -> Dict[str, Any]:
 
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     spec = MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RANKS_PER_NODE, ep=2, esp=2, k=2)
-    with megatron_on_cpu():
-        groups = _groups(spec)
+    with megatron_on_cpu(), _groups(spec) as groups:
         config = transformer_config(spec, moe_input_jitter_eps=0.01)
         config.moe_token_dispatcher_type = "flex"                 # set after TransformerConfig's own checks
         config.overlap_moe_expert_parallel_comm = True
@@ -190,16 +190,19 @@ def mismatched_groups_job() -> str:
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     world = dist.get_world_size()
     spec = MegatronVerifySpec(world=world, ranks_per_node=RANKS_PER_NODE, ep=2, k=2)
-    with megatron_on_cpu():
-        pgc = _groups(spec).pg_collection
+    message = ""
+    with megatron_on_cpu(), _groups(spec) as groups:
+        pgc = groups.pg_collection
         strided = [dist.new_group([r for r in range(world) if r % 2 == parity]) for parity in range(2)]
         pgc.ep = strided[dist.get_rank() % 2]                     # EP over {0,2},{1,3}; the layout has {0,1},{2,3}
         try:
             PluginMoELayer(transformer_config(spec), submodules=stock_spec(use_te=False, num_experts=4).submodules,
                            pg_collection=pgc, plugin=PluginConfig())
         except ValueError as exc:
-            return str(exc)
-    return ""
+            message = str(exc)
+        finally:
+            dist.destroy_process_group(strided[dist.get_rank() % 2])
+    return message
 
 
 # ---- the Megatron-LM flag path, through Megatron's own layer spec ---------------------------------------------
@@ -221,8 +224,7 @@ def flag_path_job(flag: str) -> Dict[str, Any]:
     args.__dict__.update(world_size=spec.world, tensor_model_parallel_size=spec.mp, expert_model_parallel_size=spec.ep,
                          expert_tensor_parallel_size=spec.esp, num_experts=spec.experts, hidden_size=spec.hidden,
                          ffn_hidden_size=spec.ffn, moe_router_topk=spec.k, moe_token_dispatcher_type="alltoall")
-    with megatron_on_cpu():
-        groups = _groups(spec)
+    with megatron_on_cpu(), _groups(spec) as groups:
         config = transformer_config(spec, num_attention_heads=2)
         layers = []
         for use_flag in (False, True):
