@@ -12,16 +12,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-
-
 from .comm import Recorder
 from .config import MoEConfig, moe_config_problems
 from .experts import ExpertWeights, shard_weights, sharded_experts
 from .groups import MoEProcessGroups
 from .ledger import CommLedger
 from .router import route_tokens
-from .schedules import SCHEDULES, LayerParams, run_schedule, schedule_problems
 from .pipemoe import AutoDegree, Degree, PipelineLane, run_pipelined
+from .schedules import SCHEDULES, LayerParams, run_schedule, schedule_problems
 
 
 @dataclass(frozen=True)
