@@ -113,3 +113,99 @@ def route(x_SM: torch.Tensor, wg_EM: torch.Tensor, *, k: int, capacity_factor: f
         if cap < assign.max_count:
             raise ValueError(f"dropless capacity ({cap}) is below the largest expert count ({assign.max_count})")
     return apply_capacity(assign, cap)
+
+
+# ---- the same gate on one block of the tokens (Parm's S1: each MP rank gates 1/N_MP of them) -------------
+#
+# The MP group's S tokens are cut into P blocks of s rows (rows [p s, (p+1) s), the last ones padding). Each
+# block picks its top-k locally; the only cross-block facts GShard's order needs are how many routes of each
+# rank j each block sends to each expert, counts_PKE (k E integers per block), and, for the aux loss, the
+# gate sums over all blocks (E floats). From those every block derives the positions, drops, capacity and
+# aux loss that assign_topk + apply_capacity give on the concatenated blocks.
+
+@dataclass(frozen=True)
+class BlockCandidates:
+    """One block's local top-k, before any cross-block reconciliation."""
+
+    gates_sE: torch.Tensor
+    expert_sK: torch.Tensor
+    rank_sK: torch.Tensor        # order of the route among this block's routes of the same j to the same expert
+    valid_s: torch.Tensor        # False on padding rows, which route nowhere and count nowhere
+    counts_KE: torch.Tensor      # this block's routes per (route rank j, expert), valid rows only
+    gate_sum_E: torch.Tensor     # sum of the valid rows' gates (differentiable)
+
+
+@dataclass(frozen=True)
+class BlockRouting:
+    """A block's routing in the MP group's slot numbering, plus what S1 needs about the other blocks.
+
+    ``routing`` covers the block's rows: slots in [0, capacity) as in the baseline's buffer, combine weights,
+    and the group's aux loss and exp_counts_E (totals over all blocks)."""
+
+    routing: Routing
+    kept_PE: torch.Tensor        # kept routes per block and expert
+    dropped: int                 # routes dropped by capacity over all blocks
+
+
+def block_candidates(logits_sE: torch.Tensor, k: int, valid_s: torch.Tensor) -> BlockCandidates:
+    """Top-k of a block's rows and each route's rank within the block (per route rank j and expert)."""
+    num_rows, num_experts = logits_sE.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
+    if tuple(valid_s.shape) != (num_rows,):
+        raise ValueError(f"valid_s has shape {tuple(valid_s.shape)}; expected ({num_rows},), one flag per row")
+    gates_sE = torch.softmax(logits_sE, dim=1)
+    expert_sK = torch.topk(gates_sE.detach(), k=k, dim=1).indices
+    onehot_KsE = F.one_hot(expert_sK.t(), num_experts) * valid_s.to(torch.long).unsqueeze(1)
+    rank_sK = (onehot_KsE.cumsum(1) - 1).gather(2, expert_sK.t().unsqueeze(2)).squeeze(2).t()
+    gate_sum_E = (gates_sE * valid_s.to(gates_sE.dtype).unsqueeze(1)).sum(0)
+    return BlockCandidates(gates_sE=gates_sE, expert_sK=expert_sK, rank_sK=rank_sK, valid_s=valid_s,
+                           counts_KE=onehot_KsE.sum(1), gate_sum_E=gate_sum_E)
+
+
+def route_starts_PKE(counts_PKE: torch.Tensor) -> torch.Tensor:
+    """First position of block p's routes of rank j in expert e's buffer (GShard order): all routes of ranks
+    j' < j over all blocks, then those of rank j in blocks p' < p."""
+    total_KE = counts_PKE.sum(0)
+    earlier_ranks_KE = total_KE.cumsum(0) - total_KE
+    earlier_blocks_PKE = counts_PKE.cumsum(0) - counts_PKE
+    return earlier_ranks_KE.unsqueeze(0) + earlier_blocks_PKE
+
+
+def kept_counts_PE(counts_PKE: torch.Tensor, cap: int) -> torch.Tensor:
+    """Kept routes per block and expert: block p's routes of rank j to e fill positions
+    [start, start + count), of which those below ``cap`` are kept."""
+    start_PKE = route_starts_PKE(counts_PKE)
+    return (cap - start_PKE).clamp(min=0).minimum(counts_PKE).sum(1)
+
+
+def assign_block(cand: BlockCandidates, counts_PKE: torch.Tensor, block: int, gate_total_E: torch.Tensor,
+                 num_tokens: int) -> Assignment:
+    """The block's share of ``assign_topk`` on all S tokens: positions in GShard order, the group's
+    exp_counts_E and its aux loss (me_E from the gate sums over all blocks, ce_E from the first choices)."""
+    blocks, k, num_experts = counts_PKE.shape
+    if not 0 <= block < blocks:
+        raise ValueError(f"block ({block}) must be in [0, {blocks}), the number of blocks in counts_PKE")
+    if tuple(cand.counts_KE.shape) != (k, num_experts) or not torch.equal(counts_PKE[block], cand.counts_KE):
+        raise ValueError(f"counts_PKE[{block}] must be this block's own counts_KE (shape {(k, num_experts)})")
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens ({num_tokens}) must be >= 1")
+    start_KE = route_starts_PKE(counts_PKE)[block]
+    position_sK = start_KE.gather(1, cand.expert_sK.t()).t() + cand.rank_sK
+    never = torch.iinfo(position_sK.dtype).max                       # padding rows: beyond any capacity
+    position_sK = torch.where(cand.valid_s.unsqueeze(1), position_sK, torch.full_like(position_sK, never))
+    me_E = gate_total_E / num_tokens
+    ce_E = counts_PKE[:, 0].sum(0).to(me_E.dtype) / num_tokens
+    aux = (me_E * ce_E).sum() * num_experts
+    return Assignment(gates_SE=cand.gates_sE, expert_SK=cand.expert_sK, position_SK=position_sK,
+                      exp_counts_E=counts_PKE.sum((0, 1)), aux_loss=aux)
+
+
+def route_block(cand: BlockCandidates, counts_PKE: torch.Tensor, block: int, gate_total_E: torch.Tensor,
+                num_tokens: int, cap: int) -> BlockRouting:
+    """A block's routing with capacity ``cap`` (computed from all S tokens), equal row for row to
+    ``apply_capacity(assign_topk(all logits), cap)`` on the block's rows."""
+    assign = assign_block(cand, counts_PKE, block, gate_total_E, num_tokens)
+    kept_PE = kept_counts_PE(counts_PKE, cap)
+    return BlockRouting(routing=apply_capacity(assign, cap), kept_PE=kept_PE,
+                        dropped=int(counts_PKE.sum()) - int(kept_PE.sum()))

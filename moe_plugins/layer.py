@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Optional, Type, Union
 
 import torch
 from torch import nn
@@ -17,9 +17,25 @@ from .config import MoEConfig, moe_config_problems
 from .experts import ExpertWeights, shard_weights, sharded_experts
 from .groups import MoEProcessGroups
 from .ledger import CommLedger
-from .router import route_tokens
+from .router import route_token_block, route_tokens
 from .pipemoe import AutoDegree, Degree, PipelineLane, run_pipelined
-from .schedules import SCHEDULES, LayerParams, run_schedule, schedule_problems
+from .schedules import SCHEDULES, LayerParams, Schedule, run_schedule, schedule_problems
+
+ScheduleLike = Union[str, Type[Schedule]]     # a registered name, or a registered schedule's configured subclass
+
+
+def schedule_class(schedule: ScheduleLike) -> Type[Schedule]:
+    """The class behind a schedule name; a class is taken as is when it derives from the registered class of
+    its ``name`` (e.g. ``ParmAutoSchedule.with_costs(...)``, parm-auto with measured costs)."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule ({schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
+        return SCHEDULES[schedule]
+    name = getattr(schedule, "name", None)
+    if not (isinstance(schedule, type) and name in SCHEDULES and issubclass(schedule, SCHEDULES[name])):
+        raise ValueError(f"schedule ({schedule!r}) must be a name in {', '.join(sorted(SCHEDULES))} or a subclass "
+                         "of the registered class of its name")
+    return schedule
 
 
 @dataclass(frozen=True)
@@ -30,10 +46,11 @@ class MoEOutput:
     dropped: int                 # routes dropped by capacity, this rank's tokens
 
 
-def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: str,
+def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: ScheduleLike,
                      pipeline_degree: Degree) -> None:
     """Raise one ValueError listing every problem, before anything is built."""
-    problems = moe_config_problems(config, groups.layout) + schedule_problems(schedule, groups.layout)
+    name = schedule if isinstance(schedule, str) else getattr(schedule, "name", repr(schedule))
+    problems = moe_config_problems(config, groups.layout) + schedule_problems(name, groups.layout)
     fixed_ok = isinstance(pipeline_degree, int) and pipeline_degree >= 1
     if not (fixed_ok or isinstance(pipeline_degree, AutoDegree)):
         problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer or an AutoDegree")
@@ -44,7 +61,7 @@ def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: str,
 class MoELayer(nn.Module):
     """Gate (replicated) + expert shard (sharded over EP and ESP), run by a named schedule."""
 
-    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: str = "baseline",
+    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: ScheduleLike = "baseline",
                  pipeline_degree: Degree = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
                  dtype: torch.dtype = torch.float32, pipeline_lane: Optional[PipelineLane] = None):
         super().__init__()
@@ -52,7 +69,7 @@ class MoELayer(nn.Module):
         self.config, self.groups, self.pipeline_degree, self.name = config, groups, pipeline_degree, name
         self.ledger = ledger
         self.rec = Recorder(ledger, name)
-        self.schedule = SCHEDULES[schedule](config, groups, self.rec)
+        self.schedule = schedule_class(schedule)(config, groups, self.rec)
         # PipeMoE: degree != 1 runs the exchanges on a lane (collective to build; layers may share one)
         if pipeline_lane is None and pipeline_degree != 1:
             pipeline_lane = PipelineLane(groups)
@@ -87,7 +104,9 @@ class MoELayer(nn.Module):
         params = LayerParams(
             router=partial(route_tokens, wg_EM=self.wg_EM, config=self.config, groups=self.groups, rec=self.rec),
             experts=partial(sharded_experts, weights=self.expert_weights, activation=self.config.activation,
-                            esp=self.groups.esp, rec=self.rec))
+                            esp=self.groups.esp, rec=self.rec),
+            block_router=partial(route_token_block, wg_EM=self.wg_EM, config=self.config, groups=self.groups,
+                                 rec=self.rec))
         if self.pipeline_degree == 1:
             y_SM, d = run_schedule(self.schedule, x_SM, params)
         else:

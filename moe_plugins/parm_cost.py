@@ -139,6 +139,21 @@ def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None) -> 
     return [o for o in ops if size[o.group] > 1]
 
 
+def s1_gate_ops(shape: ParmShape, phase: str) -> List[Op]:
+    """The O(E) collectives of S1's split gate (each MP rank gates its 1/N_MP of the tokens), outside the
+    paper's model and not costed: forward, the all-gather of every block's route counts (k E integers per
+    MP rank) and the all-reduce of the gate sums (E); backward, the all-reduce of the gate weight's partial
+    gradient (E M). None with N_MP = 1. (Dropless capacity adds the integer maxes every schedule issues.)"""
+    check_shape(shape)
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase ({phase!r}) must be 'forward' or 'backward'")
+    if shape.mp == 1:
+        return []
+    if phase == "forward":
+        return [Op("all_gather", "mp", float(shape.mp * shape.k * shape.E)), Op("all_reduce", "mp", float(shape.E))]
+    return [Op("all_reduce", "mp", float(shape.E * shape.M))]
+
+
 def op_volumes(ops: List[Op]) -> Dict[str, Tuple[int, float]]:
     """``op@group`` -> (count, total elements): the shape of a CommLedger summary row."""
     out: Dict[str, Tuple[int, float]] = {}

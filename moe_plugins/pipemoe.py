@@ -324,6 +324,8 @@ class AutoDegree:
     r_max: int = R_MAX
     backward_factor: float = 2.0
     source: str = ""
+    # what it chose, per (schedule, n_d bytes, n_e macs, training): for logs and reports, not for deciding
+    decisions: Dict[Tuple[str, float, float, bool], int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = [f"costs[{k!r}]: {p}" for k, c in self.costs.items() for p in c.problems()]
@@ -352,8 +354,10 @@ class AutoDegree:
     def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
         costs, n_d, n_e = self.workload(schedule, dispatched)
         r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
-        return _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
-                              self.backward_factor).degree
+        r = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
+                           self.backward_factor).degree
+        self.decisions[(type(schedule).name, n_d, n_e, training)] = r
+        return r
 
 
 @lru_cache(maxsize=256)

@@ -1,4 +1,5 @@
-"""The core's router: top-k gate plus capacity, with dropless capacity made uniform across ranks."""
+"""The core's router: top-k gate plus capacity, with dropless capacity made uniform across ranks; and its
+block form for Parm's S1, where each MP rank gates only its own 1/N_MP of the MP group's tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from . import comm
 from .comm import Recorder
 from .config import MoEConfig
-from .gating import Routing, apply_capacity, assign_topk, capacity, gate_logits
+from .gating import (BlockRouting, Routing, apply_capacity, assign_topk, block_candidates, capacity, gate_logits,
+                     route_block)
 from .groups import MoEProcessGroups
 
 
@@ -26,3 +28,30 @@ def route_tokens(x_SM: torch.Tensor, *, wg_EM: torch.Tensor, config: MoEConfig, 
     else:
         cap = uniform_capacity(assign.max_count, groups, rec)
     return apply_capacity(assign, cap)
+
+
+def route_token_block(x_sM: torch.Tensor, num_tokens: int, *, wg_EM: torch.Tensor, config: MoEConfig,
+                      groups: MoEProcessGroups, rec: Recorder) -> BlockRouting:
+    """Gate this MP rank's token block, rows [p s, (p+1) s) of the MP group's ``num_tokens`` tokens (rows at
+    or past ``num_tokens`` are padding), with exactly the routing ``route_tokens`` gives on all of them.
+
+    Collectives on the MP group, O(E) elements each: an all-gather of the block's route counts (k E
+    integers), an all-reduce of its gate sums (E floats; forward sum, backward identity: the group's tokens
+    are one logical copy, so each rank's aux-loss gradient reaches only its own rows), and, in backward, the
+    all-reduce of the gate weight's gradient (``copy_to``: each rank's is a partial sum over its rows).
+    Dropless capacity is made uniform as ``route_tokens`` does."""
+    mp = groups.mp
+    rows = x_sM.shape[0]
+    if not (rows - 1) * mp.size < num_tokens <= rows * mp.size:
+        raise ValueError(f"num_tokens ({num_tokens}) does not fit {mp.size} MP blocks of {rows} rows: it must "
+                         f"be in ({(rows - 1) * mp.size}, {rows * mp.size}]")
+    wg = comm.copy_to(wg_EM, mp, rec)
+    valid_s = torch.arange(mp.rank * rows, (mp.rank + 1) * rows, device=x_sM.device) < num_tokens
+    cand = block_candidates(gate_logits(x_sM, wg), config.k, valid_s)
+    counts_PKE = comm.all_gather(cand.counts_KE.unsqueeze(0), mp, rec, dim=0)
+    gate_total_E = comm.all_reduce(cand.gate_sum_E, mp, rec)
+    if config.drop_tokens:
+        cap = capacity(num_tokens, config.num_experts, config.k, config.capacity_factor, config.min_capacity)
+    else:
+        cap = uniform_capacity(int(counts_PKE.sum((0, 1)).max()), groups, rec)
+    return route_block(cand, counts_PKE, mp.rank, gate_total_E, num_tokens, cap)

@@ -471,7 +471,8 @@ class DeepSpeedPlugin:
                 self._etp_before = self._ds.groups.expert_tensor_parallel_world_size
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
-        schedule = SCHEDULES[cfg.schedule](moe_config(facts), host.groups, Recorder(self.ledger, facts.name))
+        schedule = self._schedule_class(cfg.schedule, layout, moe)(moe_config(facts), host.groups,
+                                                                  Recorder(self.ledger, facts.name))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None)
@@ -485,17 +486,33 @@ class DeepSpeedPlugin:
             cfg.pipeline_degree, layout.mp, layout.ep, layout.esp, rpn,
             " (the plugin slices DeepSpeed's FFN experts along H)" if sliced else "")
 
+    def _cached_profile(self, layout: ParallelLayout, moe):
+        """The cost profile ``moe-plugins profile`` cached for this layout, backend and device (or None)."""
+        from moe_plugins import costmodel, profiler
+        device = next(moe.parameters()).device
+        key = profiler.profile_key(layout, dist.get_backend(), device)
+        return costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
+
+    def _schedule_class(self, name: str, layout: ParallelLayout, moe):
+        """``parm-auto`` decides from the cached profile's alpha-beta terms (the documented defaults, logged, when
+        this cluster has none); every other schedule is its registered class."""
+        if name != "parm-auto":
+            return SCHEDULES[name]
+        from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
+        from moe_plugins.schedules.parm import parm_auto_for
+        profile = self._cached_profile(layout, moe)
+        if profile is None:
+            logger.info("moe_plugins: parm-auto has no cached profile for this layout; it uses %s",
+                        DEFAULT_COSTS_SOURCE)
+        return parm_auto_for(profile, next(moe.parameters()).element_size(), layout.mp)
+
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
         """PipeMoE's degree (``"auto"``: from the cost profile cached for this layout and device) and its lane,
         one per layout (collective to build)."""
         if value == 1:
             return 1, None
-        from moe_plugins import costmodel, pipemoe, profiler
-        profile = None
-        if value == "auto":
-            device = next(moe.parameters()).device
-            key = profiler.profile_key(layout, dist.get_backend(), device)
-            profile = costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
+        from moe_plugins import pipemoe
+        profile = self._cached_profile(layout, moe) if value == "auto" else None
         degree = pipemoe.degree_from_flag(value, profile)
         if layout not in self._lanes:
             self._lanes[layout] = pipemoe.PipelineLane(groups)

@@ -9,7 +9,7 @@ and a Megatron-LM ``argparse.Namespace`` (training scripts). Each is translated 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from moe_plugins.config import MoEConfig, moe_config_problems
 from moe_plugins.experts import ACTIVATIONS
@@ -108,10 +108,14 @@ def token_layout(facts: MegatronFacts, world: int, ranks_per_node: int) -> Paral
     return ParallelLayout(world=world, ranks_per_node=ranks_per_node, mp=1, ep=facts.ep, esp=facts.etp)
 
 
+ProfileLookup = Callable[[ParallelLayout], Optional[Any]]   # layout -> its cached CostProfile, or None
+
+
 def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Optional[int],
-                    ranks_per_node: Optional[int]) -> List[str]:
+                    ranks_per_node: Optional[int], profile: Optional[ProfileLookup] = None) -> List[str]:
     """Every reason the plugin cannot run this Megatron MoE layer, each naming the setting and its value (empty
-    when fine). ``world`` None skips the checks that need it (argument parsing before launch)."""
+    when fine). ``world`` None skips the checks that need it (argument parsing before launch). ``profile``
+    finds the cost profile cached for a layout (``pipeline_degree: "auto"`` needs one)."""
     problems = []
     if facts.num_experts is None:
         return [f"num_moe_experts (None): the {SECTION} flag is set but the model has no MoE layer"]
@@ -124,9 +128,6 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     if plugin.esp is not None and plugin.esp != facts.etp:
         problems.append(f"{SECTION}.esp ({plugin.esp}) must equal expert_tensor_parallel_size ({facts.etp}): "
                         "Megatron's expert weights are sharded over its expert-TP group")
-    if isinstance(plugin.pipeline_degree, str):
-        problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile, which the "
-                        "Megatron adapter does not load yet; give an integer")
     if facts.etp > 1 and facts.random_routing:
         problems.append(f"{', '.join(facts.random_routing)} must be off with expert_tensor_parallel_size "
                         f"({facts.etp}) > 1: a schedule may re-gate its ESP group's token blocks, which needs "
@@ -142,4 +143,8 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
                  f"per TP rank): {p}" for p in schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
+    if plugin.pipeline_degree == "auto" and (profile is None or profile(layout) is None):
+        problems.append(f"{SECTION}.pipeline_degree ('auto') needs a cost profile for this layout, and none is "
+                        f"cached: run `moe-plugins profile --world {world} --ranks-per-node {rpn} --mp 1 --ep "
+                        f"{facts.ep} --esp {facts.etp}` on this cluster, or give an integer")
     return problems

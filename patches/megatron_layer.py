@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Type
 
 import torch
 import torch.distributed as dist
@@ -39,16 +40,20 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_plugins import comm
 from moe_plugins.comm import Recorder
+from moe_plugins.costmodel import CostProfile, default_cache_dir, load_cached
 from moe_plugins.gating import Routing
 from moe_plugins.groups import Group, MoEProcessGroups
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.ledger import CommLedger
-from moe_plugins.pipemoe import PipelineLane, run_pipelined
+from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
+from moe_plugins.pipemoe import PipelineLane, degree_from_flag, run_pipelined
+from moe_plugins.profiler import profile_key
 from moe_plugins.plugin_config import PluginConfig
 from moe_plugins.router import uniform_capacity
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule
+from moe_plugins.schedules.parm import parm_auto_for
 
-from .megatron_config import facts_from_config, moe_config, plugin_problems
+from .megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
 from .megatron_groups import MegatronGroups, groups_from_pg_collection, pg_collection_problems, token_view
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -143,19 +148,44 @@ class _Pass:
     dispatched: Any          # schedules.Dispatched at degree 1, else None
 
 
+def find_profile(profile_dir: Optional[str], layout: ParallelLayout) -> Optional[CostProfile]:
+    """The cost profile ``moe-plugins profile`` cached for ``layout`` on this backend and device (or None)."""
+    if profile_dir is None:
+        return None
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    return load_cached(Path(profile_dir), profile_key(layout, dist.get_backend(), device))
+
+
+def schedule_class(name: str, profile: Optional[CostProfile], dtype: torch.dtype, mp: int) -> Type[Schedule]:
+    """``parm-auto`` decides from the profile's alpha-beta terms (the documented defaults, logged, without one);
+    every other schedule is its registered class."""
+    if name != "parm-auto":
+        return SCHEDULES[name]
+    if profile is None:
+        logger.info("moe_plugins: parm-auto has no cached profile for this layout; it uses %s", DEFAULT_COSTS_SOURCE)
+    return parm_auto_for(profile, torch.empty((), dtype=dtype).element_size(), mp)
+
+
 class ScheduleTokenDispatcher(MoETokenDispatcher):
     """Megatron's token-dispatcher interface run by a project schedule (see the module docstring)."""
 
     def __init__(self, config: Any, pg_collection: Any, *, groups: MoEProcessGroups, plugin: PluginConfig,
-                 router: torch.nn.Module, experts: torch.nn.Module, ledger: Optional[CommLedger], name: str):
+                 router: torch.nn.Module, experts: torch.nn.Module, ledger: Optional[CommLedger], name: str,
+                 profile: Optional[CostProfile] = None):
         super().__init__(config=config, pg_collection=pg_collection)
         self.groups, self.plugin, self.ledger = groups, plugin, ledger
         self.router, self.experts = router, experts
         self.moe_config = moe_config(facts_from_config(config))
-        self.degree = int(plugin.pipeline_degree)
-        self.lane = PipelineLane(groups) if self.degree > 1 else None    # collective: layers build in order
+        self.degree = degree_from_flag(plugin.pipeline_degree, profile)
+        self.lane = PipelineLane(groups) if self._pipelined else None     # collective: layers build in order
         self.rec = Recorder(ledger, name)
-        self.schedule: Schedule = SCHEDULES[plugin.schedule](self.moe_config, groups, self.rec)
+        self.schedule: Schedule = schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size)(
+            self.moe_config, groups, self.rec)
+
+    @property
+    def _pipelined(self) -> bool:
+        return self.degree != 1
         self._pass: Optional[_Pass] = None
 
     def rename(self, name: str) -> None:
@@ -173,7 +203,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         x_SM = hidden_states.reshape(-1, hidden_states.shape[-1])
         own = routing_from_megatron(probs, routing_map, block_capacity(routing_map, self.config, self.groups, self.rec))
         params = self._params(x_SM, own)
-        if self.degree > 1:
+        if self._pipelined:
             self._pass = _Pass(hidden_states.shape, params, None)
             return x_SM, probs
         dispatched = self.schedule.prepare(x_SM, params)
@@ -181,7 +211,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         return dispatched.d, probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.degree > 1:
+        if self._pipelined:
             return hidden_states, probs
         return self.schedule.exchange_in(hidden_states), probs
 
@@ -189,19 +219,19 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         """Between dispatch and combine: the schedule's expert step, or at degree r > 1 the whole pipelined
         chunk loop (prepare, r x (exchange_in, expert, exchange_out), finish)."""
         st = self._pass
-        if self.degree > 1:
+        if self._pipelined:
             y_SM, _ = run_pipelined(self.schedule, hidden_states, st.params, self.degree, self.lane)
             return y_SM
         return self.schedule.expert(hidden_states, st.params)
 
     def token_combine(self, hidden_states: torch.Tensor):
-        if self.degree > 1:
+        if self._pipelined:
             return hidden_states
         return self.schedule.exchange_out(hidden_states)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         st, self._pass = self._pass, None
-        y_SM = hidden_states if self.degree > 1 else self.schedule.finish(hidden_states, st.dispatched)
+        y_SM = hidden_states if self._pipelined else self.schedule.finish(hidden_states, st.dispatched)
         return y_SM.view(st.hidden_shape)
 
     def dispatch_postprocess(self, hidden_states, probs):
@@ -223,29 +253,34 @@ class PluginMoELayer(MoELayer):
 
     def __init__(self, config: Any, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
-                 ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None):
+                 ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
+                 profile_dir: Optional[str] = None):
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else get_default_pg_collection()
-        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node)
+        profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
+        lookup = partial(find_profile, profile_dir)
+        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.plugin = plugin
         self.moe_groups = token_view(groups_from_pg_collection(pg_collection, layout))
         self.token_dispatcher = ScheduleTokenDispatcher(
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
-            ledger=ledger, name=self._ledger_name(layer_number))
+            ledger=ledger, name=self._ledger_name(layer_number),
+            profile=lookup(self.moe_groups.layout) if plugin.pipeline_degree == "auto" or plugin.schedule == "parm-auto"
+            else None)
         log = logger.info if dist.get_rank() == 0 else logger.debug
-        log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %d) on tp=%d ep=%d etp=%d, "
-            "ranks_per_node=%d", self._ledger_name(layer_number), plugin.schedule, int(plugin.pipeline_degree),
+        log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %s) on tp=%d ep=%d etp=%d, "
+            "ranks_per_node=%d", self._ledger_name(layer_number), plugin.schedule, plugin.pipeline_degree,
             layout.mp, layout.ep, layout.esp, layout.ranks_per_node)
 
     @staticmethod
     def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],
-               ranks_per_node: Optional[int]) -> ParallelLayout:
+               ranks_per_node: Optional[int], profile: ProfileLookup) -> ParallelLayout:
         world, rank = dist.get_world_size(), dist.get_rank()
         rpn = plugin.ranks_per_node or (groups.layout.ranks_per_node if groups is not None else None) \
             or ranks_per_node or world
         facts = facts_from_config(config)
-        problems = plugin_problems(facts, plugin, world=world, ranks_per_node=rpn)
+        problems = plugin_problems(facts, plugin, world=world, ranks_per_node=rpn, profile=profile)
         if not problems:
             layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=facts.etp)
             problems = pg_collection_problems(pg_collection, layout, rank)

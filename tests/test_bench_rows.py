@@ -74,3 +74,26 @@ def test_tensor_parallel_stock_rows_match_deepspeeds_data_flow(world):
     assert tp["model_bytes_per_rank"] == ds["model_bytes_per_rank"] == [4 * (4 * 32 * 16 * 4) // 2] * 4
     for row in (ds, meg):
         assert row["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, row["first_row_max_abs"])
+
+
+def test_auto_rows_decide_from_a_profile_measured_at_each_rate(world):
+    """``@r=auto`` and ``parm-auto`` rows are rebuilt per rate on a profile the runner measured on the case's
+    groups: the record carries the fit, the rows record what they chose, and their outputs equal the fixed
+    rows' (the choice never changes the math)."""
+    case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=4, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=1, warmup=1,
+                     rows=(RowSpec(name="parm-s1"), RowSpec(name="parm-s2-saa"), RowSpec(name="parm-auto"),
+                           RowSpec(name="parm-s2", options=(("r", "auto"),))))
+    (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
+    assert group["skipped"] == {}
+    assert list(group["rows"]) == ["parm-s1", "parm-s2-saa", "parm-auto", "parm-s2@r=auto"]
+    fits = group["profile"]
+    for key in ("gemm", "all_to_all@ep_esp", "all_gather@mp", "saa@ep_esp+mp"):
+        assert fits[key]["beta"] > 0 and fits[key]["r2"] is not None, (key, fits)
+    (auto_note,) = group["rows"]["parm-auto"]["notes"]
+    assert auto_note.startswith("parm-auto: parm-s1 for 64 tokens") or auto_note.startswith("parm-auto: parm-s2")
+    (degree_note,) = group["rows"]["parm-s2@r=auto"]["notes"]
+    assert degree_note.startswith("auto degree: r=") and "measured" not in degree_note
+    for label in ("parm-s2-saa", "parm-auto", "parm-s2@r=auto"):
+        row = group["rows"][label]
+        assert row["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, row["first_row_max_abs"]), label

@@ -167,3 +167,46 @@ def test_collective_counter_restores_torch_distributed():
         counter.start()
     assert counter.stop() == 0
     assert all(getattr(dist, n) is before[n] for n in names)
+
+
+def test_auto_rows_are_judged_against_the_choices_they_pick_from():
+    labels = ["deepspeed", "baseline", "baseline@r=2", "baseline@r=8", "baseline@r=auto", "parm-s1", "parm-s2",
+              "parm-s2-saa", "parm-auto", "parm-s2@r=4"]
+    assert report.auto_peers("baseline@r=auto", labels) == ["baseline", "baseline@r=2", "baseline@r=8"]
+    assert report.auto_peers("parm-auto", labels) == ["parm-s1", "parm-s2", "parm-s2-saa"]
+    assert report.auto_peers("parm-s1", labels) == [] and report.auto_peers("deepspeed", labels) == []
+    assert rows.needs_profile(RowSpec(name="parm-auto"))
+    assert rows.needs_profile(RowSpec(name="baseline", options=(("r", "auto"),)))
+    assert not rows.needs_profile(RowSpec(name="baseline", options=(("r", "4"),)))
+    assert not rows.needs_profile(RowSpec(name="deepspeed"))
+
+
+def test_auto_summary_counts_groups_within_five_percent():
+    def group(times):
+        raw = {label: {"kind": "plugin", "times_s": [t], "traffic_source": "ledger", "model_bytes_per_rank": [0] * 4,
+                       "nic_tx_bytes_per_rank": [None] * 4, "max_abs_diff_vs_first": 0.0, "first_row_max_abs": 1.0,
+                       "notes": []} for label, t in times.items()}
+        return {"case": {}, "case_label": "c", "rate": "1gbit", "rows": raw, "skipped": {}}
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(), rows=(), rates=("1gbit",))
+    records = [group({"baseline": 1.0, "baseline@r=2": 0.8, "baseline@r=auto": 0.83}),     # 1.0375: within
+               group({"baseline": 1.0, "baseline@r=2": 0.8, "baseline@r=auto": 0.85})]     # 1.0625: not
+    summary = report.summarize(records, plan, {"title": "t", "header_lines": []})
+    auto = summary["auto"]["baseline@r=auto"]
+    assert (auto["groups"], auto["within"]) == (2, 1)
+    assert auto["worst_ratio"] == pytest.approx(0.85 / 0.8)
+    assert summary["groups"][0]["rows"]["baseline@r=auto"]["auto_vs_best"]["best"] == "baseline@r=2"
+    assert "within 5% of the best fixed choice in 1 of 2 groups" in report.markdown(summary)
+
+
+def test_bench_profiles_cover_the_case_from_small_messages_up():
+    from moe_plugins.bench.profiles import profile_spec_for
+    from moe_plugins.layout import ParallelLayout
+    case = CaseConfig(tokens=1024, hidden=256, ffn=512, experts=8, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
+    layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=2)
+    spec = profile_spec_for(case, layout, [RowSpec(name="parm-auto")], "float32")
+    a2a_bytes = 8 * 256 * 256 * 4 * 2              # E x C x M x 4 bytes, dumped to N_ESP = 2 shards
+    assert min(spec.sizes_bytes) == 4096 and max(spec.sizes_bytes) >= 2 * a2a_bytes
+    assert spec.gemm_shape == (4, 256, 256) and max(spec.gemm_rows) >= 2 * 256 * 4
+    assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups
+    pipe = profile_spec_for(case, layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
+    assert set(pipe.ops) == {"gemm", "all_to_all"} and spec.check() is spec

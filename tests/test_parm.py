@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from moe_plugins.comm import Recorder
 from moe_plugins.config import MoEConfig
-from moe_plugins.gating import route
+from moe_plugins.gating import (apply_capacity, assign_topk, block_candidates, capacity, gate_logits, route,
+                                route_block)
 from moe_plugins.groups import Group, MoEProcessGroups
 from moe_plugins.layout import GROUP_KINDS, ParallelLayout
-from moe_plugins.parm_cost import AlphaBeta, ParmCosts, ParmShape, op_volumes, schedule_ops
+from moe_plugins.parm_cost import AlphaBeta, ParmCosts, ParmShape, op_volumes, s1_gate_ops, schedule_ops
 from moe_plugins.saa import block_order
 from moe_plugins.schedules import LayerParams
 from moe_plugins.schedules.parm import ParmAutoSchedule, block_counts, expert_partials, local_slots
@@ -67,9 +68,8 @@ def test_auto_is_exact_on_either_branch(world, choice):
     specs = matrix("parm-auto-test", [(2, 2, 2), (2, 4, 1), (2, 1, 2)])
     reports = world(4).run(jobs.verify_auto_with_costs, "parm-auto-test", forcing(choice), specs)[0]
     assert_exact(specs, reports)
-    # the ledger tells which branch ran: S1's backward all-gathers the input and the combine weights over MP
-    gathers = {r["ledger"]["moe"]["backward:all_gather@mp"]["count"] for r in reports}
-    assert gathers == ({2} if choice == "parm-s1" else {1})
+    # the ledger tells which branch ran: only S1's split gate all-reduces the gate weight's gradient over MP
+    assert {"backward:all_reduce@mp" in r["ledger"]["moe"] for r in reports} == {choice == "parm-s1"}
 
 
 def test_auto_default_costs_matches_reference(world):
@@ -90,6 +90,14 @@ def test_pipelined_runner(world):
 def test_chunked_runner_equals_unchunked(world, schedule):
     for layout in ((2, 2, 2), (2, 4, 1)):
         assert max(world(4).run(jobs.chunked_equals_whole, layout, schedule, [2, 3, 7])) <= 1e-12
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_s1_fallback_for_opaque_gates_equals_the_split_gate(world, drop):
+    """Hosts whose gate cannot be split (LayerParams.block_router None) run S1 with the whole-block gate;
+    both forms give the same results (13 tokens: padded blocks)."""
+    for layout in ((2, 2, 1), (2, 1, 2)):
+        assert max(world(4).run(jobs.fallback_equals_block_router, layout, drop)) <= 1e-12
 
 
 def test_edge_cases(world):
@@ -130,12 +138,11 @@ def test_ledger_matches_t_d1_t_d2(world, layout, k):
         assert by_phase(ledgers["baseline"], phase) == want["baseline"]
         assert by_phase(ledgers["parm-s2"], phase) == want["parm-s2"]
         assert by_phase(ledgers["parm-s2-saa"], phase) == want["parm-s2"]
-    assert by_phase(ledgers["parm-s1"], "forward") == want["parm-s1"]
-    # backward: the same, plus the S x K combine-weight gradients in the MP all-gather (the gate's gradient)
-    s1_back = dict(want["parm-s1"])
-    count, numel = s1_back["all_gather@mp"]
-    s1_back["all_gather@mp"] = (count + 1, numel + 16 * k)
-    assert by_phase(ledgers["parm-s1"], "backward") == s1_back
+    # S1 also reconciles its split gate with O(E) collectives on MP (route counts, gate sums; the gate
+    # weight's gradient in backward): nothing token-sized beyond t_D1's all-gather of the input
+    for phase in ("forward", "backward"):
+        s1_ops = schedule_ops("parm-s1", shape) + s1_gate_ops(shape, phase)
+        assert by_phase(ledgers["parm-s1"], phase) == {key: (c, int(v)) for key, (c, v) in op_volumes(s1_ops).items()}
     if ep > 1:
         base_a2a = ledgers["baseline"]["forward:all_to_all@ep"]["numel"]
         assert ledgers["parm-s1"]["forward:all_to_all@ep_esp"]["numel"] * mp == base_a2a
@@ -162,6 +169,22 @@ def test_ledger_s1_with_random_routing(world):
     assert report["ledger"]["moe"]["forward:all_reduce_max@ep_esp"]["numel"] == 1
 
 
+@pytest.mark.parametrize("drop", [True, False])
+def test_ledger_s1_gate_traffic_is_o_of_e(world, drop):
+    """S1 gates only its own block: on the MP group it sends the output (forward) and the input gradient
+    (backward), S' x M with S' = S padded to a multiple of N_MP, and otherwise only k E route counts, E gate
+    sums and the E x M gate-weight gradient; no S x K combine weights."""
+    spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, esp=1, k=2, drop=drop, schedule="parm-s1",
+                      tokens=31, dtype="float64")
+    report = world(4).run(jobs.verify_many, [spec])[0][0]
+    assert report["ok"] and report["max_err_grad_w"] <= 1e-9
+    m, e, k, p, rows = spec.hidden, spec.experts, spec.k, spec.mp, 32
+    mp_ops = {key: (row["count"], row["numel"]) for key, row in report["ledger"]["moe"].items()
+              if key.endswith("@mp") and "all_reduce_max" not in key}
+    assert mp_ops == {"forward:all_gather@mp": (2, rows * m + p * k * e), "forward:all_reduce@mp": (1, e),
+                      "backward:all_gather@mp": (1, rows * m), "backward:all_reduce@mp": (1, e * m)}
+
+
 # ---- pure helpers ----------------------------------------------------------------------------------------
 
 @settings(max_examples=60, deadline=None)
@@ -186,6 +209,62 @@ def test_local_slots_compact_the_baseline_order(tokens, experts, k, f, blocks, s
             order = torch.argsort(s_sK[mine])
             assert torch.equal(local[mine][order], torch.arange(int(mine.sum())))   # 0..n-1 in baseline order
             assert int(counts[b, e]) == int(mine.sum())
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 3), st.floats(0.25, 2.0), st.integers(1, 4),
+       st.booleans(), st.integers(0, 3), st.integers(0, 2 ** 16))
+def test_block_router_equals_the_whole_gate(tokens, experts, k, f, blocks, drop, min_cap, seed):
+    """Each block gated alone, reconciled through its k x E route counts and E gate sums (the MP all-gather and
+    all-reduce done here by concatenation and summation), routes exactly as the gate on all tokens: same
+    experts, slots, drops, combine weights, exp_counts, aux loss and its gradient; padding rows route nowhere."""
+    k = min(k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    x_SM = torch.randn(tokens, 5, generator=gen, dtype=torch.float64)
+    wg_EM = torch.randn(experts, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    if seed % 3 == 0:                                   # skewed: many drops, experts with nothing
+        x_SM[:, 0] += 4.0
+        with torch.no_grad():
+            wg_EM[0, 0] += 2.0
+    whole = assign_topk(gate_logits(x_SM, wg_EM), k)
+    cap = (capacity(tokens, experts, k, f, min_cap) if drop else max(whole.max_count, 1))
+    want = apply_capacity(whole, cap)
+    g_want, = torch.autograd.grad(want.aux_loss + (want.weight_SK ** 2).sum(), wg_EM)
+
+    rows = -(-tokens // blocks)
+    x_PsM = torch.nn.functional.pad(x_SM, (0, 0, 0, rows * blocks - tokens)).view(blocks, rows, 5)
+    cands = [block_candidates(gate_logits(x_PsM[p], wg_EM), k, torch.arange(p * rows, (p + 1) * rows) < tokens)
+             for p in range(blocks)]
+    counts_PKE = torch.stack([c.counts_KE for c in cands])                       # the fake all-gather
+    gate_total_E = sum(c.gate_sum_E for c in cands)                              # the fake all-reduce
+    got = [route_block(c, counts_PKE, p, gate_total_E, tokens, cap) for p, c in enumerate(cands)]
+    expert = torch.cat([b.routing.expert_SK for b in got])[:tokens]
+    slot = torch.cat([b.routing.slot_SK for b in got])
+    weight = torch.cat([b.routing.weight_SK for b in got])
+    assert torch.equal(expert, want.expert_SK) and torch.equal(slot[:tokens], want.slot_SK)
+    assert bool((slot[tokens:] < 0).all()) and float(weight[tokens:].detach().abs().sum()) == 0.0
+    assert torch.allclose(weight[:tokens], want.weight_SK, rtol=0, atol=1e-12)
+    full_counts = block_counts(torch.nn.functional.pad(want.expert_SK, (0, 0, 0, rows * blocks - tokens)),
+                               torch.nn.functional.pad(want.slot_SK, (0, 0, 0, rows * blocks - tokens), value=-1),
+                               experts, blocks, rows)
+    for b in got:
+        assert torch.equal(b.kept_PE, full_counts) and b.dropped == want.dropped
+        assert torch.equal(b.routing.exp_counts_E, want.exp_counts_E) and b.routing.capacity == cap
+        assert abs(float(b.routing.aux_loss.detach()) - float(want.aux_loss.detach())) <= 1e-12
+    # the gradient: aux counted once (the fake all-reduce's backward is the identity on each block's sum),
+    # the gate weight's partial gradients summed over blocks (copy_to's backward)
+    g_got, = torch.autograd.grad(got[0].routing.aux_loss + (weight ** 2).sum(), wg_EM)
+    assert torch.allclose(g_got, g_want, rtol=0, atol=1e-10)
+
+
+def test_block_router_rejects_foreign_counts():
+    cand = block_candidates(torch.zeros(3, 4, dtype=torch.float64), 2, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"counts_PKE\[1\] must be this block's own counts_KE"):
+        route_block(cand, torch.zeros(2, 2, 4, dtype=torch.long), 1, cand.gate_sum_E, 3, 4)
+    with pytest.raises(ValueError, match=r"block \(2\) must be in \[0, 2\)"):
+        route_block(cand, torch.stack([cand.counts_KE] * 2), 2, cand.gate_sum_E, 6, 4)
+    with pytest.raises(ValueError, match=r"valid_s has shape \(2,\); expected \(3,\)"):
+        block_candidates(torch.zeros(3, 4), 1, torch.ones(2, dtype=torch.bool))
 
 
 def fake_groups(layout: ParallelLayout, rank: int) -> MoEProcessGroups:

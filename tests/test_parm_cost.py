@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey
 from moe_plugins.parm_cost import (DEFAULT_COSTS, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
-                                   choose_schedule, op_volumes, schedule_ops, shape_problems, sizes, t_baseline,
-                                   t_s1, t_s2)
+                                   choose_schedule, op_volumes, s1_gate_ops, schedule_ops, shape_problems, sizes,
+                                   t_baseline, t_s1, t_s2)
 
 SHAPE = ParmShape(B=4, L=512, M=1024, H=4096, E=8, k=2, f=1.2, mp=2, ep=2, esp=2)
 COSTS = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=1e-4, beta=2e-9), ag_mp=AlphaBeta(alpha=5e-5, beta=1e-9),
@@ -34,6 +34,15 @@ def test_schedule_ops_are_the_papers_collectives():
     assert op_volumes(schedule_ops("parm-s1", SHAPE)) == {"all_to_all@ep_esp": (2, s.y), "all_gather@mp": (1, s.x)}
     assert op_volumes(schedule_ops("parm-s2", SHAPE)) == {"all_to_all@ep_esp": (2, s.y),
                                                           "all_gather@mp": (1, 8 * s.T * 1024)}
+
+
+def test_s1_gate_ops_are_o_of_e_and_outside_the_model():
+    assert op_volumes(s1_gate_ops(SHAPE, "forward")) == {"all_gather@mp": (1, 2 * 2 * 8), "all_reduce@mp": (1, 8)}
+    assert op_volumes(s1_gate_ops(SHAPE, "backward")) == {"all_reduce@mp": (1, 8 * 1024)}
+    assert s1_gate_ops(ParmShape(**{**SHAPE.__dict__, "mp": 1}), "forward") == []
+    with pytest.raises(ValueError, match=r"phase \('both'\) must be 'forward' or 'backward'"):
+        s1_gate_ops(SHAPE, "both")
+    assert t_s1(SHAPE, COSTS) == pytest.approx(2 * (1e-4 + 2e-9 * sizes(SHAPE).y / 2) + 5e-5 + 1e-9 * sizes(SHAPE).x)
 
 
 def test_size_one_groups_issue_nothing():

@@ -64,17 +64,59 @@ def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
                        "model_MB_per_node": max(model) / 1e6, "nic_MB_per_node": None if nic is None else max(nic) / 1e6,
                        "link_lb_ms": lb, "vs_link_lb": (st["median_ms"] / lb) if lb else None,
                        "max_abs_diff_vs_first": raw["max_abs_diff_vs_first"],
-                       "first_row_max_abs": raw["first_row_max_abs"], "times_s": raw["times_s"]}
+                       "first_row_max_abs": raw["first_row_max_abs"], "times_s": raw["times_s"],
+                       "notes": raw.get("notes", [])}
     for label, row in rows.items():
         for stock in STOCK_ROWS:
             ref = rows.get(stock)
             row[f"vs_{stock}"] = row["median_ms"] / ref["median_ms"] if ref else None
-    return {"case": record["case"], "case_label": record["case_label"], "rate": record["rate"],
-            "rows": rows, "skipped": record["skipped"]}
+        peers = [p for p in auto_peers(label, list(rows)) if p in rows]
+        if peers:
+            best = min(peers, key=lambda p: rows[p]["median_ms"])
+            row["auto_vs_best"] = {"best": best, "ratio": row["median_ms"] / rows[best]["median_ms"],
+                                   "peers": peers}
+    out = {"case": record["case"], "case_label": record["case_label"], "rate": record["rate"],
+           "rows": rows, "skipped": record["skipped"]}
+    if "profile" in record:
+        out["profile"] = record["profile"]
+    return out
+
+
+def auto_peers(label: str, labels: Sequence[str]) -> List[str]:
+    """Pure: the fixed choices an auto row is judged against. ``parm-auto``: ``parm-s1``, ``parm-s2`` and
+    ``parm-s2-saa`` (Algorithm 1 picks S1 or S2 with SAA); ``X@r=auto``: every ``X@r=<int>`` (and plain
+    ``X``, r = 1). Other rows have none."""
+    name, _, opts = label.partition("@")
+    if label == "parm-auto":
+        return [p for p in ("parm-s1", "parm-s2", "parm-s2-saa") if p in labels]
+    if opts == "r=auto":
+        return [p for p in labels if p == name or (p.startswith(name + "@r=") and p[len(name) + 3:].isdigit())]
+    return []
+
+
+AUTO_TOLERANCE = 1.05       # "within 5% of the best fixed choice"
+
+
+def auto_summary(report: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Per auto row: in how many groups its median is within 5% of the best peer's median."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for g in report["groups"]:
+        for label, r in g["rows"].items():
+            judged = r.get("auto_vs_best")
+            if judged is None:
+                continue
+            s = out.setdefault(label, {"groups": 0, "within": 0, "worst_ratio": 0.0, "ratios": []})
+            s["groups"] += 1
+            s["within"] += judged["ratio"] <= AUTO_TOLERANCE
+            s["worst_ratio"] = max(s["worst_ratio"], judged["ratio"])
+            s["ratios"].append(judged["ratio"])
+    return out
 
 
 def summarize(records: List[Dict[str, Any]], plan: BenchPlan, meta: Dict[str, Any]) -> Dict[str, Any]:
-    return {"meta": meta, "groups": [summarize_group(r, plan) for r in records]}
+    report = {"meta": meta, "groups": [summarize_group(r, plan) for r in records]}
+    report["auto"] = auto_summary(report)
+    return report
 
 
 # ---- output ---------------------------------------------------------------------------------------------
@@ -109,7 +151,50 @@ def markdown(report: Dict[str, Any]) -> str:
         for label, reason in g["skipped"].items():
             out.append(f"| {g['case_label']} | {g['rate']} | {label} | skipped: {reason} |"
                        + " |" * (len(head) - 4))
-    return "\n".join(out) + "\n"
+    return "\n".join(out + _auto_lines(report) + _profile_lines(report)) + "\n"
+
+
+def _auto_lines(report: Dict[str, Any]) -> List[str]:
+    if not report.get("auto"):
+        return []
+    out = ["", "## Automatic choices", "",
+           f"An auto row is *within* when its median is at most {AUTO_TOLERANCE:.2f} x the best median among the "
+           "fixed choices it picks from, in the same group (same case, same rate, same run).", "",
+           "| case | rate | auto row | chose | best fixed | t_auto / t_best |", "|---|---|---|---|---|---|"]
+    for g in report["groups"]:
+        for label, r in g["rows"].items():
+            judged = r.get("auto_vs_best")
+            if judged is not None:
+                chose = "; ".join(r.get("notes", [])) or "–"
+                out.append(f"| {g['case_label']} | {g['rate']} | {label} | {chose} | {judged['best']} | "
+                           f"{judged['ratio']:.3f} |")
+    out.append("")
+    for label, s in report["auto"].items():
+        out.append(f"- **{label}**: within 5% of the best fixed choice in {s['within']} of {s['groups']} groups "
+                   f"({100 * s['within'] / s['groups']:.0f}%); worst ratio {s['worst_ratio']:.3f}.")
+    return out
+
+
+def _profile_lines(report: Dict[str, Any]) -> List[str]:
+    fits = [(g["case_label"], g["rate"], g["profile"]) for g in report["groups"] if g.get("profile")]
+    if not fits:
+        return []
+    out = ["", "## Cost profiles the auto rows used", "",
+           "Measured by the bench on the case's groups at the rate being timed (moe_plugins/bench/profiles.py); "
+           "t = alpha + beta x, x in bytes (collectives) or multiply-adds (gemm).", "",
+           "| case | rate | model | alpha s | beta s/unit | R² |", "|---|---|---|---|---|---|"]
+    seen, r2 = set(), []
+    for case, rate, prof in fits:
+        for key, m in prof.items():
+            fit = (case, rate, m["alpha"], m["beta"], m["r2"])    # aliases (ep_esp == ep when esp = 1) once
+            if fit not in seen:
+                seen.add(fit)
+                r2 += [m["r2"]] if m["r2"] is not None else []
+                out.append(f"| {case} | {rate} | {key} | {m['alpha']:.3g} | {m['beta']:.3g} | {_fmt(m['r2'], 4)} |")
+    if r2:
+        out += ["", f"- R² over every fitted model: min {min(r2):.4f}, median {sorted(r2)[len(r2) // 2]:.4f}; "
+                    f"{sum(v >= 0.95 for v in r2)} of {len(r2)} at or above 0.95."]
+    return out
 
 
 def plot(report: Dict[str, Any], path: Path) -> Path:

@@ -15,6 +15,7 @@ Shapes: S tokens per rank, M model dim, E experts, H FFN hidden.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -23,7 +24,9 @@ from torch import nn
 
 from ..experts import ExpertWeights, init_full_weights
 from ..groups import MoEProcessGroups
-from ..layer import MoELayer
+from ..layer import MoELayer, ScheduleLike
+from ..pipemoe import AutoDegree, Degree, degree_from_flag
+from ..schedules.parm import parm_auto_for
 from ..ledger import CommLedger
 from ..schedules import SCHEDULES
 from .matrix import CaseConfig, RowSpec, moe_config
@@ -74,6 +77,7 @@ class Row:
     scope: Callable[[], ContextManager] = contextlib.nullcontext
     tokens: Optional[slice] = None    # the rows of x_SM this rank feeds (sequence parallelism); None: all
     notes: Tuple[str, ...] = ()
+    describe: Callable[[], Tuple[str, ...]] = tuple   # after the timed rounds: what an auto row chose
 
 
 def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
@@ -89,25 +93,62 @@ def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
 
 # ---- plugin rows: the project's MoELayer with a registered schedule -------------------------------------
 
-PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; later issues add 'auto')"}
+PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int, or 'auto': PipeMoE's choice from the "
+                      "cost profile measured at this rate)"}
+PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
 
 
-def _pipeline_degree(spec: RowSpec):
+def needs_profile(spec: RowSpec) -> bool:
+    """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` (PipeMoE).
+    The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
+    return spec.name in SCHEDULES and (spec.name == "parm-auto" or spec.option("r", "1") == "auto")
+
+
+def _profile(spec: RowSpec, data: CaseData):
+    profile = data.extras.get(PROFILE)
+    if profile is None:
+        raise ValueError(f"row ({spec.label!r}) needs a cost profile measured at this rate; the runner makes one "
+                         "(CaseData.extras['profile'])")
+    return profile
+
+
+def _pipeline_degree(spec: RowSpec, data: CaseData) -> Degree:
     r = spec.option("r", "1")
-    return int(r) if r.isdigit() else r      # a non-int ('auto') goes to MoELayer, which accepts or names it
+    return degree_from_flag(int(r) if r.isdigit() else r, _profile(spec, data) if r == "auto" else None)
+
+
+def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
+    if spec.name != "parm-auto":
+        return spec.name
+    elsize = torch.empty((), dtype=data.dtype).element_size()
+    return parm_auto_for(_profile(spec, data), elsize, data.groups.layout.mp)
 
 
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
     ledger = CommLedger()
-    layer = MoELayer(moe_config(data.case), data.groups, schedule=spec.name, pipeline_degree=_pipeline_degree(spec),
-                     ledger=ledger, name=spec.label, dtype=data.dtype)
+    layer = MoELayer(moe_config(data.case), data.groups, schedule=_schedule(spec, data),
+                     pipeline_degree=_pipeline_degree(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype)
     layer.load_full(data.wg_EM.to(data.dtype), ExpertWeights(*(t.to(data.dtype) for t in (
         data.full.w1_EMH, data.full.b1_EH, data.full.w2_EHM, data.full.b2_EM))))
 
     def forward(x_SM: torch.Tensor):
         out = layer(x_SM)
         return out.y, out.aux_loss
-    return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger))
+    return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger),
+               describe=partial(choice_notes, layer))
+
+
+def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
+    """What an auto row decided in its steps: parm-auto's schedule, PipeMoE's training degree."""
+    notes = []
+    for tokens, choice in sorted(getattr(layer.schedule, "choices", {}).items()):
+        notes.append(f"parm-auto: {choice.choice} for {tokens} tokens (t_s1 {choice.t_s1 * 1e3:.3g} ms, "
+                     f"t_s2 {choice.t_s2 * 1e3:.3g} ms)")
+    degree = layer.pipeline_degree
+    if isinstance(degree, AutoDegree):
+        chosen = sorted({r for (_, _, _, training), r in degree.decisions.items() if training})
+        notes.append(f"auto degree: r={'/'.join(map(str, chosen)) or '?'} ({degree.source})")
+    return tuple(notes)
 
 
 # ---- the registry ---------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from ..groups import MoEProcessGroups, build_process_groups, destroy_process_gro
 from ..layout import ParallelLayout
 from .cluster import Cluster, set_rate
 from .matrix import BenchPlan, CaseConfig, RowSpec
-from .rows import CaseData, Row, build_row, fwd_bwd, make_case_data
+from .profiles import measure_profile, profile_spec_for, profile_summary
+from .rows import PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
 from .traffic import nic_tx_bytes
 
 
@@ -157,7 +158,7 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
                           "model_bytes_per_rank": [p[row.label][0] for p in per_rank],
                           "nic_tx_bytes_per_rank": [p[row.label][1] for p in per_rank],
                           "max_abs_diff_vs_first": t["max_abs_diff"], "first_row_max_abs": t["ref_max_abs"],
-                          "notes": list(row.notes)}
+                          "notes": list(row.notes) + list(row.describe())}
     return out
 
 
@@ -167,10 +168,29 @@ def _apply_rate(job: RankJob, rate: str) -> None:
     dist.barrier()
 
 
+def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[Row], skipped: Dict[str, str],
+                   profiles: Dict[Tuple, Any], rate: str) -> Tuple[List[Row], Dict[str, str], Optional[Dict]]:
+    """The rows timed at ``rate``, in the plan's order: the rate-independent ones built once per case, plus the
+    auto rows rebuilt on a cost profile measured at this rate (one profile per layout and rate)."""
+    auto_specs = [s for s in job.plan.rows if needs_profile(s)]
+    if not auto_specs:
+        return list(fixed), dict(skipped), None
+    pspec = profile_spec_for(case, data.groups.layout, auto_specs, job.plan.dtype)
+    key = (pspec, rate)
+    if key not in profiles:
+        profiles[key] = measure_profile(pspec, data.groups, source=f"moe-plugins bench at {rate}")
+    data.extras[PROFILE] = profiles[key]
+    auto, auto_skipped = build_rows(auto_specs, data)
+    order = {s.label: i for i, s in enumerate(job.plan.rows)}
+    rows = sorted(list(fixed) + auto, key=lambda row: order[row.label])
+    return rows, {**skipped, **auto_skipped}, profile_summary(profiles[key])
+
+
 def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups], singleton,
                ifname: Optional[str], records: List[Dict[str, Any]]) -> None:
     plan, world = job.plan, dist.get_world_size()
     done, total = 0, len(plan.cases) * len(plan.rates)
+    profiles: Dict[Tuple, Any] = {}
     for case in plan.cases:
         key = _layout_key(case)
         if key not in layouts:
@@ -178,15 +198,22 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
                                                                mp=case.mp, ep=case.ep, esp=case.esp))
         data = make_case_data(case, layouts[key], plan.seed, plan.dtype)
         data.extras["singleton"] = singleton
-        rows, skipped = build_rows(plan.rows, data)
+        fixed, skipped = build_rows([s for s in plan.rows if not needs_profile(s)], data)
         for rate in plan.rates:
             _apply_rate(job, rate)
-            measured = measure(rows, data, plan, ifname, skipped) if rows else {}
-            records.append({"case": asdict(case), "case_label": case.label, "rate": rate,
-                            "rows": measured, "skipped": dict(skipped)})
+            rows, rate_skipped, profile = _rows_for_rate(job, case, data, fixed, skipped, profiles, rate)
+            measured = measure(rows, data, plan, ifname, rate_skipped) if rows else {}
+            failed = {row.label: rate_skipped[row.label] for row in fixed if row.label in rate_skipped}
+            fixed = [row for row in fixed if row.label not in failed]          # a failed row stays out
+            skipped.update(failed)
+            record = {"case": asdict(case), "case_label": case.label, "rate": rate, "rows": measured,
+                      "skipped": rate_skipped}
+            if profile is not None:
+                record["profile"] = profile
+            records.append(record)
             done += 1
             _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
-        del rows, data
+        del fixed, data
 
 
 def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:

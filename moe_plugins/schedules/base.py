@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, List, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 import torch
 
 from .. import comm
 from ..comm import Recorder
 from ..config import MoEConfig
-from ..gating import Routing
+from ..gating import BlockRouting, Routing
 from ..groups import MoEProcessGroups
 
 
@@ -46,11 +46,16 @@ class LayerParams:
 
     - ``router(x_SM) -> Routing``: gate plus capacity; in dropless mode the capacity it returns is
       uniform over every rank the layer exchanges with (a host's gate does this its own way);
-    - ``experts(x_ElNM) -> y_ElNM``: the local experts on their rows, ESP reduction included.
+    - ``experts(x_ElNM) -> y_ElNM``: the local experts on their rows, ESP reduction included;
+    - ``block_router(x_sM, num_tokens) -> BlockRouting`` (optional): the same gate run on this MP rank's
+      block of the MP group's ``num_tokens`` tokens only (rows [p s, (p+1) s), padded), giving exactly the
+      routing ``router`` gives on all of them (Parm's S1 uses it). None where the host's gate cannot be
+      split that way (a random or opaque gate); S1 then gates the whole block with ``router``.
     """
 
     router: Callable[[torch.Tensor], Routing]
     experts: Callable[[torch.Tensor], torch.Tensor]
+    block_router: Optional[Callable[[torch.Tensor, int], BlockRouting]] = None
 
 
 class Schedule(ABC):

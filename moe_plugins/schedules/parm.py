@@ -1,7 +1,7 @@
 """Parm's dedicated schedules for MP+EP+ESP (parm.txt §III): S1, S2, S2 with SAA, and the automatic choice.
 
     baseline     ESP-AllGather -> gate -> EP-A2A -> experts -> ESP-AllReduce -> EP-A2A -> combine -> ESP-Split
-    parm-s1      gate -> MP-Split(tokens) -> dump -> EP&ESP-A2A -> expert partials -> EP&ESP-A2A
+    parm-s1      MP-Split(tokens) -> gate -> dump -> EP&ESP-A2A -> expert partials -> EP&ESP-A2A
     (Fig. 3b)      -> local combine (sum of the ESP partials) -> combine -> MP-AllGather(tokens)
     parm-s2      gate -> dispatch -> MP-Split(capacity) -> dump -> EP&ESP-A2A -> expert partials
     (Fig. 3c)      -> EP&ESP-A2A -> local combine -> MP-AllGather(capacity) -> combine
@@ -14,14 +14,16 @@ row twice; the dump + one EP&ESP all-to-all (Fig. 4c) replaces ESP-AllGather + E
 all-to-all back + local combine (Fig. 4d) replaces ESP-AllReduce + EP-AlltoAll + ESP-Split. Backward
 mirrors it: MP-Split <-> MP-AllGather, dump <-> sum, all-to-all <-> all-to-all.
 
-Exactness. The gate runs on the MP group's whole token block, which every MP rank already holds (the
-layer's input is replicated over MP). Capacity positions, dropped routes, combine weights and the aux loss
-are therefore exactly the baseline's with no reconciliation traffic, and the gate's weight gradient is
-complete on every MP rank (the MP-Split of the combine weights all-gathers their S x K gradient in
-backward). The gate is S x M x E multiply-adds, the same as in the baseline and negligible next to the
-experts; what S1 splits is everything after it. A gate run on 1/N_MP of the tokens (Fig. 3b taken
-literally) would need the raw gate values behind the host's router, which the Schedule interface does
-not expose, and would leave the gate gradient a partial sum over MP that DeepSpeed never reduces.
+Exactness. S1 gates only this MP rank's token block, 1/N_MP of the MP group's tokens, as Fig. 3b does
+(``LayerParams.block_router``, the core's ``router.route_token_block``). Capacity positions, drops and the
+aux loss are reconciled over MP with O(E) numbers, not tokens: an all-gather of every block's route counts
+per (route rank, expert) (k E integers per rank) gives each route its position in GShard's order on the
+whole block, and an all-reduce of the gate sums (E floats) gives the aux loss. So exactly the baseline's
+routes are dropped, with its combine weights and aux loss. The gate weight's gradient is then a partial sum
+over MP; ``copy_to`` all-reduces it in backward (E M elements), so every MP rank holds the full gradient as
+in the baseline. A host whose gate cannot be split (random or opaque: DeepSpeed's TopKGate, Megatron's
+router) supplies no block router, and S1 gates the whole block on every MP rank instead
+(:func:`whole_block_routing`; the S x K combine-weight gradients are then all-gathered in backward).
 
 S1's buffer. Each rank dispatches only the kept routes of its own tokens, in the baseline's slot order,
 into C_l slots per expert, C_l = the largest per-expert count of kept routes over the MP group's token
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..dispatch import combine, dispatch
 from ..experts import ExpertWeights, partial_ffn, sharded_experts
-from ..gating import Routing
+from ..gating import BlockRouting, Routing
 from ..groups import Group
 from ..parm_cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, SCHEDULE_S1, ParmChoice, ParmCosts, ParmShape,
                          choose_schedule)
@@ -135,6 +137,24 @@ def local_slots(expert_sK: torch.Tensor, slot_sK: torch.Tensor, num_experts: int
     return out
 
 
+def whole_block_routing(routing: Routing, num_experts: int, mp: Group, rec: comm.Recorder) -> BlockRouting:
+    """S1 with a gate that cannot be split (``LayerParams.block_router`` is None): the routing of the MP
+    group's whole token block, made on every MP rank, cut down to this rank's rows. The combine weights are
+    MP-split, so in backward their S x K gradient is all-gathered and the gate weight's gradient is complete
+    on every MP rank."""
+    num_tokens = routing.num_tokens
+    rows = _round_up(num_tokens, mp.size)
+    s = rows // mp.size
+    expert_SK = _pad_rows(routing.expert_SK, rows, 0)
+    slot_SK = _pad_rows(routing.slot_SK, rows, -1)
+    own = slice(mp.rank * s, (mp.rank + 1) * s)
+    w_sK = comm.split(F.pad(routing.weight_SK, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
+    mine = Routing(expert_SK=expert_SK[own], slot_SK=slot_SK[own], weight_SK=w_sK, capacity=routing.capacity,
+                   aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E)
+    return BlockRouting(routing=mine, kept_PE=block_counts(expert_SK, slot_SK, num_experts, mp.size, s),
+                        dropped=routing.dropped)
+
+
 # ---- the schedules ---------------------------------------------------------------------------------------
 
 class _ParmSchedule(Schedule):
@@ -187,26 +207,25 @@ class _ParmSchedule(Schedule):
 
     def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, mp, rec = self.config, self.groups.mp, self.rec
-        routing = params.router(x_SM)
         num_tokens, e = x_SM.shape[0], cfg.num_experts
         rows = _round_up(num_tokens, mp.size)
-        s = rows // mp.size
-        expert_SK = _pad_rows(routing.expert_SK, rows, 0)
-        slot_SK = _pad_rows(routing.slot_SK, rows, -1)
-        cap_local = int(block_counts(expert_SK, slot_SK, e, mp.size, s).max())
+        x_sM = comm.split(F.pad(x_SM, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
+        if params.block_router is not None:
+            block = params.block_router(x_sM, num_tokens)
+        else:
+            block = whole_block_routing(params.router(x_SM), e, mp, rec)
+        routing = block.routing
+        cap_local = int(block.kept_PE.max())
         if not set(self.groups.ep_esp.ranks) <= set(mp.ranks):  # members with other tokens: agree on C_l
             cap_local = comm.all_reduce_max(cap_local, self.groups.ep_esp, rec)
         cap_local = max(cap_local, 1)
-        own = slice(mp.rank * s, (mp.rank + 1) * s)
-        x_sM = comm.split(F.pad(x_SM, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
-        w_sK = comm.split(F.pad(routing.weight_SK, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
-        local = Routing(expert_SK=expert_SK[own], slot_SK=local_slots(expert_SK[own], slot_SK[own], e,
-                                                                      routing.capacity),
-                        weight_SK=w_sK, capacity=cap_local, aux_loss=routing.aux_loss,
+        local = Routing(expert_SK=routing.expert_SK,
+                        slot_SK=local_slots(routing.expert_SK, routing.slot_SK, e, routing.capacity),
+                        weight_SK=routing.weight_SK, capacity=cap_local, aux_loss=routing.aux_loss,
                         exp_counts_E=routing.exp_counts_E)
         d_EcM = dispatch(x_sM, local, e, cap_local)
         return Dispatched(d=d_EcM, cap_dim=1, state=_TokenSplit(local, num_tokens), aux_loss=routing.aux_loss,
-                          exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+                          exp_counts_E=routing.exp_counts_E, dropped=block.dropped)
 
     def _finish_tokens(self, r_EcM: torch.Tensor, st: _TokenSplit) -> torch.Tensor:
         y_sM = combine(r_EcM, st.local)
@@ -298,3 +317,13 @@ class ParmAutoSchedule(_ParmSchedule):
 
 
 PARM_SCHEDULES: Tuple[Type[Schedule], ...] = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule, ParmAutoSchedule)
+
+
+def parm_auto_for(profile, element_bytes: int, mp: int) -> Type[ParmAutoSchedule]:
+    """``parm-auto`` deciding from a measured :class:`moe_plugins.costmodel.CostProfile` (None: the documented
+    defaults, ``DEFAULT_COSTS_SOURCE``). With N_MP = 1 there is no MP split, S1 and S2 issue the same
+    collectives and no MP all-gather exists to profile, so the defaults stand: the choice changes nothing."""
+    if profile is None or mp == 1:
+        return ParmAutoSchedule
+    return ParmAutoSchedule.with_costs(ParmCosts.from_profile(profile, element_bytes),
+                                       f"profile {profile.key.slug()}")

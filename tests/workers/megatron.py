@@ -249,3 +249,36 @@ def flag_path_job(flag: str) -> Dict[str, Any]:
             "ep_ranks": list(moe.moe_groups.ep.ranks), "esp_ranks": list(moe.moe_groups.esp.ranks),
             "layout_ep": list(groups.groups.ep.ranks), "layout_esp": list(groups.groups.esp.ranks),
             "grad_names_equal": sorted(gws) == sorted(gwp), "err": err, "active_after": mp.active() is not None}
+
+
+def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[str, Any]:
+    """``pipeline_degree: "auto"`` through Megatron: the plugin layer finds the profile cached for its layout in
+    ``profile_dir``, picks a degree, and still matches the stock layer."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moe_plugins.patches.megatron_layer import PluginMoELayer
+    from moe_plugins.verify_megatron import _run
+    with megatron_on_cpu(), _groups(spec) as groups:
+        config = transformer_config(spec)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1000 + spec.seed)
+            stock = MoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+                             pg_collection=groups.pg_collection)
+            plugin = PluginMoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+                                    plugin=PluginConfig(schedule=schedule, pipeline_degree="auto"), groups=groups,
+                                    profile_dir=profile_dir)
+        plugin.load_state_dict(stock.state_dict())
+        for layer in (stock, plugin):
+            layer.set_layer_number(1)
+        gen = torch.Generator().manual_seed(7 + dist.get_rank())
+        x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
+        g = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
+        a, b = _run(stock, x, g), _run(plugin, x, g)
+        decisions = sorted(set(plugin.token_dispatcher.degree.decisions.values()))
+        source = plugin.token_dispatcher.degree.source
+        plugin.close()
+    shared = sorted(set(a["grads"]) & set(b["grads"]))
+    return {"err_out": _maxerr(a["y"], b["y"]), "err_grad_in": _maxerr(a["grad_x"], b["grad_x"]),
+            "err_grad_w": max(_maxerr(a["grads"][n], b["grads"][n]) for n in shared), "decisions": decisions,
+            "source": source}

@@ -17,7 +17,7 @@ from moe_plugins.groups import build_process_groups
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.ledger import CommLedger
-from moe_plugins.router import route_tokens
+from moe_plugins.router import route_token_block, route_tokens
 from moe_plugins.saa import block_order, saa_adjoint_raw, saa_raw
 from moe_plugins.parm_cost import ParmCosts
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule
@@ -95,7 +95,8 @@ def chunked_equals_whole(layout: Tuple[int, int, int], schedule: str, degrees: L
     params = LayerParams(
         router=partial(route_tokens, wg_EM=layer.wg_EM, config=cfg, groups=groups, rec=rec),
         experts=partial(sharded_experts, weights=layer.expert_weights, activation=cfg.activation, esp=groups.esp,
-                        rec=rec))
+                        rec=rec),
+        block_router=partial(route_token_block, wg_EM=layer.wg_EM, config=cfg, groups=groups, rec=rec))
     results = []
     for degree in [1] + degrees:
         x = x_SM.clone().requires_grad_(True)
@@ -127,3 +128,38 @@ def saa_matches_sequential(layout: Tuple[int, int, int]) -> Optional[float]:
     adj_want = comm.all_to_all(dumped.reshape(g_size, e_l, 1, c, m), groups.ep_esp, rec)
     return max(float((got - want).abs().max()), float((adj - adj_want).abs().max()))
 
+
+
+def fallback_equals_block_router(layout: Tuple[int, int, int], drop: bool, tokens: int = 13) -> float:
+    """parm-s1 with a host-style opaque gate (``block_router`` None: the whole block is gated on every MP
+    rank) against the split gate: output, input and gate-weight gradients, aux loss, exp_counts and drops.
+    Every rank returns the largest difference (inf when the routing statistics differ)."""
+    mp, ep, esp = layout
+    groups = build_process_groups(ParallelLayout(world=dist.get_world_size(), ranks_per_node=2, mp=mp, ep=ep,
+                                                 esp=esp))
+    cfg = MoEConfig(hidden=8, ffn=16, num_experts=4, k=2, capacity_factor=0.75, min_capacity=0, drop_tokens=drop)
+    gen = torch.Generator().manual_seed(2 + groups.layout.coords(groups.global_rank)["dp"])
+    full = init_full_weights(cfg.num_experts, cfg.hidden, cfg.ffn, torch.Generator().manual_seed(2), torch.float64)
+    wg_EM = torch.randn(cfg.num_experts, cfg.hidden, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x_SM = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    g_SM = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    layer = MoELayer(cfg, groups, schedule="parm-s1", dtype=torch.float64)
+    layer.load_full(wg_EM, full)
+    rec = Recorder(None, "fallback")
+    router = partial(route_tokens, wg_EM=layer.wg_EM, config=cfg, groups=groups, rec=rec)
+    experts = partial(sharded_experts, weights=layer.expert_weights, activation=cfg.activation, esp=groups.esp,
+                      rec=rec)
+    block = partial(route_token_block, wg_EM=layer.wg_EM, config=cfg, groups=groups, rec=rec)
+    results = []
+    for params in (LayerParams(router=router, experts=experts),
+                   LayerParams(router=router, experts=experts, block_router=block)):
+        layer.zero_grad(set_to_none=True)
+        x = x_SM.clone().requires_grad_(True)
+        y, d = run_schedule(layer.schedule, x, params)
+        ((y * g_SM).sum() + 0.1 * d.aux_loss).backward()
+        results.append((y.detach(), x.grad, layer.wg_EM.grad.clone(), d.aux_loss.detach(), d.exp_counts_E,
+                        d.dropped))
+    (y0, gx0, gw0, aux0, counts0, drop0), (y1, gx1, gw1, aux1, counts1, drop1) = results
+    if not torch.equal(counts0, counts1) or drop0 != drop1:
+        return float("inf")
+    return max(float((a - b).abs().max()) for a, b in ((y0, y1), (gx0, gx1), (gw0, gw1), (aux0, aux1)))
