@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+from scipy.optimize import lsq_linear
 
 OPS = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa")
-UNITS = {"gemm": "mac", "all_to_all": "byte", "all_gather": "byte", "all_reduce": "byte", "saa": "byte"}
+UNITS = {"gemm": "mac", "all_to_all": "byte", "all_gather": "byte", "all_reduce": "byte", "saa": "byte",
+         "chunk": "chunk"}
 PROFILE_VERSION = 1
 
 
@@ -49,7 +51,8 @@ class LinearModel:
     unit: str
     r2: Optional[float] = None
     samples: int = 0
-    alpha_clamped: bool = False   # least squares gave alpha < 0; refitted through the origin
+    alpha_clamped: bool = False   # unbounded least squares gave alpha < 0; pinned at 0
+    beta_clamped: bool = False    # unbounded least squares gave beta < 0; pinned at 0
 
     def time(self, x: float) -> float:
         return self.alpha + self.beta * x
@@ -66,21 +69,26 @@ def model_problems(name: str, model: LinearModel) -> List[str]:
 
 
 def fit_linear(x: Sequence[float], t: Sequence[float], unit: str) -> LinearModel:
-    """Least-squares fit of t = alpha + beta * x (numpy ``lstsq``), with R^2 of the fit.
+    """Least-squares fit of t = alpha + beta * x with alpha, beta >= 0, and R^2 of the fit.
 
-    A negative intercept is not a start-up time: the fit is then redone through the origin and marked
-    ``alpha_clamped`` (reported, never silent)."""
+    The bounded problem is solved by scipy's ``lsq_linear``. A negative start-up time or a negative cost
+    per unit is not physical (noise on small or flat samples gives one): where the unbounded fit would go
+    negative the term is pinned at 0 and the model is marked ``alpha_clamped`` / ``beta_clamped``
+    (reported by ``moe-plugins profile``, never silent)."""
     x_N, t_N = np.asarray(x, dtype=np.float64), np.asarray(t, dtype=np.float64)
     if x_N.shape != t_N.shape or x_N.ndim != 1:
         raise ValueError(f"fit_linear: x and t must be 1-D of equal length (got {x_N.shape} and {t_N.shape})")
     if len(np.unique(x_N)) < 2:
         raise ValueError(f"fit_linear: need at least 2 distinct sizes (got {sorted(set(x_N.tolist()))})")
-    (alpha, beta), *_ = np.linalg.lstsq(np.stack([np.ones_like(x_N), x_N], 1), t_N, rcond=None)
-    clamped = bool(alpha < 0)
-    if clamped:
-        alpha, beta = 0.0, float(x_N @ t_N / (x_N @ x_N))
-    return LinearModel(alpha=float(alpha), beta=float(beta), unit=unit, r2=r_squared(x_N, t_N, alpha, beta),
-                       samples=int(x_N.size), alpha_clamped=clamped)
+    # Scale the columns so that the solver sees a well-conditioned problem (x spans bytes to GiB).
+    x_scale, t_scale = float(np.abs(x_N).max()) or 1.0, float(np.abs(t_N).max()) or 1.0
+    A_N2 = np.stack([np.ones_like(x_N), x_N / x_scale], 1)
+    (a_unbounded, b_unbounded), *_ = np.linalg.lstsq(A_N2, t_N / t_scale, rcond=None)
+    sol = lsq_linear(A_N2, t_N / t_scale, bounds=(0.0, np.inf), method="bvls").x
+    alpha, beta = float(sol[0] * t_scale), float(sol[1] * t_scale / x_scale)
+    return LinearModel(alpha=alpha, beta=beta, unit=unit, r2=r_squared(x_N, t_N, alpha, beta),
+                       samples=int(x_N.size), alpha_clamped=bool(a_unbounded < 0),
+                       beta_clamped=bool(b_unbounded < 0))
 
 
 def r_squared(x_N: np.ndarray, t_N: np.ndarray, alpha: float, beta: float) -> float:
@@ -228,12 +236,21 @@ class PipeCosts:
 
     @staticmethod
     def from_profile(profile: CostProfile, exchange: str = "ep") -> "PipeCosts":
-        """alpha_a/beta_a from the all-to-all on ``exchange``; alpha_e/beta_e from the GEMM model (x2)."""
+        """alpha_a/beta_a from the all-to-all on ``exchange``; alpha_e/beta_e from the GEMM model (x2).
+
+        With a ``chunk`` model (the runner's measured cost of one more chunk, forward + backward, see
+        :mod:`moe_plugins.profiler`), alpha_e is at least a third of its slope: the expert stage's start-up as
+        the runner pays it (threads, autograd, synchronisation), not a bare GEMM's. In the compute-bound
+        regime the model's time grows by 3 alpha_e per chunk (forward e, backward 2 e), which is then the
+        measured slope."""
         a2a, gemm = profile.model("all_to_all", exchange), profile.model("gemm")
         problems = model_problems(model_key("all_to_all", exchange), a2a) + model_problems("gemm", gemm)
         if problems:
             raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
-        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=2 * gemm.alpha, beta_e=2 * gemm.beta)
+        alpha_e = 2 * gemm.alpha
+        if "chunk" in profile.models:
+            alpha_e = max(alpha_e, profile.models["chunk"].beta / 3)
+        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=alpha_e, beta_e=2 * gemm.beta)
 
 
 # The paper's 16-GPU testbed (pipemoe.txt Fig. 6 caption: 16 x RTX2080Ti over 100 Gb/s InfiniBand):

@@ -14,11 +14,12 @@ Times, one direction (forward; the backward issues the same collectives with the
 collective on a group of size 1 is not issued, so it costs nothing (not even alpha):
 
     t_B  = AG_ESP(x N_ESP) + AR_ESP(y) + 2 A2A_EP(y)                                  (Eq. 1)
-    t_D1 = 2 A2A_EP&ESP(y / N_MP) + AG_MP(x)                                          (Eq. 11, 13)
+    t_D1 = 2 A2A_EP&ESP(y1) + AG_MP(x)                                                (Eq. 11, 13)
     t_D2 = 2 A2A_EP&ESP(y / N_MP) + AG_MP(E T M)             sequential (AAS)       (Eq. 7, right side)
     t_D2 = A2A_EP&ESP(y / N_MP) + SAA(y / N_MP)              with SAA               (Eq. 7, 14)
 
-where every op is alpha + beta * n (Eq. 12) and SAA(n) = alpha_o + beta_o * n is the overlapped
+where y1 = E C_l M N_ESP is S1's buffer (:func:`s1_slots`; the paper's y / N_MP when T is a multiple of
+the block's demand, e.g. f = 1 with k <= 2) and every op is alpha + beta * n (Eq. 12) and SAA(n) = alpha_o + beta_o * n is the overlapped
 EP&ESP-AlltoAll (n elements) run together with the MP-AllGather of the same step (E T M elements).
 
 Typos in the paper that are not copied here (derived from the equations instead):
@@ -98,6 +99,20 @@ class Sizes:
     y: float
 
 
+def s1_slots(shape: ParmShape, T: Optional[float] = None) -> float:
+    """Slots per expert in S1's buffer under balanced routing: C_l of moe_plugins/schedules/parm.py.
+
+    Not the paper's T / N_MP. This S1 drops exactly the baseline's routes, so the capacity positions are
+    GShard's over the MP group's whole token block: route rank r of token block p holds the positions
+    [(r N_MP + p) d, (r N_MP + p + 1) d) of every expert, d = B L / (E N_MP) routes. Block 0 keeps the
+    most, sum_r clamp(T - r N_MP d, 0, d), and every block's buffer has that many slots. That is T / N_MP
+    when T is a multiple of N_MP d (f = 1 with k = 1 or 2), up to T when capacity is short (f < 1 / N_MP),
+    and k d, below T / N_MP, when capacity is to spare (large f): S1 sends kept routes, S2 the capacity."""
+    slots = sizes(shape, T).T
+    d = shape.B * shape.L / (shape.E * shape.mp)
+    return sum(min(max(slots - r * shape.mp * d, 0.0), d) for r in range(shape.k))
+
+
 def sizes(shape: ParmShape, T: Optional[float] = None) -> Sizes:
     """x = B L M, T = k f B L / E (or the given T, e.g. a measured capacity), y = E T M N_ESP."""
     check_shape(shape)
@@ -130,7 +145,8 @@ def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None) -> 
         ops = [Op("all_gather", "esp", s.x * shape.esp), Op("all_to_all", "ep", s.y),
                Op("all_reduce", "esp", s.y), Op("all_to_all", "ep", s.y)]
     elif schedule == SCHEDULE_S1:
-        ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", s.x)]
+        y1 = shape.E * s1_slots(shape, T) * shape.M * shape.esp
+        ops = [Op("all_to_all", "ep_esp", y1)] * 2 + [Op("all_gather", "mp", s.x)]
     elif schedule == SCHEDULE_S2:
         ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", etm)]
     else:
@@ -320,12 +336,22 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
 
 
 def break_even_T(shape: ParmShape, costs: ParmCosts, *, saa: bool = True) -> Optional[float]:
-    """The T at which t_D1 = t_D2 for this shape (both are linear in T), or None when they never cross
-    (parallel lines). Below it S2 wins when its slope in T is the larger; the sign tells which."""
-    a, b = 1.0, 2.0
-    f_a = t_s1(shape, costs, a) - t_s2(shape, costs, a, saa=saa)
-    f_b = t_s1(shape, costs, b) - t_s2(shape, costs, b, saa=saa)
-    slope = f_b - f_a
-    if slope == 0:
-        return None
-    return a - f_a / slope
+    """The smallest T > 0 at which t_D1 = t_D2 for this shape, or None when they never cross. Both are
+    piecewise linear in T (t_D1 bends where S1's buffer stops growing, :func:`s1_slots`, at multiples of
+    d = B L / (E N_MP)), so each piece is solved as a line."""
+    d = shape.B * shape.L / (shape.E * shape.mp)
+    kinks = [0.0] + [float(j) * d for j in range(1, 2 * shape.k * shape.mp + 1)] + [math.inf]
+
+    def gap(T: float) -> float:
+        return t_s1(shape, costs, T) - t_s2(shape, costs, T, saa=saa)
+
+    for lo, hi in zip(kinks, kinks[1:]):
+        a = lo if lo > 0 else min(d, 1.0) * 1e-6
+        b = hi if math.isfinite(hi) else lo + max(d, 1.0)
+        f_a, f_b = gap(a), gap(b)
+        if f_b == f_a:
+            continue
+        root = a - f_a * (b - a) / (f_b - f_a)
+        if lo <= root <= hi and root > 0:
+            return root
+    return None

@@ -7,7 +7,11 @@ What is timed (every rank at once, as in training; each sample is the slowest ra
   one rank (all groups of a kind run concurrently); x = bytes (the ledger's convention: the gathered size
   for all-gather, the input size otherwise);
 - ``saa@ep_esp+mp``: an all-to-all on the fused EP&ESP group concurrently with an all-gather of the same
-  bytes on the MP group (async ops), Parm's SAA pattern; x = bytes into the all-to-all.
+  bytes on the MP group (async ops), Parm's SAA pattern; x = bytes into the all-to-all;
+- ``chunk`` (opt-in): what one more pipeline chunk costs PipeMoE's runner. A tiny MoE layer (so that the
+  per-byte and per-mac terms vanish) runs forward + backward at degrees 1, 2, 4, 8 on the layout's groups;
+  x = the degree, and the slope is the per-chunk start-up (thread hand-offs, autograd, waiting for the
+  slowest rank at each collective) that the bare ops above do not see.
 
 Per size: ``warmup`` untimed runs, then ``repeats`` timed runs; the median is fitted with numpy least
 squares and R^2 is reported. Rank 0 returns the :class:`~moe_plugins.costmodel.CostProfile`; saving it
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -41,7 +46,7 @@ class ProfileSpec:
     sizes_bytes: Tuple[int, ...] = tuple(2 ** p for p in range(14, 23, 1))      # 16 KiB .. 4 MiB
     gemm_rows: Tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     gemm_shape: Tuple[int, int, int] = (2, 256, 512)                            # E_l, M, H
-    ops: Tuple[str, ...] = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa")
+    ops: Tuple[str, ...] = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa", "chunk")
     groups: Tuple[str, ...] = ("ep", "esp", "mp", "ep_esp")
     warmup: int = 2
     repeats: int = 5
@@ -174,7 +179,40 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
     return out
 
 
+CHUNK_DEGREES = (1, 2, 4, 8)
+
+
+def _chunk_bench(groups: MoEProcessGroups, dtype: torch.dtype, device: torch.device, stack: ExitStack) -> _Bench:
+    """The runner's per-chunk cost: fwd+bwd of a tiny baseline MoE layer at each degree in CHUNK_DEGREES,
+    all degrees on one lane (collective to build: every rank builds it in the same order)."""
+    from .config import MoEConfig
+    from .layer import MoELayer
+    from .pipemoe import PipelineLane
+    layout = groups.layout
+    config = MoEConfig(hidden=32, ffn=32 * layout.esp, num_experts=2 * layout.ep, k=1, capacity_factor=1.0,
+                       min_capacity=max(CHUNK_DEGREES))
+    lane = PipelineLane(groups)
+    stack.callback(lane.close)
+    layers = [MoELayer(config, groups, schedule="baseline", pipeline_degree=r, dtype=dtype,
+                       pipeline_lane=lane if r > 1 else None).to(device) for r in CHUNK_DEGREES]
+    gen = torch.Generator().manual_seed(0)
+    x_SM = torch.randn(16 * config.num_experts, config.hidden, generator=gen).to(device=device, dtype=dtype)
+    for layer in layers:
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen).to(p))
+
+    def setup(i: int) -> Callable[[], None]:
+        def run() -> None:
+            out = layers[i](x_SM.detach().requires_grad_(True))
+            (out.y.sum() + out.aux_loss).backward()
+        return run
+    return _Bench("chunk", lambda i: float(CHUNK_DEGREES[i]), setup, [])
+
+
 def _count(bench: _Bench, spec: ProfileSpec) -> int:
+    if bench.key == "chunk":
+        return len(CHUNK_DEGREES)
     return len(set(spec.gemm_rows)) if bench.key == "gemm" else len(set(spec.sizes_bytes))
 
 
@@ -188,11 +226,14 @@ def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
             return profile_rank(spec, source=source, progress=progress, groups=made)
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    benches = _benches(spec, groups, device)
-    total = sum(_count(b, spec) for b in benches)
-    bar = _progress(total, progress and dist.get_rank() == 0)
     measured: Dict[str, Measurement] = {}
-    try:
+    with ExitStack() as stack:
+        benches = _benches(spec, groups, device)
+        if "chunk" in spec.ops:
+            benches.append(_chunk_bench(groups, DTYPES[spec.dtype], device, stack))
+        total = sum(_count(b, spec) for b in benches)
+        bar = _progress(total, progress and dist.get_rank() == 0)
+        stack.callback(bar.close)
         for bench in benches:
             xs, ts = [], []
             for i in range(_count(bench, spec)):
@@ -202,8 +243,6 @@ def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
                 bar.update(1)
             for key in [bench.key] + bench.aliases:
                 measured[key] = Measurement(x=tuple(xs), seconds=tuple(ts))
-    finally:
-        bar.close()
     if dist.get_rank() != 0:
         return None
     models = {k: fit_linear(m.x, m.seconds, UNITS[k.split("@")[0]]) for k, m in measured.items()}

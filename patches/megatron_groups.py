@@ -94,6 +94,14 @@ def megatron_groups(layout: ParallelLayout) -> Iterator[MegatronGroups]:
         destroy_megatron_groups(made)
 
 
+def parallel_state_collection() -> Any:
+    """Megatron's ``parallel_state`` groups as a full ``ProcessGroupCollection`` (what a layer uses when it is given
+    no groups, as under Megatron-LM's flag path, where TransformerLayer passes the plugin's layer none).
+    Megatron's own ``moe_utils.get_default_pg_collection`` leaves out the DP groups the layout check reads."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
 def _ranks(pg: Optional[dist.ProcessGroup], rank: int) -> Tuple[int, ...]:
     return (rank,) if pg is None else tuple(dist.get_process_group_ranks(pg))
 

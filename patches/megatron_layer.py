@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import get_capacity, get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_plugins import comm
@@ -54,7 +54,8 @@ from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule
 from moe_plugins.schedules.parm import parm_auto_for
 
 from .megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
-from .megatron_groups import MegatronGroups, groups_from_pg_collection, pg_collection_problems, token_view
+from .megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
+                              pg_collection_problems, token_view)
 
 logger = logging.getLogger("moe_plugins.megatron")
 
@@ -182,11 +183,11 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.rec = Recorder(ledger, name)
         self.schedule: Schedule = schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size)(
             self.moe_config, groups, self.rec)
+        self._pass: Optional[_Pass] = None
 
     @property
     def _pipelined(self) -> bool:
         return self.degree != 1
-        self._pass: Optional[_Pass] = None
 
     def rename(self, name: str) -> None:
         """Ledger name of the layer (Megatron numbers layers after building them). The schedule object stays
@@ -256,7 +257,7 @@ class PluginMoELayer(MoELayer):
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
                  profile_dir: Optional[str] = None):
         if pg_collection is None:
-            pg_collection = groups.pg_collection if groups is not None else get_default_pg_collection()
+            pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
         lookup = partial(find_profile, profile_dir)
         layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup)

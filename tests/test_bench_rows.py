@@ -89,7 +89,9 @@ def test_auto_rows_decide_from_a_profile_measured_at_each_rate(world):
     assert list(group["rows"]) == ["parm-s1", "parm-s2-saa", "parm-auto", "parm-s2@r=auto"]
     fits = group["profile"]
     for key in ("gemm", "all_to_all@ep_esp", "all_gather@mp", "saa@ep_esp+mp"):
-        assert fits[key]["beta"] > 0 and fits[key]["r2"] is not None, (key, fits)
+        # unshaped loopback: small messages can time flat, so a slope pinned at 0 is legitimate (and flagged)
+        assert fits[key]["beta"] > 0 or fits[key]["beta_clamped"], (key, fits)
+        assert fits[key]["alpha"] >= 0 and fits[key]["r2"] is not None, (key, fits)
     (auto_note,) = group["rows"]["parm-auto"]["notes"]
     assert auto_note.startswith("parm-auto: parm-s1 for 64 tokens") or auto_note.startswith("parm-auto: parm-s2")
     (degree_note,) = group["rows"]["parm-s2@r=auto"]["notes"]

@@ -209,4 +209,4 @@ def test_bench_profiles_cover_the_case_from_small_messages_up():
     assert spec.gemm_shape == (4, 256, 256) and max(spec.gemm_rows) >= 2 * 256 * 4
     assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups
     pipe = profile_spec_for(case, layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
-    assert set(pipe.ops) == {"gemm", "all_to_all"} and spec.check() is spec
+    assert set(pipe.ops) == {"gemm", "all_to_all", "chunk"} and "chunk" not in spec.ops and spec.check() is spec

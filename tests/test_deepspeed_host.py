@@ -55,7 +55,10 @@ def test_fp64_layer_matches_stock_under_tp2(world, combo):
 @pytest.mark.parametrize("combo", [dict(ep=1, k=2), dict(ep=2, k=1), dict(ep=4, k=2, drop=False),
                                    dict(ep=2, k=2, pipeline_degree=3)], ids=str)
 def test_fp64_layer_matches_stock_without_mpu(world, combo):
-    _check(world(WORLD).run(run_rank, _spec(mp=1, **combo))[0], exact=True)
+    """Bitwise equal to stock DeepSpeed without pipelining. Pipelined, the experts' GEMMs run on chunks of
+    other row counts, and BLAS may pick other kernels for them (on some CPUs the last bit differs, 1e-16):
+    then the 1e-9 fp64 bound is the check."""
+    _check(world(WORLD).run(run_rank, _spec(mp=1, **combo))[0], exact="pipeline_degree" not in combo)
 
 
 @pytest.mark.parametrize("combo", [dict(ep=2, k=1, esp=2), dict(ep=1, k=2, esp=4, drop=False),

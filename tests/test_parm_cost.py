@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey
 from moe_plugins.parm_cost import (DEFAULT_COSTS, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
-                                   choose_schedule, op_volumes, s1_gate_ops, schedule_ops, shape_problems, sizes,
-                                   t_baseline, t_s1, t_s2)
+                                   choose_schedule, op_volumes, s1_gate_ops, s1_slots, schedule_ops, shape_problems,
+                                   sizes, t_baseline, t_s1, t_s2)
 
 SHAPE = ParmShape(B=4, L=512, M=1024, H=4096, E=8, k=2, f=1.2, mp=2, ep=2, esp=2)
 COSTS = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=1e-4, beta=2e-9), ag_mp=AlphaBeta(alpha=5e-5, beta=1e-9),
@@ -31,7 +31,8 @@ def test_schedule_ops_are_the_papers_collectives():
     s = sizes(SHAPE)
     assert op_volumes(schedule_ops("baseline", SHAPE)) == {
         "all_gather@esp": (1, s.x * 2), "all_to_all@ep": (2, 2 * s.y), "all_reduce@esp": (1, s.y)}
-    assert op_volumes(schedule_ops("parm-s1", SHAPE)) == {"all_to_all@ep_esp": (2, s.y), "all_gather@mp": (1, s.x)}
+    y1 = 8 * s1_slots(SHAPE) * 1024 * 2                                    # E C_l M N_ESP
+    assert op_volumes(schedule_ops("parm-s1", SHAPE)) == {"all_to_all@ep_esp": (2, 2 * y1), "all_gather@mp": (1, s.x)}
     assert op_volumes(schedule_ops("parm-s2", SHAPE)) == {"all_to_all@ep_esp": (2, s.y),
                                                           "all_gather@mp": (1, 8 * s.T * 1024)}
 
@@ -42,7 +43,8 @@ def test_s1_gate_ops_are_o_of_e_and_outside_the_model():
     assert s1_gate_ops(ParmShape(**{**SHAPE.__dict__, "mp": 1}), "forward") == []
     with pytest.raises(ValueError, match=r"phase \('both'\) must be 'forward' or 'backward'"):
         s1_gate_ops(SHAPE, "both")
-    assert t_s1(SHAPE, COSTS) == pytest.approx(2 * (1e-4 + 2e-9 * sizes(SHAPE).y / 2) + 5e-5 + 1e-9 * sizes(SHAPE).x)
+    y1 = 8 * s1_slots(SHAPE) * 1024 * 2
+    assert t_s1(SHAPE, COSTS) == pytest.approx(2 * (1e-4 + 2e-9 * y1) + 5e-5 + 1e-9 * sizes(SHAPE).x)
 
 
 def test_size_one_groups_issue_nothing():
@@ -51,19 +53,42 @@ def test_size_one_groups_issue_nothing():
         assert schedule_ops(name, flat) == []
         assert t_baseline(flat, COSTS) == 0.0 and t_s1(flat, COSTS) == 0.0 and t_s2(flat, COSTS) == 0.0
     no_mp = ParmShape(**{**SHAPE.__dict__, "mp": 1})
-    assert t_s1(no_mp, COSTS) == t_s2(no_mp, COSTS, saa=False)             # nothing to split: same collectives
+    # nothing to split: the same collectives, S1's all-to-all no larger (kept routes, not the capacity)
+    assert op_volumes(schedule_ops("parm-s1", no_mp)).keys() == op_volumes(schedule_ops("parm-s2", no_mp)).keys()
+    assert t_s1(no_mp, COSTS) < t_s2(no_mp, COSTS, saa=False)
+    at_f1 = ParmShape(**{**no_mp.__dict__, "f": 1.0})
+    assert t_s1(at_f1, COSTS) == pytest.approx(t_s2(at_f1, COSTS, saa=False), rel=1e-12)
     assert choose_schedule(no_mp, COSTS).s2_form == "sequential"
 
 
 def test_times_by_hand():
     s = sizes(SHAPE)
-    a2a = 1e-4 + 2e-9 * s.y / 2
-    assert t_s1(SHAPE, COSTS) == pytest.approx(2 * a2a + 5e-5 + 1e-9 * s.x)                       # Eq. 11
+    a2a, a2a_s1 = 1e-4 + 2e-9 * s.y / 2, 1e-4 + 2e-9 * 8 * 256 * 1024 * 2     # C_l = 2 d = 256 (f = 1.2)
+    assert t_s1(SHAPE, COSTS) == pytest.approx(2 * a2a_s1 + 5e-5 + 1e-9 * s.x)                    # Eq. 11
     assert t_s2(SHAPE, COSTS, saa=False) == pytest.approx(2 * a2a + 5e-5 + 1e-9 * 8 * s.T * 1024)  # Eq. 7
     assert t_s2(SHAPE, COSTS) == pytest.approx(a2a + 1.5e-4 + 2.5e-9 * s.y / 2)                   # Eq. 14
     assert t_baseline(SHAPE, COSTS) == pytest.approx(5e-5 + 1e-9 * 2 * s.x + 8e-5 + 2e-9 * s.y
                                                      + 2 * (1e-4 + 2e-9 * s.y))                   # Eq. 1
     assert t_baseline(SHAPE, ParmCosts(a2a_ep_esp=COSTS.a2a_ep_esp, ag_mp=COSTS.ag_mp)) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_s1_slots_follow_gshard_positions_over_the_token_blocks(k):
+    """C_l by brute force: balanced routing, positions in GShard order (route rank, then token) over the
+    MP group's blocks; block p's kept routes per expert, the largest over blocks."""
+    B, L, E, mp = 1, 64, 4, 2
+    d = B * L // (E * mp)
+    for f in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0):
+        shape = ParmShape(B=B, L=L, M=8, H=8, E=E, k=k, f=f, mp=mp, ep=2, esp=1)
+        T = int(sizes(shape).T)
+        kept = [0] * mp
+        for r in range(k):
+            for p in range(mp):
+                start = (r * mp + p) * d
+                kept[p] += max(0, min(T, start + d) - start)
+        assert s1_slots(shape) == pytest.approx(max(kept)), f
+    f1 = ParmShape(B=B, L=L, M=8, H=8, E=E, k=min(k, 2), f=1.0, mp=mp, ep=2, esp=1)
+    assert s1_slots(f1) == pytest.approx(sizes(f1).T / mp)               # the paper's T / N_MP
 
 
 def test_algorithm_1_ties_go_to_s1_and_the_choice_is_the_argmin():

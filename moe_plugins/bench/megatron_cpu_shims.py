@@ -19,6 +19,13 @@ The six shims (measured facts: /work/shared/notes/hosts-on-cpu.md):
    be lists, not tensors), in both ``moe_utils`` and ``token_dispatcher``.
 6. ``mappings._gather_along_first_dim`` with uneven ``output_split_sizes`` pads to the largest split and
    uses ``all_gather_into_tensor`` (gloo's list all_gather rejects uneven sizes), then trims.
+
+For Megatron's optimizer, :func:`megatron_optimizer_on_cpu` (separate: it costs a Python call per torch call, so
+enter it around the optimizer's construction and ``step`` only): ``megatron.core.optimizer`` creates bookkeeping
+tensors with a literal ``device='cuda'`` (``FP32Optimizer._scale``, ``MixedPrecisionOptimizer.found_inf``, the
+grad norm in ``clip_grads.py``); a ``TorchFunctionMode`` rewrites a CUDA ``device=`` argument of any torch call
+to CPU while it is active. Gradient clipping stays unusable on CPU (``clip_grad_by_total_norm_fp32`` asserts
+``torch.cuda.FloatTensor`` gradients): use ``clip_grad=0``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 _MISSING = object()
 
@@ -132,3 +140,19 @@ def megatron_on_cpu() -> Iterator[None]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, original)
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_optimizer_on_cpu() -> Iterator[None]:
+    """Inside: ``torch.tensor(..., device='cuda')`` and friends make CPU tensors (Megatron's optimizer)."""
+    with _CudaDeviceToCpu():
+        yield

@@ -3,10 +3,11 @@
 Inputs (parm.txt Table I): B samples and L tokens per sample on each rank, M model dim, H FFN hidden,
 E experts, k routes per token, f capacity factor, and the degrees --mp --ep --esp.
 
-Sizes (elements): x = B L M, T = k f B L / E slots per expert, y = E T M N_ESP.
+Sizes (elements): x = B L M, T = k f B L / E slots per expert, y = E T M N_ESP, y1 = E C_l M N_ESP with
+C_l S1's slots per expert (moe_plugins.parm_cost.s1_slots: T / N_MP at f = 1, up to T when f < 1 / N_MP).
 Times (seconds, one direction; the backward repeats them):
   t_baseline = AG_ESP(x N_ESP) + AR_ESP(y) + 2 A2A_EP(y)                       (Eq. 1)
-  t_s1       = 2 A2A_EP&ESP(y / N_MP) + AG_MP(x)                               (Eq. 11)
+  t_s1       = 2 A2A_EP&ESP(y1) + AG_MP(x)                                     (Eq. 11)
   t_s2       = A2A_EP&ESP(y / N_MP) + SAA(y / N_MP)  with an SAA term, else
                2 A2A_EP&ESP(y / N_MP) + AG_MP(E T M)                           (Eq. 7, 14)
 choice: parm-s1 if t_s1 <= t_s2, else parm-s2 (Algorithm 1; moe_plugins/parm_cost.py lists the paper's
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ..parm_cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, AlphaBeta, ParmCosts, ParmShape, break_even_T,
-                         choose_schedule, shape_problems)
+                         choose_schedule, s1_slots, shape_problems)
 
 # cost field -> flag stem and what it is
 TERMS = {
@@ -143,6 +144,7 @@ def plan(args: argparse.Namespace) -> dict:
     costs, source = resolve_costs(args, given)
     c = choose_schedule(shape, costs, saa=args.saa)
     return {"planner": "parm", "inputs": dataclasses.asdict(shape), "x": c.x, "T": c.T, "y": c.y,
+            "s1_slots": s1_slots(shape),
             "t_baseline": c.t_baseline, "t_s1": c.t_s1, "t_s2": c.t_s2, "s2_form": c.s2_form, "choice": c.choice,
             "break_even_T": break_even_T(shape, costs, saa=args.saa), "costs_source": source,
             "costs": {f: (dataclasses.asdict(t) if t is not None else None)
@@ -156,7 +158,9 @@ def explain(out: dict) -> str:
              f"[{out['s2_form']}], one direction)",
              f"  costs from {out['costs_source']}",
              f"  layer: x = B L M = {out['x']:.6g} elements, T = k f B L / E = {out['T']:.6g} slots, "
-             f"y = E T M N_ESP = {out['y']:.6g} elements; mp={s['mp']} ep={s['ep']} esp={s['esp']}"]
+             f"y = E T M N_ESP = {out['y']:.6g} elements; mp={s['mp']} ep={s['ep']} esp={s['esp']}",
+             f"  S1 buffer: C_l = {out['s1_slots']:.6g} slots per expert per MP block (balanced routing; the "
+             f"paper's T / N_MP = {out['T'] / s['mp']:.6g}), S2: T / N_MP"]
     if out["t_baseline"] is not None:
         lines.append(f"  baseline (Eq. 1): {out['t_baseline'] * ms:.3f} ms; the chosen schedule is "
                      f"{out['t_baseline'] / min(out['t_s1'], out['t_s2']):.2f}x faster by the model")

@@ -21,7 +21,7 @@ from ..costmodel import CostProfile, cache_path, default_cache_dir
 from ..layout import ParallelLayout, layout_problems
 from ..profiler import COLLECTIVES, GROUP_KINDS, ProfileSpec, plot_profile, profile_rank
 
-OPS = ("gemm",) + COLLECTIVES + ("saa",)
+OPS = ("gemm",) + COLLECTIVES + ("saa", "chunk")
 
 
 def register(sub) -> None:
@@ -128,6 +128,7 @@ def _print(profile: CostProfile, out: Path, plot, as_json: bool) -> None:
         print(f"plot -> {plot}")
     print(f"  {'op':24s} {'alpha (s)':>11s} {'beta (s/unit)':>14s} {'unit':>5s} {'R^2':>7s}")
     for key, m in sorted(profile.models.items()):
-        note = "  (alpha<0 in the fit: refitted through 0)" if m.alpha_clamped else ""
+        clamped = [term for term in ("alpha", "beta") if getattr(m, f"{term}_clamped")]
+        note = f"  ({' and '.join(clamped)} < 0 in the unbounded fit: pinned at 0)" if clamped else ""
         print(f"  {key:24s} {m.alpha:11.3e} {m.beta:14.3e} {m.unit:>5s} {m.r2:7.4f}{note}")
     sys.stdout.flush()

@@ -1,10 +1,17 @@
 """Zero-code activation for ``moe-plugins launch``: this directory goes first on PYTHONPATH, so that its
-``sitecustomize.py`` runs at the start of every Python process of the job and calls :func:`install`.
+``sitecustomize.py`` runs at the start of every Python process of the job and calls :func:`install` (DeepSpeed)
+or :func:`install_megatron` (Megatron-core, when ``MOE_PLUGINS_MEGATRON`` is set).
 
-:func:`install` costs nothing until DeepSpeed is imported: it only puts a finder on ``sys.meta_path``. Right after
-``import deepspeed`` completes, it calls ``moe_plugins.enable`` with the ds_config named by ``MOE_PLUGINS_CONFIG``
-(set by ``moe-plugins launch``) or by the process's own ``--deepspeed_config`` / ``--ds-config`` argument; with
-neither, each engine's ds_config ``moe_plugins`` section decides. This module imports neither torch nor DeepSpeed.
+Both cost nothing until the host is imported: they only put a finder on ``sys.meta_path``.
+
+- DeepSpeed: right after ``import deepspeed`` completes, ``moe_plugins.enable`` runs with the ds_config named by
+  ``MOE_PLUGINS_CONFIG`` (set by ``moe-plugins launch``) or by the process's own ``--deepspeed_config`` /
+  ``--ds-config`` argument; with neither, each engine's ds_config ``moe_plugins`` section decides.
+- Megatron-core: right after ``megatron.core`` is imported, ``moe_plugins.patches.megatron.enable`` runs with the
+  section ``MOE_PLUGINS_MEGATRON`` holds (JSON, validated by ``moe-plugins launch``), so Megatron's GPT layer specs
+  build the plugin's MoE layer. It runs before any user code can reach the spec builders.
+
+This module imports neither torch nor a host.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Callable, Optional, Sequence
 
 SHIM_DIR = os.path.dirname(os.path.abspath(__file__))
 CONFIG_ENV = "MOE_PLUGINS_CONFIG"
+MEGATRON_ENV = "MOE_PLUGINS_MEGATRON"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--ds-config", "--ds_config")
 
 
@@ -49,15 +57,15 @@ class _AfterImport(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
-class EnableAfterDeepSpeed(importlib.abc.MetaPathFinder):
-    """A one-shot finder: when ``deepspeed`` is imported, wrap its loader so that the plugin is enabled right
-    after DeepSpeed finishes importing (before the user's code can build an engine)."""
+class EnableAfterImport(importlib.abc.MetaPathFinder):
+    """A one-shot finder: when ``module`` is imported, wrap its loader so that ``enable`` runs right after the
+    module finishes importing (before the user's code can use it)."""
 
-    def __init__(self, config: Optional[str]):
-        self.config = config
+    def __init__(self, module: str, enable: Callable[[], None]):
+        self.module, self._enable_fn = module, enable
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "deepspeed":
+        if fullname != self.module:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -75,6 +83,25 @@ class EnableAfterDeepSpeed(importlib.abc.MetaPathFinder):
     def _enable(self) -> None:
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+        self._enable_fn()
+
+    def arm(self) -> "EnableAfterImport":
+        """At once if the module is already imported, else on its import."""
+        if self.module in sys.modules:
+            self._enable()
+        else:
+            sys.meta_path.insert(0, self)
+        return self
+
+
+class EnableAfterDeepSpeed(EnableAfterImport):
+    """Enables the DeepSpeed adapter right after ``import deepspeed``."""
+
+    def __init__(self, config: Optional[str]):
+        super().__init__("deepspeed", self._enable_deepspeed)
+        self.config = config
+
+    def _enable_deepspeed(self) -> None:
         import moe_plugins
         moe_plugins.enable(self.config or config_path_from_argv(sys.argv[1:]))
 
@@ -82,8 +109,19 @@ class EnableAfterDeepSpeed(importlib.abc.MetaPathFinder):
 def install(config: Optional[str] = None) -> EnableAfterDeepSpeed:
     """Enable the plugin as soon as DeepSpeed is imported (at once if it already is)."""
     hook = EnableAfterDeepSpeed(config)
-    if "deepspeed" in sys.modules:
-        hook._enable()
-    else:
-        sys.meta_path.insert(0, hook)
+    hook.arm()
     return hook
+
+
+def install_megatron(section: str, *, ranks_per_node: Optional[int] = None,
+                     announce: bool = False) -> EnableAfterImport:
+    """Enable the Megatron-core adapter with ``section`` (the ``moe_plugins`` section as JSON, or a JSON file) as
+    soon as ``megatron.core`` is imported (at once if it already is). ``announce``: print one line to stderr."""
+
+    def enable() -> None:
+        from moe_plugins.patches import megatron as adapter
+        handle = adapter.enable(section, ranks_per_node=ranks_per_node)
+        if announce:
+            print(f"moe_plugins: Megatron-core MoE specs patched by moe-plugins launch ({handle.plugin.to_dict()})",
+                  file=sys.stderr)
+    return EnableAfterImport("megatron.core", enable).arm()
