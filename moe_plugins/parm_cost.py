@@ -258,10 +258,10 @@ PAPER_AG_MP = {
 
 # Placeholders measured on this project's development machine (2 CPU cores, gloo) on its emulated 2-node
 # cluster (2 ranks per node, 1 Gbit/s tbf link; mp=2 inside a node, ep=2, esp=2; fp32):
-# `python benchmarks/parm_saa.py --rates 1gbit --fit`, 2026-11-22, benchmarks/results/parm_saa.md. Negative
-# intercepts were refitted through the origin (costmodel.fit_linear). The paper publishes no all-to-all or
-# overlap terms, so no paper testbed can stand in for them; these only make the CLI and parm-auto usable
-# before `moe-plugins profile` has run on the real cluster.
+# `python benchmarks/parm_saa.py --rates 1gbit --fit`, 2026-11-22, benchmarks/results/parm_saa.md.
+# Negative intercepts were pinned at 0 (costmodel.fit_linear). The paper publishes no all-to-all or overlap
+# terms, so no paper testbed can stand in for them; these only make the CLI and parm-auto usable before
+# `moe-plugins profile` has run on the real cluster.
 DEFAULT_COSTS = ParmCosts(
     a2a_ep_esp=AlphaBeta(alpha=0.0, beta=3.93e-8),
     ag_mp=AlphaBeta(alpha=7.36e-4, beta=1.64e-8),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -441,7 +442,8 @@ class PipelineLane:
     def __init__(self, groups: MoEProcessGroups):
         self.groups = build_process_groups(groups.layout)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-pipe-lane")
-        self._twins: Optional[Dict[int, Schedule]] = {}
+        # keyed by the schedule object itself (weakly): an id() could be reused by a later layer's schedule
+        self._twins: Optional["weakref.WeakKeyDictionary[Schedule, Schedule]"] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def twin(self, schedule: Schedule) -> Schedule:
@@ -449,10 +451,10 @@ class PipelineLane:
         with self._lock:
             if self._twins is None:
                 raise RuntimeError("this PipelineLane is closed")
-            twin = self._twins.get(id(schedule))
+            twin = self._twins.get(schedule)
             if twin is None:
                 twin = type(schedule)(schedule.config, self.groups, schedule.rec)
-                self._twins[id(schedule)] = twin
+                self._twins[schedule] = twin
             return twin
 
     def submit(self, streams: _Streams, fn: Callable, *args) -> Future:

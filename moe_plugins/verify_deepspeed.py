@@ -63,6 +63,10 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
                         "experts against stock DeepSpeed without ESP")
     if spec.schedule not in SCHEDULES:
         problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
+    elif spec.mp > 1 and spec.esp > 1 and spec.schedule.startswith("parm"):
+        problems.append(f"schedule ({spec.schedule!r}) with esp ({spec.esp}) = mp: DeepSpeed's tensor-parallel "
+                        "experts all-reduce inside themselves and Parm needs their partial sums (the plugin "
+                        "refuses this layout; docs/parm.md, Limits)")
     if spec.experts % spec.ep:
         problems.append(f"experts ({spec.experts}) must be divisible by ep ({spec.ep})")
     if spec.ffn % spec.esp:

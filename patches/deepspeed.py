@@ -216,6 +216,11 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
         problems.append(f"{SECTION}.esp ({esp}) > 1 without DeepSpeed's expert tensor parallelism needs every "
                         "expert to be nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M)), "
                         "which the plugin slices along H; this layer's experts are not")
+    if host_esp > 1 and esp == host_esp and str(cfg.schedule).startswith("parm"):
+        problems.append(f"{SECTION}.schedule ({cfg.schedule!r}) cannot run with DeepSpeed's expert tensor "
+                        f"parallelism (esp {host_esp}): Parm's local combine needs the experts' partial sums, and "
+                        "enable_expert_tensor_parallelism's expert modules all-reduce inside themselves; allowed "
+                        "here: 'baseline', 'baseline-tp'")
     problems += layout_problems(world, ranks_per_node, facts.tp, facts.ep, esp)
     if problems:
         return problems

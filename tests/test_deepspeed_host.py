@@ -52,6 +52,22 @@ def test_fp64_layer_matches_stock_under_tp2(world, combo):
     _check(report, exact=schedule == "baseline-tp")
 
 
+# Parm against stock DeepSpeed where DeepSpeed expresses the layout: MP = 2 from the mpu, its experts not
+# tensor-parallel (ESP = 1). DeepSpeed's expert tensor parallelism (ESP = MP) runs experts that all-reduce
+# themselves, and Parm's local combine needs their partial sums, which the adapter does not supply: that
+# layout is refused with a clear error (docs/parm.md, Limits). DeepSpeed's gate cannot be split, so S1 gates
+# the whole block on each MP rank (whole_block_routing).
+PARM_MATRIX = [dict(schedule=s, ep=ep, k=k, drop=drop) for s in ("parm-s1", "parm-s2", "parm-auto")
+               for ep, k, drop in ((1, 2, True), (2, 1, True), (2, 2, False), (4, 2, True), (4, 1, False))]
+
+
+@pytest.mark.parametrize("combo", PARM_MATRIX, ids=lambda c: f"{c['schedule']}-ep{c['ep']}-k{c['k']}-"
+                                                             f"{'drop' if c['drop'] else 'dropless'}")
+def test_fp64_parm_matches_stock_under_tp2(world, combo):
+    report = world(WORLD).run(run_rank, _spec(mp=2, esp=1, **combo))[0]
+    _check(report, exact=False)
+
+
 @pytest.mark.parametrize("combo", [dict(ep=1, k=2), dict(ep=2, k=1), dict(ep=4, k=2, drop=False),
                                    dict(ep=2, k=2, pipeline_degree=3)], ids=str)
 def test_fp64_layer_matches_stock_without_mpu(world, combo):

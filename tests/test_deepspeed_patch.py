@@ -138,6 +138,11 @@ def test_layer_problems_lists_every_reason():
                                   use_data_before_expert_parallel=False) == [
         "moe_plugins.esp (4) must equal the tensor-parallel degree (2) that enable_expert_tensor_parallelism "
         "shards this layer's expert modules by"]
+    assert adapter.layer_problems(etp, PluginConfig(schedule="parm-s1"), world=4, rank=0, ranks_per_node=2,
+                                  use_data_before_expert_parallel=False) == [
+        "moe_plugins.schedule ('parm-s1') cannot run with DeepSpeed's expert tensor parallelism (esp 2): Parm's "
+        "local combine needs the experts' partial sums, and enable_expert_tensor_parallelism's expert modules "
+        "all-reduce inside themselves; allowed here: 'baseline', 'baseline-tp'"]
     sliceable = _facts(ffn_activation="gelu", ffn=18)
     assert adapter.layer_problems(sliceable, PluginConfig(esp=4), world=8, rank=0, ranks_per_node=8,
                                   use_data_before_expert_parallel=False) == ["ffn (18) must be divisible by esp (4)"]

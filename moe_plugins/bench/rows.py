@@ -96,6 +96,7 @@ def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
 PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int, or 'auto': PipeMoE's choice from the "
                       "cost profile measured at this rate)"}
 PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
+LANE = "pipeline_lane"       # CaseData.extras key: the layout's one PipelineLane, shared by every pipelined row
 
 
 def needs_profile(spec: RowSpec) -> bool:
@@ -127,7 +128,8 @@ def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
     ledger = CommLedger()
     layer = MoELayer(moe_config(data.case), data.groups, schedule=_schedule(spec, data),
-                     pipeline_degree=_pipeline_degree(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype)
+                     pipeline_degree=_pipeline_degree(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype,
+                     pipeline_lane=data.extras.get(LANE))
     layer.load_full(data.wg_EM.to(data.dtype), ExpertWeights(*(t.to(data.dtype) for t in (
         data.full.w1_EMH, data.full.b1_EH, data.full.w2_EHM, data.full.b2_EM))))
 

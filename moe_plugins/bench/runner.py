@@ -28,7 +28,8 @@ from ..layout import ParallelLayout
 from .cluster import Cluster, set_rate
 from .matrix import BenchPlan, CaseConfig, RowSpec
 from .profiles import measure_profile, profile_spec_for, profile_summary
-from .rows import PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
+from ..pipemoe import PipelineLane
+from .rows import LANE, PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
 from .traffic import nic_tx_bytes
 
 
@@ -186,8 +187,9 @@ def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[R
     return rows, {**skipped, **auto_skipped}, profile_summary(profiles[key])
 
 
-def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups], singleton,
-               ifname: Optional[str], records: List[Dict[str, Any]]) -> None:
+def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups],
+               lanes: Dict[Tuple[int, int, int], PipelineLane], singleton, ifname: Optional[str],
+               records: List[Dict[str, Any]]) -> None:
     plan, world = job.plan, dist.get_world_size()
     done, total = 0, len(plan.cases) * len(plan.rates)
     profiles: Dict[Tuple, Any] = {}
@@ -196,8 +198,10 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
         if key not in layouts:
             layouts[key] = build_process_groups(ParallelLayout(world=world, ranks_per_node=plan.ranks_per_node,
                                                                mp=case.mp, ep=case.ep, esp=case.esp))
+            lanes[key] = PipelineLane(layouts[key])     # one per layout: a lane per row would leak gloo threads
         data = make_case_data(case, layouts[key], plan.seed, plan.dtype)
         data.extras["singleton"] = singleton
+        data.extras[LANE] = lanes[key]
         fixed, skipped = build_rows([s for s in plan.rows if not needs_profile(s)], data)
         for rate in plan.rates:
             _apply_rate(job, rate)
@@ -229,10 +233,13 @@ def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
         from .stock_megatron import singleton_groups
         singleton = singleton_groups(world, rank)
     layouts: Dict[Tuple[int, int, int], MoEProcessGroups] = {}
+    lanes: Dict[Tuple[int, int, int], PipelineLane] = {}
     records: List[Dict[str, Any]] = []
     try:
-        _run_cases(job, layouts, singleton, ifname, records)
+        _run_cases(job, layouts, lanes, singleton, ifname, records)
     finally:      # gloo keeps threads per group: free them (a reused worker pool would leak them)
+        for lane in lanes.values():
+            lane.close()
         for groups in layouts.values():
             destroy_process_groups(groups)
         if singleton is not None:
