@@ -109,8 +109,10 @@ with megatron_on_cpu():
     y.sum().backward()
 from moe_plugins.patches import megatron as adapter                # only to inspect what the launcher enabled
 handle = adapter.active()
-print("RESULT", dist.get_rank(), before, type(layer.mlp).__name__, handle.plugin.schedule, handle.specs_built,
-      list(layer.mlp.moe_groups.ep.ranks), tuple(y.shape), flush=True)
+result = ("RESULT", dist.get_rank(), before, type(layer.mlp).__name__, handle.plugin.schedule, handle.specs_built,
+          list(layer.mlp.moe_groups.ep.ranks), tuple(y.shape))
+with open(f"{sys.argv[1]}/result{dist.get_rank()}.txt", "w") as f:   # one file a rank: shared stdout interleaves
+    f.write(" ".join(map(str, result)))
 dist.destroy_process_group()
 """
 
@@ -125,9 +127,9 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
     section = '{"schedule": "baseline-tp"}'
     out = subprocess.run([sys.executable, "-m", "moe_plugins.cli", "launch", "--megatron", section,
                           "--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], capture_output=True, text=True, timeout=600,
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env={k: v for k, v in os.environ.items() if k not in (CONFIG_ENV, MEGATRON_ENV)})
     assert out.returncode == 0, out.stderr[-3000:]
-    result = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    result = [(tmp_path / f"result{r}.txt").read_text() for r in (0, 1)]
     assert result == [f"RESULT {r} False PluginMoELayer baseline-tp 1 [0, 1] (8, 1, 16)" for r in (0, 1)], out.stdout
     assert out.stderr.count("moe_plugins: Megatron-core MoE specs patched by moe-plugins launch") == 1
