@@ -305,6 +305,7 @@ class DeepSpeedPlugin:
         self._groups: Dict[Tuple[ParallelLayout, bool], _HostGroups] = {}
         self._lanes: Dict[ParallelLayout, Any] = {}
         self._singletons: Optional[List[Any]] = None
+        self._own_pgs: List[Any] = []                           # process groups built here that this rank is in
         self._registered: List[str] = []
         self._etp_before: Optional[int] = None
         self._engine_config: Optional[PluginConfig] = None
@@ -349,8 +350,9 @@ class DeepSpeedPlugin:
             self._etp_before = None
 
     def disable(self) -> None:
-        """Restore DeepSpeed: the patched functions (identical objects) and its group registry. An engine set
-        up under the plugin needs it enabled for as long as it trains."""
+        """Restore DeepSpeed: the patched functions (identical objects) and its group registry, and destroy the
+        process groups the plugin built. An engine set up under the plugin needs it enabled for as long as it
+        trains. Collective when the plugin built groups: every rank disables."""
         global _ACTIVE
         if self._ds is None:
             return
@@ -360,12 +362,8 @@ class DeepSpeedPlugin:
             try:
                 self._restore_registry()
             finally:
-                for lane in self._lanes.values():
-                    lane.close()
-                self._lanes.clear()
+                self._free_groups()
                 self._layers.clear()
-                self._groups.clear()
-                self._built.clear()
                 self._ds = None
                 if _ACTIVE is self:
                     _ACTIVE = None
@@ -374,6 +372,26 @@ class DeepSpeedPlugin:
         else:
             logger.warning("moe_plugins: DeepSpeed restored; the plugin matched no MoE layer while enabled (were "
                            "the layers set up before enable(), or did the ds_config lack a %r section?)", SECTION)
+
+    def built_process_groups(self) -> List[Any]:
+        """The process groups this rank is in that the plugin built (its layouts' groups, DeepSpeed's expert-DP
+        replicas, singletons; not the pipeline lanes'). :meth:`disable` destroys them."""
+        pgs = [g.pg for groups in self._built.values() for g in groups.by_kind().values() if g.pg is not None]
+        return list({id(pg): pg for pg in pgs + self._own_pgs}.values())
+
+    def _free_groups(self) -> None:
+        """Close the pipeline lanes and destroy every process group the plugin built (gloo keeps threads per
+        group). Every rank disables in the same order, as every rank built them in the same order."""
+        for lane in self._lanes.values():
+            lane.close()
+        if dist.is_initialized():                    # the job may have torn down the default group already
+            for pg in self.built_process_groups():
+                dist.destroy_process_group(pg)
+        self._lanes.clear()
+        self._groups.clear()
+        self._built.clear()
+        self._own_pgs.clear()
+        self._singletons = None
 
     @property
     def active(self) -> bool:
@@ -538,6 +556,7 @@ class DeepSpeedPlugin:
                     pg = dist.new_group(list(ranks))      # collective, real even at size 1
                     made = (pg, ranks) if rank in ranks else made
                 edp_pg, edp_ranks = made
+                self._own_pgs.append(edp_pg)
             else:
                 edp_pg, edp_ranks = self._real_pg(groups.expert_dp), groups.expert_dp.ranks
             self._groups[(layout, sliced)] = _HostGroups(groups=groups, ep_pg=self._real_pg(groups.ep),
@@ -549,6 +568,7 @@ class DeepSpeedPlugin:
             return group.pg
         if self._singletons is None:   # collective: the same layouts, hence the same decision, on every rank
             self._singletons = [dist.new_group([r]) for r in range(dist.get_world_size())]
+            self._own_pgs.append(self._singletons[dist.get_rank()])
         return self._singletons[dist.get_rank()]
 
     def _register(self, name: str, host: _HostGroups):

@@ -121,6 +121,8 @@ def test_training_20_steps_flag_on_equals_off(world, stage, ep, k, plugin):
     log = results[0]["on"]["log"]
     assert any(f"DeepSpeed MoE layer moe (E=4, k={k}) runs schedule '{schedule}'" in line for line in log), log
     assert not results[0]["off"]["log"]
+    assert all(res["on"]["groups_built"] > 0 and res["on"]["groups_left"] == 0 for res in results), \
+        [(res["on"]["groups_built"], res["on"]["groups_left"]) for res in results]   # disable() freed them
     assert results[0]["off"]["losses"][-1] < results[0]["off"]["losses"][0]   # it trains
 
 

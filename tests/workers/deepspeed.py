@@ -99,16 +99,18 @@ def run_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, se
     try:
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
-            if plugin is not None:
-                stack.enter_context(moe_plugins.enable())
+            handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
             engine = make_engine(stage, plugin, ep, k, seed)
             losses = train(engine, seed, range(steps))
             attrs = sorted({(n, p.allreduce, p.group_name) for n, p in engine.module.named_parameters()
                             if hasattr(p, "allreduce")})
             engine.destroy()
+            built = handle.built_process_groups() if handle is not None else []
     finally:
         log.removeHandler(capture)
-    return {"losses": losses, "expert_attrs": attrs, "log": capture.lines}
+    live = set(map(id, dist.distributed_c10d._world.pg_map))          # after disable
+    return {"losses": losses, "expert_attrs": attrs, "log": capture.lines, "groups_built": len(built),
+            "groups_left": sum(id(pg) in live for pg in built)}
 
 
 def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
