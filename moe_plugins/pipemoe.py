@@ -440,7 +440,7 @@ class PipelineLane:
     many layers of a model. ``close()`` stops the thread and destroys the twin groups."""
 
     def __init__(self, groups: MoEProcessGroups):
-        self.groups = build_process_groups(groups.layout)
+        self.groups: Optional[MoEProcessGroups] = build_process_groups(groups.layout)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-pipe-lane")
         # keyed by the schedule object itself (weakly): an id() could be reused by a later layer's schedule
         self._twins: Optional["weakref.WeakKeyDictionary[Schedule, Schedule]"] = weakref.WeakKeyDictionary()
@@ -475,6 +475,9 @@ class PipelineLane:
             if self._twins is not None:
                 self._twins = None
                 destroy_process_groups(self.groups)
+                # gloo frees a group's threads only when the last reference to it goes, not on destroy:
+                # layers may keep this lane alive, so the lane lets go of its groups
+                self.groups = None
 
 
 @dataclass

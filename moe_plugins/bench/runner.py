@@ -15,6 +15,7 @@ Rank 0 returns raw measurements; :mod:`.report` turns them into statistics and r
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -159,7 +160,7 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
                           "model_bytes_per_rank": [p[row.label][0] for p in per_rank],
                           "nic_tx_bytes_per_rank": [p[row.label][1] for p in per_rank],
                           "max_abs_diff_vs_first": t["max_abs_diff"], "first_row_max_abs": t["ref_max_abs"],
-                          "notes": list(row.notes) + list(row.describe())}
+                          "notes": list(row.notes) + list(row.describe()), "ran_as": row.ran_as()}
     return out
 
 
@@ -217,7 +218,8 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
             records.append(record)
             done += 1
             _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
-        del fixed, data
+        fixed = data = rows = measured = None
+        gc.collect()         # rows hold layers that hold process groups in cycles; gloo frees threads on collection
 
 
 def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
