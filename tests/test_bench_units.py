@@ -198,6 +198,44 @@ def test_auto_summary_counts_groups_within_five_percent():
     assert "within 5% of the best fixed choice in 1 of 2 groups" in report.markdown(summary)
 
 
+def test_auto_rows_are_also_judged_by_their_fixed_twin():
+    """The twin's median judges the choice; the auto row against its twin is the same code timed twice."""
+    def group(times, ran_as):
+        raw = {label: {"kind": "plugin", "times_s": [t], "traffic_source": "ledger", "model_bytes_per_rank": [0] * 4,
+                       "nic_tx_bytes_per_rank": [None] * 4, "max_abs_diff_vs_first": 0.0, "first_row_max_abs": 1.0,
+                       "notes": [], "ran_as": ran_as if label == "parm-auto" else None} for label, t in times.items()}
+        return {"case": {}, "case_label": "c", "rate": "1gbit", "rows": raw, "skipped": {}}
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(), rows=(), rates=("1gbit",))
+    records = [group({"parm-s1": 1.0, "parm-s2": 1.2, "parm-s2-saa": 1.1, "parm-auto": 1.1}, "parm-s1"),
+               group({"parm-s1": 1.0, "parm-s2": 1.2, "parm-s2-saa": 1.04, "parm-auto": 1.0}, "parm-s2-saa"),
+               group({"parm-s1": 1.0, "parm-s2": 1.2, "parm-s2-saa": 1.1, "parm-auto": 1.0}, None)]
+    summary = report.summarize(records, plan, {"title": "t", "header_lines": []})
+    first = summary["groups"][0]["rows"]["parm-auto"]["auto_vs_best"]
+    assert first["twin"] == "parm-s1" and first["choice_ratio"] == pytest.approx(1.0)
+    assert first["twin_ratio"] == pytest.approx(1.1)
+    assert summary["groups"][2]["rows"]["parm-auto"]["auto_vs_best"]["twin"] is None
+    auto = summary["auto"]["parm-auto"]
+    assert (auto["groups"], auto["within"], auto["choice_judged"], auto["choice_within"]) == (3, 2, 2, 2)
+    text = report.markdown(summary)
+    assert "within 5% in 2 of the 2 groups where it ran a fixed row's configuration" in text
+    assert "differed by more than 5% in 1 of 2" in text
+
+
+def test_fixed_twin_names_the_row_an_auto_row_ran_as():
+    auto_r = RowSpec(name="baseline", options=(("r", "auto"),))
+    assert rows.fixed_twin(auto_r, set(), {4}, saa=False) == "baseline@r=4"
+    assert rows.fixed_twin(auto_r, set(), {1}, saa=False) == "baseline"
+    assert rows.fixed_twin(auto_r, set(), {2, 4}, saa=False) is None            # two degrees: no single twin
+    parm = RowSpec(name="parm-auto")
+    assert rows.fixed_twin(parm, {"parm-s2"}, set(), saa=True) == "parm-s2-saa"
+    assert rows.fixed_twin(parm, {"parm-s2"}, set(), saa=False) == "parm-s2"
+    assert rows.fixed_twin(parm, {"parm-s1"}, set(), saa=True) == "parm-s1"
+    assert rows.fixed_twin(parm, {"parm-s1", "parm-s2"}, set(), saa=True) is None
+    both = RowSpec(name="parm-auto", options=(("r", "auto"),))
+    assert rows.fixed_twin(both, {"parm-s1"}, {2}, saa=True) == "parm-s1@r=2"
+    assert rows.fixed_twin(RowSpec(name="parm-s1"), {"parm-s1"}, set(), saa=True) is None
+
+
 def test_bench_profiles_cover_the_case_from_small_messages_up():
     from moe_plugins.bench.profiles import profile_spec_for
     from moe_plugins.layout import ParallelLayout

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -78,6 +78,7 @@ class Row:
     tokens: Optional[slice] = None    # the rows of x_SM this rank feeds (sequence parallelism); None: all
     notes: Tuple[str, ...] = ()
     describe: Callable[[], Tuple[str, ...]] = tuple   # after the timed rounds: what an auto row chose
+    ran_as: Callable[[], Optional[str]] = lambda: None  # after the timed rounds: the fixed row an auto row ran as
 
 
 def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
@@ -137,7 +138,7 @@ def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
         out = layer(x_SM)
         return out.y, out.aux_loss
     return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger),
-               describe=partial(choice_notes, layer))
+               describe=partial(choice_notes, layer), ran_as=partial(_ran_as, spec, layer))
 
 
 def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
@@ -151,6 +152,37 @@ def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
         chosen = sorted({r for (_, _, _, training), r in degree.decisions.items() if training})
         notes.append(f"auto degree: r={'/'.join(map(str, chosen)) or '?'} ({degree.source})")
     return tuple(notes)
+
+
+def _ran_as(spec: RowSpec, layer: MoELayer) -> Optional[str]:
+    schedules = {choice.choice for choice in getattr(layer.schedule, "choices", {}).values()}
+    degree = layer.pipeline_degree
+    degrees = ({r for (_, _, _, training), r in degree.decisions.items() if training}
+               if isinstance(degree, AutoDegree) else set())
+    return fixed_twin(spec, schedules, degrees, saa=bool(getattr(layer.schedule, "saa", False)))
+
+
+def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int], *, saa: bool) -> Optional[str]:
+    """Pure: the label of the fixed row that runs what auto row ``spec`` ran, given the schedules parm-auto
+    chose (S2 runs with SAA when ``saa``) and the training degrees PipeMoE's auto chose; None when ``spec`` is
+    not an auto row or it ran more than one configuration."""
+    name, options = spec.name, dict(spec.options)
+    auto_schedule, auto_degree = name == "parm-auto", options.get("r") == "auto"
+    if not (auto_schedule or auto_degree):
+        return None
+    if auto_schedule:
+        if len(schedules) != 1:
+            return None
+        (name,) = schedules
+        name = "parm-s2-saa" if name == "parm-s2" and saa else name
+    if auto_degree:
+        if len(degrees) != 1:
+            return None
+        (r,) = degrees
+        options["r"] = str(r)
+        if r == 1:
+            del options["r"]
+    return RowSpec(name=name, options=tuple(options.items())).label
 
 
 # ---- the registry ---------------------------------------------------------------------------------------
