@@ -32,6 +32,7 @@ def test_link_is_shaped_and_teardown_is_complete():
     client = "import socket\ns = socket.create_connection(('10.99.0.2', 5001)); s.sendall(b'x' * 2_500_000); s.close()"
     with emulated_cluster(ClusterSpec(nodes=2)) as c:
         assert set(_mine()) == set(c.namespaces)
+        assert [cluster.congestion_control_of(ns) for ns in c.nodes] == ["reno", "reno"]
         cluster.set_rate(c, "20mbit")
         srv = subprocess.Popen(["ip", "netns", "exec", c.nodes[1], sys.executable, "-c", server])
         try:

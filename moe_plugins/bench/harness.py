@@ -86,7 +86,8 @@ def _git_commit() -> str:
 def _meta(plan: BenchPlan, opts: RunOptions, decision: Decision, load_before, load_after, wall_s) -> Dict[str, Any]:
     if decision.use_netns:
         transport = (f"emulated cluster: {plan.nodes} network namespaces x {plan.ranks_per_node} ranks, joined by "
-                     f"a bridge; every node link tbf-shaped in both directions to the listed rate")
+                     f"a bridge; every node link tbf-shaped in both directions to the listed rate; TCP congestion "
+                     f"control {ClusterSpec(nodes=plan.nodes).congestion_control} in every node")
         title = f"{plan.nodes} emulated nodes x {plan.ranks_per_node} ranks"
     else:
         transport = (f"LOOPBACK ONLY, NOT an emulated cluster ({decision.reason}): all {plan.world} ranks on "
