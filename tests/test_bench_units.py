@@ -123,10 +123,19 @@ def test_cluster_names_are_unique_and_carry_the_owner():
     c = cluster.plan_cluster(cluster.ClusterSpec(nodes=3), "moeb123x0a1f")
     assert c.namespaces == ("moeb123x0a1fsw", "moeb123x0a1fn0", "moeb123x0a1fn1", "moeb123x0a1fn2")
     assert c.addresses == ("10.99.0.1", "10.99.0.2", "10.99.0.3")
+    assert c.congestion_control == "reno"
     assert cluster.owner_pid("moeb123x0a1fn2") == 123 and cluster.owner_pid("other") is None
     assert cluster.new_run_id() != cluster.new_run_id()
     with pytest.raises(ValueError, match="nodes"):
         cluster.plan_cluster(cluster.ClusterSpec(nodes=1), "moeb1x0000")
+
+
+def test_bench_refuses_a_malformed_tcp_cc_before_running(capsys):
+    from moe_plugins.cli import main
+    rc = main(["bench", "--case", "S=64,M=16,H=32,E=4,k=2,ep=4", "--rows", "baseline", "--rates", "1gbit",
+               "--tcp-cc", "reno; rm", "--out", "/nonexistent/never-written"])
+    assert rc == 2
+    assert "--tcp-cc ('reno; rm') must be a kernel congestion-control name" in capsys.readouterr().err
 
 
 def test_rank_environment_and_command():

@@ -42,6 +42,7 @@ class RunOptions:
     command: str = ""              # the command line, recorded in the report
     progress: bool = True
     stem: str = "bench"
+    congestion_control: str = ClusterSpec.congestion_control   # TCP congestion control in the node namespaces
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _meta(plan: BenchPlan, opts: RunOptions, decision: Decision, load_before, lo
     if decision.use_netns:
         transport = (f"emulated cluster: {plan.nodes} network namespaces x {plan.ranks_per_node} ranks, joined by "
                      f"a bridge; every node link tbf-shaped in both directions to the listed rate; TCP congestion "
-                     f"control {ClusterSpec(nodes=plan.nodes).congestion_control} in every node")
+                     f"control {opts.congestion_control} in every node")
         title = f"{plan.nodes} emulated nodes x {plan.ranks_per_node} ranks"
     else:
         transport = (f"LOOPBACK ONLY, NOT an emulated cluster ({decision.reason}): all {plan.world} ranks on "
@@ -147,7 +148,8 @@ def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
         progress = _Progress(work / "progress.jsonl", len(plan.cases) * len(plan.rates), opts.progress)
         try:
             if decision.use_netns:
-                with emulated_cluster(ClusterSpec(nodes=plan.nodes)) as cluster:
+                with emulated_cluster(ClusterSpec(nodes=plan.nodes,
+                                                        congestion_control=opts.congestion_control)) as cluster:
                     _launch(plan, cluster, work, opts, progress)
             else:
                 _launch(plan, None, work, opts, progress)

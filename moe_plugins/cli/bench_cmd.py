@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--mode", default="auto", choices=("auto", "netns", "loopback"),
                    help="netns: require the emulated cluster; loopback: no shaping; auto: netns when possible")
+    p.add_argument("--tcp-cc", default="reno", metavar="NAME",
+                   help="TCP congestion control in the emulated nodes (reno; see docs/benchmarks.md)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit for the whole run")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     p.add_argument("--stem", default="bench", help="output file names: STEM.json, STEM.md, STEM.png")
@@ -73,10 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.harness import RunOptions, run_bench
     from ..bench.launch import RankFailure
     plan = plan_from_args(args)
+    if not re.fullmatch(r"[a-z0-9_]+", args.tcp_cc):
+        raise ValueError(f"--tcp-cc ({args.tcp_cc!r}) must be a kernel congestion-control name, such as reno or bbr")
     opts = RunOptions(out_dir=args.out, mode=args.mode, timeout_s=args.timeout_s, note=args.note,
                       command="moe-plugins bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
                       if len(sys.argv) > 1 and sys.argv[1] == "bench" else "", progress=not args.no_progress,
-                      stem=args.stem)
+                      stem=args.stem, congestion_control=args.tcp_cc)
     try:
         report = run_bench(plan, opts)
     except RankFailure as exc:
