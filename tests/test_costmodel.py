@@ -128,7 +128,13 @@ def test_plan_pipemoe_json_with_manual_costs():
     assert out["costs_source"] == "flags" and out["capacity"] == 512
     assert out["n_d"] == 16 * 512 * 2048 * 4 and out["n_e"] == 16 * 512 * 2048 * 4096
     best = min(out["curve"], key=lambda rt: rt[1])
-    assert out["degree"] == best[0] and out["predicted_time_s"] == pytest.approx(best[1])
+    tol = out["inputs"]["tie_tolerance"]
+    assert tol == 0.01 and best[0] > 6          # this curve is flat near its optimum, so the rule matters
+    first_tied = next(rt for rt in out["curve"] if rt[1] <= (1 + tol) * best[1])
+    assert out["degree"] == first_tied[0] < best[0] and out["predicted_time_s"] == pytest.approx(first_tied[1])
+    exact = json.loads(run_cli("plan", "pipemoe", *LAYER, "--alpha-a", "1.5e-3", "--beta-a", "2.5e-9", "--alpha-e",
+                               "4e-4", "--beta-e", "3e-11", "--json", "--tie-tolerance", "0").stdout)
+    assert exact["degree"] == best[0] and exact["predicted_time_s"] == pytest.approx(best[1])
     assert out["degree"] in [c["r"] for c in out["candidates"]] and out["units"]["beta_a"] == "s/byte"
 
 

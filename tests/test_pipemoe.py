@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from moe_plugins.costmodel import PAPER_TESTBED, PipeCosts
-from moe_plugins.pipemoe import (AutoDegree, choose_degree, degree_from_flag, f1, f3, f4, moe_time, optimal_degree,
-                                 pipeline_time, plan_workload, training_time)
+from moe_plugins.pipemoe import (TIE_TOLERANCE, AutoDegree, choose_degree, degree_from_flag, f1, f3, f4,
+                                 fewest_chunks_near, moe_time, optimal_degree, pipeline_time, plan_workload,
+                                 training_time)
 from moe_plugins.verify import VerifySpec
 from tests.workers.pipemoe import auto_layer, overlap_probe, verify_many
 
@@ -62,12 +63,27 @@ def test_chosen_degree_minimises_the_recurrence(costs, objective):
         return moe_time(costs, w.n_d, w.n_e, r) if objective == "forward" else training_time(costs, w.n_d, w.n_e, r)
     chosen = set()
     for w in _shapes():
-        choice = choose_degree(costs, w.n_d, w.n_e, objective=objective, r_max=64)
+        choice = choose_degree(costs, w.n_d, w.n_e, objective=objective, r_max=64, tie_tolerance=0.0)
         best = min(time_of(w, r) for r in range(1, 65))
         assert time_of(w, choice.degree) <= best * (1 + 1e-12), (w, choice)
         assert choice.predicted_time_s == pytest.approx(time_of(w, choice.degree), rel=1e-12)
         chosen.add(choice.degree)
+        # what auto uses: the fewest chunks within 1% of that minimum
+        tied = choose_degree(costs, w.n_d, w.n_e, objective=objective, r_max=64)
+        assert tied.degree == min(r for r in range(1, 65) if time_of(w, r) <= best * (1 + TIE_TOLERANCE)), w
+        assert tied.predicted_time_s == pytest.approx(time_of(w, tied.degree), rel=1e-12)
+        assert tied.degree <= choice.degree and any(c.r == tied.degree for c in tied.candidates)
     assert len(chosen) >= 5, chosen          # the grid really moves the optimum
+
+
+def test_fewest_chunks_near_breaks_near_ties_towards_fewer_chunks():
+    times = [10.0, 6.0, 5.05, 5.02, 5.0, 5.3]
+    assert fewest_chunks_near(times, 0.0) == 5
+    assert fewest_chunks_near(times, 0.005) == 4
+    assert fewest_chunks_near(times, 0.01) == 3
+    assert fewest_chunks_near(times, 0.5) == 2
+    with pytest.raises(ValueError, match=r"tie_tolerance \(1.5\) must be a number in \[0, 1\)"):
+        choose_degree(CPU_LIKE, 1e6, 1e9, tie_tolerance=1.5)
 
 
 def test_theorem_candidates_name_their_case():

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ..costmodel import PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, PipeCosts, default_cache_dir
-from ..pipemoe import (OBJECTIVES, R_MAX, chunk_costs, choose_degree, moe_time, plan_workload,
+from ..pipemoe import (OBJECTIVES, R_MAX, TIE_TOLERANCE, chunk_costs, choose_degree, moe_time, plan_workload,
                        training_time)
 
 MANUAL = ("alpha_a", "beta_a", "alpha_e", "beta_e")
@@ -53,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--objective", default="training", choices=OBJECTIVES)
     p.add_argument("--backward-factor", type=float, default=2.0, help="expert backward / forward time")
     p.add_argument("--r-max", type=int, default=R_MAX, help="largest degree considered")
+    p.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
+                   help="degrees predicted within this fraction of the optimum are ties, broken towards fewer "
+                        "chunks (0: Theorem 1's optimum itself)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -94,15 +97,17 @@ def find_cached(cache_dir: Path, ep: int, device: str) -> Optional[Tuple[Path, C
 
 
 def plan(args: argparse.Namespace) -> dict:
+    if not 0 <= args.tie_tolerance < 1:
+        raise ValueError(f"--tie-tolerance ({args.tie_tolerance}) must be in [0, 1)")
     costs, source = resolve_costs(args)
     w = plan_workload(B=args.B, L=args.L, M=args.M, H=args.H, E=args.E, k=args.k, f=args.f, P=args.P,
                       element_bytes=args.element_bytes)
     choice = choose_degree(costs, w.n_d, w.n_e, objective=args.objective, r_max=args.r_max,
-                           backward_factor=args.backward_factor)
+                           backward_factor=args.backward_factor, tie_tolerance=args.tie_tolerance)
     curve = [[r, _time(costs, w.n_d, w.n_e, r, args)] for r in range(1, args.r_max + 1)]
     return {"planner": "pipemoe", "objective": args.objective, "costs_source": source,
             "inputs": {k: getattr(args, k) for k in ("B", "L", "M", "H", "E", "k", "f", "P", "element_bytes",
-                                                      "backward_factor", "r_max")},
+                                                      "backward_factor", "r_max", "tie_tolerance")},
             "costs": {n: getattr(costs, n) for n in MANUAL}, "capacity": w.capacity, "n_d": w.n_d, "n_e": w.n_e,
             "degree": choice.degree, "predicted_time_s": choice.predicted_time_s, "case": choice.case,
             "candidates": [{"r": c.r, "time_s": c.time_s, "case": c.case} for c in choice.candidates],
@@ -148,7 +153,11 @@ def explain(out: dict) -> str:
         lines.append(f"  With r = {r} chunks one dispatch takes {d1 * 1e3:.3f} ms and one expert step "
                      f"{e1 * 1e3:.3f} ms; dispatch(i+1), experts(i) and combine(i-1) overlap and the pipeline is "
                      f"{bound}-bound, {100 * (1 - out['predicted_time_s'] / t1):.1f}% faster than r = 1.")
-        lines.append("  More chunks would add start-up costs (alpha) faster than they hide the rest.")
+        if out["case"].startswith("fewest chunks"):
+            lines.append(f"  The predicted optimum is flat: {out['case']}; more chunks would gain less than "
+                         f"{out['inputs']['tie_tolerance']:.1%} in the model and pay costs it leaves out.")
+        else:
+            lines.append("  More chunks would add start-up costs (alpha) faster than they hide the rest.")
     lines.append("  candidates (Theorem 1, each re-timed with the Eq. 9-12 recurrence):")
     for cand in out["candidates"]:
         mark = "  <- chosen" if cand["r"] == r else ""
