@@ -115,7 +115,8 @@ def run_ranks(*, world: int, ranks_per_node: int, cluster: Optional[Cluster], jo
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
-                raise RankFailure(f"the run passed its time limit ({timeout_s:.0f} s); last lines of rank 0's "
+                raise RankFailure(f"the run passed its time limit ({timeout_s:.0f} s; `moe-plugins bench --timeout-s` "
+                                  f"sets it); last lines of rank 0's "
                                   f"log {logs[0]}:\n{_tail(logs[0])}")
             time.sleep(0.25)
     finally:
