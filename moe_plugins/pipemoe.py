@@ -109,6 +109,14 @@ def training_time(costs: PipeCosts, n_d: float, n_e: float, r: int, backward_fac
     return moe_time(costs, n_d, n_e, r) + moe_time(costs, n_d, n_e, r, expert_factor=backward_factor)
 
 
+def objective_time(costs: PipeCosts, n_d: float, n_e: float, r: int, objective: str,
+                   backward_factor: float = 2.0) -> float:
+    """T(r) of one of :data:`OBJECTIVES`: the forward pipeline alone, or :func:`training_time`."""
+    if objective == "forward":
+        return moe_time(costs, n_d, n_e, r)
+    return training_time(costs, n_d, n_e, r, backward_factor)
+
+
 # -- Theorem 1's pieces (Eq. 19-44), continuous in r ---------------------------------------------------
 
 def f1(c: PipeCosts, n_d: float, n_e: float) -> float:                          # Eq. 19
@@ -273,10 +281,9 @@ def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = 
         raise ValueError(f"tie_tolerance ({tie_tolerance!r}) must be a number in [0, 1)")
     if objective == "forward":
         best = optimal_degree(costs, n_d, n_e, r_max=r_max)
-        time_of = lambda r: moe_time(costs, n_d, n_e, r)
     else:
         best = optimal_training_degree(costs, n_d, n_e, r_max=r_max, backward_factor=backward_factor)
-        time_of = lambda r: training_time(costs, n_d, n_e, r, backward_factor)
+    time_of = lambda r: objective_time(costs, n_d, n_e, r, objective, backward_factor)
     r = fewest_chunks_near([time_of(v) for v in range(1, best.degree)] + [best.predicted_time_s], tie_tolerance)
     if r == best.degree:
         return best

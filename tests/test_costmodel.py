@@ -160,6 +160,8 @@ def test_plan_pipemoe_reads_a_profile_file(tmp_path):
     (["--alpha-a", "1e-3"], "the manual costs need all four flags; missing: --beta-a, --alpha-e, --beta-e"),
     (["--alpha-a", "1e-3", "--beta-a", "1", "--alpha-e", "1", "--beta-e", "-1"], "beta_e (-1.0) must be"),
     (["--profile", "x.json", "--alpha-a", "1"], "give either --alpha-a/--beta-a/--alpha-e/--beta-e or --profile"),
+    (["--alpha-a", "1e-3", "--beta-a", "1e-9", "--alpha-e", "1e-4", "--beta-e", "1e-11", "--tie-tolerance", "1.5"],
+     "tie_tolerance (1.5) must be a number in [0, 1)"),
 ])
 def test_plan_pipemoe_bad_costs_are_one_line_errors(args, message):
     proc = run_cli("plan", "pipemoe", *LAYER, *args)

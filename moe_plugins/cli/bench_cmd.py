@@ -18,6 +18,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..bench.cluster import ClusterSpec
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="time MoE layers side by side on an emulated multi-node cluster",
@@ -36,8 +38,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--mode", default="auto", choices=("auto", "netns", "loopback"),
                    help="netns: require the emulated cluster; loopback: no shaping; auto: netns when possible")
-    p.add_argument("--tcp-cc", default="reno", metavar="NAME",
-                   help="TCP congestion control in the emulated nodes (reno; see docs/benchmarks.md)")
+    p.add_argument("--tcp-cc", default=ClusterSpec.congestion_control, metavar="NAME",
+                   help=f"TCP congestion control in the emulated nodes ({ClusterSpec.congestion_control}; "
+                        f"see docs/benchmarks.md)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit for the whole run")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     p.add_argument("--stem", default="bench", help="output file names: STEM.json, STEM.md, STEM.png")

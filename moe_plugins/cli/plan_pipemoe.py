@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ..costmodel import PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, PipeCosts, default_cache_dir
-from ..pipemoe import (OBJECTIVES, R_MAX, TIE_TOLERANCE, chunk_costs, choose_degree, moe_time, plan_workload,
-                       training_time)
+from ..pipemoe import (OBJECTIVES, R_MAX, TIE_TOLERANCE, chunk_costs, choose_degree, objective_time,
+                       plan_workload)
 
 MANUAL = ("alpha_a", "beta_a", "alpha_e", "beta_e")
 UNITS = {"n_d": "bytes per rank per dispatch", "n_e": "multiply-adds per expert GEMM, this rank's experts",
@@ -97,14 +97,13 @@ def find_cached(cache_dir: Path, ep: int, device: str) -> Optional[Tuple[Path, C
 
 
 def plan(args: argparse.Namespace) -> dict:
-    if not 0 <= args.tie_tolerance < 1:
-        raise ValueError(f"--tie-tolerance ({args.tie_tolerance}) must be in [0, 1)")
     costs, source = resolve_costs(args)
     w = plan_workload(B=args.B, L=args.L, M=args.M, H=args.H, E=args.E, k=args.k, f=args.f, P=args.P,
                       element_bytes=args.element_bytes)
     choice = choose_degree(costs, w.n_d, w.n_e, objective=args.objective, r_max=args.r_max,
                            backward_factor=args.backward_factor, tie_tolerance=args.tie_tolerance)
-    curve = [[r, _time(costs, w.n_d, w.n_e, r, args)] for r in range(1, args.r_max + 1)]
+    curve = [[r, objective_time(costs, w.n_d, w.n_e, r, args.objective, args.backward_factor)]
+             for r in range(1, args.r_max + 1)]
     return {"planner": "pipemoe", "objective": args.objective, "costs_source": source,
             "inputs": {k: getattr(args, k) for k in ("B", "L", "M", "H", "E", "k", "f", "P", "element_bytes",
                                                       "backward_factor", "r_max", "tie_tolerance")},
@@ -112,12 +111,6 @@ def plan(args: argparse.Namespace) -> dict:
             "degree": choice.degree, "predicted_time_s": choice.predicted_time_s, "case": choice.case,
             "candidates": [{"r": c.r, "time_s": c.time_s, "case": c.case} for c in choice.candidates],
             "curve": curve, "units": UNITS}
-
-
-def _time(costs: PipeCosts, n_d: float, n_e: float, r: int, args: argparse.Namespace) -> float:
-    if args.objective == "forward":
-        return moe_time(costs, n_d, n_e, r)
-    return training_time(costs, n_d, n_e, r, args.backward_factor)
 
 
 def run(args: argparse.Namespace) -> int:
