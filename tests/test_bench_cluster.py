@@ -26,7 +26,7 @@ def _mine():
 
 
 def test_link_is_shaped_and_teardown_is_complete():
-    """2.5 MB through a 20 Mbit/s link cannot take less than ~1 s (minus tbf's 512 kbit burst)."""
+    """2.5 MB through a 20 Mbit/s link cannot take less than ~1 s (minus tbf's 128 KiB bucket)."""
     server = ("import socket\ns = socket.socket(); s.bind(('10.99.0.2', 5001)); s.listen(); c, _ = s.accept()\n"
               "while c.recv(1 << 20): pass\n")
     client = "import socket\ns = socket.create_connection(('10.99.0.2', 5001)); s.sendall(b'x' * 2_500_000); s.close()"

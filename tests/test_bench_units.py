@@ -138,6 +138,15 @@ def test_bench_refuses_a_malformed_tcp_cc_before_running(capsys):
     assert "--tcp-cc ('reno; rm') must be a kernel congestion-control name" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("burst", ["512", "64 kb", "0kb", "1gbit", "128kb; rm"])
+def test_bench_refuses_a_malformed_tbf_burst_before_running(capsys, burst):
+    from moe_plugins.cli import main
+    rc = main(["bench", "--case", "S=64,M=16,H=32,E=4,k=2,ep=4", "--rows", "baseline", "--rates", "1gbit",
+               "--tbf-burst", burst, "--out", "/nonexistent/never-written"])
+    assert rc == 2
+    assert f"--tbf-burst ({burst!r}) must be a size in tc units" in capsys.readouterr().err
+
+
 def test_rank_environment_and_command():
     env = launch.rank_env(3, 4, 2, "10.99.0.1", 29500, "nic0")
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["GLOO_SOCKET_IFNAME"] == "nic0"

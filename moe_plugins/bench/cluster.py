@@ -20,6 +20,13 @@ probes with no packet dropped anywhere), which made medians bimodal. With reno t
 same side-by-side runs (docs/benchmarks.md). cubic cannot be set in a child namespace here: it is not in
 ``net.ipv4.tcp_allowed_congestion_control`` and loading it needs the host namespace, which this module
 never touches.
+
+The tbf bucket is 128 KiB (``ClusterSpec.burst``), not the notes' 512 KiB. A bucket fills while the link is
+idle and its bytes then leave at veth speed: with 512 KiB, a 512 KiB message sent after 20 ms of idle took
+1.7 ms at 200 Mbit/s instead of 21 ms, so an all-to-all that follows the experts' GEMMs was nearly free
+(benchmarks/tbf_burst.py). 64 KiB is smaller than a GSO packet plus headers, so tbf splits packets and two
+concurrent connections retransmitted 194 segments; at 128 KiB they retransmitted none, and a 512 KiB
+message after idle takes 0.81x its time at the rate.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ class ClusterError(RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     nodes: int
-    burst: str = "512kb"        # tbf bucket (the notes' measured setting)
+    burst: str = "128kb"        # tbf bucket: the smallest that holds 2 GSO packets (see module doc)
     latency: str = "100ms"      # tbf queue limit expressed as delay
     subnet: str = "10.99.0"     # node i gets <subnet>.<i+1>/24 (private to the namespaces)
     congestion_control: str = "reno"   # TCP congestion control in every node namespace (see module doc)
@@ -107,7 +114,7 @@ def netns_unavailable_reason() -> Optional[str]:
         return f"`ip netns add` does not work here: {exc}"
     try:
         _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit", "burst", "512kb",
+        _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit", "burst", ClusterSpec.burst,
               "latency", "100ms"])
     except (ClusterError, OSError, subprocess.TimeoutExpired) as exc:
         return f"veth or tbf does not work here: {exc}"

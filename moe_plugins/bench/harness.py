@@ -43,6 +43,7 @@ class RunOptions:
     progress: bool = True
     stem: str = "bench"
     congestion_control: str = ClusterSpec.congestion_control   # TCP congestion control in the node namespaces
+    tbf_burst: str = ClusterSpec.burst     # tbf bucket on every node link (tc units)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def _meta(plan: BenchPlan, opts: RunOptions, decision: Decision, load_before, lo
     if decision.use_netns:
         transport = (f"emulated cluster: {plan.nodes} network namespaces x {plan.ranks_per_node} ranks, joined by "
                      f"a bridge; every node link tbf-shaped in both directions to the listed rate; TCP congestion "
-                     f"control {opts.congestion_control} in every node")
+                     f"control {opts.congestion_control} in every node; tbf burst {opts.tbf_burst}")
         title = f"{plan.nodes} emulated nodes x {plan.ranks_per_node} ranks"
     else:
         transport = (f"LOOPBACK ONLY, NOT an emulated cluster ({decision.reason}): all {plan.world} ranks on "
@@ -148,8 +149,8 @@ def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
         progress = _Progress(work / "progress.jsonl", len(plan.cases) * len(plan.rates), opts.progress)
         try:
             if decision.use_netns:
-                with emulated_cluster(ClusterSpec(nodes=plan.nodes,
-                                                        congestion_control=opts.congestion_control)) as cluster:
+                spec = ClusterSpec(nodes=plan.nodes, congestion_control=opts.congestion_control, burst=opts.tbf_burst)
+                with emulated_cluster(spec) as cluster:
                     _launch(plan, cluster, work, opts, progress)
             else:
                 _launch(plan, None, work, opts, progress)

@@ -41,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--tcp-cc", default=ClusterSpec.congestion_control, metavar="NAME",
                    help=f"TCP congestion control in the emulated nodes ({ClusterSpec.congestion_control}; "
                         f"see docs/benchmarks.md)")
+    p.add_argument("--tbf-burst", default=ClusterSpec.burst, metavar="SIZE",
+                   help=f"tbf bucket on every node link, in tc units ({ClusterSpec.burst}; see docs/benchmarks.md)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit for the whole run")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     p.add_argument("--stem", default="bench", help="output file names: STEM.json, STEM.md, STEM.png")
@@ -81,10 +83,14 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     if not re.fullmatch(r"[a-z0-9_]+", args.tcp_cc):
         raise ValueError(f"--tcp-cc ({args.tcp_cc!r}) must be a kernel congestion-control name, such as reno or bbr")
+    if not re.fullmatch(r"[1-9][0-9]*(b|kb|k|mb|m)", args.tbf_burst):
+        raise ValueError(f"--tbf-burst ({args.tbf_burst!r}) must be a size in tc units: an integer then b, kb or mb "
+                         f"(such as 64kb)")
     opts = RunOptions(out_dir=args.out, mode=args.mode, timeout_s=args.timeout_s, note=args.note,
                       command="moe-plugins bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
                       if len(sys.argv) > 1 and sys.argv[1] == "bench" else "", progress=not args.no_progress,
-                      stem=args.stem, congestion_control=args.tcp_cc)
+                      stem=args.stem, congestion_control=args.tcp_cc,
+                      tbf_burst=args.tbf_burst)
     try:
         report = run_bench(plan, opts)
     except RankFailure as exc:
