@@ -110,9 +110,9 @@ def _peer(role: str, host: str) -> None:
             print(n, t_raw, t_g, t_g2, flush=True)
 
 
-def measure(rate: str) -> None:
+def measure(rate: str, latency: str) -> None:
     bits_per_s = parse_rate(rate)
-    with emulated_cluster(ClusterSpec(nodes=2)) as cluster:
+    with emulated_cluster(ClusterSpec(nodes=2, latency=latency)) as cluster:
         set_rate(cluster, rate)
         host = cluster.addresses[0]
         env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.ifname, OMP_NUM_THREADS="1")
@@ -136,8 +136,11 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", nargs="+", default=["200mbit"])
-    for rate in parser.parse_args().rate:
-        measure(rate)
+    parser.add_argument("--latency", nargs="+", default=[ClusterSpec.latency], help="tbf queue limits to try")
+    args = parser.parse_args()
+    for latency in args.latency:
+        for rate in args.rate:
+            measure(rate, latency)
     return 0
 
 
