@@ -92,6 +92,9 @@ def test_auto_rows_decide_from_a_profile_measured_at_each_rate(world):
         # unshaped loopback: small messages can time flat, so a slope pinned at 0 is legitimate (and flagged)
         assert fits[key]["beta"] > 0 or fits[key]["beta_clamped"], (key, fits)
         assert fits[key]["alpha"] >= 0 and fits[key]["r2"] is not None, (key, fits)
+        points = group["profile_measurements"][key]       # the points behind the fit, for re-fits offline
+        assert len(points["x"]) == len(points["seconds"]) >= 2, (key, points)
+        assert all(t > 0 for t in points["seconds"]), (key, points)
     (auto_note,) = group["rows"]["parm-auto"]["notes"]
     assert auto_note.startswith("parm-auto: parm-s1 for 64 tokens") or auto_note.startswith("parm-auto: parm-s2")
     (degree_note,) = group["rows"]["parm-s2@r=auto"]["notes"]

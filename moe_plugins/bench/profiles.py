@@ -68,3 +68,9 @@ def profile_summary(profile: CostProfile) -> Dict[str, Dict[str, float]]:
     return {key: {"alpha": m.alpha, "beta": m.beta, "r2": m.r2, "unit": m.unit,
                   "alpha_clamped": m.alpha_clamped, "beta_clamped": m.beta_clamped}
             for key, m in sorted(profile.models.items())}
+
+
+def profile_measurements(profile: CostProfile) -> Dict[str, Dict[str, List[float]]]:
+    """model key -> the measured sizes and per-size median seconds behind its fit (for re-fits offline, e.g.
+    of a cost that is not linear in the size)."""
+    return {key: {"x": list(m.x), "seconds": list(m.seconds)} for key, m in sorted(profile.measurements.items())}

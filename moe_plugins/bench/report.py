@@ -80,8 +80,9 @@ def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
                                    "twin_ratio": row["median_ms"] / rows[twin]["median_ms"] if twin else None}
     out = {"case": record["case"], "case_label": record["case_label"], "rate": record["rate"],
            "rows": rows, "skipped": record["skipped"]}
-    if "profile" in record:
-        out["profile"] = record["profile"]
+    for key in ("profile", "profile_measurements"):
+        if key in record:
+            out[key] = record[key]
     return out
 
 

@@ -24,11 +24,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..costmodel import CostProfile
 from ..groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from ..layout import ParallelLayout
 from .cluster import Cluster, set_rate
 from .matrix import BenchPlan, CaseConfig, RowSpec
-from .profiles import measure_profile, profile_spec_for, profile_summary
+from .profiles import measure_profile, profile_measurements, profile_spec_for, profile_summary
 from ..pipemoe import PipelineLane
 from .rows import LANE, PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
 from .traffic import nic_tx_bytes
@@ -171,7 +172,7 @@ def _apply_rate(job: RankJob, rate: str) -> None:
 
 
 def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[Row], skipped: Dict[str, str],
-                   profiles: Dict[Tuple, Any], rate: str) -> Tuple[List[Row], Dict[str, str], Optional[Dict]]:
+                   profiles: Dict[Tuple, Any], rate: str) -> Tuple[List[Row], Dict[str, str], Optional[CostProfile]]:
     """The rows timed at ``rate``, in the plan's order: the rate-independent ones built once per case, plus the
     auto rows rebuilt on a cost profile measured at this rate (one profile per layout and rate)."""
     auto_specs = [s for s in job.plan.rows if needs_profile(s)]
@@ -185,7 +186,7 @@ def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[R
     auto, auto_skipped = build_rows(auto_specs, data)
     order = {s.label: i for i, s in enumerate(job.plan.rows)}
     rows = sorted(list(fixed) + auto, key=lambda row: order[row.label])
-    return rows, {**skipped, **auto_skipped}, profile_summary(profiles[key])
+    return rows, {**skipped, **auto_skipped}, profiles[key]
 
 
 def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups],
@@ -214,7 +215,8 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
             record = {"case": asdict(case), "case_label": case.label, "rate": rate, "rows": measured,
                       "skipped": rate_skipped}
             if profile is not None:
-                record["profile"] = profile
+                record["profile"] = profile_summary(profile)
+                record["profile_measurements"] = profile_measurements(profile)
             records.append(record)
             done += 1
             _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
