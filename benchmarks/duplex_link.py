@@ -57,6 +57,7 @@ def _raw(role: str, host: str) -> List[float]:
         srv.bind((host, PORT))
         srv.listen(1)
         conn, _ = srv.accept()
+        srv.close()
     else:
         conn = _connect(host)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -116,9 +117,8 @@ def measure(rate: str, latency: str) -> None:
         set_rate(cluster, rate)
         host = cluster.addresses[0]
         env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.ifname, OMP_NUM_THREADS="1")
-        cmd = [[("ip", "netns", "exec", cluster.nodes[i], sys.executable, __file__, "--peer", str(i), host)]
-               for i in range(2)]
-        procs = [subprocess.Popen(list(c[0]), stdout=subprocess.PIPE, text=True, env=env) for c in cmd]
+        procs = [subprocess.Popen(["ip", "netns", "exec", node, sys.executable, __file__, "--peer", str(i), host],
+                                  stdout=subprocess.PIPE, text=True, env=env) for i, node in enumerate(cluster.nodes)]
         out = [p.communicate(timeout=600)[0] for p in procs]
         print(f"\n### rate {rate}, burst {cluster.burst}, latency {cluster.latency}\n\n"
               "| MiB each way | at the rate ms | raw TCP ms | gloo all-to-all ms | gloo, two at once ms |\n"

@@ -114,8 +114,8 @@ def netns_unavailable_reason() -> Optional[str]:
         return f"`ip netns add` does not work here: {exc}"
     try:
         _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit", "burst", ClusterSpec.burst,
-              "latency", "100ms"])
+        _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit",
+              "burst", ClusterSpec.burst, "latency", ClusterSpec.latency])
     except (ClusterError, OSError, subprocess.TimeoutExpired) as exc:
         return f"veth or tbf does not work here: {exc}"
     finally:

@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"[a-z0-9_]+", args.tcp_cc):
         raise ValueError(f"--tcp-cc ({args.tcp_cc!r}) must be a kernel congestion-control name, such as reno or bbr")
     if not re.fullmatch(r"[1-9][0-9]*(b|kb|k|mb|m)", args.tbf_burst):
-        raise ValueError(f"--tbf-burst ({args.tbf_burst!r}) must be a size in tc units: an integer then b, kb or mb "
-                         f"(such as 64kb)")
+        raise ValueError(f"--tbf-burst ({args.tbf_burst!r}) must be a size in tc units: a positive integer then "
+                         f"b, k, kb, m or mb (such as 128kb)")
     opts = RunOptions(out_dir=args.out, mode=args.mode, timeout_s=args.timeout_s, note=args.note,
                       command="moe-plugins bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
                       if len(sys.argv) > 1 and sys.argv[1] == "bench" else "", progress=not args.no_progress,
