@@ -53,6 +53,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 
 from .costmodel import CostProfile, PipeCosts
+from .plugin_config import degree_needs_profile
 from .gating import capacity
 from .groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from .schedules.base import Dispatched, LayerParams, Schedule, chunk_bounds
@@ -388,6 +389,11 @@ class AutoDegree:
         return (self.costs[ex.group], float(d.numel() * d.element_size() * ex.sent),
                 float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size)))
 
+    def begin(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> Tuple[int, Optional[object]]:
+        """(degree, None): the degree of this call; a subclass that times calls (pipemoe_tune.TunedDegree)
+        returns a sample with ``wrap_input`` / ``wrap_output`` in place of None."""
+        return self.degree(schedule, dispatched, training), None
+
     def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
         costs, n_d, n_e = self.workload(schedule, dispatched)
         r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
@@ -407,21 +413,27 @@ Degree = Union[int, AutoDegree]
 
 
 def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, r_max: int = R_MAX) -> Degree:
-    """A host flag's value (an int, a digit string or "auto") to what MoELayer takes. "auto" needs a
-    profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its boundary."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
+    """A host flag's value (an int, a digit string, "auto" or "tune") to what MoELayer takes. "auto" and
+    "tune" need a profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its
+    boundary."""
+    if degree_needs_profile(value):
+        word = value.strip().lower()
         if profile is None:
-            raise ValueError("pipeline_degree ('auto') needs a cost profile: run `moe-plugins profile` on "
+            raise ValueError(f"pipeline_degree ({word!r}) needs a cost profile: run `moe-plugins profile` on "
                              "this cluster, or pass an int degree")
         kinds = [g for g in ("ep", "ep_esp") if f"all_to_all@{g}" in profile.models]
-        return AutoDegree(costs={g: PipeCosts.from_profile(profile, g) for g in kinds}, r_max=r_max,
-                          source=f"profile {profile.key.slug()}")
+        costs = {g: PipeCosts.from_profile(profile, g) for g in kinds}
+        source = f"profile {profile.key.slug()}"
+        if word == "tune":
+            from .pipemoe_tune import TunedDegree      # it builds on AutoDegree, defined above
+            return TunedDegree(costs=costs, r_max=r_max, source=source)
+        return AutoDegree(costs=costs, r_max=r_max, source=source)
     try:
         degree = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer or 'auto'") from None
+        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer, 'auto' or 'tune'") from None
     if degree < 1 or (isinstance(value, float) and value != degree):
-        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer or 'auto'")
+        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer, 'auto' or 'tune'")
     return degree
 
 
@@ -604,10 +616,12 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     ``degree`` may be an :class:`AutoDegree`; a degree of 1 runs sequentially on this thread."""
     dispatched = schedule.prepare(x_SM, params)
     d, dim = dispatched.d, dispatched.cap_dim
-    r = degree.degree(schedule, dispatched, torch.is_grad_enabled()) if isinstance(degree, AutoDegree) else degree
+    r, sample = (degree.begin(schedule, dispatched, torch.is_grad_enabled()) if isinstance(degree, AutoDegree)
+                 else (degree, None))
+    d = d if sample is None else sample.wrap_input(d)
     if r == 1:
         y = schedule.exchange_out(schedule.expert(schedule.exchange_in(d), params))
-        return schedule.finish(y, dispatched), dispatched
+        return schedule.finish(y if sample is None else sample.wrap_output(y), dispatched), dispatched
     if lane is None:
         raise ValueError(f"pipeline degree {r} needs a PipelineLane (MoELayer builds one when "
                          "pipeline_degree != 1)")
@@ -616,5 +630,5 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     # D_1..D_r queue first on the lane (FIFO link); E_i runs here as soon as D_i lands; C_i queues behind.
     ins = [_Stage(lane, streams, twin.exchange_in).start(c) for c in chunks]
     outs = [_Stage(lane, streams, twin.exchange_out).start(schedule.expert(s.join(), params)) for s in ins]
-    parts = [s.join() for s in outs]
-    return schedule.finish(torch.cat(parts, dim=dim), dispatched), dispatched
+    y = torch.cat([s.join() for s in outs], dim=dim)
+    return schedule.finish(y if sample is None else sample.wrap_output(y), dispatched), dispatched

@@ -6,7 +6,7 @@ Schema (documented for users in ``docs/config.md``)::
     "moe_plugins": {
         "enabled": true,            # false keeps the section but runs the host's stock MoE layers
         "schedule": "baseline",     # a name in moe_plugins.schedules.SCHEDULES
-        "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1, or "auto"
+        "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1, "auto" or "tune"
         "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
                                     # another value is a layout the host cannot express (docs/config.md)
         "ranks_per_node": null,     # ranks per node for the node-aware layout; null: LOCAL_WORLD_SIZE
@@ -28,6 +28,15 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 SECTION = "moe_plugins"
+# pipeline_degree values whose degree comes from the cost profile: the model's pick ("auto"), or that pick
+# checked by timing the layer ("tune", moe_plugins/pipemoe_tune.py).
+PROFILED_DEGREES = ("auto", "tune")
+
+
+def degree_needs_profile(value: Any) -> bool:
+    """Whether a pipeline_degree value is one of :data:`PROFILED_DEGREES` (case and spaces ignored)."""
+    return isinstance(value, str) and value.strip().lower() in PROFILED_DEGREES
+
 
 # Keys a later issue implements: accepted with their "off" value only, so configs can be written ahead.
 RESERVED: Dict[str, str] = {
@@ -105,8 +114,9 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION) -> L
         bad("schedule", f"must be one of {', '.join(sorted(SCHEDULES))}")
     if "pipeline_degree" in section:
         value = section["pipeline_degree"]
-        if not (value == "auto" if isinstance(value, str) else _is_int(value) and value >= 1):
-            bad("pipeline_degree", "must be an integer >= 1 or \"auto\"")
+        if not (value in PROFILED_DEGREES if isinstance(value, str) else _is_int(value) and value >= 1):
+            bad("pipeline_degree", "must be an integer >= 1, \"auto\" (the cost model's pick) or \"tune\" (that "
+                "pick checked by timing the layer)")
     for key in ("esp", "ranks_per_node"):
         if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
             bad(key, "must be an integer >= 1, or null to derive it")

@@ -41,7 +41,7 @@ from moe_plugins.gating import Routing
 from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups
 from moe_plugins.layout import ParallelLayout, layout_problems
 from moe_plugins.ledger import CommLedger
-from moe_plugins.plugin_config import SECTION, PluginConfig, resolve
+from moe_plugins.plugin_config import SECTION, PluginConfig, degree_needs_profile, resolve
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule, schedule_problems
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -530,12 +530,12 @@ class DeepSpeedPlugin:
         return parm_auto_for(profile, next(moe.parameters()).element_size(), layout.mp)
 
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
-        """PipeMoE's degree (``"auto"``: from the cost profile cached for this layout and device) and its lane,
-        one per layout (collective to build)."""
+        """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device)
+        and its lane, one per layout (collective to build)."""
         if value == 1:
             return 1, None
         from moe_plugins import pipemoe
-        profile = self._cached_profile(layout, moe) if value == "auto" else None
+        profile = self._cached_profile(layout, moe) if degree_needs_profile(value) else None
         degree = pipemoe.degree_from_flag(value, profile)
         if layout not in self._lanes:
             self._lanes[layout] = pipemoe.PipelineLane(groups)
@@ -635,7 +635,7 @@ def _default_ranks_per_node() -> Optional[int]:
 
 
 def _profile_dir() -> Optional[str]:
-    """Where ``moe-plugins profile`` caches cost profiles (pipeline_degree "auto"), read once at enable."""
+    """Where ``moe-plugins profile`` caches cost profiles (pipeline_degree "auto" or "tune"), read once at enable."""
     try:
         from moe_plugins.costmodel import default_cache_dir
     except ImportError:

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from moe_plugins.config import MoEConfig, moe_config_problems
 from moe_plugins.experts import ACTIVATIONS
 from moe_plugins.layout import ParallelLayout, layout_problems
-from moe_plugins.plugin_config import SECTION, PluginConfig
+from moe_plugins.plugin_config import SECTION, PluginConfig, degree_needs_profile
 from moe_plugins.schedules import schedule_problems
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -143,8 +143,8 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
                  f"per TP rank): {p}" for p in schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
-    if plugin.pipeline_degree == "auto" and (profile is None or profile(layout) is None):
-        problems.append(f"{SECTION}.pipeline_degree ('auto') needs a cost profile for this layout, and none is "
+    if degree_needs_profile(plugin.pipeline_degree) and (profile is None or profile(layout) is None):
+        problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile for this layout, and none is "
                         f"cached: run `moe-plugins profile --world {world} --ranks-per-node {rpn} --mp 1 --ep "
                         f"{facts.ep} --esp {facts.etp}` on this cluster, or give an integer")
     return problems

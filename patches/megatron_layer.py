@@ -48,7 +48,7 @@ from moe_plugins.ledger import CommLedger
 from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
 from moe_plugins.pipemoe import PipelineLane, degree_from_flag, run_pipelined
 from moe_plugins.profiler import profile_key
-from moe_plugins.plugin_config import PluginConfig
+from moe_plugins.plugin_config import PluginConfig, degree_needs_profile
 from moe_plugins.router import uniform_capacity
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule
 from moe_plugins.schedules.parm import parm_auto_for
@@ -267,7 +267,8 @@ class PluginMoELayer(MoELayer):
         self.token_dispatcher = ScheduleTokenDispatcher(
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
             ledger=ledger, name=self._ledger_name(layer_number),
-            profile=lookup(self.moe_groups.layout) if plugin.pipeline_degree == "auto" or plugin.schedule == "parm-auto"
+            profile=lookup(self.moe_groups.layout)
+            if degree_needs_profile(plugin.pipeline_degree) or plugin.schedule == "parm-auto"
             else None)
         log = logger.info if dist.get_rank() == 0 else logger.debug
         log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %s) on tp=%d ep=%d etp=%d, "

@@ -191,10 +191,13 @@ def test_auto_rows_are_judged_against_the_choices_they_pick_from():
     labels = ["deepspeed", "baseline", "baseline@r=2", "baseline@r=8", "baseline@r=auto", "parm-s1", "parm-s2",
               "parm-s2-saa", "parm-auto", "parm-s2@r=4"]
     assert report.auto_peers("baseline@r=auto", labels) == ["baseline", "baseline@r=2", "baseline@r=8"]
+    assert report.auto_peers("baseline@r=tune", labels + ["baseline@r=tune"]) == report.auto_peers(
+        "baseline@r=auto", labels)
     assert report.auto_peers("parm-auto", labels) == ["parm-s1", "parm-s2", "parm-s2-saa"]
     assert report.auto_peers("parm-s1", labels) == [] and report.auto_peers("deepspeed", labels) == []
     assert rows.needs_profile(RowSpec(name="parm-auto"))
     assert rows.needs_profile(RowSpec(name="baseline", options=(("r", "auto"),)))
+    assert rows.needs_profile(RowSpec(name="baseline", options=(("r", "tune"),)))
     assert not rows.needs_profile(RowSpec(name="baseline", options=(("r", "4"),)))
     assert not rows.needs_profile(RowSpec(name="deepspeed"))
 
@@ -244,6 +247,8 @@ def test_fixed_twin_names_the_row_an_auto_row_ran_as():
     assert rows.fixed_twin(auto_r, set(), {4}, saa=False) == "baseline@r=4"
     assert rows.fixed_twin(auto_r, set(), {1}, saa=False) == "baseline"
     assert rows.fixed_twin(auto_r, set(), {2, 4}, saa=False) is None            # two degrees: no single twin
+    tune_r = RowSpec(name="baseline", options=(("r", "tune"),))
+    assert rows.fixed_twin(tune_r, set(), {8}, saa=False) == "baseline@r=8"
     parm = RowSpec(name="parm-auto")
     assert rows.fixed_twin(parm, {"parm-s2"}, set(), saa=True) == "parm-s2-saa"
     assert rows.fixed_twin(parm, {"parm-s2"}, set(), saa=False) == "parm-s2"

@@ -32,7 +32,7 @@ def test_every_problem_in_one_error():
     msg = str(info.value)
     for part in ("ds.moe_plugins.schedul: unknown key (did you mean 'schedule'?)",
                  "ds.moe_plugins.schedule ('fastest') must be one of", "baseline-tp",
-                 "ds.moe_plugins.pipeline_degree (0) must be an integer >= 1 or \"auto\"",
+                 "ds.moe_plugins.pipeline_degree (0) must be an integer >= 1, \"auto\" (the cost model's pick) or \"tune\"",
                  "ds.moe_plugins.esp (True) must be an integer >= 1",
                  "ds.moe_plugins.ranks_per_node ('8') must be an integer >= 1",
                  "ds.moe_plugins.enabled ('yes') must be true or false",
@@ -43,10 +43,16 @@ def test_every_problem_in_one_error():
     assert len(plugin_config_problems(bad, "x")) == 9
 
 
-@pytest.mark.parametrize("value", ["2", 1.5, -1, "AUTO", None, False])
+@pytest.mark.parametrize("value", ["2", 1.5, -1, "AUTO", "tuned", None, False])
 def test_pipeline_degree_rejects(value):
-    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree .* must be an integer >= 1 or \"auto\""):
+    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree .* must be an integer >= 1, \"auto\" "
+                                         r"\(the cost model's pick\) or \"tune\""):
         PluginConfig.from_dict({"pipeline_degree": value})
+
+
+@pytest.mark.parametrize("value", [1, 8, "auto", "tune"])
+def test_pipeline_degree_accepts(value):
+    assert PluginConfig.from_dict({"pipeline_degree": value}).pipeline_degree == value
 
 
 def test_section_must_be_an_object():

@@ -109,7 +109,7 @@ def test_degree_from_flag():
     assert degree_from_flag(3, None) == 3 and degree_from_flag("4", None) == 4
     with pytest.raises(ValueError, match="needs a cost profile"):
         degree_from_flag("auto", None)
-    with pytest.raises(ValueError, match=r"pipeline_degree \('two'\) must be a positive integer or 'auto'"):
+    with pytest.raises(ValueError, match=r"pipeline_degree \('two'\) must be a positive integer, 'auto' or 'tune'"):
         degree_from_flag("two", None)
     with pytest.raises(ValueError, match=r"pipeline_degree \(0\)"):
         degree_from_flag(0, None)

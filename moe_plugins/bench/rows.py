@@ -26,6 +26,8 @@ from ..experts import ExpertWeights, init_full_weights
 from ..groups import MoEProcessGroups
 from ..layer import MoELayer, ScheduleLike
 from ..pipemoe import AutoDegree, Degree, degree_from_flag
+from ..pipemoe_tune import TunedDegree
+from ..plugin_config import degree_needs_profile
 from ..schedules.parm import parm_auto_for
 from ..ledger import CommLedger
 from ..schedules import SCHEDULES
@@ -94,16 +96,16 @@ def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
 
 # ---- plugin rows: the project's MoELayer with a registered schedule -------------------------------------
 
-PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int, or 'auto': PipeMoE's choice from the "
-                      "cost profile measured at this rate)"}
+PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'auto': PipeMoE's choice from the "
+                      "cost profile measured at this rate; 'tune': that choice checked by timing the layer)"}
 PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
 LANE = "pipeline_lane"       # CaseData.extras key: the layout's one PipelineLane, shared by every pipelined row
 
 
 def needs_profile(spec: RowSpec) -> bool:
-    """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` (PipeMoE).
-    The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
-    return spec.name in SCHEDULES and (spec.name == "parm-auto" or spec.option("r", "1") == "auto")
+    """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` / ``@r=tune``
+    (PipeMoE). The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
+    return spec.name in SCHEDULES and (spec.name == "parm-auto" or degree_needs_profile(spec.option("r", "1")))
 
 
 def _profile(spec: RowSpec, data: CaseData):
@@ -116,7 +118,7 @@ def _profile(spec: RowSpec, data: CaseData):
 
 def _pipeline_degree(spec: RowSpec, data: CaseData) -> Degree:
     r = spec.option("r", "1")
-    return degree_from_flag(int(r) if r.isdigit() else r, _profile(spec, data) if r == "auto" else None)
+    return degree_from_flag(int(r) if r.isdigit() else r, _profile(spec, data) if degree_needs_profile(r) else None)
 
 
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
@@ -151,6 +153,8 @@ def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
     if isinstance(degree, AutoDegree):
         chosen = sorted({r for (_, _, _, training), r in degree.decisions.items() if training})
         notes.append(f"auto degree: r={'/'.join(map(str, chosen)) or '?'} ({degree.source})")
+    if isinstance(degree, TunedDegree):
+        notes += degree.notes()
     return tuple(notes)
 
 
@@ -167,7 +171,7 @@ def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int], *, saa: bo
     chose (S2 runs with SAA when ``saa``) and the training degrees PipeMoE's auto chose; None when ``spec`` is
     not an auto row or it ran more than one configuration."""
     name, options = spec.name, dict(spec.options)
-    auto_schedule, auto_degree = name == "parm-auto", options.get("r") == "auto"
+    auto_schedule, auto_degree = name == "parm-auto", degree_needs_profile(options.get("r"))
     if not (auto_schedule or auto_degree):
         return None
     if auto_schedule:

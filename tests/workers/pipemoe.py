@@ -188,3 +188,54 @@ def _auto_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], groups) -> dict:
 
 def tiny_profile(spec: ProfileSpec):
     return profile_rank(spec, source="test", progress=False)
+
+
+# ---- pipeline_degree="tune" -----------------------------------------------------------------------------------
+
+def tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int) -> dict:
+    """``steps`` training calls of a layer with TunedDegree next to r = 1, then two no_grad calls: the degree
+    of every call (forward all-to-alls / 2), outputs and input gradients, and the tuner's state."""
+    with process_groups(spec.layout()) as groups:
+        return _tuned_layer(spec, costs, steps, groups)
+
+
+def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, groups) -> dict:
+    from moe_plugins.pipemoe_tune import TunedDegree
+    layout, prob = spec.layout(), make_problem(spec)
+    dp = layout.coords(groups.global_rank)["dp"]
+    tuned = TunedDegree(costs=costs, warmup_calls=1, timed_calls=2)
+    layers = {}
+    for label, degree in (("tune", tuned), ("one", 1)):
+        layers[label] = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=degree,
+                                 ledger=CommLedger(), dtype=DTYPES[spec.dtype])
+        layers[label].load_full(prob.wg_EM, prob.full)
+    out = {"degrees": [], "eval_degrees": [], "max_diff": 0.0}
+    try:
+        for _ in range(steps):
+            res = {}
+            for label, layer in layers.items():
+                layer.ledger.clear()
+                x = prob.x_DSM[dp].clone().requires_grad_(True)
+                y = layer(x).y
+                (y * prob.g_DSM[dp]).sum().backward()
+                res[label] = (y.detach(), x.grad)
+            out["degrees"].append(_forward_exchanges(layers["tune"].ledger) // 2)
+            out["max_diff"] = max(out["max_diff"], *((a - b).abs().max().item()
+                                                     for a, b in zip(res["tune"], res["one"])))
+        for _ in range(2):
+            layers["tune"].ledger.clear()
+            with torch.no_grad():
+                y_eval = layers["tune"](prob.x_DSM[dp]).y
+            out["eval_degrees"].append(_forward_exchanges(layers["tune"].ledger) // 2)
+            out["max_diff"] = max(out["max_diff"], (y_eval - res["one"][0]).abs().max().item())
+    finally:
+        if layers["tune"].pipeline_lane is not None:
+            layers["tune"].pipeline_lane.close()
+    out["climbs"] = {key[3]: (c.start, c.r_max, dict(c.times_s), c.decided) for key, c in tuned.climbs.items()}
+    out["decisions"] = {key[3]: r for key, r in tuned.decisions.items()}
+    out["notes"] = tuned.notes()
+    return out
+
+
+def _forward_exchanges(ledger: CommLedger) -> int:
+    return sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward")
