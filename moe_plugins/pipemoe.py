@@ -347,7 +347,7 @@ def _parm(g: MoEProcessGroups, d: torch.Tensor) -> Exchange:
 EXCHANGES: Dict[str, Callable[[MoEProcessGroups, torch.Tensor], Exchange]] = {
     "baseline": lambda g, d: Exchange("ep", 1.0, 1.0),               # EP all-to-all keeps the rows
     "baseline-tp": lambda g, d: Exchange("ep", 1.0, g.esp.size),     # then an ESP all-gather of capacity
-    "parm-s1": _parm, "parm-s2": _parm, "parm-s2-saa": _parm, "parm-auto": _parm,
+    "parm-s1": _parm, "parm-s2": _parm, "parm-s2-saa": _parm, "parm-auto": _parm, "parm-tune": _parm,
 }
 
 
@@ -501,7 +501,7 @@ class PipelineLane:
                 raise RuntimeError("this PipelineLane is closed")
             twin = self._twins.get(schedule)
             if twin is None:
-                twin = type(schedule)(schedule.config, self.groups, schedule.rec)
+                twin = schedule.twin(self.groups)
                 self._twins[schedule] = twin
             return twin
 

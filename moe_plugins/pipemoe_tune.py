@@ -23,17 +23,13 @@ training), like AutoDegree's. On CUDA the clock points synchronise the device (o
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Dict, List, Mapping, Optional, Tuple
 
-import torch
-import torch.distributed as dist
-
-from .groups import MoEProcessGroups
 from .pipemoe import TIE_TOLERANCE, AutoDegree, fewest_chunks_near, _cached_choice
 from .schedules.base import Dispatched, Schedule
+from .tuning import Sample, Search
 
 Key = Tuple[str, float, float, bool]
 
@@ -79,81 +75,7 @@ def best_probe(times_s: Mapping[int, float], tie_tolerance: float = TIE_TOLERANC
     return degrees[fewest_chunks_near([times_s[r] for r in degrees], tie_tolerance) - 1]
 
 
-# ---- one timed call -------------------------------------------------------------------------------------
-
-@dataclass
-class Sample:
-    """Clock readings of one call (perf_counter seconds); ``backward`` is False for a forward-only call."""
-
-    backward: bool
-    cuda: bool
-    start: float = 0.0
-    forward_end: Optional[float] = None
-    backward_start: Optional[float] = None
-    backward_end: Optional[float] = None
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def complete(self) -> bool:
-        return self.forward_end is not None and (not self.backward or self.backward_end is not None)
-
-    def seconds(self) -> float:
-        fwd = self.forward_end - self.start
-        return fwd + (self.backward_end - self.backward_start if self.backward else 0.0)
-
-    def wrap_input(self, d: torch.Tensor) -> torch.Tensor:
-        """Wrap the dispatched tensor: the backward of the timed part ends when its gradient is made."""
-        return _Clock.apply(d, self, "backward_end") if self.backward else d
-
-    def wrap_output(self, y: torch.Tensor) -> torch.Tensor:
-        """End the forward clock, and wrap the timed part's output: its backward starts at this gradient."""
-        self.forward_end = self.now()
-        return _Clock.apply(y, self, "backward_start") if self.backward else y
-
-
-class _Clock(torch.autograd.Function):
-    """Identity; its backward stamps ``sample.<stamp>`` when the gradient passes."""
-
-    @staticmethod
-    def forward(ctx, x, sample: Sample, stamp: str):
-        ctx.sample, ctx.stamp = sample, stamp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        setattr(ctx.sample, ctx.stamp, ctx.sample.now())
-        return g, None, None
-
-
-
-
 # ---- the stateful tuner ---------------------------------------------------------------------------------
-
-@dataclass
-class Climb:
-    """Where one key's tuning stands."""
-
-    start: int
-    r_max: int
-    current: int
-    times_s: Dict[int, float] = field(default_factory=dict)
-    samples: List[Sample] = field(default_factory=list)
-    issued: int = 0
-    decided: Optional[int] = None
-
-
-def agree_seconds(seconds: float, groups: MoEProcessGroups, device: torch.device) -> float:
-    """Max over the ranks that run the same degree (the layer's EP&ESP group, its MP group, and the EP&ESP
-    group again so that a grid of both agrees)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    for group in (groups.ep_esp, groups.mp, groups.ep_esp):
-        if group.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
-    return float(t.item())
-
 
 @dataclass(frozen=True, kw_only=True)
 class TunedDegree(AutoDegree):
@@ -161,7 +83,7 @@ class TunedDegree(AutoDegree):
 
     warmup_calls: int = 1
     timed_calls: int = 3
-    climbs: Dict[Key, Climb] = field(default_factory=dict, compare=False, repr=False)
+    searches: Dict[Key, Search[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -180,44 +102,21 @@ class TunedDegree(AutoDegree):
         """The degree for this call and, while tuning, the Sample to fill (None otherwise)."""
         costs, n_d, n_e = self.workload(schedule, dispatched)
         key: Key = (type(schedule).name, n_d, n_e, training)
-        climb = self.climbs.get(key)
-        if climb is None:
+        search = self.searches.get(key)
+        if search is None:
             r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
             start = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
                                    self.backward_factor).degree
-            climb = self.climbs[key] = Climb(start=start, r_max=r_max, current=start)
-        if climb.decided is None and self._probe_done(climb):
-            self._advance(climb, schedule.groups, dispatched.d.device)
-            if climb.decided is not None:
-                self.decisions[key] = climb.decided
-        if climb.decided is not None:
-            return climb.decided, None
-        climb.issued += 1
-        if not self.warmup_calls < climb.issued <= self.warmup_calls + self.timed_calls:
-            return climb.current, None
-        sample = Sample(backward=training and dispatched.d.requires_grad, cuda=dispatched.d.device.type == "cuda")
-        sample.start = sample.now()
-        climb.samples.append(sample)
-        return climb.current, sample
-
-    def _probe_done(self, climb: Climb) -> bool:
-        return len(climb.samples) == self.timed_calls and all(s.complete() for s in climb.samples)
-
-    def _advance(self, climb: Climb, groups: MoEProcessGroups, device: torch.device) -> None:
-        median = statistics.median(s.seconds() for s in climb.samples)
-        climb.times_s[climb.current] = agree_seconds(median, groups, device)
-        nxt = next_probe(climb.start, climb.r_max, climb.times_s)
-        if nxt is None:
-            climb.decided = best_probe(climb.times_s)
-        else:
-            climb.current, climb.samples, climb.issued = nxt, [], 0
+            search = self.searches[key] = Search(start=start, propose=partial(next_probe, start, r_max),
+                                                 pick=best_probe, warmup=self.warmup_calls, timed=self.timed_calls)
+        d = dispatched.d
+        r, sample = search.call(schedule.groups, d.device, training and d.requires_grad)
+        if search.decided is not None:
+            self.decisions[key] = search.decided
+        return r, sample
 
     def notes(self) -> List[str]:
         """One line per tuned key: the model's start, what was measured, the pick."""
-        out = []
-        for (name, n_d, _, training), c in sorted(self.climbs.items(), key=lambda kv: kv[0]):
-            measured = ", ".join(f"r={r}: {t * 1e3:.3g} ms" for r, t in sorted(c.times_s.items()))
-            state = f"chose r={c.decided}" if c.decided is not None else f"still measuring r={c.current}"
-            out.append(f"tune ({name}, {'training' if training else 'forward'}, n_d {n_d:.0f} B): model r="
-                       f"{c.start}; measured {measured or 'nothing yet'}; {state}")
-        return out
+        return [f"tune ({name}, {'training' if training else 'forward'}, n_d {n_d:.0f} B): "
+                f"{search.describe(lambda r: f'r={r}')}"
+                for (name, n_d, _, training), search in sorted(self.searches.items(), key=lambda kv: kv[0])]

@@ -33,6 +33,10 @@ SECTION = "moe_plugins"
 PROFILED_DEGREES = ("auto", "tune")
 
 
+# schedules that decide from the cost profile (Algorithm 1), the second checking by timing the layer
+PROFILED_SCHEDULES = ("parm-auto", "parm-tune")
+
+
 def degree_needs_profile(value: Any) -> bool:
     """Whether a pipeline_degree value is one of :data:`PROFILED_DEGREES` (case and spaces ignored)."""
     return isinstance(value, str) and value.strip().lower() in PROFILED_DEGREES

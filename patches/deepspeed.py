@@ -41,7 +41,8 @@ from moe_plugins.gating import Routing
 from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups
 from moe_plugins.layout import ParallelLayout, layout_problems
 from moe_plugins.ledger import CommLedger
-from moe_plugins.plugin_config import SECTION, PluginConfig, degree_needs_profile, resolve
+from moe_plugins.plugin_config import (PROFILED_SCHEDULES, SECTION, PluginConfig, degree_needs_profile,
+                                       resolve)
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule, schedule_problems
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -517,17 +518,17 @@ class DeepSpeedPlugin:
         return costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
 
     def _schedule_class(self, name: str, layout: ParallelLayout, moe):
-        """``parm-auto`` decides from the cached profile's alpha-beta terms (the documented defaults, logged, when
-        this cluster has none); every other schedule is its registered class."""
-        if name != "parm-auto":
+        """``parm-auto`` / ``parm-tune`` decide from the cached profile's alpha-beta terms (the documented
+        defaults, logged, when this cluster has none); every other schedule is its registered class."""
+        if name not in PROFILED_SCHEDULES:
             return SCHEDULES[name]
         from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
         from moe_plugins.schedules.parm import parm_auto_for
         profile = self._cached_profile(layout, moe)
         if profile is None:
-            logger.info("moe_plugins: parm-auto has no cached profile for this layout; it uses %s",
+            logger.info("moe_plugins: %s has no cached profile for this layout; it uses %s", name,
                         DEFAULT_COSTS_SOURCE)
-        return parm_auto_for(profile, next(moe.parameters()).element_size(), layout.mp)
+        return parm_auto_for(profile, next(moe.parameters()).element_size(), layout.mp, base=SCHEDULES[name])
 
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
         """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device)

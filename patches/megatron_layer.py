@@ -48,7 +48,7 @@ from moe_plugins.ledger import CommLedger
 from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
 from moe_plugins.pipemoe import PipelineLane, degree_from_flag, run_pipelined
 from moe_plugins.profiler import profile_key
-from moe_plugins.plugin_config import PluginConfig, degree_needs_profile
+from moe_plugins.plugin_config import PROFILED_SCHEDULES, PluginConfig, degree_needs_profile
 from moe_plugins.router import uniform_capacity
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule
 from moe_plugins.schedules.parm import parm_auto_for
@@ -159,13 +159,13 @@ def find_profile(profile_dir: Optional[str], layout: ParallelLayout) -> Optional
 
 
 def schedule_class(name: str, profile: Optional[CostProfile], dtype: torch.dtype, mp: int) -> Type[Schedule]:
-    """``parm-auto`` decides from the profile's alpha-beta terms (the documented defaults, logged, without one);
-    every other schedule is its registered class."""
-    if name != "parm-auto":
+    """``parm-auto`` / ``parm-tune`` decide from the profile's alpha-beta terms (the documented defaults, logged,
+    without one); every other schedule is its registered class."""
+    if name not in PROFILED_SCHEDULES:
         return SCHEDULES[name]
     if profile is None:
-        logger.info("moe_plugins: parm-auto has no cached profile for this layout; it uses %s", DEFAULT_COSTS_SOURCE)
-    return parm_auto_for(profile, torch.empty((), dtype=dtype).element_size(), mp)
+        logger.info("moe_plugins: %s has no cached profile for this layout; it uses %s", name, DEFAULT_COSTS_SOURCE)
+    return parm_auto_for(profile, torch.empty((), dtype=dtype).element_size(), mp, base=SCHEDULES[name])
 
 
 class ScheduleTokenDispatcher(MoETokenDispatcher):
@@ -268,7 +268,7 @@ class PluginMoELayer(MoELayer):
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
             ledger=ledger, name=self._ledger_name(layer_number),
             profile=lookup(self.moe_groups.layout)
-            if degree_needs_profile(plugin.pipeline_degree) or plugin.schedule == "parm-auto"
+            if degree_needs_profile(plugin.pipeline_degree) or plugin.schedule in PROFILED_SCHEDULES
             else None)
         log = logger.info if dist.get_rank() == 0 else logger.debug
         log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %s) on tp=%d ep=%d etp=%d, "

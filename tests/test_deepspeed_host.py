@@ -59,6 +59,7 @@ def test_fp64_layer_matches_stock_under_tp2(world, combo):
 # the whole block on each MP rank (whole_block_routing).
 PARM_MATRIX = [dict(schedule=s, ep=ep, k=k, drop=drop) for s in ("parm-s1", "parm-s2", "parm-auto")
                for ep, k, drop in ((1, 2, True), (2, 1, True), (2, 2, False), (4, 2, True), (4, 1, False))]
+PARM_MATRIX.append(dict(schedule="parm-tune", ep=2, k=2, drop=True))      # the host builds it like parm-auto
 
 
 @pytest.mark.parametrize("combo", PARM_MATRIX, ids=lambda c: f"{c['schedule']}-ep{c['ep']}-k{c['k']}-"

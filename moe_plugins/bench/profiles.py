@@ -22,7 +22,7 @@ from ..costmodel import CostProfile
 from ..groups import MoEProcessGroups
 from ..gating import capacity
 from ..layout import ParallelLayout
-from ..plugin_config import degree_needs_profile
+from ..plugin_config import PROFILED_SCHEDULES, degree_needs_profile
 from ..profiler import ProfileSpec, profile_rank
 from .matrix import CaseConfig, RowSpec
 
@@ -47,7 +47,7 @@ def profile_spec_for(case: CaseConfig, layout: ParallelLayout, specs: Sequence[R
     a2a_bytes = case.experts * cap * case.hidden * elsize * layout.esp
     e_l, h_s = case.experts // layout.ep, case.ffn // layout.esp
     rows = cap * layout.ep * layout.esp
-    parm = any(s.name == "parm-auto" for s in specs)
+    parm = any(s.name in PROFILED_SCHEDULES for s in specs)
     pipe = any(degree_needs_profile(s.option("r", "1")) for s in specs)
     return ProfileSpec(layout=layout, sizes_bytes=_powers_of_two(4096, min(max(2 * a2a_bytes, MIN_TOP_BYTES), MAX_TOP_BYTES)),
                        gemm_rows=_powers_of_two(8, min(max(2 * rows, MIN_TOP_ROWS), MAX_TOP_ROWS)), gemm_shape=(e_l, case.hidden, h_s),

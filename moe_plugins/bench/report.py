@@ -91,7 +91,7 @@ def auto_peers(label: str, labels: Sequence[str]) -> List[str]:
     ``parm-s2-saa`` (Algorithm 1 picks S1 or S2 with SAA); ``X@r=auto`` and ``X@r=tune``: every ``X@r=<int>``
     (and plain ``X``, r = 1). Other rows have none."""
     name, _, opts = label.partition("@")
-    if label == "parm-auto":
+    if label in ("parm-auto", "parm-tune"):
         return [p for p in ("parm-s1", "parm-s2", "parm-s2-saa") if p in labels]
     if opts in ("r=auto", "r=tune"):
         return [p for p in labels if p == name or (p.startswith(name + "@r=") and p[len(name) + 3:].isdigit())]

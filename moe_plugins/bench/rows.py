@@ -27,8 +27,9 @@ from ..groups import MoEProcessGroups
 from ..layer import MoELayer, ScheduleLike
 from ..pipemoe import AutoDegree, Degree, degree_from_flag
 from ..pipemoe_tune import TunedDegree
-from ..plugin_config import degree_needs_profile
+from ..plugin_config import PROFILED_SCHEDULES, degree_needs_profile
 from ..schedules.parm import parm_auto_for
+from ..schedules.parm_tune import ParmTuneSchedule
 from ..ledger import CommLedger
 from ..schedules import SCHEDULES
 from .matrix import CaseConfig, RowSpec, moe_config
@@ -105,7 +106,7 @@ LANE = "pipeline_lane"       # CaseData.extras key: the layout's one PipelineLan
 def needs_profile(spec: RowSpec) -> bool:
     """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` / ``@r=tune``
     (PipeMoE). The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
-    return spec.name in SCHEDULES and (spec.name == "parm-auto" or degree_needs_profile(spec.option("r", "1")))
+    return spec.name in SCHEDULES and (spec.name in PROFILED_SCHEDULES or degree_needs_profile(spec.option("r", "1")))
 
 
 def _profile(spec: RowSpec, data: CaseData):
@@ -122,10 +123,10 @@ def _pipeline_degree(spec: RowSpec, data: CaseData) -> Degree:
 
 
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
-    if spec.name != "parm-auto":
+    if spec.name not in PROFILED_SCHEDULES:
         return spec.name
     elsize = torch.empty((), dtype=data.dtype).element_size()
-    return parm_auto_for(_profile(spec, data), elsize, data.groups.layout.mp)
+    return parm_auto_for(_profile(spec, data), elsize, data.groups.layout.mp, base=SCHEDULES[spec.name])
 
 
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
@@ -155,11 +156,16 @@ def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
         notes.append(f"auto degree: r={'/'.join(map(str, chosen)) or '?'} ({degree.source})")
     if isinstance(degree, TunedDegree):
         notes += degree.notes()
+    if isinstance(layer.schedule, ParmTuneSchedule):
+        notes += layer.schedule.notes()
     return tuple(notes)
 
 
 def _ran_as(spec: RowSpec, layer: MoELayer) -> Optional[str]:
-    schedules = {choice.choice for choice in getattr(layer.schedule, "choices", {}).values()}
+    if isinstance(layer.schedule, ParmTuneSchedule):      # its picks name S2's form already
+        schedules = {s.decided for (_, training), s in layer.schedule.searches.items() if training and s.decided}
+    else:
+        schedules = {choice.choice for choice in getattr(layer.schedule, "choices", {}).values()}
     degree = layer.pipeline_degree
     degrees = ({r for (_, _, _, training), r in degree.decisions.items() if training}
                if isinstance(degree, AutoDegree) else set())
@@ -167,11 +173,11 @@ def _ran_as(spec: RowSpec, layer: MoELayer) -> Optional[str]:
 
 
 def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int], *, saa: bool) -> Optional[str]:
-    """Pure: the label of the fixed row that runs what auto row ``spec`` ran, given the schedules parm-auto
-    chose (S2 runs with SAA when ``saa``) and the training degrees PipeMoE's auto chose; None when ``spec`` is
-    not an auto row or it ran more than one configuration."""
+    """Pure: the label of the fixed row that runs what auto row ``spec`` ran, given the schedules parm-auto or
+    parm-tune chose (S2 runs with SAA when ``saa``) and the training degrees PipeMoE's auto or tune chose;
+    None when ``spec`` is not an auto row or it ran more than one configuration."""
     name, options = spec.name, dict(spec.options)
-    auto_schedule, auto_degree = name == "parm-auto", degree_needs_profile(options.get("r"))
+    auto_schedule, auto_degree = name in PROFILED_SCHEDULES, degree_needs_profile(options.get("r"))
     if not (auto_schedule or auto_degree):
         return None
     if auto_schedule:

@@ -9,9 +9,10 @@ from .base import Dispatched, LayerParams, Schedule, chunk_bounds, run_schedule
 from .baseline import BaselineSchedule
 from .baseline_tp import BaselineTPSchedule
 from .parm import PARM_SCHEDULES
+from .parm_tune import ParmTuneSchedule
 
 SCHEDULES: Dict[str, Type[Schedule]] = {cls.name: cls for cls in (BaselineSchedule, BaselineTPSchedule,
-                                                                   *PARM_SCHEDULES)}
+                                                                   *PARM_SCHEDULES, ParmTuneSchedule)}
 
 
 def schedule_problems(name: str, layout: ParallelLayout) -> List[str]:

@@ -64,6 +64,11 @@ class Schedule(ABC):
     def __init__(self, config: MoEConfig, groups: MoEProcessGroups, rec: Recorder):
         self.config, self.groups, self.rec = config, groups, rec
 
+    def twin(self, groups: MoEProcessGroups) -> "Schedule":
+        """This schedule on other process groups (PipeMoE's lane runs the exchanges on a twin). A schedule
+        with per-call state that its exchanges read shares that state with the twin."""
+        return type(self)(self.config, groups, self.rec)
+
     @classmethod
     def layout_problems(cls, groups_layout) -> List[str]:
         """Reasons this schedule cannot run on a layout (empty when it can)."""

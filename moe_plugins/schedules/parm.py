@@ -8,6 +8,7 @@
     parm-s2-saa  parm-s2 with the EP&ESP-A2A and the MP-AllGather beside it run as one overlapped
                  collective (SAA, moe_plugins/saa.py), in forward and in backward
     parm-auto    per layer and token count, S1 or S2 with SAA by Algorithm 1 (moe_plugins/parm_cost.py)
+    parm-tune    parm-auto's pick checked by timing the layer (schedules/parm_tune.py)
 
 What pausing MP buys: each MP rank sends a distinct 1/N_MP of the group's work, so no expert computes a
 row twice; the dump + one EP&ESP all-to-all (Fig. 4c) replaces ESP-AllGather + EP-AlltoAll, and the
@@ -285,6 +286,7 @@ class ParmAutoSchedule(_ParmSchedule):
 
     name = "parm-auto"
     saa = True
+    model_saa: ClassVar[bool] = True      # Algorithm 1 prices S2 with SAA (when the costs have it)
     costs: ClassVar[ParmCosts] = DEFAULT_COSTS
     costs_source: ClassVar[str] = DEFAULT_COSTS_SOURCE
 
@@ -303,7 +305,7 @@ class ParmAutoSchedule(_ParmSchedule):
 
     def choose(self, num_tokens: int) -> ParmChoice:
         if num_tokens not in self.choices:
-            choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.saa)
+            choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa)
             self.choices[num_tokens] = choice
             log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s, t_s2=%.3g s [%s]; costs: %s)",
                      self.rec.layer, choice.choice, num_tokens, choice.t_s1, choice.t_s2, choice.s2_form,
@@ -319,11 +321,12 @@ class ParmAutoSchedule(_ParmSchedule):
 PARM_SCHEDULES: Tuple[Type[Schedule], ...] = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule, ParmAutoSchedule)
 
 
-def parm_auto_for(profile, element_bytes: int, mp: int) -> Type[ParmAutoSchedule]:
-    """``parm-auto`` deciding from a measured :class:`moe_plugins.costmodel.CostProfile` (None: the documented
-    defaults, ``DEFAULT_COSTS_SOURCE``). With N_MP = 1 there is no MP split, S1 and S2 issue the same
-    collectives and no MP all-gather exists to profile, so the defaults stand: the choice changes nothing."""
+def parm_auto_for(profile, element_bytes: int, mp: int,
+                  base: Type[ParmAutoSchedule] = ParmAutoSchedule) -> Type[ParmAutoSchedule]:
+    """``parm-auto`` (or ``base``, e.g. parm-tune) deciding from a measured
+    :class:`moe_plugins.costmodel.CostProfile` (None: the documented defaults, ``DEFAULT_COSTS_SOURCE``). With
+    N_MP = 1 there is no MP split, S1 and S2 issue the same collectives and no MP all-gather exists to
+    profile, so the defaults stand: the choice changes nothing."""
     if profile is None or mp == 1:
-        return ParmAutoSchedule
-    return ParmAutoSchedule.with_costs(ParmCosts.from_profile(profile, element_bytes),
-                                       f"profile {profile.key.slug()}")
+        return base
+    return base.with_costs(ParmCosts.from_profile(profile, element_bytes), f"profile {profile.key.slug()}")

@@ -13,7 +13,7 @@ from moe_plugins import comm
 from moe_plugins.comm import Recorder
 from moe_plugins.config import MoEConfig
 from moe_plugins.experts import init_full_weights, sharded_experts
-from moe_plugins.groups import build_process_groups
+from moe_plugins.groups import build_process_groups, process_groups
 from moe_plugins.layer import MoELayer
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.ledger import CommLedger
@@ -22,7 +22,7 @@ from moe_plugins.saa import block_order, saa_adjoint_raw, saa_raw
 from moe_plugins.parm_cost import ParmCosts
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule
 from moe_plugins.schedules.parm import ParmAutoSchedule
-from moe_plugins.verify import VerifySpec, run_rank
+from moe_plugins.verify import VerifySpec, make_problem, run_rank
 
 
 def verify_many(specs: List[VerifySpec]):
@@ -163,3 +163,39 @@ def fallback_equals_block_router(layout: Tuple[int, int, int], drop: bool, token
     if not torch.equal(counts0, counts1) or drop0 != drop1:
         return float("inf")
     return max(float((a - b).abs().max()) for a, b in ((y0, y1), (gx0, gx1), (gw0, gw1), (aux0, aux1)))
+
+
+def tuned_parm(spec: VerifySpec, degree: int, steps: int) -> dict:
+    """``steps`` training calls of parm-tune (pipeline degree ``degree``) beside parm-s1: what each call ran,
+    the largest difference of outputs, input gradients, aux losses and drop counts, and the search's state."""
+    with process_groups(spec.layout()) as groups:
+        return _tuned_parm(spec, degree, steps, groups)
+
+
+def _tuned_parm(spec: VerifySpec, degree: int, steps: int, groups) -> dict:
+    prob = make_problem(spec)
+    dp = spec.layout().coords(groups.global_rank)["dp"]
+    layers = {name: MoELayer(spec.moe_config(), groups, schedule=name, pipeline_degree=r, dtype=torch.float64)
+              for name, r in (("parm-tune", degree), ("parm-s1", 1))}
+    for layer in layers.values():
+        layer.load_full(prob.wg_EM, prob.full)
+    tuned = layers["parm-tune"].schedule
+    out = {"ran": [], "max_diff": 0.0}
+    try:
+        for _ in range(steps):
+            res = {}
+            for name, layer in layers.items():
+                x = prob.x_DSM[dp].clone().requires_grad_(True)
+                o = layer(x)
+                (o.y * prob.g_DSM[dp]).sum().add(o.aux_loss).backward()
+                res[name] = (o.y.detach(), x.grad, o.aux_loss.detach(), torch.tensor(float(o.dropped)))
+            (search,) = tuned.searches.values()
+            out["ran"].append(search.decided or search.probe.candidate)
+            out["max_diff"] = max(out["max_diff"], *((a - b).abs().max().item()
+                                                     for a, b in zip(res["parm-tune"], res["parm-s1"])))
+    finally:
+        if layers["parm-tune"].pipeline_lane is not None:
+            layers["parm-tune"].pipeline_lane.close()
+    out["start"], out["times"], out["decided"] = search.start, dict(search.times_s), search.decided
+    out["notes"] = tuned.notes()
+    return out

@@ -231,7 +231,7 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
     finally:
         if layers["tune"].pipeline_lane is not None:
             layers["tune"].pipeline_lane.close()
-    out["climbs"] = {key[3]: (c.start, c.r_max, dict(c.times_s), c.decided) for key, c in tuned.climbs.items()}
+    out["climbs"] = {key[3]: (c.start, dict(c.times_s), c.decided) for key, c in tuned.searches.items()}
     out["decisions"] = {key[3]: r for key, r in tuned.decisions.items()}
     out["notes"] = tuned.notes()
     return out
