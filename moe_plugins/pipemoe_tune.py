@@ -9,7 +9,8 @@ the way ``torch.backends.cudnn.benchmark`` times kernels:
 1. start at the model's r (:class:`~moe_plugins.pipemoe.AutoDegree`);
 2. climb the ladder r, 2r, 4r, ... (at most r_max) while each rung is faster than the one before; if the
    first step up is not faster, climb down r/2, r/4, ..., 1 the same way (:func:`next_probe`, pure);
-3. keep the fastest measured degree, ties within ``TIE_TOLERANCE`` going to fewer chunks (:func:`best_probe`).
+3. probe the midpoints between the climb's fastest rung and the measured rungs beside it (one round);
+4. keep the fastest measured degree, ties within ``TIE_TOLERANCE`` going to fewer chunks (:func:`best_probe`).
 
 Each probe runs ``warmup_calls`` untimed calls, then ``timed_calls`` timed ones; a sample is the time from
 the degree's choice to the end of the layer's forward exchange-expert-combine part, plus, when autograd
@@ -56,10 +57,7 @@ def _walk(rungs: List[int], times_s: Mapping[int, float]) -> Optional[int]:
     return None
 
 
-def next_probe(start: int, r_max: int, times_s: Mapping[int, float]) -> Optional[int]:
-    """The degree to measure next, given the measured ``times_s`` (degree -> seconds); None when done."""
-    if start not in times_s:
-        return start
+def _climb(start: int, r_max: int, times_s: Mapping[int, float]) -> Optional[int]:
     up = ladder(start, r_max, up=True)
     step = _walk(up, times_s)
     if step is not None:
@@ -67,6 +65,29 @@ def next_probe(start: int, r_max: int, times_s: Mapping[int, float]) -> Optional
     if len(up) > 1 and times_s[up[1]] < times_s[start]:
         return None                                     # going up helped: the optimum is not below start
     return _walk(ladder(start, r_max, up=False), times_s)
+
+
+def _refine(start: int, r_max: int, times_s: Mapping[int, float]) -> Optional[int]:
+    """After the climb: the midpoints between its fastest rung and the measured rungs beside it (one
+    round; the ladder doubles, so an optimum at 2 or 3 from a start of 3 or 4 would be missed)."""
+    rungs = sorted(r for r in set(ladder(start, r_max, up=True)) | set(ladder(start, r_max, up=False))
+                   if r in times_s)
+    i = rungs.index(min(rungs, key=times_s.get))
+    for j in (i - 1, i + 1):
+        if 0 <= j < len(rungs):
+            mid = (rungs[i] + rungs[j]) // 2
+            if mid not in (rungs[i], rungs[j]) and mid not in times_s:
+                return mid
+    return None
+
+
+def next_probe(start: int, r_max: int, times_s: Mapping[int, float]) -> Optional[int]:
+    """The degree to measure next, given the measured ``times_s`` (degree -> seconds); None when done:
+    the start, the climb along its ladder, then one round of midpoints (:func:`_refine`)."""
+    if start not in times_s:
+        return start
+    step = _climb(start, r_max, times_s)
+    return step if step is not None else _refine(start, r_max, times_s)
 
 
 def best_probe(times_s: Mapping[int, float], tie_tolerance: float = TIE_TOLERANCE) -> int:
@@ -108,7 +129,8 @@ class TunedDegree(AutoDegree):
             start = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
                                    self.backward_factor).degree
             search = self.searches[key] = Search(start=start, propose=partial(next_probe, start, r_max),
-                                                 pick=best_probe, warmup=self.warmup_calls, timed=self.timed_calls)
+                                                 pick=best_probe, warmup=self.warmup_calls, timed=self.timed_calls,
+                                                 decided=1 if r_max == 1 else None)
         d = dispatched.d
         r, sample = search.call(schedule.groups, d.device, training and d.requires_grad)
         if search.decided is not None:

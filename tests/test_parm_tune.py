@@ -74,3 +74,11 @@ def test_parm_tune_is_exact_at_every_call(world, degree):
     assert first["ran"][:12] == [c for c in order for _ in range(4)]
     assert first["decided"] == fastest(first["start"], first["times"]) and set(first["ran"][12:]) == {first["decided"]}
     assert any(f"chose {first['decided']}" in n for n in first["notes"])
+
+
+def test_a_single_candidate_is_not_timed():
+    """N_MP = 1 (parm-tune) or r_max = 1 (pipeline_degree "tune"): the search starts decided."""
+    search = Search(start="parm-s1", propose=lambda t: None, pick=lambda t: "never", warmup=1, timed=3,
+                    decided="parm-s1")
+    assert [search.call(MOCK_GROUPS, torch.device("cpu"), backward=True) for _ in range(3)] == [("parm-s1", None)] * 3
+    assert search.times_s == {}

@@ -30,19 +30,25 @@ def test_ladders():
     assert ladder(1, 64, up=False) == [1]
 
 
-def test_climb_goes_up_while_it_pays_then_stops():
-    order, _ = climb(2, 64, {1: 9, 2: 8, 4: 6, 8: 5, 16: 7}.get)
-    assert order == [2, 4, 8, 16]                  # never tries 1: going up helped
+def test_climb_goes_up_while_it_pays_then_refines():
+    order, times = climb(2, 64, {1: 9, 2: 8, 4: 6, 6: 5.5, 8: 5, 12: 4.9, 16: 7}.get)
+    assert order == [2, 4, 8, 16, 6, 12]           # never tries 1 (going up helped); midpoints beside 8
+    assert best_probe(times) == 12
 
 
 def test_climb_goes_down_when_up_does_not_pay():
     order, times = climb(4, 64, {1: 5, 2: 6, 4: 7, 8: 9}.get)
-    assert order == [4, 8, 2, 1] and best_probe(times) == 1
+    assert order == [4, 8, 2, 1] and best_probe(times) == 1      # 1 and 2 are adjacent: nothing between
+
+
+def test_refinement_finds_an_optimum_the_ladder_skips():
+    order, times = climb(3, 64, {1: 9, 2: 5, 3: 6, 4: 7, 6: 8}.get)
+    assert order == [3, 6, 1, 2, 4] and best_probe(times) == 2
 
 
 def test_climb_at_the_edges():
     assert climb(1, 1, lambda r: 1.0)[0] == [1]
-    assert climb(8, 8, {8: 3, 4: 2, 2: 4}.get)[0] == [8, 4, 2]
+    assert climb(8, 8, {8: 3, 4: 2, 2: 4, 3: 5, 6: 2.5}.get)[0] == [8, 4, 2, 3, 6]
 
 
 def test_best_probe_breaks_ties_towards_fewer_chunks():
@@ -55,13 +61,15 @@ def test_best_probe_breaks_ties_towards_fewer_chunks():
 @given(a=st.floats(1e-4, 1.0), b=st.floats(0.0, 10.0), c=st.floats(0.0, 1.0),
        start=st.integers(1, 64), r_max=st.integers(1, 64))
 def test_climb_finds_the_best_rung_of_a_convex_time(a, b, c, start, r_max):
-    """T(r) = a r + b / r + c is convex, so on the rungs start * 2^k the climb ends at their minimum."""
+    """T(r) = a r + b / r + c is convex, so on the rungs start * 2^k the climb reaches their minimum, and the
+    midpoints can only improve on it."""
     start = min(start, r_max)
     time_of = lambda r: a * r + b / r + c
     _, times = climb(start, r_max, time_of)
     rungs = set(ladder(start, r_max, up=True)) | set(ladder(start, r_max, up=False))
     best = min(time_of(r) for r in rungs)
-    assert time_of(best_probe(times, tie_tolerance=0.0)) == best
+    assert min(times[r] for r in rungs if r in times) == best
+    assert time_of(best_probe(times, tie_tolerance=0.0)) <= best
 
 
 def test_tune_flag_and_bad_settings():
@@ -83,7 +91,7 @@ def test_tuned_layer_is_exact_and_ranks_climb_alike(world):
     the pick is best_probe of them. no_grad calls tune their own key (forward only)."""
     spec = VerifySpec(world=WORLD, ranks_per_node=2, k=2, tokens=16, schedule="baseline", ep=4)
     costs = PipeCosts(alpha_a=2e-5, beta_a=4e-6, alpha_e=5e-5, beta_e=1e-6)
-    res = world(WORLD).run(tuned_layer, spec, {"ep": costs}, 14)
+    res = world(WORLD).run(tuned_layer, spec, {"ep": costs}, 20)
     start = choose_degree(costs, 2048.0, 4096.0, objective="training", r_max=8).degree   # as test_pipemoe
     assert start > 1
     first = res[0]
@@ -93,7 +101,7 @@ def test_tuned_layer_is_exact_and_ranks_climb_alike(world):
     assert s == start and decided is not None
     order, replay = climb(start, 8, times.get)
     assert replay == times and decided == best_probe(times) == first["decisions"][True]
-    # each probe: 1 untimed + 2 timed calls, in the climb's order; then the pick from the next call on
+    # each probe: 1 untimed + 2 timed calls, in the climb's order (refinement included); then the pick
     assert first["degrees"][:3 * len(order)] == [r for r in order for _ in range(3)]
     assert set(first["degrees"][3 * len(order):]) == {decided}
     assert first["eval_degrees"][0] == first["climbs"][False][0]

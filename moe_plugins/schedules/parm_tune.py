@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,10 +92,10 @@ class ParmTuneSchedule(ParmAutoSchedule):
         if key not in self.searches:
             choice = self.choose(num_tokens)
             start = model_pick(choice.choice, choice.s2_form)
-            self.searches[key] = Search(start=start, propose=partial(first_unmeasured,
-                                                                     candidates(start, self.groups.mp.size)),
+            order = candidates(start, self.groups.mp.size)
+            self.searches[key] = Search(start=start, propose=partial(first_unmeasured, order),
                                         pick=partial(fastest, start), warmup=self.warmup_calls,
-                                        timed=self.timed_calls)
+                                        timed=self.timed_calls, decided=start if len(order) == 1 else None)
         return self.searches[key]
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
@@ -113,6 +113,6 @@ class ParmTuneSchedule(ParmAutoSchedule):
         sample, self._state.sample = self._state.sample, None
         return y if sample is None else sample.wrap_output(y)
 
-    def notes(self):
+    def notes(self) -> List[str]:
         return [f"parm-tune ({tokens} tokens, {'training' if training else 'forward'}): {s.describe()}"
                 for (tokens, training), s in sorted(self.searches.items())]
