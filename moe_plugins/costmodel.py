@@ -135,6 +135,9 @@ class Measurement:
     x: Tuple[float, ...]
     seconds: Tuple[float, ...]
 
+    def to_json(self) -> dict:
+        return {"x": list(self.x), "seconds": list(self.seconds)}
+
 
 @dataclass(frozen=True, kw_only=True)
 class CostProfile:
@@ -158,8 +161,8 @@ class CostProfile:
         return json.dumps({"version": PROFILE_VERSION, "key": asdict(self.key), "dtype": self.dtype,
                            "source": self.source,
                            "models": {k: asdict(m) for k, m in sorted(self.models.items())},
-                           "measurements": {k: {"x": list(m.x), "seconds": list(m.seconds)}
-                                            for k, m in sorted(self.measurements.items())}}, indent=1)
+                           "measurements": {k: m.to_json() for k, m in sorted(self.measurements.items())}},
+                          indent=1)
 
     @staticmethod
     def from_json(text: str) -> "CostProfile":

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from .pipemoe import TIE_TOLERANCE, AutoDegree, fewest_chunks_near, _cached_choice
+from .pipemoe import AutoDegree, fewest_chunks_near, _cached_choice
 from .schedules.base import Dispatched, Schedule
-from .tuning import Sample, Search
+from .tuning import TIE_TOLERANCE, Sample, Search
 
 Key = Tuple[str, float, float, bool]
 

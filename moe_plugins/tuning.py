@@ -21,6 +21,9 @@ import torch.distributed as dist
 from .groups import MoEProcessGroups
 
 C = TypeVar("C")       # a candidate: a degree, a schedule name
+# Measured medians within 1% of the fastest count as ties (each tuner breaks them towards its cheaper or
+# modelled choice).
+TIE_TOLERANCE = 0.01
 
 
 @dataclass

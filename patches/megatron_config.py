@@ -144,7 +144,7 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
                  f"per TP rank): {p}" for p in schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
     if degree_needs_profile(plugin.pipeline_degree) and (profile is None or profile(layout) is None):
-        problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile for this layout, and none is "
-                        f"cached: run `moe-plugins profile --world {world} --ranks-per-node {rpn} --mp 1 --ep "
-                        f"{facts.ep} --esp {facts.etp}` on this cluster, or give an integer")
+        problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile for this "
+                        f"layout, and none is cached: run `moe-plugins profile --world {world} --ranks-per-node "
+                        f"{rpn} --mp 1 --ep {facts.ep} --esp {facts.etp}` on this cluster, or give an integer")
     return problems

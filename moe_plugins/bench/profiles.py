@@ -74,4 +74,4 @@ def profile_summary(profile: CostProfile) -> Dict[str, Dict[str, float]]:
 def profile_measurements(profile: CostProfile) -> Dict[str, Dict[str, List[float]]]:
     """model key -> the measured sizes and per-size median seconds behind its fit (for re-fits offline, e.g.
     of a cost that is not linear in the size)."""
-    return {key: {"x": list(m.x), "seconds": list(m.seconds)} for key, m in sorted(profile.measurements.items())}
+    return {key: m.to_json() for key, m in sorted(profile.measurements.items())}

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..plugin_config import PROFILED_DEGREES, PROFILED_SCHEDULES
 from .matrix import BenchPlan, parse_rate
 from .rows import STOCK_ROWS
 
@@ -91,9 +92,9 @@ def auto_peers(label: str, labels: Sequence[str]) -> List[str]:
     ``parm-s2-saa`` (Algorithm 1 picks S1 or S2 with SAA); ``X@r=auto`` and ``X@r=tune``: every ``X@r=<int>``
     (and plain ``X``, r = 1). Other rows have none."""
     name, _, opts = label.partition("@")
-    if label in ("parm-auto", "parm-tune"):
+    if label in PROFILED_SCHEDULES:
         return [p for p in ("parm-s1", "parm-s2", "parm-s2-saa") if p in labels]
-    if opts in ("r=auto", "r=tune"):
+    if opts in {f"r={value}" for value in PROFILED_DEGREES}:
         return [p for p in labels if p == name or (p.startswith(name + "@r=") and p[len(name) + 3:].isdigit())]
     return []
 

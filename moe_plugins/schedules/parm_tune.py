@@ -27,12 +27,11 @@ from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..parm_cost import SCHEDULE_S1, SCHEDULE_S2
-from ..tuning import Sample, Search
+from ..tuning import TIE_TOLERANCE, Sample, Search
 from .base import Dispatched, LayerParams
-from .parm import ParmAutoSchedule
+from .parm import ParmAutoSchedule, ParmS2SAASchedule
 
-SCHEDULE_S2_SAA = "parm-s2-saa"
-TIE_TOLERANCE = 0.01
+SCHEDULE_S2_SAA = ParmS2SAASchedule.name
 
 
 def model_pick(choice: str, s2_form: str) -> str:
