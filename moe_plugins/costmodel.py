@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-from scipy.optimize import lsq_linear
+from scipy.optimize import isotonic_regression, lsq_linear
 
 OPS = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa")
 UNITS = {"gemm": "mac", "all_to_all": "byte", "all_gather": "byte", "all_reduce": "byte", "saa": "byte",
@@ -210,18 +210,76 @@ def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
 # ---- the PipeMoE terms (pipemoe.txt Table I, Eq. 15 and 17) ----------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
+class ExchangeCurve:
+    """One exchange's time as measured, not as a line: t(x) is the isotonic (non-decreasing) least-squares
+    fit of the profile's per-size medians, linearly interpolated between the measured sizes.
+
+    Why: over a gloo link one all-to-all changes regime with its size. On the emulated link
+    (benchmarks/results/duplex-link.md) an exchange of 2 MiB each way took 2x its time at the rate while
+    half of it took 1x: past a size the two directions take turns. A line fitted across both regimes
+    overprices small chunks and underprices large exchanges, which is where PipeMoE's choice is made.
+    Below the smallest size t is the smallest size's time; past the largest it grows with ``beta_tail``
+    (the fitted line's slope)."""
+
+    x: Tuple[float, ...]          # bytes, increasing
+    seconds: Tuple[float, ...]    # non-decreasing
+    beta_tail: float              # s/byte past the last size
+
+    def time(self, x: float) -> float:
+        if x >= self.x[-1]:
+            return self.seconds[-1] + self.beta_tail * (x - self.x[-1])
+        return float(np.interp(x, self.x, self.seconds))
+
+    def problems(self) -> List[str]:
+        out = []
+        if len(self.x) < 2 or len(self.x) != len(self.seconds):
+            out.append(f"exchange_curve needs >= 2 sizes and one time per size (got {len(self.x)} sizes, "
+                       f"{len(self.seconds)} times)")
+        elif any(b <= a for a, b in zip(self.x, self.x[1:])) or self.x[0] < 0:
+            out.append(f"exchange_curve sizes ({list(self.x)!r}) must be increasing and >= 0")
+        elif any(b < a for a, b in zip(self.seconds, self.seconds[1:])) or self.seconds[0] < 0:
+            out.append(f"exchange_curve times ({list(self.seconds)!r}) must be non-decreasing and >= 0")
+        if not (math.isfinite(self.beta_tail) and self.beta_tail >= 0):
+            out.append(f"exchange_curve beta_tail ({self.beta_tail!r}) must be a finite number >= 0")
+        return out
+
+    @staticmethod
+    def fit(measurement: Measurement, beta_tail: float) -> "ExchangeCurve":
+        """The isotonic fit of ``measurement`` (sizes sorted, repeated sizes averaged by the fit)."""
+        order = np.argsort(np.asarray(measurement.x, dtype=float), kind="stable")
+        x_N = np.asarray(measurement.x, dtype=float)[order]
+        t_N = isotonic_regression(np.asarray(measurement.seconds, dtype=float)[order]).x
+        xs, ts = np.unique(x_N, return_index=True)
+        return ExchangeCurve(x=tuple(float(v) for v in xs), seconds=tuple(float(max(t_N[i], 0.0)) for i in ts),
+                             beta_tail=max(float(beta_tail), 0.0))
+
+
+EXCHANGE_PRICING = ("curve", "linear")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PipeCosts:
-    """The four numbers PipeMoE plans with.
+    """The four numbers PipeMoE plans with, and optionally the measured exchange curve.
 
     - ``alpha_a`` [s], ``beta_a`` [s/byte]: one dispatch (or combine) exchange of n_d bytes per rank;
     - ``alpha_e`` [s], ``beta_e`` [s/mac]: the expert FFN forward on n_e = rows * M * H_shard multiply-adds
       per GEMM, i.e. two GEMMs: alpha_e = 2 alpha_gemm, beta_e = 2 beta_gemm (Eq. 14-15).
+    - ``exchange_curve``: when set, an exchange of x bytes takes ``exchange_curve.time(x)`` instead of
+      alpha_a + beta_a x. Theorem 1's closed forms assume the line, so the degree is then found by timing
+      the recurrence at every r (pipemoe.choose_degree).
     """
 
     alpha_a: float
     beta_a: float
     alpha_e: float
     beta_e: float
+    exchange_curve: Optional[ExchangeCurve] = None
+
+    def exchange_time(self, x: float) -> float:
+        """Seconds of one exchange of x bytes per rank."""
+        if self.exchange_curve is not None:
+            return self.exchange_curve.time(x)
+        return self.alpha_a + self.beta_a * x
 
     def problems(self) -> List[str]:
         out = []
@@ -229,6 +287,8 @@ class PipeCosts:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 out.append(f"{name} ({value!r}) must be a finite number >= 0")
+        if self.exchange_curve is not None:
+            out += self.exchange_curve.problems()
         return out
 
     def check(self) -> "PipeCosts":
@@ -238,22 +298,33 @@ class PipeCosts:
         return self
 
     @staticmethod
-    def from_profile(profile: CostProfile, exchange: str = "ep") -> "PipeCosts":
+    def from_profile(profile: CostProfile, exchange: str = "ep", pricing: str = "curve") -> "PipeCosts":
         """alpha_a/beta_a from the all-to-all on ``exchange``; alpha_e/beta_e from the GEMM model (x2).
+
+        ``pricing="curve"`` (the default) also keeps the all-to-all's measured curve
+        (:class:`ExchangeCurve`) when the profile holds its measurements; "linear" plans with the line alone.
 
         With a ``chunk`` model (the runner's measured cost of one more chunk, forward + backward, see
         :mod:`moe_plugins.profiler`), alpha_e is at least a third of its slope: the expert stage's start-up as
         the runner pays it (threads, autograd, synchronisation), not a bare GEMM's. In the compute-bound
         regime the model's time grows by 3 alpha_e per chunk (forward e, backward 2 e), which is then the
         measured slope."""
+        if pricing not in EXCHANGE_PRICING:
+            raise ValueError(f"pricing ({pricing!r}) must be one of {', '.join(EXCHANGE_PRICING)}")
+        key = model_key("all_to_all", exchange)
         a2a, gemm = profile.model("all_to_all", exchange), profile.model("gemm")
-        problems = model_problems(model_key("all_to_all", exchange), a2a) + model_problems("gemm", gemm)
+        problems = model_problems(key, a2a) + model_problems("gemm", gemm)
         if problems:
             raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
         alpha_e = 2 * gemm.alpha
         if "chunk" in profile.models:
             alpha_e = max(alpha_e, profile.models["chunk"].beta / 3)
-        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=alpha_e, beta_e=2 * gemm.beta)
+        measured = profile.measurements.get(key)
+        curve = None
+        if pricing == "curve" and measured is not None and len(set(measured.x)) >= 2:
+            curve = ExchangeCurve.fit(measured, a2a.beta)
+        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=alpha_e, beta_e=2 * gemm.beta,
+                         exchange_curve=curve)
 
 
 # The paper's 16-GPU testbed (pipemoe.txt Fig. 6 caption: 16 x RTX2080Ti over 100 Gb/s InfiniBand):

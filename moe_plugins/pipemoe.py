@@ -17,6 +17,9 @@ Three parts, each small:
    Training runs the pipeline twice: forward, then backward with the mirrored stages (combine-grad,
    expert backward = ``backward_factor`` x the forward GEMM work, dispatch-grad) and the same r; its
    optimum lies between the two passes' optima (a sum of convex functions) and is found there exactly.
+   With a measured exchange curve (``PipeCosts.exchange_curve``, the default when the profile holds the
+   all-to-all's measurements) t_d is no longer a line, the closed forms do not apply, and the degree is
+   the recurrence's minimum over every r = 1..r_max (:func:`searched_degree`).
 
 2. **Units.** n_d = bytes one rank sends in one dispatch exchange (E * C * M * element bytes for the
    plain expert-parallel layer), n_e = multiply-adds of one expert GEMM summed over local experts
@@ -95,7 +98,7 @@ def pipeline_time(t_d: Sequence[float], t_e: Sequence[float], t_c: Sequence[floa
 
 def chunk_costs(costs: PipeCosts, n_d: float, n_e: float, r: float) -> Tuple[float, float]:
     """(t_d, t_e) of one of r equal chunks (Eq. 15, 17); t_c = t_d (Eq. 18)."""
-    return costs.alpha_a + costs.beta_a * n_d / r, costs.alpha_e + costs.beta_e * n_e / r
+    return costs.exchange_time(n_d / r), costs.alpha_e + costs.beta_e * n_e / r
 
 
 def moe_time(costs: PipeCosts, n_d: float, n_e: float, r: int, *, shared_link: bool = True,
@@ -245,6 +248,17 @@ def optimal_training_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: 
     return _pick(cands, "training")
 
 
+def searched_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = "training",
+                    r_max: int = R_MAX, backward_factor: float = 2.0) -> DegreeChoice:
+    """The r in 1..r_max with the smallest recurrence time, every r timed: for costs whose exchange time is
+    not a line (a measured curve), where Theorem 1's closed forms do not hold."""
+    _check_plan_inputs(costs, n_d, n_e, r_max)
+    case = "recurrence at every r (measured exchange curve)"
+    cands = [Candidate(r, objective_time(costs, n_d, n_e, r, objective, backward_factor), case)
+             for r in range(1, r_max + 1)]
+    return _pick(cands, objective)
+
+
 def _pick(cands: List[Candidate], objective: str) -> DegreeChoice:
     best = min(cands, key=lambda c: (c.time_s, c.r))
     uniq = {c.r: c for c in sorted(cands, key=lambda c: (c.r, c.time_s))}
@@ -274,13 +288,16 @@ def fewest_chunks_near(times_s: Sequence[float], tie_tolerance: float) -> int:
 def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = "training",
                   r_max: int = R_MAX, backward_factor: float = 2.0,
                   tie_tolerance: float = TIE_TOLERANCE) -> DegreeChoice:
-    """Theorem 1's optimum (:func:`optimal_degree`, :func:`optimal_training_degree`), then the fewest chunks
-    whose recurrence time is within ``tie_tolerance`` of it (0: the optimum itself)."""
+    """Theorem 1's optimum (:func:`optimal_degree`, :func:`optimal_training_degree`), or with a measured
+    exchange curve the searched one (:func:`searched_degree`); then the fewest chunks whose recurrence time
+    is within ``tie_tolerance`` of it (0: the optimum itself)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
     if not (isinstance(tie_tolerance, (int, float)) and 0 <= tie_tolerance < 1):
         raise ValueError(f"tie_tolerance ({tie_tolerance!r}) must be a number in [0, 1)")
-    if objective == "forward":
+    if costs.exchange_curve is not None:
+        best = searched_degree(costs, n_d, n_e, objective=objective, r_max=r_max, backward_factor=backward_factor)
+    elif objective == "forward":
         best = optimal_degree(costs, n_d, n_e, r_max=r_max)
     else:
         best = optimal_training_degree(costs, n_d, n_e, r_max=r_max, backward_factor=backward_factor)
@@ -288,7 +305,7 @@ def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = 
     r = fewest_chunks_near([time_of(v) for v in range(1, best.degree)] + [best.predicted_time_s], tie_tolerance)
     if r == best.degree:
         return best
-    case = (f"fewest chunks within {tie_tolerance:.1%} of Theorem 1's optimum "
+    case = (f"fewest chunks within {tie_tolerance:.1%} of the optimum "
             f"(r={best.degree}, {best.predicted_time_s * 1e3:.3f} ms)")
     others = tuple(c for c in best.candidates if c.r != r)
     return replace(best, degree=r, predicted_time_s=time_of(r), case=case,

@@ -97,7 +97,7 @@ def _meta(plan: BenchPlan, opts: RunOptions, decision: Decision, load_before, lo
                      f"{plan.ranks_per_node} ranks")
         title = f"LOOPBACK ONLY ({plan.world} ranks, unshaped)"
     lines = [f"transport: {transport}",
-             f"timing: {plan.iters} timed rounds after {plan.warmup} warm-up rounds; rows interleaved per round",
+             f"timing: {plan.iters} timed rounds after {plan.warmup} warm-up rounds; rows interleaved, in a seeded random order per round",
              f"machine: {os.cpu_count()} CPUs; load average before {load_before}, after {load_after}; "
              f"wall {wall_s:.0f} s",
              f"versions: {', '.join(f'{k} {v}' for k, v in _versions().items())}; git {_git_commit()}",

@@ -6,8 +6,10 @@ For every case the rows are built once, from the same weights and tokens; then f
    giving its inter-node bytes per rank (model) and, on an emulated cluster, the bytes that left each
    node's NIC (wire); its output is compared with the first row's (max |difference| over all ranks);
 2. rounds 1 .. warmup-1: untimed warm-up;
-3. ``iters`` timed rounds. The rows are interleaved (round i runs every row once, starting at row i mod R),
-   so slow drifts of a shared machine hit every row alike. Each measurement is barrier, time the
+3. ``iters`` timed rounds. The rows are interleaved: round i runs every row once, in an order shuffled
+   from (seed, i), the same on every rank. Slow drifts of a shared machine then hit every row alike, and
+   no row always follows the same row (a fixed rotation did that: what a row leaves behind on the link
+   and in the caches fell on the same neighbour every round). Each measurement is barrier, time the
    forward+backward, max-reduce over ranks: the slowest rank's time.
 
 Rank 0 returns raw measurements; :mod:`.report` turns them into statistics and ratios.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -75,11 +78,10 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def _rotated(rows: List[Row], start: int) -> List[Row]:
-    if not rows:
-        return []
-    s = start % len(rows)
-    return rows[s:] + rows[:s]
+def round_order(rows: List[Row], seed: int, round_index: int) -> List[Row]:
+    """The rows in round ``round_index``'s order: a permutation drawn from (seed, round), so every rank
+    runs the rows in the same order without talking (pure)."""
+    return random.Random(f"{seed}:{round_index}").sample(rows, len(rows))
 
 
 def _agree(error: Optional[str]) -> Optional[str]:
@@ -143,11 +145,11 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
     per-rank traffic is gathered (rank order). Rows that fail their first step move to ``failed``."""
     traffic = _traffic_round(rows, data, ifname, failed)
     for r in range(1, plan.warmup):
-        for row in _rotated(rows, r):
+        for row in round_order(rows, plan.seed, r):
             fwd_bwd(row, data)
     times: Dict[str, List[float]] = {row.label: [] for row in rows}
     for i in range(plan.iters):
-        for row in _rotated(rows, i):
+        for row in round_order(rows, plan.seed, plan.warmup + i):
             dist.barrier()
             t0 = time.perf_counter()
             fwd_bwd(row, data)
