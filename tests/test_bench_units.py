@@ -271,3 +271,15 @@ def test_bench_profiles_cover_the_case_from_small_messages_up():
     assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups
     pipe = profile_spec_for(case, layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
     assert set(pipe.ops) == {"gemm", "all_to_all", "chunk"} and "chunk" not in spec.ops and spec.check() is spec
+
+
+def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():
+    from moe_plugins.bench.runner import round_order
+    labels = list("abcdef")
+    orders = [round_order(labels, 7, i) for i in range(40)]
+    assert all(sorted(o) == labels for o in orders)
+    assert orders == [round_order(labels, 7, i) for i in range(40)]      # every rank derives the same order
+    assert round_order(labels, 8, 0) != orders[0] or round_order(labels, 8, 1) != orders[1]
+    # no row always follows the same row (a fixed rotation did)
+    before_a = {o[o.index("a") - 1] for o in orders if o.index("a") > 0}
+    assert len(before_a) >= 3, before_a

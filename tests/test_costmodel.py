@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from moe_plugins.costmodel import (CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey,
+from moe_plugins.costmodel import (CostProfile, ExchangeCurve, LinearModel, Measurement, PipeCosts, ProfileKey,
                                    cache_path, default_cache_dir, fit_linear, load_cached, model_key,
                                    model_problems)
 from moe_plugins.cli import main
@@ -69,6 +69,45 @@ def test_profile_json_roundtrip_cache_and_lookup(tmp_path):
         prof.model("all_gather", "mp")
     with pytest.raises(ValueError, match="op 'gemm' takes no group"):
         model_key("gemm", "ep")
+
+
+def test_exchange_curve_is_the_isotonic_fit_of_the_medians():
+    # a noisy dip (2 MiB faster than 1 MiB) is pooled; sizes arrive unsorted, as a re-fit might pass them
+    m = Measurement(x=(4096.0, 2097152.0, 1048576.0, 4194304.0), seconds=(1e-3, 40e-3, 50e-3, 170e-3))
+    curve = ExchangeCurve.fit(m, beta_tail=5e-8)
+    assert curve.x == (4096.0, 1048576.0, 2097152.0, 4194304.0)
+    assert curve.seconds == pytest.approx((1e-3, 45e-3, 45e-3, 170e-3))
+    assert curve.time(0) == pytest.approx(1e-3)                                  # floor: the smallest size
+    assert curve.time(3145728.0) == pytest.approx((45e-3 + 170e-3) / 2)          # linear between sizes
+    assert curve.time(8388608.0) == pytest.approx(170e-3 + 5e-8 * 4194304)      # the line's slope past the end
+    assert not curve.problems()
+
+
+def test_exchange_curve_problems_name_the_field():
+    bad = ExchangeCurve(x=(2.0, 1.0), seconds=(1.0, 2.0), beta_tail=float("nan"))
+    assert bad.problems() == ["exchange_curve sizes ([2.0, 1.0]) must be increasing and >= 0",
+                              "exchange_curve beta_tail (nan) must be a finite number >= 0"]
+    falling = PipeCosts(alpha_a=0, beta_a=0, alpha_e=0, beta_e=0,
+                        exchange_curve=ExchangeCurve(x=(1.0, 2.0), seconds=(2.0, 1.0), beta_tail=0.0))
+    with pytest.raises(ValueError, match=r"exchange_curve times \(\[2.0, 1.0\]\) must be non-decreasing"):
+        falling.check()
+
+
+def test_pipe_costs_price_exchanges_from_the_profiles_curve():
+    a2a = Measurement(x=(1e4, 1e5, 1e6), seconds=(1e-3, 2e-3, 30e-3))
+    prof = CostProfile(key=KEY, dtype="float32",
+                       models={"gemm": LinearModel(alpha=1e-4, beta=1e-11, unit="mac"),
+                               "all_to_all@ep": fit_linear(a2a.x, a2a.seconds, "byte")},
+                       measurements={"all_to_all@ep": a2a})
+    curved, line = PipeCosts.from_profile(prof), PipeCosts.from_profile(prof, pricing="linear")
+    assert line.exchange_curve is None and line.exchange_time(1e5) == pytest.approx(line.alpha_a + line.beta_a * 1e5)
+    assert curved.exchange_curve.x == a2a.x and curved.exchange_time(1e5) == pytest.approx(2e-3)
+    assert curved.exchange_curve.beta_tail == pytest.approx(curved.beta_a)
+    with pytest.raises(ValueError, match=r"pricing \('cubic'\) must be one of curve, linear"):
+        PipeCosts.from_profile(prof, pricing="cubic")
+    # a profile without the measurements (e.g. written by hand) plans with the line
+    bare = CostProfile(key=KEY, dtype="float32", models=prof.models)
+    assert PipeCosts.from_profile(bare).exchange_curve is None
 
 
 def test_default_cache_dir_is_resolved_from_what_the_cli_passes():
@@ -154,6 +193,31 @@ def test_plan_pipemoe_reads_a_profile_file(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["costs_source"] == f"profile {path}" and out["costs"]["alpha_e"] == pytest.approx(4e-4)
+
+
+def test_plan_pipemoe_prices_exchanges_from_a_profiles_curve(tmp_path):
+    # LAYER sends n_d = 64 MiB per dispatch; past 8 MiB this link's exchange costs 3x per byte
+    sizes = tuple(float(1 << p) for p in range(16, 28))
+    a2a = Measurement(x=sizes, seconds=tuple(1e-3 + 1e-9 * x + (2e-9 * (x - (8 << 20)) if x > 8 << 20 else 0)
+                                             for x in sizes))
+    prof = CostProfile(key=KEY, dtype="float32", measurements={"all_to_all@ep": a2a}, models={
+        "gemm": LinearModel(alpha=2e-4, beta=1.5e-11, unit="mac"),
+        "all_to_all@ep": fit_linear(a2a.x, a2a.seconds, "byte")})
+    path = prof.save(tmp_path / "p.json")
+    curved = json.loads(run_cli("plan", "pipemoe", *LAYER, "--profile", str(path), "--json").stdout)
+    line = json.loads(run_cli("plan", "pipemoe", *LAYER, "--profile", str(path), "--json",
+                              "--exchange-pricing", "linear").stdout)
+    assert line["exchange_curve"] is None and curved["exchange_curve"]["x"] == list(sizes)
+    for out in (curved, line):      # the fewest chunks within the tie tolerance of the printed T(r) minimum
+        best = min(t for _, t in out["curve"])
+        assert out["degree"] == next(r for r, t in out["curve"] if t <= (1 + out["inputs"]["tie_tolerance"]) * best)
+    # r = 1, forward + backward = 4 exchanges + 3 expert forwards, the exchange read off the measured curve
+    d = 1e-3 + 1e-9 * curved["n_d"] + 2e-9 * (curved["n_d"] - (8 << 20))
+    e = 4e-4 + 3e-11 * curved["n_e"]
+    assert curved["curve"][0][1] == pytest.approx(4 * d + 3 * e, rel=1e-9)
+    assert line["curve"][0][1] != pytest.approx(4 * d + 3 * e, rel=1e-3)     # the line prices it otherwise
+    text = run_cli("plan", "pipemoe", *LAYER, "--profile", str(path)).stdout
+    assert "exchanges priced from the measured all-to-all curve" in text and "every r timed" in text
 
 
 @pytest.mark.parametrize("args, message", [

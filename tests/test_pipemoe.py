@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from moe_plugins.costmodel import PAPER_TESTBED, PipeCosts
+from moe_plugins.costmodel import PAPER_TESTBED, ExchangeCurve, PipeCosts
 from moe_plugins.pipemoe import (TIE_TOLERANCE, AutoDegree, choose_degree, degree_from_flag, f1, f3, f4,
-                                 fewest_chunks_near, moe_time, optimal_degree, pipeline_time, plan_workload,
-                                 training_time)
+                                 fewest_chunks_near, moe_time, optimal_degree, optimal_training_degree,
+                                 pipeline_time, plan_workload, searched_degree, training_time)
 from moe_plugins.verify import VerifySpec
 from tests.workers.pipemoe import auto_layer, overlap_probe, verify_many
 
@@ -17,6 +17,12 @@ WORLD = 4
 
 # A CPU/gloo-like profile (slow link, start-up costs in the milliseconds) next to the paper's GPU testbed.
 CPU_LIKE = PipeCosts(alpha_a=1.5e-3, beta_a=2.5e-9, alpha_e=4e-4, beta_e=3e-11)
+# gloo's exchange as measured on the emulated link (benchmarks/results/duplex-link.md): at the rate up to
+# 1 MiB, then twice as slow per byte (the two directions take turns); a line fitted across both misprices both.
+_SIZES = tuple(float(4096 << i) for i in range(12))
+GLOO_KINK = PipeCosts(alpha_a=0.0, beta_a=5e-8, alpha_e=4e-4, beta_e=3e-11, exchange_curve=ExchangeCurve(
+    x=_SIZES, seconds=tuple(5e-4 + 4e-8 * x * (1 if x <= 1 << 20 else 2) - (4e-8 * (1 << 20) if x > 1 << 20 else 0)
+                            for x in _SIZES), beta_tail=8e-8))
 
 
 # ---- the recurrence ----------------------------------------------------------------------------------------
@@ -55,8 +61,8 @@ def _shapes():
 
 @pytest.mark.parametrize("costs", [PAPER_TESTBED, CPU_LIKE,
                                    PipeCosts(alpha_a=2e-4, beta_a=1e-10, alpha_e=0.0, beta_e=2e-13),
-                                   PipeCosts(alpha_a=0.0, beta_a=4e-10, alpha_e=5e-5, beta_e=5e-14)],
-                         ids=["paper", "cpu", "alpha_e=0", "alpha_a=0"])
+                                   PipeCosts(alpha_a=0.0, beta_a=4e-10, alpha_e=5e-5, beta_e=5e-14), GLOO_KINK],
+                         ids=["paper", "cpu", "alpha_e=0", "alpha_a=0", "measured-curve"])
 @pytest.mark.parametrize("objective", ["forward", "training"])
 def test_chosen_degree_minimises_the_recurrence(costs, objective):
     def time_of(w, r):
@@ -74,6 +80,35 @@ def test_chosen_degree_minimises_the_recurrence(costs, objective):
         assert tied.predicted_time_s == pytest.approx(time_of(w, tied.degree), rel=1e-12)
         assert tied.degree <= choice.degree and any(c.r == tied.degree for c in tied.candidates)
     assert len(chosen) >= 5, chosen          # the grid really moves the optimum
+
+
+@pytest.mark.parametrize("objective", ["forward", "training"])
+def test_a_curve_drawn_from_the_line_plans_like_theorem_1(objective):
+    """The searched degree (every r timed) and Theorem 1 (closed forms + SLSQP) must agree when the curve is
+    the line itself: the same minimum time on every shape."""
+    c = CPU_LIKE
+    line = PipeCosts(alpha_a=c.alpha_a, beta_a=c.beta_a, alpha_e=c.alpha_e, beta_e=c.beta_e,
+                     exchange_curve=ExchangeCurve(x=_SIZES, seconds=tuple(c.alpha_a + c.beta_a * x for x in _SIZES),
+                                                  beta_tail=c.beta_a))
+    for w in _shapes():
+        theorem = (optimal_degree(c, w.n_d, w.n_e) if objective == "forward"
+                   else optimal_training_degree(c, w.n_d, w.n_e))
+        searched = searched_degree(line, w.n_d, w.n_e, objective=objective)
+        # interpolation below the smallest size holds the smallest size's time (>= the line's there)
+        if w.n_d / theorem.degree >= _SIZES[0]:
+            assert searched.predicted_time_s == pytest.approx(theorem.predicted_time_s, rel=1e-9), w
+        assert len(searched.candidates) == 64 and searched.objective == objective
+
+
+def test_a_kinked_curve_moves_the_degree_where_the_line_would_not():
+    """An exchange past the kink costs twice per byte: cutting it into chunks below the kink pays, and the
+    searched degree does so, while the line through the same points plans fewer chunks."""
+    n_d, n_e = 8.0 * (1 << 20), 2e9
+    curved = choose_degree(GLOO_KINK, n_d, n_e)
+    straight = choose_degree(PipeCosts(alpha_a=GLOO_KINK.alpha_a, beta_a=GLOO_KINK.beta_a,
+                                       alpha_e=GLOO_KINK.alpha_e, beta_e=GLOO_KINK.beta_e), n_d, n_e)
+    assert n_d / curved.degree <= 1 << 20 < n_d / straight.degree, (curved.degree, straight.degree)
+    assert len(curved.candidates) == 64 and len(straight.candidates) < 64     # searched vs Theorem 1
 
 
 def test_fewest_chunks_near_breaks_near_ties_towards_fewer_chunks():

@@ -13,6 +13,11 @@ Costs (where they come from is printed): ``--alpha-a`` [s] and ``--beta-a`` [s/b
 or ``--profile FILE``; or the profile cached for this machine (``moe-plugins profile``) with ep == P;
 or, failing all, the paper's 16-GPU testbed (Fig. 6). Times are seconds.
 
+Exchange pricing: a profile also holds the all-to-all's measured medians per size. With
+``--exchange-pricing curve`` (the default) an exchange of x bytes costs the isotonic fit of those medians at x
+(``exchange_curve`` in the JSON: sizes in bytes, seconds), and the degree is the recurrence's minimum over every
+r; ``linear`` plans with alpha_a + beta_a x and Theorem 1. The manual flags and the paper default are lines.
+
 Objective: ``training`` (default; what ``pipeline_degree: auto`` uses when autograd records) is the
 forward pipeline plus the mirrored backward one whose expert stage costs ``--backward-factor`` x the forward
 (4 GEMMs vs 2); ``forward`` is the paper's Theorem 1 alone.
@@ -23,10 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..costmodel import PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, PipeCosts, default_cache_dir
+from ..costmodel import (EXCHANGE_PRICING, PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, ExchangeCurve,
+                         PipeCosts, default_cache_dir)
 from ..pipemoe import (OBJECTIVES, R_MAX, TIE_TOLERANCE, chunk_costs, choose_degree, objective_time,
                        plan_workload)
 
@@ -48,6 +55,8 @@ def register(sub) -> None:
     for name in MANUAL:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=UNITS[name])
     p.add_argument("--profile", default=None, help="a profile JSON from `moe-plugins profile`")
+    p.add_argument("--exchange-pricing", default="curve", choices=EXCHANGE_PRICING,
+                   help="with a profile: price exchanges from its measured curve (default) or its fitted line")
     p.add_argument("--cache-dir", default=None, help="where cached profiles live (default: "
                    "$MOE_PLUGINS_CACHE or ~/.cache/moe_plugins)")
     p.add_argument("--objective", default="training", choices=OBJECTIVES)
@@ -71,12 +80,12 @@ def resolve_costs(args: argparse.Namespace) -> Tuple[PipeCosts, str]:
         return PipeCosts(**given).check(), "flags"
     if args.profile:
         profile = CostProfile.load(Path(args.profile))
-        return PipeCosts.from_profile(profile).check(), f"profile {args.profile}"
+        return PipeCosts.from_profile(profile, pricing=args.exchange_pricing).check(), f"profile {args.profile}"
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     found = find_cached(cache_dir, args.P, this_device())
     if found is not None:
         path, profile = found
-        return PipeCosts.from_profile(profile).check(), f"cached profile {path}"
+        return PipeCosts.from_profile(profile, pricing=args.exchange_pricing).check(), f"cached profile {path}"
     return PAPER_TESTBED, PAPER_TESTBED_SOURCE + f" (no cached profile with ep={args.P} in {cache_dir})"
 
 
@@ -107,7 +116,9 @@ def plan(args: argparse.Namespace) -> dict:
     return {"planner": "pipemoe", "objective": args.objective, "costs_source": source,
             "inputs": {k: getattr(args, k) for k in ("B", "L", "M", "H", "E", "k", "f", "P", "element_bytes",
                                                       "backward_factor", "r_max", "tie_tolerance")},
-            "costs": {n: getattr(costs, n) for n in MANUAL}, "capacity": w.capacity, "n_d": w.n_d, "n_e": w.n_e,
+            "costs": {n: getattr(costs, n) for n in MANUAL},
+            "exchange_curve": None if costs.exchange_curve is None else asdict(costs.exchange_curve),
+            "capacity": w.capacity, "n_d": w.n_d, "n_e": w.n_e,
             "degree": choice.degree, "predicted_time_s": choice.predicted_time_s, "case": choice.case,
             "candidates": [{"r": c.r, "time_s": c.time_s, "case": c.case} for c in choice.candidates],
             "curve": curve, "units": UNITS}
@@ -126,16 +137,24 @@ def run(args: argparse.Namespace) -> int:
 def explain(out: dict) -> str:
     """The choice in words."""
     c, r, t1 = out["costs"], out["degree"], out["curve"][0][1]
-    costs = PipeCosts(**c)
+    raw = out.get("exchange_curve")
+    curve = None if raw is None else ExchangeCurve(x=tuple(raw["x"]), seconds=tuple(raw["seconds"]),
+                                                   beta_tail=raw["beta_tail"])
+    costs = PipeCosts(**c, exchange_curve=curve)
     d1, e1 = chunk_costs(costs, out["n_d"], out["n_e"], r)
     passes = "forward + backward" if out["objective"] == "training" else "forward"
     lines = [
         f"PipeMoE plan: pipeline degree r = {r} (predicted {out['predicted_time_s'] * 1e3:.3f} ms, {passes})",
         f"  costs from {out['costs_source']}:",
-        f"    all-to-all t = {c['alpha_a']:.3g} s + {c['beta_a']:.3g} s/byte * bytes; "
+        f"    all-to-all t = {c['alpha_a']:.3g} s + {c['beta_a']:.3g} s/byte * bytes{' (fitted line)' if curve else ''}; "
         f"expert forward t = {c['alpha_e']:.3g} s + {c['beta_e']:.3g} s/mac * macs",
         f"  layer: capacity C = {out['capacity']} slots per expert; each rank sends n_d = {out['n_d']:.4g} bytes per "
         f"dispatch and its experts do n_e = {out['n_e']:.4g} macs per GEMM",
+        *([] if curve is None else [
+            f"    exchanges priced from the measured all-to-all curve instead of the line: {len(curve.x)} sizes "
+            f"from {curve.x[0]:.4g} to {curve.x[-1]:.4g} bytes (isotonic fit of the medians), e.g. "
+            f"{curve.time(out['n_d']) * 1e3:.3f} ms for all n_d at once, the line says "
+            f"{(c['alpha_a'] + c['beta_a'] * out['n_d']) * 1e3:.3f} ms"]),
         f"  r = 1 (no pipelining) takes {t1 * 1e3:.3f} ms: dispatch, experts and combine one after another.",
     ]
     if r == 1:
@@ -151,7 +170,8 @@ def explain(out: dict) -> str:
                          f"{out['inputs']['tie_tolerance']:.1%} in the model and pay costs it leaves out.")
         else:
             lines.append("  More chunks would add start-up costs (alpha) faster than they hide the rest.")
-    lines.append("  candidates (Theorem 1, each re-timed with the Eq. 9-12 recurrence):")
+    lines.append("  candidates (Theorem 1, each re-timed with the Eq. 9-12 recurrence):" if curve is None else
+                 "  candidates (every r timed with the Eq. 9-12 recurrence; Theorem 1 assumes the line):")
     for cand in out["candidates"]:
         mark = "  <- chosen" if cand["r"] == r else ""
         lines.append(f"    r = {cand['r']:3d}  {cand['time_s'] * 1e3:10.3f} ms  {cand['case']}{mark}")
