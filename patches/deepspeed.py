@@ -43,7 +43,8 @@ from moe_plugins.layout import ParallelLayout, layout_problems
 from moe_plugins.ledger import CommLedger
 from moe_plugins.plugin_config import (PROFILED_SCHEDULES, SECTION, PluginConfig, degree_needs_profile,
                                        resolve)
-from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule, schedule_problems
+from moe_plugins.schedules import (LayerParams, Schedule, host_schedule_class, run_schedule,
+                                   schedule_problems)
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
@@ -518,17 +519,9 @@ class DeepSpeedPlugin:
         return costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
 
     def _schedule_class(self, name: str, layout: ParallelLayout, moe):
-        """``parm-auto`` / ``parm-tune`` decide from the cached profile's alpha-beta terms (the documented
-        defaults, logged, when this cluster has none); every other schedule is its registered class."""
-        if name not in PROFILED_SCHEDULES:
-            return SCHEDULES[name]
-        from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
-        from moe_plugins.schedules.parm import parm_auto_for
-        profile = self._cached_profile(layout, moe)
-        if profile is None:
-            logger.info("moe_plugins: %s has no cached profile for this layout; it uses %s", name,
-                        DEFAULT_COSTS_SOURCE)
-        return parm_auto_for(profile, next(moe.parameters()).element_size(), layout.mp, base=SCHEDULES[name])
+        """The schedule's class; ``parm-auto`` / ``parm-tune`` read the profile cached for this layout."""
+        profile = self._cached_profile(layout, moe) if name in PROFILED_SCHEDULES else None
+        return host_schedule_class(name, profile, next(moe.parameters()).element_size(), layout.mp, logger)
 
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
         """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device)

@@ -45,13 +45,11 @@ from moe_plugins.gating import Routing
 from moe_plugins.groups import Group, MoEProcessGroups
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.ledger import CommLedger
-from moe_plugins.parm_cost import DEFAULT_COSTS_SOURCE
 from moe_plugins.pipemoe import PipelineLane, degree_from_flag, run_pipelined
 from moe_plugins.profiler import profile_key
 from moe_plugins.plugin_config import PROFILED_SCHEDULES, PluginConfig, degree_needs_profile
 from moe_plugins.router import uniform_capacity
-from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule
-from moe_plugins.schedules.parm import parm_auto_for
+from moe_plugins.schedules import LayerParams, Schedule, host_schedule_class
 
 from .megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
 from .megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
@@ -159,13 +157,8 @@ def find_profile(profile_dir: Optional[str], layout: ParallelLayout) -> Optional
 
 
 def schedule_class(name: str, profile: Optional[CostProfile], dtype: torch.dtype, mp: int) -> Type[Schedule]:
-    """``parm-auto`` / ``parm-tune`` decide from the profile's alpha-beta terms (the documented defaults, logged,
-    without one); every other schedule is its registered class."""
-    if name not in PROFILED_SCHEDULES:
-        return SCHEDULES[name]
-    if profile is None:
-        logger.info("moe_plugins: %s has no cached profile for this layout; it uses %s", name, DEFAULT_COSTS_SOURCE)
-    return parm_auto_for(profile, torch.empty((), dtype=dtype).element_size(), mp, base=SCHEDULES[name])
+    """The schedule's class (:func:`moe_plugins.schedules.host_schedule_class`, logged on this host's logger)."""
+    return host_schedule_class(name, profile, torch.empty((), dtype=dtype).element_size(), mp, logger)
 
 
 class ScheduleTokenDispatcher(MoETokenDispatcher):

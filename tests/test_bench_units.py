@@ -244,19 +244,32 @@ def test_auto_rows_are_also_judged_by_their_fixed_twin():
 
 def test_fixed_twin_names_the_row_an_auto_row_ran_as():
     auto_r = RowSpec(name="baseline", options=(("r", "auto"),))
-    assert rows.fixed_twin(auto_r, set(), {4}, saa=False) == "baseline@r=4"
-    assert rows.fixed_twin(auto_r, set(), {1}, saa=False) == "baseline"
-    assert rows.fixed_twin(auto_r, set(), {2, 4}, saa=False) is None            # two degrees: no single twin
+    assert rows.fixed_twin(auto_r, {"baseline"}, {4}) == "baseline@r=4"
+    assert rows.fixed_twin(auto_r, {"baseline"}, {1}) == "baseline"
+    assert rows.fixed_twin(auto_r, {"baseline"}, {2, 4}) is None            # two degrees: no single twin
     tune_r = RowSpec(name="baseline", options=(("r", "tune"),))
-    assert rows.fixed_twin(tune_r, set(), {8}, saa=False) == "baseline@r=8"
+    assert rows.fixed_twin(tune_r, {"baseline"}, {8}) == "baseline@r=8"
     parm = RowSpec(name="parm-auto")
-    assert rows.fixed_twin(parm, {"parm-s2"}, set(), saa=True) == "parm-s2-saa"
-    assert rows.fixed_twin(parm, {"parm-s2"}, set(), saa=False) == "parm-s2"
-    assert rows.fixed_twin(parm, {"parm-s1"}, set(), saa=True) == "parm-s1"
-    assert rows.fixed_twin(parm, {"parm-s1", "parm-s2"}, set(), saa=True) is None
+    assert rows.fixed_twin(parm, {"parm-s2-saa"}, set()) == "parm-s2-saa"
+    assert rows.fixed_twin(parm, {"parm-s2"}, set()) == "parm-s2"
+    assert rows.fixed_twin(parm, {"parm-s1", "parm-s2-saa"}, set()) is None
     both = RowSpec(name="parm-auto", options=(("r", "auto"),))
-    assert rows.fixed_twin(both, {"parm-s1"}, {2}, saa=True) == "parm-s1@r=2"
-    assert rows.fixed_twin(RowSpec(name="parm-s1"), {"parm-s1"}, set(), saa=True) is None
+    assert rows.fixed_twin(both, {"parm-s1"}, {2}) == "parm-s1@r=2"
+    assert rows.fixed_twin(RowSpec(name="parm-s1"), {"parm-s1"}, set()) is None
+
+
+def test_schedules_say_what_they_ran_as():
+    from moe_plugins.parm_cost import ParmChoice
+    from moe_plugins.schedules import SCHEDULES
+    cls = SCHEDULES["parm-auto"]
+    auto = cls.__new__(cls)                      # the protocol reads decisions only, no groups needed
+    auto.choices = {}
+    assert auto.ran() == set() and auto.notes() == []
+    auto.choices = {64: ParmChoice(x=1.0, T=1.0, y=1.0, t_baseline=None, t_s1=2e-3, t_s2=1e-3, s2_form="saa",
+                                   choice="parm-s2")}
+    assert auto.ran() == {"parm-s2-saa"} and auto.notes()[0].startswith("parm-auto: parm-s2 for 64 tokens")
+    base = SCHEDULES["baseline"].__new__(SCHEDULES["baseline"])
+    assert base.ran() == {"baseline"} and base.notes() == []
 
 
 def test_bench_profiles_cover_the_case_from_small_messages_up():
@@ -283,3 +296,22 @@ def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():
     # no row always follows the same row (a fixed rotation did)
     before_a = {o[o.index("a") - 1] for o in orders if o.index("a") > 0}
     assert len(before_a) >= 3, before_a
+
+
+def test_reprice_reproduces_the_committed_auto_choices():
+    """benchmarks/reprice.py re-plans a committed run from the profiles in its JSON; with the curve pricing it
+    must land on the degree each auto row logged while the bench ran (same profile, same planner)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("reprice", root / "benchmarks" / "reprice.py")
+    reprice = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reprice)
+    report = json.loads((root / "benchmarks" / "results" / "pipemoe-2x1-curve.json").read_text())
+    replanned = reprice.reprice(report)
+    assert len(replanned) == 16
+    for group, row in zip([g for g in report["groups"] if g.get("profile_measurements")], replanned):
+        logged = next(re.search(r"auto degree: r=(\d+)", n) for n in group["rows"]["baseline@r=auto"]["notes"]
+                      if "auto degree" in n)
+        assert row["picks"]["curve"][0] == int(logged.group(1)), (row["case"], row["rate"])

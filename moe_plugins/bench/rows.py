@@ -29,7 +29,6 @@ from ..pipemoe import AutoDegree, Degree, degree_from_flag
 from ..pipemoe_tune import TunedDegree
 from ..plugin_config import PROFILED_SCHEDULES, degree_needs_profile
 from ..schedules.parm import parm_auto_for
-from ..schedules.parm_tune import ParmTuneSchedule
 from ..ledger import CommLedger
 from ..schedules import SCHEDULES
 from .matrix import CaseConfig, RowSpec, moe_config
@@ -145,37 +144,29 @@ def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
 
 
 def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
-    """What an auto row decided in its steps: parm-auto's schedule, PipeMoE's training degree."""
-    notes = []
-    for tokens, choice in sorted(getattr(layer.schedule, "choices", {}).items()):
-        notes.append(f"parm-auto: {choice.choice} for {tokens} tokens (t_s1 {choice.t_s1 * 1e3:.3g} ms, "
-                     f"t_s2 {choice.t_s2 * 1e3:.3g} ms)")
+    """What an auto row decided in its steps: the schedule's decisions (parm-auto, parm-tune), PipeMoE's
+    training degree."""
+    notes = list(layer.schedule.notes())
     degree = layer.pipeline_degree
     if isinstance(degree, AutoDegree):
         chosen = sorted({r for (_, _, _, training), r in degree.decisions.items() if training})
         notes.append(f"auto degree: r={'/'.join(map(str, chosen)) or '?'} ({degree.source})")
     if isinstance(degree, TunedDegree):
         notes += degree.notes()
-    if isinstance(layer.schedule, ParmTuneSchedule):
-        notes += layer.schedule.notes()
     return tuple(notes)
 
 
 def _ran_as(spec: RowSpec, layer: MoELayer) -> Optional[str]:
-    if isinstance(layer.schedule, ParmTuneSchedule):      # its picks name S2's form already
-        schedules = {s.decided for (_, training), s in layer.schedule.searches.items() if training and s.decided}
-    else:
-        schedules = {choice.choice for choice in getattr(layer.schedule, "choices", {}).values()}
     degree = layer.pipeline_degree
     degrees = ({r for (_, _, _, training), r in degree.decisions.items() if training}
                if isinstance(degree, AutoDegree) else set())
-    return fixed_twin(spec, schedules, degrees, saa=bool(getattr(layer.schedule, "saa", False)))
+    return fixed_twin(spec, layer.schedule.ran(), degrees)
 
 
-def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int], *, saa: bool) -> Optional[str]:
-    """Pure: the label of the fixed row that runs what auto row ``spec`` ran, given the schedules parm-auto or
-    parm-tune chose (S2 runs with SAA when ``saa``) and the training degrees PipeMoE's auto or tune chose;
-    None when ``spec`` is not an auto row or it ran more than one configuration."""
+def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int]) -> Optional[str]:
+    """Pure: the label of the fixed row that runs what auto row ``spec`` ran, given the schedules it ran as
+    (``Schedule.ran``: S2's form included) and the training degrees PipeMoE's auto or tune chose; None when
+    ``spec`` is not an auto row or it ran more than one configuration."""
     name, options = spec.name, dict(spec.options)
     auto_schedule, auto_degree = name in PROFILED_SCHEDULES, degree_needs_profile(options.get("r"))
     if not (auto_schedule or auto_degree):
@@ -184,7 +175,6 @@ def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int], *, saa: bo
         if len(schedules) != 1:
             return None
         (name,) = schedules
-        name = "parm-s2-saa" if name == "parm-s2" and saa else name
     if auto_degree:
         if len(degrees) != 1:
             return None

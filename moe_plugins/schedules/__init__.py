@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Type
+import logging
+from typing import Dict, List, Optional, Type
 
+from ..costmodel import CostProfile
 from ..layout import ParallelLayout
+from ..parm_cost import DEFAULT_COSTS_SOURCE
+from ..plugin_config import PROFILED_SCHEDULES
 from .base import Dispatched, LayerParams, Schedule, chunk_bounds, run_schedule
 from .baseline import BaselineSchedule
 from .baseline_tp import BaselineTPSchedule
-from .parm import PARM_SCHEDULES
+from .parm import PARM_SCHEDULES, parm_auto_for
 from .parm_tune import ParmTuneSchedule
 
 SCHEDULES: Dict[str, Type[Schedule]] = {cls.name: cls for cls in (BaselineSchedule, BaselineTPSchedule,
@@ -21,5 +25,17 @@ def schedule_problems(name: str, layout: ParallelLayout) -> List[str]:
     return SCHEDULES[name].layout_problems(layout)
 
 
-__all__ = ["SCHEDULES", "Dispatched", "LayerParams", "Schedule", "chunk_bounds", "run_schedule",
-           "schedule_problems"]
+def host_schedule_class(name: str, profile: Optional[CostProfile], element_bytes: int, mp: int,
+                        log: logging.Logger) -> Type[Schedule]:
+    """The class a host runs for schedule ``name``: ``parm-auto`` / ``parm-tune`` decide from the profile's
+    alpha-beta terms (the documented defaults, said on the host's ``log``, without one); every other schedule
+    is its registered class."""
+    if name not in PROFILED_SCHEDULES:
+        return SCHEDULES[name]
+    if profile is None:
+        log.info("moe_plugins: %s has no cached profile for this layout; it uses %s", name, DEFAULT_COSTS_SOURCE)
+    return parm_auto_for(profile, element_bytes, mp, base=SCHEDULES[name])
+
+
+__all__ = ["SCHEDULES", "Dispatched", "LayerParams", "Schedule", "chunk_bounds", "host_schedule_class",
+           "run_schedule", "schedule_problems"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Set, Tuple
 
 import torch
 
@@ -68,6 +68,16 @@ class Schedule(ABC):
         """This schedule on other process groups (PipeMoE's lane runs the exchanges on a twin). A schedule
         with per-call state that its exchanges read shares that state with the twin."""
         return type(self)(self.config, groups, self.rec)
+
+    def notes(self) -> List[str]:
+        """What this schedule decided so far, in words (for logs and bench reports); [] when it decides
+        nothing."""
+        return []
+
+    def ran(self) -> Set[str]:
+        """The registered schedule names its training calls ran as (several when a deciding schedule chose
+        differently per token count)."""
+        return {type(self).name}
 
     @classmethod
     def layout_problems(cls, groups_layout) -> List[str]:

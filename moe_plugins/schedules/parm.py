@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, ClassVar, Dict, Tuple, Type
+from typing import Callable, ClassVar, Dict, List, Set, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,10 @@ class _ParmSchedule(Schedule):
 
     saa: ClassVar[bool] = False
 
+    def saa_now(self) -> bool:
+        """Whether this call's S2 exchange runs as SAA (the class's ``saa``; parm-tune decides per call)."""
+        return self.saa
+
     @property
     def _esp(self) -> int:
         return self.groups.esp.size
@@ -180,7 +184,7 @@ class _ParmSchedule(Schedule):
     def exchange_in(self, d: torch.Tensor) -> torch.Tensor:
         groups = self.groups
         if d.dim() == 4:                                         # S2: d_EPcM, keep this rank's MP block
-            if self.saa and groups.mp.size > 1:
+            if self.saa_now() and groups.mp.size > 1:
                 return saa_scatter(d, ep_esp=groups.ep_esp, mp=groups.mp, esp=self._esp, order=self._order(),
                                    rec=self.rec)
             d = comm.split(d, groups.mp, self.rec, dim=1)        # E, 1, c, M
@@ -195,7 +199,7 @@ class _ParmSchedule(Schedule):
 
     def exchange_out(self, o: torch.Tensor) -> torch.Tensor:
         groups, esp = self.groups, self._esp
-        if o.dim() == 5 and self.saa and groups.mp.size > 1:    # S2 with SAA: r_EPcM
+        if o.dim() == 5 and self.saa_now() and groups.mp.size > 1:    # S2 with SAA: r_EPcM
             return saa_gather(o, ep_esp=groups.ep_esp, mp=groups.mp, esp=esp, order=self._order(), rec=self.rec)
         r = comm.all_to_all(o, groups.ep_esp, self.rec)
         g, e_l, rest = r.shape[0], r.shape[1], tuple(r.shape[2:])
@@ -311,6 +315,14 @@ class ParmAutoSchedule(_ParmSchedule):
                      self.rec.layer, choice.choice, num_tokens, choice.t_s1, choice.t_s2, choice.s2_form,
                      self.costs_source)
         return self.choices[num_tokens]
+
+    def notes(self) -> List[str]:
+        return [f"parm-auto: {c.choice} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms, t_s2 {c.t_s2 * 1e3:.3g} ms)"
+                for tokens, c in sorted(self.choices.items())]
+
+    def ran(self) -> Set[str]:
+        s2 = ParmS2SAASchedule.name if self.saa_now() else ParmS2Schedule.name
+        return {SCHEDULE_S1 if c.choice == SCHEDULE_S1 else s2 for c in self.choices.values()}
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         if self.choose(x_SM.shape[0]).choice == SCHEDULE_S1:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -79,8 +79,7 @@ class ParmTuneSchedule(ParmAutoSchedule):
         self._state = state if state is not None else _CallState()
         self.searches: Dict[Tuple[int, bool], Search[str]] = {}
 
-    @property
-    def saa(self) -> bool:               # read by the shared exchange steps (ParmAutoSchedule: always True)
+    def saa_now(self) -> bool:           # the candidate this call runs (read by the shared exchange steps)
         return self._state.saa
 
     def twin(self, groups) -> "ParmTuneSchedule":
@@ -111,6 +110,10 @@ class ParmTuneSchedule(ParmAutoSchedule):
         y = super().finish(r, dispatched)
         sample, self._state.sample = self._state.sample, None
         return y if sample is None else sample.wrap_output(y)
+
+    def ran(self) -> Set[str]:
+        """Its decided candidates already name S2's form."""
+        return {s.decided for (_, training), s in self.searches.items() if training and s.decided}
 
     def notes(self) -> List[str]:
         return [f"parm-tune ({tokens} tokens, {'training' if training else 'forward'}): {s.describe()}"

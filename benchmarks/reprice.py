@@ -1,0 +1,98 @@
+"""Re-price a committed PipeMoE bench run offline: which degree each exchange pricing picks, and what the fixed
+rows measured at that degree. An analysis of recorded data, not a measurement.
+
+For each group of a ``moe-plugins bench`` JSON that carries the auto row's cost profile (``profile`` and
+``profile_measurements``), this rebuilds the profile, plans the group's layer with
+``PipeCosts.from_profile(..., pricing=P)`` for P in ``linear`` and ``curve`` (the same ``choose_degree`` the
+``auto`` rows run), and prints the pick next to the fixed rows' medians. A pick with no fixed row of its
+degree shows "–". Only the baseline schedule with ``baseline@r=N`` fixed rows is handled.
+
+    python benchmarks/reprice.py benchmarks/results/pipemoe-2x1-curve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Dict, List, Optional, Tuple
+
+from moe_plugins.costmodel import EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey
+from moe_plugins.gating import capacity
+from moe_plugins.pipemoe import choose_degree
+
+TOLERANCE = 1.05
+
+
+def fixed_medians(rows: Dict[str, dict]) -> Dict[int, float]:
+    """degree -> median ms of the fixed baseline rows (``baseline`` is r = 1)."""
+    out = {1: rows["baseline"]["median_ms"]} if "baseline" in rows else {}
+    for label, row in rows.items():
+        m = re.fullmatch(r"baseline@r=(\d+)", label)
+        if m:
+            out[int(m.group(1))] = row["median_ms"]
+    return out
+
+
+def profile_of(group: dict, layout: dict) -> CostProfile:
+    models = {k: LinearModel(alpha=v["alpha"], beta=v["beta"], unit=v["unit"], r2=v["r2"])
+              for k, v in group["profile"].items()}
+    measured = {k: Measurement(x=tuple(v["x"]), seconds=tuple(v["seconds"]))
+                for k, v in group["profile_measurements"].items()}
+    key = ProfileKey(world=layout["world"], ranks_per_node=layout["ranks_per_node"], mp=layout["mp"],
+                     ep=layout["ep"], esp=layout["esp"], backend="gloo", device="cpu")
+    return CostProfile(key=key, dtype="float32", models=models, measurements=measured)
+
+
+def workload(case: dict) -> Tuple[float, float, int]:
+    """(n_d bytes, n_e macs, capacity) of the baseline layer (fp32), as AutoDegree reads them off d."""
+    cap = capacity(case["tokens"], case["experts"], case["k"], case["capacity_factor"], case["min_capacity"])
+    rows = case["experts"] * cap
+    return float(rows * case["hidden"] * 4), float(rows * case["hidden"] * case["ffn"]), cap
+
+
+def reprice(report: dict) -> List[dict]:
+    plan = report["meta"]["plan"]
+    out = []
+    for g in report["groups"]:
+        if not g.get("profile_measurements"):
+            continue
+        case = g["case"]
+        layout = {"world": plan["nodes"] * plan["ranks_per_node"], "ranks_per_node": plan["ranks_per_node"],
+                  **{k: case[k] for k in ("mp", "ep", "esp")}}
+        profile, (n_d, n_e, cap) = profile_of(g, layout), workload(case)
+        fixed = fixed_medians(g["rows"])
+        best = min(fixed.values())
+        picks: Dict[str, Tuple[int, Optional[float]]] = {}
+        for pricing in EXCHANGE_PRICING:
+            r = choose_degree(PipeCosts.from_profile(profile, "ep", pricing), n_d, n_e, r_max=min(64, cap)).degree
+            picks[pricing] = (r, fixed[r] / best if r in fixed else None)
+        out.append({"case": g["case_label"], "rate": g["rate"], "best": min(fixed, key=fixed.get), "picks": picks})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+", help="bench JSON files")
+    args = ap.parse_args()
+    for path in args.json:
+        with open(path) as f:
+            rows = reprice(json.load(f))
+        print(f"# {path}\n\n| case | rate | best fixed r | " + " | ".join(
+            f"{p}: r (t_fixed(r) / t_best)" for p in EXCHANGE_PRICING) + " |")
+        print("|---|---|---|" + "---|" * len(EXCHANGE_PRICING))
+        within, judged = {p: 0 for p in EXCHANGE_PRICING}, {p: 0 for p in EXCHANGE_PRICING}
+        for row in rows:
+            cells = []
+            for p in EXCHANGE_PRICING:
+                r, ratio = row["picks"][p]
+                cells.append(f"{r} ({'–' if ratio is None else f'{ratio:.2f}'})")
+                within[p] += ratio is not None and ratio <= TOLERANCE
+                judged[p] += ratio is not None
+            print(f"| {row['case']} | {row['rate']} | {row['best']} | " + " | ".join(cells) + " |")
+        print(f"\nof {len(rows)} groups, picks with a fixed row of their degree that is within 5% of the best: "
+              + ", ".join(f"{p} {within[p]} of {judged[p]}" for p in EXCHANGE_PRICING) + "\n")
+
+
+if __name__ == "__main__":
+    main()
