@@ -207,7 +207,7 @@ def optimal_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_M
     """Theorem 1 for one pass: candidates from r = 1, Q1 (Eq. 28), Q2 (f3 by SLSQP) and not-Q2 (f4 by
     SLSQP), each SLSQP optimum rounded both ways and re-timed with the recurrence; the fastest wins
     (ties go to the smaller r)."""
-    _check_plan_inputs(costs, n_d, n_e, r_max)
+    _check_theorem_inputs(costs, n_d, n_e, r_max)
     cands = [Candidate(1, moe_time(costs, n_d, n_e, 1), "r=1")]
     if r_max >= 2:
         c, ad, ae = costs, costs.beta_a * n_d, costs.beta_e * n_e
@@ -264,6 +264,14 @@ def _pick(cands: List[Candidate], objective: str) -> DegreeChoice:
     uniq = {c.r: c for c in sorted(cands, key=lambda c: (c.r, c.time_s))}
     return DegreeChoice(degree=best.r, predicted_time_s=best.time_s, case=best.case,
                         candidates=tuple(uniq[r] for r in sorted(uniq)), objective=objective)
+
+
+def _check_theorem_inputs(costs: PipeCosts, n_d: float, n_e: float, r_max: int) -> None:
+    """Theorem 1's closed forms price an exchange with the line; a measured curve would be silently ignored."""
+    if costs.exchange_curve is not None:
+        raise ValueError("Theorem 1 assumes t_d = alpha_a + beta_a n_d / r; costs with an exchange_curve are "
+                         "planned by searched_degree (choose_degree picks it)")
+    _check_plan_inputs(costs, n_d, n_e, r_max)
 
 
 def _check_plan_inputs(costs: PipeCosts, n_d: float, n_e: float, r_max: int) -> None:

@@ -109,6 +109,10 @@ def test_a_kinked_curve_moves_the_degree_where_the_line_would_not():
                                        alpha_e=GLOO_KINK.alpha_e, beta_e=GLOO_KINK.beta_e), n_d, n_e)
     assert n_d / curved.degree <= 1 << 20 < n_d / straight.degree, (curved.degree, straight.degree)
     assert len(curved.candidates) == 64 and len(straight.candidates) < 64     # searched vs Theorem 1
+    with pytest.raises(ValueError, match="Theorem 1 assumes t_d = alpha_a"):
+        optimal_degree(GLOO_KINK, n_d, n_e)                 # the line's closed forms would ignore the curve
+    with pytest.raises(ValueError, match="Theorem 1 assumes t_d = alpha_a"):
+        optimal_training_degree(GLOO_KINK, n_d, n_e)
 
 
 def test_fewest_chunks_near_breaks_near_ties_towards_fewer_chunks():
