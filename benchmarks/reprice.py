@@ -18,8 +18,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from moe_plugins.costmodel import EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey
-from moe_plugins.gating import capacity
-from moe_plugins.pipemoe import choose_degree
+from moe_plugins.pipemoe import R_MAX, choose_degree, plan_workload
 
 TOLERANCE = 1.05
 
@@ -44,11 +43,14 @@ def profile_of(group: dict, layout: dict) -> CostProfile:
     return CostProfile(key=key, dtype="float32", models=models, measurements=measured)
 
 
-def workload(case: dict) -> Tuple[float, float, int]:
-    """(n_d bytes, n_e macs, capacity) of the baseline layer (fp32), as AutoDegree reads them off d."""
-    cap = capacity(case["tokens"], case["experts"], case["k"], case["capacity_factor"], case["min_capacity"])
-    rows = case["experts"] * cap
-    return float(rows * case["hidden"] * 4), float(rows * case["hidden"] * case["ffn"]), cap
+def workload(case: dict):
+    """The baseline layer's sizes (fp32) as AutoDegree reads them off d: pipemoe.plan_workload, one sample of
+    ``tokens`` tokens on EP ranks."""
+    if case["min_capacity"] or case["esp"] != 1:
+        raise ValueError(f"reprice handles min_capacity 0 and esp 1 (got min_capacity {case['min_capacity']}, "
+                         f"esp {case['esp']})")
+    return plan_workload(B=1, L=case["tokens"], M=case["hidden"], H=case["ffn"], E=case["experts"], k=case["k"],
+                         f=case["capacity_factor"], P=case["ep"])
 
 
 def reprice(report: dict) -> List[dict]:
@@ -60,12 +62,13 @@ def reprice(report: dict) -> List[dict]:
         case = g["case"]
         layout = {"world": plan["nodes"] * plan["ranks_per_node"], "ranks_per_node": plan["ranks_per_node"],
                   **{k: case[k] for k in ("mp", "ep", "esp")}}
-        profile, (n_d, n_e, cap) = profile_of(g, layout), workload(case)
+        profile, w = profile_of(g, layout), workload(case)
         fixed = fixed_medians(g["rows"])
         best = min(fixed.values())
         picks: Dict[str, Tuple[int, Optional[float]]] = {}
         for pricing in EXCHANGE_PRICING:
-            r = choose_degree(PipeCosts.from_profile(profile, "ep", pricing), n_d, n_e, r_max=min(64, cap)).degree
+            r = choose_degree(PipeCosts.from_profile(profile, "ep", pricing), w.n_d, w.n_e,
+                              r_max=min(R_MAX, w.capacity)).degree
             picks[pricing] = (r, fixed[r] / best if r in fixed else None)
         out.append({"case": g["case_label"], "rate": g["rate"], "best": min(fixed, key=fixed.get), "picks": picks})
     return out

@@ -245,12 +245,13 @@ class ExchangeCurve:
 
     @staticmethod
     def fit(measurement: Measurement, beta_tail: float) -> "ExchangeCurve":
-        """The isotonic fit of ``measurement`` (sizes sorted, repeated sizes averaged by the fit)."""
-        order = np.argsort(np.asarray(measurement.x, dtype=float), kind="stable")
-        x_N = np.asarray(measurement.x, dtype=float)[order]
-        t_N = isotonic_regression(np.asarray(measurement.seconds, dtype=float)[order]).x
-        xs, ts = np.unique(x_N, return_index=True)
-        return ExchangeCurve(x=tuple(float(v) for v in xs), seconds=tuple(float(max(t_N[i], 0.0)) for i in ts),
+        """The isotonic fit of ``measurement``, one point per size (repeated sizes enter as their mean,
+        weighted by their count)."""
+        x_U, inverse, count_U = np.unique(np.asarray(measurement.x, dtype=float), return_inverse=True,
+                                          return_counts=True)
+        mean_U = np.bincount(inverse, weights=np.asarray(measurement.seconds, dtype=float)) / count_U
+        t_U = isotonic_regression(mean_U, weights=count_U.astype(float)).x
+        return ExchangeCurve(x=tuple(float(v) for v in x_U), seconds=tuple(float(max(t, 0.0)) for t in t_U),
                              beta_tail=max(float(beta_tail), 0.0))
 
 

@@ -309,7 +309,8 @@ def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = 
         best = optimal_degree(costs, n_d, n_e, r_max=r_max)
     else:
         best = optimal_training_degree(costs, n_d, n_e, r_max=r_max, backward_factor=backward_factor)
-    time_of = lambda r: objective_time(costs, n_d, n_e, r, objective, backward_factor)
+    timed = {c.r: c.time_s for c in best.candidates}       # the search timed every r; Theorem 1 a few
+    time_of = lambda r: timed[r] if r in timed else objective_time(costs, n_d, n_e, r, objective, backward_factor)
     r = fewest_chunks_near([time_of(v) for v in range(1, best.degree)] + [best.predicted_time_s], tie_tolerance)
     if r == best.degree:
         return best

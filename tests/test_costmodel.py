@@ -81,6 +81,9 @@ def test_exchange_curve_is_the_isotonic_fit_of_the_medians():
     assert curve.time(3145728.0) == pytest.approx((45e-3 + 170e-3) / 2)          # linear between sizes
     assert curve.time(8388608.0) == pytest.approx(170e-3 + 5e-8 * 4194304)      # the line's slope past the end
     assert not curve.problems()
+    # a size measured twice enters as its mean (weighted by its count), not as its first reading
+    twice = ExchangeCurve.fit(Measurement(x=(1.0, 1.0, 2.0), seconds=(1.0, 3.0, 4.0)), beta_tail=0.0)
+    assert twice.x == (1.0, 2.0) and twice.seconds == pytest.approx((2.0, 4.0))
 
 
 def test_exchange_curve_problems_name_the_field():

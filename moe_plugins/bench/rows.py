@@ -15,6 +15,7 @@ Shapes: S tokens per rank, M model dim, E experts, H FFN hidden.
 from __future__ import annotations
 
 import contextlib
+import logging
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, List, Optional, Set, Tuple
@@ -28,12 +29,12 @@ from ..layer import MoELayer, ScheduleLike
 from ..pipemoe import AutoDegree, Degree, degree_from_flag
 from ..pipemoe_tune import TunedDegree
 from ..plugin_config import PROFILED_SCHEDULES, degree_needs_profile
-from ..schedules.parm import parm_auto_for
 from ..ledger import CommLedger
-from ..schedules import SCHEDULES
+from ..schedules import SCHEDULES, host_schedule_class
 from .matrix import CaseConfig, RowSpec, moe_config
 from .traffic import LedgerMeter
 
+logger = logging.getLogger("moe_plugins.bench")
 AUX_COEF = 0.01
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -122,10 +123,9 @@ def _pipeline_degree(spec: RowSpec, data: CaseData) -> Degree:
 
 
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
-    if spec.name not in PROFILED_SCHEDULES:
-        return spec.name
-    elsize = torch.empty((), dtype=data.dtype).element_size()
-    return parm_auto_for(_profile(spec, data), elsize, data.groups.layout.mp, base=SCHEDULES[spec.name])
+    profile = _profile(spec, data) if spec.name in PROFILED_SCHEDULES else None
+    return host_schedule_class(spec.name, profile, torch.empty((), dtype=data.dtype).element_size(),
+                               data.groups.layout.mp, logger)
 
 
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
