@@ -39,9 +39,15 @@ Units: alpha in seconds, beta in seconds per element, sizes in elements, times i
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from scipy.optimize import brentq
+
+from .costmodel import EXCHANGE_PRICING, ExchangeCurve
 
 SCHEDULE_S1 = "parm-s1"
 SCHEDULE_S2 = "parm-s2"
@@ -136,16 +142,20 @@ class Op:
         return f"{self.op}@{self.group}"
 
 
-def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None) -> List[Op]:
+def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None, *,
+                 c_l: Optional[float] = None) -> List[Op]:
     """The collectives of one direction of ``schedule`` ("baseline", "parm-s1", "parm-s2"), with the paper's
-    sizes; collectives on groups of size 1 are left out (the layer does not issue them)."""
+    sizes; collectives on groups of size 1 are left out (the layer does not issue them). ``c_l``: S1's buffer
+    in slots per expert as observed on real routing (None: :func:`s1_slots`, balanced routing)."""
+    if c_l is not None and not (isinstance(c_l, (int, float)) and math.isfinite(c_l) and c_l >= 0):
+        raise ValueError(f"c_l ({c_l!r}) must be a finite number >= 0 (S1's slots per expert)")
     s = sizes(shape, T)
     etm = shape.E * s.T * shape.M
     if schedule == "baseline":
         ops = [Op("all_gather", "esp", s.x * shape.esp), Op("all_to_all", "ep", s.y),
                Op("all_reduce", "esp", s.y), Op("all_to_all", "ep", s.y)]
     elif schedule == SCHEDULE_S1:
-        y1 = shape.E * s1_slots(shape, T) * shape.M * shape.esp
+        y1 = shape.E * (s1_slots(shape, T) if c_l is None else c_l) * shape.M * shape.esp
         ops = [Op("all_to_all", "ep_esp", y1)] * 2 + [Op("all_gather", "mp", s.x)]
     elif schedule == SCHEDULE_S2:
         ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", etm)]
@@ -192,12 +202,22 @@ class AlphaBeta:
         return self.alpha + self.beta * n
 
 
+# The terms a measured curve can price (the ones Algorithm 1 reads), and the profile model each comes from.
+CURVE_TERMS = {"a2a_ep_esp": "all_to_all@ep_esp", "ag_mp": "all_gather@mp", "saa": "saa@ep_esp+mp"}
+_TERM_OF_OP = {"all_to_all@ep_esp": "a2a_ep_esp", "all_gather@mp": "ag_mp", "all_gather@esp": "ag_esp",
+               "all_reduce@esp": "ar_esp", "all_to_all@ep": "a2a_ep"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParmCosts:
-    """The alpha-beta terms Parm plans with. ``a2a_ep_esp`` and ``ag_mp`` are Algorithm 1's inputs;
-    ``saa`` is (alpha_o, beta_o) of the overlapped collective as a function of its all-to-all size (None:
-    S2 is costed without overlap, the upper bound of Eq. 7); the last three cost the baseline (Eq. 1) and
-    are only needed for ``t_baseline``."""
+    """The terms Parm plans with. ``a2a_ep_esp`` and ``ag_mp`` are Algorithm 1's inputs; ``saa`` is
+    (alpha_o, beta_o) of the overlapped collective as a function of its all-to-all size (None: S2 is costed
+    without overlap, the upper bound of Eq. 7); the last three cost the baseline (Eq. 1) and are only needed
+    for ``t_baseline``.
+
+    ``curves``: (term, curve) pairs for terms of :data:`CURVE_TERMS` priced from the profile's measured
+    times instead of their line (:class:`moe_plugins.costmodel.ExchangeCurve`, its x in *elements* here).
+    The line stays for display and for terms without a curve."""
 
     a2a_ep_esp: AlphaBeta
     ag_mp: AlphaBeta
@@ -205,17 +225,24 @@ class ParmCosts:
     ag_esp: Optional[AlphaBeta] = None
     ar_esp: Optional[AlphaBeta] = None
     a2a_ep: Optional[AlphaBeta] = None
+    curves: Tuple[Tuple[str, ExchangeCurve], ...] = ()
 
     def problems(self) -> List[str]:
         out = []
-        for f in fields(self):
-            term = getattr(self, f.name)
+        for name in ("a2a_ep_esp", "ag_mp", "saa", "ag_esp", "ar_esp", "a2a_ep"):
+            term = getattr(self, name)
             if term is None:
                 continue
             for part in ("alpha", "beta"):
                 value = getattr(term, part)
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                    out.append(f"{f.name}.{part} ({value!r}) must be a finite number >= 0")
+                    out.append(f"{name}.{part} ({value!r}) must be a finite number >= 0")
+        for name, curve in self.curves:
+            if name not in CURVE_TERMS:
+                out.append(f"curves: term {name!r} must be one of {', '.join(CURVE_TERMS)}")
+            elif getattr(self, name) is None:
+                out.append(f"curves: term {name!r} has a curve but no line")
+            out += [f"curves[{name}]: {p}" for p in curve.problems()]
         return out
 
     def check(self) -> "ParmCosts":
@@ -224,16 +251,39 @@ class ParmCosts:
             raise ValueError("invalid Parm costs: " + "; ".join(problems))
         return self
 
+    def lines(self) -> Dict[str, Optional[AlphaBeta]]:
+        """The six alpha-beta terms by name."""
+        return {name: getattr(self, name) for name in ("a2a_ep_esp", "ag_mp", "saa", "ag_esp", "ar_esp", "a2a_ep")}
+
+    def has(self, name: str) -> bool:
+        return getattr(self, name) is not None
+
+    def time(self, name: str, n: float) -> float:
+        """Seconds of term ``name`` on n elements: its curve when it has one, else its line."""
+        curve = dict(self.curves).get(name)
+        if curve is not None:
+            return curve.time(n)
+        term = getattr(self, name)
+        if term is None:
+            raise ValueError(f"costs have no term {name!r}")
+        return term.time(n)
+
     def term(self, op: Op) -> Optional[AlphaBeta]:
-        return {"all_to_all@ep_esp": self.a2a_ep_esp, "all_gather@mp": self.ag_mp, "all_gather@esp": self.ag_esp,
-                "all_reduce@esp": self.ar_esp, "all_to_all@ep": self.a2a_ep}[op.key]
+        return getattr(self, _TERM_OF_OP[op.key])
+
+    def op_time(self, op: Op) -> float:
+        return self.time(_TERM_OF_OP[op.key], op.numel)
 
     @staticmethod
-    def from_profile(profile, element_bytes: int) -> "ParmCosts":
+    def from_profile(profile, element_bytes: int, pricing: str = "curve") -> "ParmCosts":
         """Fill from a :class:`moe_plugins.costmodel.CostProfile` (x in bytes there, elements here).
-        Missing optional models (saa, the baseline's) stay None; the two Algorithm 1 needs must exist."""
+        Missing optional models (saa, the baseline's) stay None; the two Algorithm 1 needs must exist.
+        ``pricing="curve"`` (the default) also prices the terms of :data:`CURVE_TERMS` from the profile's
+        measured times where it holds them (>= 2 sizes); "linear" keeps the lines alone."""
         if element_bytes < 1:
             raise ValueError(f"element_bytes ({element_bytes}) must be >= 1")
+        if pricing not in EXCHANGE_PRICING:
+            raise ValueError(f"pricing ({pricing!r}) must be one of {', '.join(EXCHANGE_PRICING)}")
 
         def get(op: str, group: str, required: bool) -> Optional[AlphaBeta]:
             key = f"{op}@{group}"
@@ -245,9 +295,26 @@ class ParmCosts:
             m = profile.models[key]
             return AlphaBeta(alpha=m.alpha, beta=m.beta * element_bytes)
 
-        return ParmCosts(a2a_ep_esp=get("all_to_all", "ep_esp", True), ag_mp=get("all_gather", "mp", True),
-                         saa=get("saa", "ep_esp+mp", False), ag_esp=get("all_gather", "esp", False),
-                         ar_esp=get("all_reduce", "esp", False), a2a_ep=get("all_to_all", "ep", False)).check()
+        lines = ParmCosts(a2a_ep_esp=get("all_to_all", "ep_esp", True), ag_mp=get("all_gather", "mp", True),
+                          saa=get("saa", "ep_esp+mp", False), ag_esp=get("all_gather", "esp", False),
+                          ar_esp=get("all_reduce", "esp", False), a2a_ep=get("all_to_all", "ep", False))
+        if pricing == "linear":
+            return lines.check()
+        return dataclasses.replace(lines, curves=measured_curves(profile, element_bytes, lines)).check()
+
+
+def measured_curves(profile, element_bytes: int, lines: "ParmCosts") -> Tuple[Tuple[str, ExchangeCurve], ...]:
+    """The isotonic curve of each :data:`CURVE_TERMS` term the profile measured at >= 2 sizes, in elements
+    (its tail grows with the term's line)."""
+    out = []
+    for name, key in CURVE_TERMS.items():
+        measured, line = profile.measurements.get(key), getattr(lines, name)
+        if measured is None or line is None or len(set(measured.x)) < 2:
+            continue
+        curve = ExchangeCurve.fit(measured, line.beta / element_bytes)
+        out.append((name, ExchangeCurve(x=tuple(x / element_bytes for x in curve.x), seconds=curve.seconds,
+                                        beta_tail=line.beta)))
+    return tuple(out)
 
 
 # The paper's only published terms (§VI-B, Fig. 6): the MP all-gather on its two testbeds.
@@ -277,13 +344,7 @@ DEFAULT_COSTS_SOURCE = ("default: placeholders measured on the project's 2-core 
 # ---- times and the choice ----------------------------------------------------------------------------
 
 def ops_time(ops: List[Op], costs: ParmCosts) -> float:
-    total = 0.0
-    for o in ops:
-        term = costs.term(o)
-        if term is None:
-            raise ValueError(f"costs have no term for {o.key}")
-        total += term.time(o.numel)
-    return total
+    return sum(costs.op_time(o) for o in ops)
 
 
 def t_baseline(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) -> Optional[float]:
@@ -294,20 +355,23 @@ def t_baseline(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) ->
     return ops_time(ops, costs)
 
 
-def t_s1(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) -> float:
-    """t_D1 (Eq. 11)."""
-    return ops_time(schedule_ops(SCHEDULE_S1, shape, T), costs)
+def t_s1(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, c_l: Optional[float] = None) -> float:
+    """t_D1 (Eq. 11); ``c_l``: S1's observed buffer (slots per expert), else balanced routing's."""
+    return ops_time(schedule_ops(SCHEDULE_S1, shape, T, c_l=c_l), costs)
+
+
+def saa_form(shape: ParmShape, costs: ParmCosts, saa: bool) -> bool:
+    return saa and costs.saa is not None and shape.mp > 1
 
 
 def t_s2(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True) -> float:
     """t_D2: with SAA (Eq. 14 without its double-counted all-gather) when ``saa`` and the costs have the
     overlap term and N_MP > 1; otherwise the sequential form (Eq. 7's right side)."""
     ops = schedule_ops(SCHEDULE_S2, shape, T)
-    if not (saa and costs.saa is not None and shape.mp > 1):
+    if not saa_form(shape, costs, saa):
         return ops_time(ops, costs)
     a2a = [o for o in ops if o.key == "all_to_all@ep_esp"]
-    n = sizes(shape, T).y / shape.mp
-    return (ops_time(a2a[:1], costs) if a2a else 0.0) + costs.saa.time(n)
+    return ops_time(a2a[:1], costs) + costs.time("saa", sizes(shape, T).y / shape.mp)
 
 
 @dataclass(frozen=True)
@@ -322,29 +386,39 @@ class ParmChoice:
     t_s2: float
     s2_form: str           # "saa" or "sequential"
     choice: str            # "parm-s1" or "parm-s2"
+    s1_slots: float = 0.0  # S1's buffer it priced (slots per expert)
+    s1_source: str = "balanced"   # "balanced" (:func:`s1_slots`) or "observed" (measured on real routing)
 
 
-def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *,
-                    saa: bool = True) -> ParmChoice:
-    """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper)."""
+def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True,
+                    c_l: Optional[float] = None) -> ParmChoice:
+    """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper). ``c_l``: S1's buffer as
+    observed on the layer's routing (the paper assumes balanced routing, :func:`s1_slots`)."""
     costs.check()
     s = sizes(shape, T)
-    d1, d2 = t_s1(shape, costs, T), t_s2(shape, costs, T, saa=saa)
-    form = "saa" if (saa and costs.saa is not None and shape.mp > 1) else "sequential"
+    d1, d2 = t_s1(shape, costs, T, c_l=c_l), t_s2(shape, costs, T, saa=saa)
     return ParmChoice(x=s.x, T=s.T, y=s.y, t_baseline=t_baseline(shape, costs, T), t_s1=d1, t_s2=d2,
-                      s2_form=form, choice=SCHEDULE_S1 if d1 <= d2 else SCHEDULE_S2)
+                      s2_form="saa" if saa_form(shape, costs, saa) else "sequential",
+                      choice=SCHEDULE_S1 if d1 <= d2 else SCHEDULE_S2,
+                      s1_slots=s1_slots(shape, T) if c_l is None else float(c_l),
+                      s1_source="balanced" if c_l is None else "observed")
 
 
 def break_even_T(shape: ParmShape, costs: ParmCosts, *, saa: bool = True) -> Optional[float]:
-    """The smallest T > 0 at which t_D1 = t_D2 for this shape, or None when they never cross. Both are
-    piecewise linear in T (t_D1 bends where S1's buffer stops growing, :func:`s1_slots`, at multiples of
-    d = B L / (E N_MP)), so each piece is solved as a line."""
+    """The smallest T > 0 at which t_D1 = t_D2 for this shape (balanced routing), or None when they never
+    cross. With lines both are piecewise linear in T (t_D1 bends where S1's buffer stops growing,
+    :func:`s1_slots`, at multiples of d = B L / (E N_MP)), so each piece is solved as a line. With measured
+    curves the pieces bend at every measured size too: the sign of t_D1 - t_D2 is scanned on a fine
+    geometric grid of T (and the kinks) and each sign change refined with scipy's brentq, so a crossing that
+    touches zero between two grid points without changing sign is not reported."""
     d = shape.B * shape.L / (shape.E * shape.mp)
     kinks = [0.0] + [float(j) * d for j in range(1, 2 * shape.k * shape.mp + 1)] + [math.inf]
 
     def gap(T: float) -> float:
         return t_s1(shape, costs, T) - t_s2(shape, costs, T, saa=saa)
 
+    if costs.curves:
+        return _first_root(gap, kinks[1:-1] + list(np.geomspace(d * 1e-3, kinks[-2] * 64, 600)))
     for lo, hi in zip(kinks, kinks[1:]):
         a = lo if lo > 0 else min(d, 1.0) * 1e-6
         b = hi if math.isfinite(hi) else lo + max(d, 1.0)
@@ -354,4 +428,15 @@ def break_even_T(shape: ParmShape, costs: ParmCosts, *, saa: bool = True) -> Opt
         root = a - f_a * (b - a) / (f_b - f_a)
         if lo <= root <= hi and root > 0:
             return root
+    return None
+
+
+def _first_root(gap, points: List[float]) -> Optional[float]:
+    grid = sorted(set(float(p) for p in points if p > 0))
+    values = [gap(T) for T in grid]
+    for (a, f_a), (b, f_b) in zip(zip(grid, values), zip(grid[1:], values[1:])):
+        if f_a == 0:
+            return a
+        if (f_a < 0) != (f_b < 0):
+            return float(brentq(gap, a, b, xtol=1e-12 * b))
     return None

@@ -316,3 +316,42 @@ def test_auto_choice_is_logged_once_and_follows_the_costs(caplog):
             assert sched.choose(64).choice == choice and sched.choose(64).choice == choice
         assert len(caplog.records) == 1 and f"layer7: parm-auto chose {choice} for 64 tokens" in caplog.text
         assert cls.name == "parm-auto" and cls.costs is not ParmAutoSchedule.costs
+
+
+def test_auto_prices_s1_with_the_buffer_it_observes(world):
+    """Lines under which S1 wins by 1 ns on balanced routing (t_s1 = 2 b y / N_MP, t_s2 = the same + 1 ns);
+    the routing is skewed so S1's real buffer is twice balanced: after the first agreement parm-auto prices
+    S1 with the observed C_l, switches to S2, and every call stays exact (S1 and S2 compute the same)."""
+    line = AlphaBeta(alpha=0.0, beta=1e-9)
+    costs = ParmCosts(a2a_ep_esp=line, ag_mp=AlphaBeta(alpha=0.0, beta=0.0), saa=AlphaBeta(alpha=1e-9, beta=1e-9))
+    for layout in ((2, 2, 1), (2, 1, 2)):
+        got = world(4).run(jobs.auto_watches_s1_buffer, costs, layout)[0]
+        calls = got["calls"]
+        assert got["s1_c_l"] == 8 and got["agreed"] == 8, got          # balanced routing gives 4
+        assert [c["ran"] for c in calls] == ["parm-s1", "parm-s2", "parm-s2", "parm-s2"], got
+        assert calls[0]["source"] == "observed" and calls[-1]["priced_c_l"] == 8
+        assert got["made"] == ["parm-s1", "parm-s2"]
+        assert max(max(c["err_y"], c["err_grad"]) for c in calls) <= 1e-12, got
+
+
+def test_auto_observes_nothing_when_told_not_to(world):
+    """observe_every = 0 is the paper's Algorithm 1: balanced pricing for every call, no extra collective."""
+    sched = ParmAutoSchedule.with_costs(forcing("parm-s1"), "test")
+    layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=1)
+    quiet = type("ParmAutoSchedule", (sched,), {"observe_every": 0})(
+        MoEConfig(hidden=8, ffn=16, num_experts=4, k=2), fake_groups(layout, 0), Recorder(None, "l"))
+    quiet.observe(64, 99)
+    assert quiet.watch == {} and quiet.choose(64).s1_source == "balanced"
+
+
+def test_mp_block_slots_matches_block_counts():
+    gen = torch.Generator().manual_seed(3)
+    expert_SK = torch.randint(0, 4, (10, 2), generator=gen)
+    slot_SK = torch.randint(-1, 3, (10, 2), generator=gen)
+    from moe_plugins.gating import Routing
+    from moe_plugins.schedules.parm import mp_block_slots
+    routing = Routing(expert_SK=expert_SK, slot_SK=slot_SK, weight_SK=torch.ones(10, 2), capacity=3,
+                      aux_loss=torch.zeros(()), exp_counts_E=torch.zeros(4))
+    padded_e = torch.cat([expert_SK, torch.zeros(2, 2, dtype=torch.long)])
+    padded_s = torch.cat([slot_SK, torch.full((2, 2), -1)])
+    assert mp_block_slots(routing, 4, 4) == int(block_counts(padded_e, padded_s, 4, 4, 3).max())

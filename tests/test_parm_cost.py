@@ -163,3 +163,67 @@ def test_costs_from_a_profile_convert_bytes_to_elements():
     assert c.saa == AlphaBeta(alpha=3e-4, beta=8e-10) and c.a2a_ep is None
     with pytest.raises(ValueError, match=r"no model for 'all_gather@mp', which Parm's choice needs"):
         ParmCosts.from_profile(profile({"all_to_all@ep_esp": (1e-4, 1e-10)}), element_bytes=4)
+
+
+def measured_profile(points):
+    """A profile whose three Algorithm 1 terms carry lines and per-size measurements (x bytes -> seconds)."""
+    from moe_plugins.costmodel import Measurement
+    p = profile({"all_to_all@ep_esp": (1e-4, 1e-10), "all_gather@mp": (2e-5, 5e-11), "saa@ep_esp+mp": (3e-4, 2e-10)})
+    measured = {k: Measurement(x=tuple(x for x, _ in pts), seconds=tuple(t for _, t in pts))
+                for k, pts in points.items()}
+    return CostProfile(key=p.key, dtype=p.dtype, models=p.models, measurements=measured)
+
+
+def test_curve_pricing_reads_the_measured_times():
+    """A kinked all-to-all (cheap up to 4 KiB, then 10x dearer per byte) is priced from its points, in
+    elements; the terms without measurements keep their lines; ``linear`` ignores the points."""
+    kinked = [(1024.0, 1e-4), (4096.0, 2e-4), (8192.0, 2.2e-3)]
+    p = measured_profile({"all_to_all@ep_esp": kinked})
+    c = ParmCosts.from_profile(p, element_bytes=4)
+    assert [name for name, _ in c.curves] == ["a2a_ep_esp"]
+    assert c.time("a2a_ep_esp", 1024) == pytest.approx(2e-4)                      # 4096 bytes: a point
+    assert c.time("a2a_ep_esp", 1536) == pytest.approx(1.2e-3)                    # halfway to 8192 bytes
+    assert c.time("a2a_ep_esp", 4096) == pytest.approx(2.2e-3 + 4e-10 * 2048)     # past the last: the line's slope
+    assert c.time("ag_mp", 1000) == c.ag_mp.time(1000)
+    flat = ParmCosts.from_profile(p, element_bytes=4, pricing="linear")
+    assert flat.curves == () and flat.time("a2a_ep_esp", 1536) == flat.a2a_ep_esp.time(1536)
+    with pytest.raises(ValueError, match=r"pricing \('cubic'\) must be one of curve, linear"):
+        ParmCosts.from_profile(p, element_bytes=4, pricing="cubic")
+
+
+def test_curve_drawn_from_the_lines_changes_nothing():
+    """Measurements that lie on the lines give the lines' times, choice and break-even T (the curve's
+    break-even is found numerically)."""
+    shape = ParmShape(**{**SHAPE.__dict__, "esp": 1})
+    lines = COSTS
+    xs = [2.0 ** j for j in range(10, 34)]
+    points = {key: [(x, getattr(lines, name).alpha + getattr(lines, name).beta / 4 * x) for x in xs]
+              for name, key in (("a2a_ep_esp", "all_to_all@ep_esp"), ("ag_mp", "all_gather@mp"),
+                                ("saa", "saa@ep_esp+mp"))}
+    p = measured_profile(points)
+    p = CostProfile(key=p.key, dtype=p.dtype, measurements=p.measurements,
+                    models={**p.models, **{k: LinearModel(alpha=getattr(lines, n).alpha, beta=getattr(lines, n).beta / 4,
+                                                          unit="byte")
+                                           for n, k in (("a2a_ep_esp", "all_to_all@ep_esp"), ("ag_mp", "all_gather@mp"),
+                                                        ("saa", "saa@ep_esp+mp"))}})
+    curved = ParmCosts.from_profile(p, element_bytes=4)
+    assert len(curved.curves) == 3
+    for T in (1.0, 37.0, 512.0, 4096.0):
+        assert t_s1(shape, curved, T) == pytest.approx(t_s1(shape, lines, T), rel=1e-9)
+        assert t_s2(shape, curved, T) == pytest.approx(t_s2(shape, lines, T), rel=1e-9)
+    assert break_even_T(shape, curved) == pytest.approx(break_even_T(shape, lines), rel=1e-6)
+
+
+def test_observed_s1_buffer_prices_s1():
+    """c_l replaces balanced routing's C_l in S1's all-to-all (y1 = E C_l M N_ESP) and can flip the choice."""
+    shape = ParmShape(B=1, L=512, M=256, H=512, E=8, k=2, f=1.0, mp=2, ep=2, esp=2)
+    costs = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=0.0, beta=1e-9), ag_mp=AlphaBeta(alpha=0.0, beta=0.0),
+                      saa=AlphaBeta(alpha=1e-9, beta=1e-9))
+    assert s1_slots(shape) == 64
+    a2a = op_volumes(schedule_ops("parm-s1", shape, c_l=80))["all_to_all@ep_esp"]
+    assert a2a == (2, 2 * 8 * 80 * 256 * 2)
+    balanced, seen = choose_schedule(shape, costs), choose_schedule(shape, costs, c_l=80)
+    assert (balanced.choice, balanced.s1_slots, balanced.s1_source) == ("parm-s1", 64, "balanced")
+    assert (seen.choice, seen.s1_slots, seen.s1_source) == ("parm-s2", 80, "observed")
+    with pytest.raises(ValueError, match=r"c_l \(-1\) must be a finite number >= 0"):
+        schedule_ops("parm-s1", shape, c_l=-1)

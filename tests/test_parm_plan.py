@@ -80,3 +80,26 @@ def test_bad_input_is_one_line_listing_everything(capsys):
     for part in ("k (9) must not exceed E (8)", "E (8) must be divisible by ep (3)",
                  "H (4095) must be divisible by esp (2)", "--alpha-a2a and --beta-a2a must be given together"):
         assert part in lines[0]
+
+
+def test_curve_pricing_and_observed_buffer_flags(capsys, tmp_path):
+    from moe_plugins.costmodel import Measurement
+    p = profile()
+    kinked = Measurement(x=(4096.0, 1 << 20, 1 << 23), seconds=(1e-4, 5e-4, 2e-2))
+    p = CostProfile(key=p.key, dtype=p.dtype, models=p.models, measurements={"all_to_all@ep_esp": kinked})
+    path = p.save(tmp_path / "kinked.json")
+    code, out, _ = run(capsys, *BASE, "--profile", str(path), "--json")
+    plan = json.loads(out)
+    assert code == 0 and list(plan["curves"]) == ["a2a_ep_esp"]
+    assert plan["curves"]["a2a_ep_esp"]["x"] == [1024.0, 262144.0, 2097152.0]          # elements (fp32)
+    want = choose_schedule(ParmShape(B=4, L=512, M=1024, H=4096, E=8, k=2, f=1.2, mp=2, ep=2, esp=2),
+                           ParmCosts.from_profile(p, 4))
+    assert plan["t_s1"] == pytest.approx(want.t_s1) and plan["s1_slots_source"] == "balanced"
+    code, out, _ = run(capsys, *BASE, "--profile", str(path), "--exchange-pricing", "linear", "--s1-slots", "300",
+                       "--json")
+    plan = json.loads(out)
+    assert plan["curves"] == {} and plan["s1_slots"] == 300 and plan["s1_slots_source"] == "observed"
+    code, out, _ = run(capsys, *BASE, "--profile", str(path), "--alpha-a2a", "1e-4", "--beta-a2a", "1e-9")
+    assert code == 0 and "Every op is priced by its line" in out          # a flag's line replaces the curve
+    code, _, err = run(capsys, *BASE, "--s1-slots", "nan")
+    assert code == 2 and "--s1-slots (nan) must be a finite number >= 0" in err

@@ -17,8 +17,16 @@ Costs: every op is alpha [s] + beta [s/element] * elements. Where they come from
 file (--profile, from `moe-plugins profile`; its per-byte betas are converted with --element-bytes), the
 newest profile cached for this machine with the same mp/ep/esp, or the built-in placeholders (measured on
 the project's 2-core CPU development machine, not a cluster). Any --alpha-*/--beta-* pair given on the
-command line replaces that term. The paper publishes only the MP all-gather's terms: testbed A
+command line replaces that term (and its curve). The paper publishes only the MP all-gather's terms: testbed A
 --alpha-ag 6.64e-4 --beta-ag 5.38e-10, testbed B --alpha-ag 1.09e-4 --beta-ag 7.14e-10.
+
+Pricing: a profile also holds each op's measured medians per size. With ``--exchange-pricing curve`` (the
+default) the EP&ESP all-to-all, the MP all-gather and SAA cost the isotonic fit of those medians at their size
+(``curves`` in the JSON: sizes in elements, seconds); ``linear`` uses alpha + beta n alone. The break-even
+T is then found numerically. The flags and the built-in placeholders are lines.
+
+--s1-slots prices S1's buffer at an observed C_l (slots per expert per MP block) instead of balanced
+routing's, as parm-auto does once it has watched the layer's routing.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from ..costmodel import EXCHANGE_PRICING
 from ..parm_cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, AlphaBeta, ParmCosts, ParmShape, break_even_T,
                          choose_schedule, s1_slots, shape_problems)
 
@@ -63,6 +73,10 @@ def register(sub) -> None:
     p.add_argument("--cache-dir", default=None, help="where cached profiles live (default: $MOE_PLUGINS_CACHE "
                    "or ~/.cache/moe_plugins)")
     p.add_argument("--element-bytes", type=int, default=4, help="bytes per element (fp32: 4), for profiles")
+    p.add_argument("--exchange-pricing", default="curve", choices=EXCHANGE_PRICING,
+                   help="with a profile: price ops from its measured curves (default) or its fitted lines")
+    p.add_argument("--s1-slots", type=float, default=None,
+                   help="S1's observed buffer, slots per expert (default: balanced routing's)")
     p.add_argument("--no-saa", dest="saa", action="store_false", help="cost S2 without SAA")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
@@ -92,6 +106,8 @@ def check_args(args: argparse.Namespace) -> Tuple[ParmShape, Dict[str, AlphaBeta
     problems = shape_problems(shape) + problems
     if args.element_bytes < 1:
         problems.append(f"--element-bytes ({args.element_bytes}) must be >= 1")
+    if args.s1_slots is not None and not (math.isfinite(args.s1_slots) and args.s1_slots >= 0):
+        problems.append(f"--s1-slots ({args.s1_slots}) must be a finite number >= 0")
     if problems:
         raise ValueError("; ".join(problems))
     return shape, given
@@ -100,13 +116,14 @@ def check_args(args: argparse.Namespace) -> Tuple[ParmShape, Dict[str, AlphaBeta
 def base_costs(args: argparse.Namespace) -> Tuple[ParmCosts, str]:
     from ..costmodel import CostProfile, default_cache_dir
     if args.profile:
-        return ParmCosts.from_profile(CostProfile.load(Path(args.profile)), args.element_bytes), \
+        return ParmCosts.from_profile(CostProfile.load(Path(args.profile)), args.element_bytes,
+                                      args.exchange_pricing), \
             f"profile {args.profile}"
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     found = find_cached(cache_dir, args.mp, args.ep, args.esp)
     if found is not None:
         path, profile = found
-        return ParmCosts.from_profile(profile, args.element_bytes), f"cached profile {path}"
+        return ParmCosts.from_profile(profile, args.element_bytes, args.exchange_pricing), f"cached profile {path}"
     return DEFAULT_COSTS, DEFAULT_COSTS_SOURCE + f" (no cached profile with mp={args.mp} ep={args.ep} " \
                                                   f"esp={args.esp} in {cache_dir})"
 
@@ -134,7 +151,8 @@ def _this_device() -> str:
 def resolve_costs(args: argparse.Namespace, given: Dict[str, AlphaBeta]) -> Tuple[ParmCosts, str]:
     costs, source = base_costs(args)
     if given:
-        costs = dataclasses.replace(costs, **given)
+        kept = tuple((name, curve) for name, curve in costs.curves if name not in given)
+        costs = dataclasses.replace(costs, **given, curves=kept)
         source = f"flags ({', '.join(sorted(given))}) over {source}"
     return costs.check(), source
 
@@ -142,13 +160,14 @@ def resolve_costs(args: argparse.Namespace, given: Dict[str, AlphaBeta]) -> Tupl
 def plan(args: argparse.Namespace) -> dict:
     shape, given = check_args(args)
     costs, source = resolve_costs(args, given)
-    c = choose_schedule(shape, costs, saa=args.saa)
+    c = choose_schedule(shape, costs, saa=args.saa, c_l=args.s1_slots)
     return {"planner": "parm", "inputs": dataclasses.asdict(shape), "x": c.x, "T": c.T, "y": c.y,
-            "s1_slots": s1_slots(shape),
+            "s1_slots": c.s1_slots, "s1_slots_source": c.s1_source, "s1_slots_balanced": s1_slots(shape),
             "t_baseline": c.t_baseline, "t_s1": c.t_s1, "t_s2": c.t_s2, "s2_form": c.s2_form, "choice": c.choice,
             "break_even_T": break_even_T(shape, costs, saa=args.saa), "costs_source": source,
-            "costs": {f: (dataclasses.asdict(t) if t is not None else None)
-                      for f, t in ((f.name, getattr(costs, f.name)) for f in dataclasses.fields(costs))},
+            "costs": {name: (dataclasses.asdict(t) if t is not None else None) for name, t in costs.lines().items()},
+            "curves": {name: {"x": list(c.x), "seconds": list(c.seconds), "beta_tail": c.beta_tail}
+                       for name, c in costs.curves},
             "units": UNITS}
 
 
@@ -159,8 +178,10 @@ def explain(out: dict) -> str:
              f"  costs from {out['costs_source']}",
              f"  layer: x = B L M = {out['x']:.6g} elements, T = k f B L / E = {out['T']:.6g} slots, "
              f"y = E T M N_ESP = {out['y']:.6g} elements; mp={s['mp']} ep={s['ep']} esp={s['esp']}",
-             f"  S1 buffer: C_l = {out['s1_slots']:.6g} slots per expert per MP block (balanced routing; the "
-             f"paper's T / N_MP = {out['T'] / s['mp']:.6g}), S2: T / N_MP"]
+             f"  S1 buffer: C_l = {out['s1_slots']:.6g} slots per expert per MP block ({out['s1_slots_source']}"
+             f"{' routing' if out['s1_slots_source'] == 'balanced' else ', given'}; balanced routing gives "
+             f"{out['s1_slots_balanced']:.6g}, the paper's T / N_MP = {out['T'] / s['mp']:.6g}), S2: T / N_MP",
+             "  " + pricing_line(out)]
     if out["t_baseline"] is not None:
         lines.append(f"  baseline (Eq. 1): {out['t_baseline'] * ms:.3f} ms; the chosen schedule is "
                      f"{out['t_baseline'] / min(out['t_s1'], out['t_s2']):.2f}x faster by the model")
@@ -173,6 +194,13 @@ def explain(out: dict) -> str:
     if out["break_even_T"] is not None and out["break_even_T"] > 0:
         lines.append(f"  The two cross at T = {out['break_even_T']:.6g} slots per expert for this shape.")
     return "\n".join(lines)
+
+
+def pricing_line(out: dict) -> str:
+    if not out["curves"]:
+        return "Every op is priced by its line, alpha + beta n."
+    return (f"Priced from the profile's measured times (isotonic fit, interpolated): {', '.join(out['curves'])}; "
+            f"the rest by their lines.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, ClassVar, Dict, List, Set, Tuple, Type
+from typing import Callable, ClassVar, Dict, List, Optional, Set, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,18 @@ class _TokenSplit:
 
     local: Routing          # this rank's s rows: slots in [0, C_l), weights split from the full routing
     num_tokens: int         # S before padding
+    block_slots: int        # C_l of this MP group's blocks, before the EP&ESP max
+
+
+@dataclass
+class _S1Watch:
+    """What parm-auto has seen of S1's buffer for one token count: this MP group's C_l summed over the calls
+    since the last agreement, and the agreed value (None before the first)."""
+
+    calls: int = 0
+    seen: int = 0
+    total: int = 0
+    agreed: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,15 @@ def local_slots(expert_sK: torch.Tensor, slot_sK: torch.Tensor, num_experts: int
     out = torch.full_like(slot_sK, -1)
     out[kept] = rank_EC[expert_sK[kept], slot_sK[kept]]
     return out
+
+
+def mp_block_slots(routing: Routing, num_experts: int, blocks: int) -> int:
+    """C_l that S1 would use for this routing of the MP group's whole token block (before the EP&ESP max):
+    the largest per-expert count of kept routes over its ``blocks`` token blocks."""
+    rows = _round_up(routing.num_tokens, blocks)
+    counts_PE = block_counts(_pad_rows(routing.expert_SK, rows, 0), _pad_rows(routing.slot_SK, rows, -1),
+                             num_experts, blocks, rows // blocks)
+    return int(counts_PE.max())
 
 
 def whole_block_routing(routing: Routing, num_experts: int, mp: Group, rec: comm.Recorder) -> BlockRouting:
@@ -220,7 +241,7 @@ class _ParmSchedule(Schedule):
         else:
             block = whole_block_routing(params.router(x_SM), e, mp, rec)
         routing = block.routing
-        cap_local = int(block.kept_PE.max())
+        cap_local = block_slots = int(block.kept_PE.max())
         if not set(self.groups.ep_esp.ranks) <= set(mp.ranks):  # members with other tokens: agree on C_l
             cap_local = comm.all_reduce_max(cap_local, self.groups.ep_esp, rec)
         cap_local = max(cap_local, 1)
@@ -229,7 +250,8 @@ class _ParmSchedule(Schedule):
                         weight_SK=routing.weight_SK, capacity=cap_local, aux_loss=routing.aux_loss,
                         exp_counts_E=routing.exp_counts_E)
         d_EcM = dispatch(x_sM, local, e, cap_local)
-        return Dispatched(d=d_EcM, cap_dim=1, state=_TokenSplit(local, num_tokens), aux_loss=routing.aux_loss,
+        return Dispatched(d=d_EcM, cap_dim=1, state=_TokenSplit(local, num_tokens, block_slots),
+                          aux_loss=routing.aux_loss,
                           exp_counts_E=routing.exp_counts_E, dropped=block.dropped)
 
     def _finish_tokens(self, r_EcM: torch.Tensor, st: _TokenSplit) -> torch.Tensor:
@@ -284,19 +306,34 @@ class ParmS2SAASchedule(ParmS2Schedule):
 
 class ParmAutoSchedule(_ParmSchedule):
     """Parm: per layer and token count, S1 or S2 (with SAA) by Algorithm 1. The decision depends only on
-    the token count, the config, the layout and the costs, so every rank makes the same one; it is logged
-    once per layer and token count and kept in ``choices``. Costs: the class attribute ``costs`` (use
-    :meth:`with_costs` for a measured profile; a class, so PipeMoE's lane twin inherits it)."""
+    the token count, the config, the layout, the costs and values agreed by every rank, so every rank makes
+    the same one; it is logged when it is first made or changes, and kept in ``choices``. Costs: the class
+    attribute ``costs`` (use :meth:`with_costs` for a measured profile; a class, so PipeMoE's lane twin
+    inherits it).
+
+    S1's buffer. Algorithm 1 prices S1 with balanced routing's C_l (:func:`moe_plugins.parm_cost.s1_slots`).
+    Real routing is skewed, and S1's buffer is the largest per-expert count over the MP group's token blocks
+    (and over the EP&ESP group): on the bench's random gate it was 1.16x balanced at f = 1 and 1.56x at
+    f = 0.5, which moves the choice. So every call notes the C_l its routing gives (S1's own, or, running
+    S2, what S1 would have used: a bincount of the routing it already holds, no communication), and every
+    ``observe_every`` calls of a token count, starting with the first, the ranks agree on the largest mean
+    of those notes (two integer max all-reduces, over EP&ESP then MP); from the next call on, S1 is priced
+    with that. (The max of the ranks' means is at most the mean of the per-call EP&ESP maxima S1 pays.)
+    ``observe_every = 0`` keeps the paper's balanced pricing and issues nothing."""
 
     name = "parm-auto"
     saa = True
     model_saa: ClassVar[bool] = True      # Algorithm 1 prices S2 with SAA (when the costs have it)
+    observe_every: ClassVar[int] = 16
     costs: ClassVar[ParmCosts] = DEFAULT_COSTS
     costs_source: ClassVar[str] = DEFAULT_COSTS_SOURCE
 
     def __init__(self, config, groups, rec):
         super().__init__(config, groups, rec)
         self.choices: Dict[int, ParmChoice] = {}
+        self.watch: Dict[int, _S1Watch] = {}
+        self.logged: Dict[int, str] = {}       # the choice last logged per token count
+        self.made: Set[str] = set()             # every choice made so far
 
     @classmethod
     def with_costs(cls, costs: ParmCosts, source: str) -> Type["ParmAutoSchedule"]:
@@ -309,25 +346,52 @@ class ParmAutoSchedule(_ParmSchedule):
 
     def choose(self, num_tokens: int) -> ParmChoice:
         if num_tokens not in self.choices:
-            choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa)
+            watch = self.watch.get(num_tokens)
+            c_l = watch.agreed if watch is not None else None
+            choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa, c_l=c_l)
+            if self.logged.get(num_tokens) != choice.choice:
+                log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s]; "
+                         "costs: %s)", self.rec.layer, choice.choice, num_tokens, choice.t_s1, choice.s1_slots,
+                         choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
+                self.logged[num_tokens] = choice.choice
             self.choices[num_tokens] = choice
-            log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s, t_s2=%.3g s [%s]; costs: %s)",
-                     self.rec.layer, choice.choice, num_tokens, choice.t_s1, choice.t_s2, choice.s2_form,
-                     self.costs_source)
+            self.made.add(choice.choice)
         return self.choices[num_tokens]
 
+    def observe(self, num_tokens: int, block_slots: int) -> None:
+        """Note one call's C_l; on the agreement calls, agree with every rank and re-decide on the next call."""
+        if self.observe_every <= 0 or self.groups.layout.mp == 1:
+            return
+        watch = self.watch.setdefault(num_tokens, _S1Watch())
+        watch.calls, watch.seen, watch.total = watch.calls + 1, watch.seen + 1, watch.total + block_slots
+        if (watch.calls - 1) % self.observe_every:
+            return
+        mean = -(-watch.total // watch.seen)
+        agreed = comm.all_reduce_max(comm.all_reduce_max(mean, self.groups.ep_esp, self.rec), self.groups.mp,
+                                     self.rec)
+        watch.seen = watch.total = 0
+        if agreed != watch.agreed:
+            watch.agreed = agreed
+            self.choices.pop(num_tokens, None)
+
     def notes(self) -> List[str]:
-        return [f"parm-auto: {c.choice} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms, t_s2 {c.t_s2 * 1e3:.3g} ms)"
-                for tokens, c in sorted(self.choices.items())]
+        return [f"parm-auto: {c.choice} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms with C_l {c.s1_slots:.4g} "
+                f"{c.s1_source}, t_s2 {c.t_s2 * 1e3:.3g} ms)" for tokens, c in sorted(self.choices.items())]
 
     def ran(self) -> Set[str]:
         s2 = ParmS2SAASchedule.name if self.saa_now() else ParmS2Schedule.name
-        return {SCHEDULE_S1 if c.choice == SCHEDULE_S1 else s2 for c in self.choices.values()}
+        return {SCHEDULE_S1 if c == SCHEDULE_S1 else s2 for c in self.made}
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
-        if self.choose(x_SM.shape[0]).choice == SCHEDULE_S1:
-            return self._prepare_tokens(x_SM, params)
-        return self._prepare_capacity(x_SM, params)
+        num_tokens = x_SM.shape[0]
+        if self.choose(num_tokens).choice == SCHEDULE_S1:
+            dispatched = self._prepare_tokens(x_SM, params)
+            block_slots = dispatched.state.block_slots
+        else:
+            dispatched = self._prepare_capacity(x_SM, params)
+            block_slots = mp_block_slots(dispatched.state.routing, self.config.num_experts, self.groups.mp.size)
+        self.observe(num_tokens, block_slots)
+        return dispatched
 
 
 PARM_SCHEDULES: Tuple[Type[Schedule], ...] = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule, ParmAutoSchedule)

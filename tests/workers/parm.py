@@ -199,3 +199,62 @@ def _tuned_parm(spec: VerifySpec, degree: int, steps: int, groups) -> dict:
     out["start"], out["times"], out["decided"] = search.start, dict(search.times_s), search.decided
     out["notes"] = tuned.notes()
     return out
+
+
+def auto_watches_s1_buffer(costs: ParmCosts, layout: Tuple[int, int, int], calls: int = 4,
+                           tokens: int = 16):
+    """parm-auto (with ``costs``, observe_every 2) on a skewed routing: each MP rank's token block sends all
+    its tokens to two experts, so S1's buffer is twice balanced routing's. Runs ``calls`` forward+backward
+    calls and, on the same input, parm-s1 and parm-s2 once. Rank 0 returns, per call, the choice that ran
+    and the C_l it was priced with, the agreed C_l, the largest output and input-gradient differences from
+    parm-s1, and S1's real buffer."""
+    mp, ep, esp = layout
+    world = dist.get_world_size()
+    groups = build_process_groups(ParallelLayout(world=world, ranks_per_node=2, mp=mp, ep=ep, esp=esp))
+    cfg = MoEConfig(hidden=8, ffn=16, num_experts=4, k=2, capacity_factor=1.0, min_capacity=0)
+    gen = torch.Generator().manual_seed(1)
+    full = init_full_weights(cfg.num_experts, cfg.hidden, cfg.ffn, gen, torch.float64)
+    wg_EM = torch.zeros(cfg.num_experts, cfg.hidden, dtype=torch.float64)
+    wg_EM[:, :cfg.num_experts] = torch.eye(cfg.num_experts, dtype=torch.float64)
+    x_SM = 0.1 * torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
+    x_SM[:, :cfg.num_experts] = 0.0
+    block = torch.arange(tokens) * mp // tokens             # MP block of each token: experts 2b, 2b + 1
+    x_SM[torch.arange(tokens), (2 * block) % cfg.num_experts] = 3.0
+    x_SM[torch.arange(tokens), (2 * block + 1) % cfg.num_experts] = 1.0
+    auto_cls = type("ParmAutoSchedule", (ParmAutoSchedule.with_costs(costs, "test costs"),), {"observe_every": 2})
+
+    def run(schedule):
+        ledger = CommLedger()
+        layer = MoELayer(cfg, groups, schedule=schedule, ledger=ledger, name="moe", dtype=torch.float64)
+        layer.load_full(wg_EM, full)
+        return layer, ledger
+
+    def step(layer):
+        x = x_SM.clone().requires_grad_(True)
+        result = layer(x)
+        (result.y * torch.arange(result.y.numel(), dtype=torch.float64).view_as(result.y)).sum().backward()
+        return result.y.detach(), x.grad
+
+    def s1_marks(ledger) -> int:     # only S1's split gate all-reduces the gate weight's gradient over MP
+        return ledger.summary().get("moe", {}).get("backward:all_reduce@mp", {"count": 0})["count"]
+
+    ref = {}
+    for name in ("parm-s1", "parm-s2"):
+        layer, ledger = run(name)
+        ref[name] = step(layer)
+        if name == "parm-s1":
+            row = ledger.summary()["moe"]["forward:all_to_all@ep_esp"]      # numel per op: E C_l M N_ESP
+            s1_c_l = row["numel"] / (row["count"] * cfg.num_experts * cfg.hidden * esp)
+    layer, ledger = run(auto_cls)
+    out = []
+    for _ in range(calls):
+        before = s1_marks(ledger)
+        y, g = step(layer)
+        c = layer.schedule.choose(tokens)
+        out.append({"ran": "parm-s1" if s1_marks(ledger) > before else "parm-s2",
+                    "priced_c_l": c.s1_slots, "source": c.s1_source,
+                    "err_y": float((y - ref["parm-s1"][0]).abs().max()),
+                    "err_grad": float((g - ref["parm-s1"][1]).abs().max())})
+    agreed = layer.schedule.watch[tokens].agreed
+    return ({"calls": out, "agreed": agreed, "s1_c_l": s1_c_l, "made": sorted(layer.schedule.made)}
+            if dist.get_rank() == 0 else None)
