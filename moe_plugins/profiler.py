@@ -6,8 +6,10 @@ What is timed (every rank at once, as in training; each sample is the slowest ra
 - ``all_to_all@<g>``, ``all_gather@<g>``, ``all_reduce@<g>`` on every group kind of the layout larger than
   one rank (all groups of a kind run concurrently); x = bytes (the ledger's convention: the gathered size
   for all-gather, the input size otherwise);
-- ``saa@ep_esp+mp``: an all-to-all on the fused EP&ESP group concurrently with an all-gather of the same
-  bytes on the MP group (async ops), Parm's SAA pattern; x = bytes into the all-to-all;
+- ``saa@ep_esp+mp``: Parm's SAA as the layer runs it (:func:`moe_plugins.saa.saa_raw`: the EP&ESP
+  all-to-all as point-to-point slices, each peer block's ESP sum all-gathered on MP as soon as it lands),
+  so the fit carries its per-slice costs; x = bytes into the all-to-all (the all-gather is mp / esp times
+  that, as in S2);
 - ``chunk`` (opt-in): what one more pipeline chunk costs PipeMoE's runner. A tiny MoE layer (so that the
   per-byte and per-mac terms vanish) runs forward + backward at degrees 1, 2, 4, 8 on the layout's groups;
   x = the degree, and the slope is the per-chunk start-up (thread hand-offs, autograd, waiting for the
@@ -129,17 +131,21 @@ def _collective(op: str, group: Group, numel: int, dtype: torch.dtype, device: t
     return lambda: dist.all_reduce(x, group=group.pg)
 
 
-def _saa(a2a: Group, ag: Group, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
-    x = torch.randn(numel, device=device).to(dtype)
-    out = torch.empty_like(x)
-    gathered = torch.empty(numel * ag.size, dtype=dtype, device=device)
+SAA_ROW = 64       # elements per slot row of the profiled SAA tensor (w: G x 1 x 1 x c x SAA_ROW)
 
-    def run() -> None:
-        works = [dist.all_to_all_single(out, x, group=a2a.pg, async_op=True),
-                 _all_gather_flat(gathered, x, group=ag.pg, async_op=True)]
-        for w in works:
-            w.wait()
-    return run
+
+def _saa(groups: MoEProcessGroups, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """The layer's own SAA (:func:`moe_plugins.saa.saa_raw`: p2p slices on EP&ESP, each peer block summed and
+    all-gathered on MP as it lands) on ``numel`` all-to-all elements per rank, so the fitted term carries its
+    per-slice costs; the all-gather is mp / esp times the all-to-all, as in S2."""
+    from .comm import Recorder
+    from .saa import block_order, saa_raw
+    g = groups.ep_esp.size
+    w = torch.randn(g, 1, 1, numel // (g * SAA_ROW), SAA_ROW, device=device).to(dtype)
+    order = block_order(groups.layout, groups.mp, groups.esp.size)
+    rec = Recorder(None, "profile")
+    return lambda: saa_raw(w, ep_esp=groups.ep_esp, mp=groups.mp, esp=groups.esp.size, order=order, rec=rec,
+                           phase="forward")
 
 
 def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) -> List[_Bench]:
@@ -173,9 +179,9 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
             first[op, group.ranks] = bench
             out.append(bench)
     if "saa" in spec.ops and groups.ep_esp.size > 1 and groups.mp.size > 1:
-        numels = [_elements(s, dtype, groups.ep_esp.size) for s in sizes]
+        numels = [_elements(s, dtype, groups.ep_esp.size * SAA_ROW) for s in sizes]
         out.append(_Bench("saa@ep_esp+mp", lambda i: float(numels[i] * elsize),
-                          lambda i: _saa(groups.ep_esp, groups.mp, numels[i], dtype, device), []))
+                          lambda i: _saa(groups, numels[i], dtype, device), []))
     return out
 
 

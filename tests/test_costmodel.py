@@ -149,6 +149,18 @@ def test_tiny_real_profile_on_two_ranks(world, tmp_path):
     assert (tmp_path / "fit.png").stat().st_size > 10_000
 
 
+def test_profile_times_the_layers_saa(world):
+    """The SAA term is measured on the layer's own slice-by-slice SAA (p2p all-to-all, per-block all-gather
+    on MP) over sizes rounded to whole rows of its w (G x 1 x 1 x c x 64) tensor."""
+    layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=1)
+    spec = ProfileSpec(layout=layout, sizes_bytes=(1 << 14, 1 << 18, 1 << 20), ops=("saa",),
+                       groups=("ep_esp", "mp"), warmup=1, repeats=3)
+    prof = world(4).run(tiny_profile, spec)[0]
+    saa = prof.measurements["saa@ep_esp+mp"]
+    assert set(prof.models) == {"saa@ep_esp+mp"} and saa.x == (16384.0, 262144.0, 1048576.0)
+    assert all(t > 0 for t in saa.seconds) and prof.models["saa@ep_esp+mp"].samples == 3
+
+
 # ---- the CLIs ------------------------------------------------------------------------------------------------
 
 def run_cli(*args):
