@@ -384,7 +384,7 @@ class ParmChoice:
     t_baseline: Optional[float]
     t_s1: float
     t_s2: float
-    s2_form: str           # "saa" or "sequential"
+    s2_form: str           # "saa" or "sequential": the cheaper form of S2 (sequential when SAA is not allowed)
     choice: str            # "parm-s1" or "parm-s2"
     s1_slots: float = 0.0  # S1's buffer it priced (slots per expert)
     s1_source: str = "balanced"   # "balanced" (:func:`s1_slots`) or "observed" (measured on real routing)
@@ -393,12 +393,22 @@ class ParmChoice:
 def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True,
                     c_l: Optional[float] = None) -> ParmChoice:
     """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper). ``c_l``: S1's buffer as
-    observed on the layer's routing (the paper assumes balanced routing, :func:`s1_slots`)."""
+    observed on the layer's routing (the paper assumes balanced routing, :func:`s1_slots`).
+
+    S2's form: where SAA is allowed (``saa``) and priced, t_D2 is the cheaper of S2 with SAA (Eq. 14) and
+    without (Eq. 7), and ``s2_form`` says which; the paper always runs S2 with SAA, but on a slow start-up
+    SAA's slices can cost more than they hide (small T). Ties go to SAA."""
     costs.check()
     s = sizes(shape, T)
-    d1, d2 = t_s1(shape, costs, T, c_l=c_l), t_s2(shape, costs, T, saa=saa)
+    d1 = t_s1(shape, costs, T, c_l=c_l)
+    form = "sequential"
+    d2 = t_s2(shape, costs, T, saa=False)
+    if saa_form(shape, costs, saa):
+        overlapped = t_s2(shape, costs, T, saa=True)
+        if overlapped <= d2:
+            form, d2 = "saa", overlapped
     return ParmChoice(x=s.x, T=s.T, y=s.y, t_baseline=t_baseline(shape, costs, T), t_s1=d1, t_s2=d2,
-                      s2_form="saa" if saa_form(shape, costs, saa) else "sequential",
+                      s2_form=form,
                       choice=SCHEDULE_S1 if d1 <= d2 else SCHEDULE_S2,
                       s1_slots=s1_slots(shape, T) if c_l is None else float(c_l),
                       s1_source="balanced" if c_l is None else "observed")

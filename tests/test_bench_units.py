@@ -267,10 +267,10 @@ def test_schedules_say_what_they_ran_as():
     assert auto.ran() == set() and auto.notes() == []
     auto.choices = {64: ParmChoice(x=1.0, T=1.0, y=1.0, t_baseline=None, t_s1=2e-3, t_s2=1e-3, s2_form="saa",
                                    choice="parm-s2", s1_slots=1.5, s1_source="observed")}
-    auto.made = {"parm-s2"}
-    assert auto.ran() == {"parm-s2-saa"} and auto.notes()[0].startswith("parm-auto: parm-s2 for 64 tokens")
+    auto.made = {"parm-s2-saa"}
+    assert auto.ran() == {"parm-s2-saa"} and auto.notes()[0].startswith("parm-auto: parm-s2-saa for 64 tokens")
     assert "C_l 1.5 observed" in auto.notes()[0]
-    auto.made = {"parm-s1", "parm-s2"}                # it switched once it had seen S1's buffer: both ran
+    auto.made = {"parm-s1", "parm-s2-saa"}            # it switched once it had seen S1's buffer: both ran
     assert auto.ran() == {"parm-s1", "parm-s2-saa"}
     base = SCHEDULES["baseline"].__new__(SCHEDULES["baseline"])
     assert base.ran() == {"baseline"} and base.notes() == []

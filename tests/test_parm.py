@@ -58,8 +58,8 @@ def test_saa_matches_reference(world):
 def forcing(choice: str) -> ParmCosts:
     """Costs that make Algorithm 1 pick ``choice`` for any shape with mp > 1."""
     cheap, dear = AlphaBeta(alpha=0.0, beta=1e-12), AlphaBeta(alpha=1.0, beta=1.0)
-    if choice == "parm-s1":
-        return ParmCosts(a2a_ep_esp=cheap, ag_mp=cheap, saa=dear)
+    if choice == "parm-s1":   # free all-to-alls: S1 gathers x, S2 E T M = k f x >= x (ties go to S1)
+        return ParmCosts(a2a_ep_esp=AlphaBeta(alpha=0.0, beta=0.0), ag_mp=cheap, saa=dear)
     return ParmCosts(a2a_ep_esp=cheap, ag_mp=dear, saa=cheap)
 
 
@@ -308,13 +308,13 @@ def test_expert_partials_needs_host_partials_when_sharded():
 def test_auto_choice_is_logged_once_and_follows_the_costs(caplog):
     layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=2)
     cfg = MoEConfig(hidden=8, ffn=16, num_experts=4, k=2)
-    for choice in ("parm-s1", "parm-s2"):
+    for choice, runs_as in (("parm-s1", "parm-s1"), ("parm-s2", "parm-s2-saa")):
         cls = ParmAutoSchedule.with_costs(forcing(choice), "test")
         sched = cls(cfg, fake_groups(layout, 0), Recorder(None, "layer7"))
         with caplog.at_level(logging.INFO, logger="moe_plugins.schedules.parm"):
             caplog.clear()
             assert sched.choose(64).choice == choice and sched.choose(64).choice == choice
-        assert len(caplog.records) == 1 and f"layer7: parm-auto chose {choice} for 64 tokens" in caplog.text
+        assert len(caplog.records) == 1 and f"layer7: parm-auto chose {runs_as} for 64 tokens" in caplog.text
         assert cls.name == "parm-auto" and cls.costs is not ParmAutoSchedule.costs
 
 

@@ -227,3 +227,15 @@ def test_observed_s1_buffer_prices_s1():
     assert (seen.choice, seen.s1_slots, seen.s1_source) == ("parm-s2", 80, "observed")
     with pytest.raises(ValueError, match=r"c_l \(-1\) must be a finite number >= 0"):
         schedule_ops("parm-s1", shape, c_l=-1)
+
+
+def test_s2_runs_with_saa_only_where_the_model_says_it_pays():
+    """S2's form is the cheaper of Eq. 14 (SAA) and Eq. 7 (sequential); --no-saa / saa=False forbids SAA."""
+    shape = ParmShape(B=1, L=512, M=256, H=512, E=8, k=2, f=0.25, mp=2, ep=2, esp=2)
+    link, gather = AlphaBeta(alpha=1e-3, beta=1e-9), AlphaBeta(alpha=1e-3, beta=1e-10)
+    for saa_alpha, form in ((1e-4, "saa"), (5e-3, "sequential")):
+        costs = ParmCosts(a2a_ep_esp=link, ag_mp=gather, saa=AlphaBeta(alpha=saa_alpha, beta=1e-9))
+        c = choose_schedule(shape, costs)
+        assert c.s2_form == form and c.choice == "parm-s2"
+        assert c.t_s2 == min(t_s2(shape, costs, saa=True), t_s2(shape, costs, saa=False))
+    assert choose_schedule(shape, costs, saa=False).s2_form == "sequential"

@@ -100,6 +100,13 @@ class _TokenSplit:
 
 
 @dataclass
+class S2Form:
+    """The running call's S2 form (SAA or not), shared with PipeMoE's lane twin, whose exchanges read it."""
+
+    saa: bool = True
+
+
+@dataclass
 class _S1Watch:
     """What parm-auto has seen of S1's buffer for one token count: this MP group's C_l summed over the calls
     since the last agreement, and the agreed value (None before the first)."""
@@ -305,11 +312,12 @@ class ParmS2SAASchedule(ParmS2Schedule):
 
 
 class ParmAutoSchedule(_ParmSchedule):
-    """Parm: per layer and token count, S1 or S2 (with SAA) by Algorithm 1. The decision depends only on
+    """Parm: per layer and token count, S1 or S2 by Algorithm 1, S2 with SAA or without, whichever the same
+    model prices lower (:func:`moe_plugins.parm_cost.choose_schedule`). The decision depends only on
     the token count, the config, the layout, the costs and values agreed by every rank, so every rank makes
     the same one; it is logged when it is first made or changes, and kept in ``choices``. Costs: the class
     attribute ``costs`` (use :meth:`with_costs` for a measured profile; a class, so PipeMoE's lane twin
-    inherits it).
+    inherits it). The running call's S2 form lives in an :class:`S2Form` shared with that twin.
 
     S1's buffer. Algorithm 1 prices S1 with balanced routing's C_l (:func:`moe_plugins.parm_cost.s1_slots`).
     Real routing is skewed, and S1's buffer is the largest per-expert count over the MP group's token blocks
@@ -323,17 +331,24 @@ class ParmAutoSchedule(_ParmSchedule):
 
     name = "parm-auto"
     saa = True
-    model_saa: ClassVar[bool] = True      # Algorithm 1 prices S2 with SAA (when the costs have it)
+    model_saa: ClassVar[bool] = True      # S2 may run with SAA (then Algorithm 1 prices both forms)
     observe_every: ClassVar[int] = 16
     costs: ClassVar[ParmCosts] = DEFAULT_COSTS
     costs_source: ClassVar[str] = DEFAULT_COSTS_SOURCE
 
-    def __init__(self, config, groups, rec):
+    def __init__(self, config, groups, rec, state: Optional[S2Form] = None):
         super().__init__(config, groups, rec)
+        self._state = state if state is not None else S2Form()
         self.choices: Dict[int, ParmChoice] = {}
         self.watch: Dict[int, _S1Watch] = {}
-        self.logged: Dict[int, str] = {}       # the choice last logged per token count
-        self.made: Set[str] = set()             # every choice made so far
+        self.logged: Dict[int, str] = {}       # the run last logged per token count
+        self.made: Set[str] = set()             # every schedule run so far (parm-s1, parm-s2, parm-s2-saa)
+
+    def saa_now(self) -> bool:           # this call's S2 form (read by the shared exchange steps)
+        return self._state.saa
+
+    def twin(self, groups) -> "ParmAutoSchedule":
+        return type(self)(self.config, groups, self.rec, state=self._state)
 
     @classmethod
     def with_costs(cls, costs: ParmCosts, source: str) -> Type["ParmAutoSchedule"]:
@@ -349,13 +364,12 @@ class ParmAutoSchedule(_ParmSchedule):
             watch = self.watch.get(num_tokens)
             c_l = watch.agreed if watch is not None else None
             choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa, c_l=c_l)
-            if self.logged.get(num_tokens) != choice.choice:
+            if self.logged.get(num_tokens) != run_name(choice):
                 log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s]; "
-                         "costs: %s)", self.rec.layer, choice.choice, num_tokens, choice.t_s1, choice.s1_slots,
+                         "costs: %s)", self.rec.layer, run_name(choice), num_tokens, choice.t_s1, choice.s1_slots,
                          choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
-                self.logged[num_tokens] = choice.choice
+                self.logged[num_tokens] = run_name(choice)
             self.choices[num_tokens] = choice
-            self.made.add(choice.choice)
         return self.choices[num_tokens]
 
     def observe(self, num_tokens: int, block_slots: int) -> None:
@@ -375,16 +389,18 @@ class ParmAutoSchedule(_ParmSchedule):
             self.choices.pop(num_tokens, None)
 
     def notes(self) -> List[str]:
-        return [f"parm-auto: {c.choice} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms with C_l {c.s1_slots:.4g} "
-                f"{c.s1_source}, t_s2 {c.t_s2 * 1e3:.3g} ms)" for tokens, c in sorted(self.choices.items())]
+        return [f"parm-auto: {run_name(c)} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms with C_l {c.s1_slots:.4g} "
+                f"{c.s1_source}, t_s2 {c.t_s2 * 1e3:.3g} ms {c.s2_form})" for tokens, c in sorted(self.choices.items())]
 
     def ran(self) -> Set[str]:
-        s2 = ParmS2SAASchedule.name if self.saa_now() else ParmS2Schedule.name
-        return {SCHEDULE_S1 if c == SCHEDULE_S1 else s2 for c in self.made}
+        return set(self.made)
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         num_tokens = x_SM.shape[0]
-        if self.choose(num_tokens).choice == SCHEDULE_S1:
+        choice = self.choose(num_tokens)
+        self.made.add(run_name(choice))
+        self._state.saa = choice.s2_form == "saa"
+        if choice.choice == SCHEDULE_S1:
             dispatched = self._prepare_tokens(x_SM, params)
             block_slots = dispatched.state.block_slots
         else:
@@ -392,6 +408,13 @@ class ParmAutoSchedule(_ParmSchedule):
             block_slots = mp_block_slots(dispatched.state.routing, self.config.num_experts, self.groups.mp.size)
         self.observe(num_tokens, block_slots)
         return dispatched
+
+
+def run_name(choice: ParmChoice) -> str:
+    """The registered schedule a decision runs as: parm-s1, parm-s2 or parm-s2-saa."""
+    if choice.choice == SCHEDULE_S1:
+        return SCHEDULE_S1
+    return ParmS2SAASchedule.name if choice.s2_form == "saa" else ParmS2Schedule.name
 
 
 PARM_SCHEDULES: Tuple[Type[Schedule], ...] = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule, ParmAutoSchedule)

@@ -15,7 +15,7 @@ training and no_grad calls apart (:class:`moe_plugins.tuning.Search`):
 
 Every candidate computes the same function (the same routes dropped, the same outputs and gradients to
 round-off), so tuning changes speed only. The call's candidate lives in a small state object shared with
-PipeMoE's lane twin (:meth:`ParmTuneSchedule.twin`), whose exchanges read ``saa`` from it.
+PipeMoE's lane twin (:meth:`ParmAutoSchedule.twin`), whose exchanges read ``saa`` from it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from ..parm_cost import SCHEDULE_S1, SCHEDULE_S2
 from ..tuning import TIE_TOLERANCE, Sample, Search
 from .base import Dispatched, LayerParams
-from .parm import ParmAutoSchedule, ParmS2SAASchedule
+from .parm import ParmAutoSchedule, ParmS2SAASchedule, S2Form
 
 SCHEDULE_S2_SAA = ParmS2SAASchedule.name
 
@@ -59,10 +59,9 @@ def fastest(start: str, times_s: Mapping[str, float], tie_tolerance: float = TIE
 
 
 @dataclass
-class _CallState:
+class _CallState(S2Form):
     """Per-call state shared with the lane twin: the running candidate's SAA, and the call's Sample."""
 
-    saa: bool = True
     sample: Optional[Sample] = None
 
 
@@ -75,15 +74,8 @@ class ParmTuneSchedule(ParmAutoSchedule):
     timed_calls: ClassVar[int] = 3
 
     def __init__(self, config, groups, rec, state: Optional[_CallState] = None):
-        super().__init__(config, groups, rec)
-        self._state = state if state is not None else _CallState()
+        super().__init__(config, groups, rec, state if state is not None else _CallState())
         self.searches: Dict[Tuple[int, bool], Search[str]] = {}
-
-    def saa_now(self) -> bool:           # the candidate this call runs (read by the shared exchange steps)
-        return self._state.saa
-
-    def twin(self, groups) -> "ParmTuneSchedule":
-        return type(self)(self.config, groups, self.rec, state=self._state)
 
     def _search(self, num_tokens: int, training: bool) -> Search[str]:
         key = (num_tokens, training)
