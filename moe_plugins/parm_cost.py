@@ -32,7 +32,8 @@ Typos in the paper that are not copied here (derived from the equations instead)
   t_D2 with SAA is A2A + SAA only.
 - Algorithm 1, line 5 writes beta_o * y; the overlapped all-to-all moves y / N_MP elements (Eq. 14).
 
-The choice (Algorithm 1): S1 when t_D1 <= t_D2, else S2.
+The choice (Algorithm 1): S1 when t_D1 <= t_D2, else S2; here near-ties go to the schedule sending fewer
+all-to-all elements (:func:`choose_schedule`).
 
 Units: alpha in seconds, beta in seconds per element, sizes in elements, times in seconds.
 """
@@ -51,6 +52,8 @@ from .costmodel import EXCHANGE_PRICING, ExchangeCurve
 
 SCHEDULE_S1 = "parm-s1"
 SCHEDULE_S2 = "parm-s2"
+# t_D1 and t_D2 within this fraction of each other are a near-tie: decided by all-to-all bytes, not by price
+NEAR_TIE = 0.02
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -395,6 +398,11 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
     """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper). ``c_l``: S1's buffer as
     observed on the layer's routing (the paper assumes balanced routing, :func:`s1_slots`).
 
+    Near-ties (t_D1 and t_D2 within :data:`NEAR_TIE` of each other) go to the schedule that sends fewer
+    elements through the EP&ESP all-to-all, S1 when equal (the paper's tie rule). A measured curve can be
+    flat across sizes whose medians the noise put out of order (the isotonic fit pools them), so a price
+    tie there says nothing about which is faster; the bytes on the slow link do.
+
     S2's form: where SAA is allowed (``saa``) and priced, t_D2 is the cheaper of S2 with SAA (Eq. 14) and
     without (Eq. 7), and ``s2_form`` says which; the paper always runs S2 with SAA, but on a slow start-up
     SAA's slices can cost more than they hide (small T). Ties go to SAA."""
@@ -407,11 +415,20 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
         overlapped = t_s2(shape, costs, T, saa=True)
         if overlapped <= d2:
             form, d2 = "saa", overlapped
+    if abs(d1 - d2) <= NEAR_TIE * min(d1, d2):
+        pick = SCHEDULE_S1 if _a2a_elements(shape, T, c_l, SCHEDULE_S1) <= _a2a_elements(shape, T, c_l, SCHEDULE_S2) \
+            else SCHEDULE_S2
+    else:
+        pick = SCHEDULE_S1 if d1 < d2 else SCHEDULE_S2
     return ParmChoice(x=s.x, T=s.T, y=s.y, t_baseline=t_baseline(shape, costs, T), t_s1=d1, t_s2=d2,
                       s2_form=form,
-                      choice=SCHEDULE_S1 if d1 <= d2 else SCHEDULE_S2,
+                      choice=pick,
                       s1_slots=s1_slots(shape, T) if c_l is None else float(c_l),
                       s1_source="balanced" if c_l is None else "observed")
+
+
+def _a2a_elements(shape: ParmShape, T: Optional[float], c_l: Optional[float], schedule: str) -> float:
+    return sum(o.numel for o in schedule_ops(schedule, shape, T, c_l=c_l) if o.key == "all_to_all@ep_esp")
 
 
 def break_even_T(shape: ParmShape, costs: ParmCosts, *, saa: bool = True) -> Optional[float]:

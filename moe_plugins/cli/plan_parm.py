@@ -178,9 +178,10 @@ def explain(out: dict) -> str:
              f"  costs from {out['costs_source']}",
              f"  layer: x = B L M = {out['x']:.6g} elements, T = k f B L / E = {out['T']:.6g} slots, "
              f"y = E T M N_ESP = {out['y']:.6g} elements; mp={s['mp']} ep={s['ep']} esp={s['esp']}",
-             f"  S1 buffer: C_l = {out['s1_slots']:.6g} slots per expert per MP block ({out['s1_slots_source']}"
-             f"{' routing' if out['s1_slots_source'] == 'balanced' else ', given'}; balanced routing gives "
-             f"{out['s1_slots_balanced']:.6g}, the paper's T / N_MP = {out['T'] / s['mp']:.6g}), S2: T / N_MP",
+             f"  S1 buffer: C_l = {out['s1_slots']:.6g} slots per expert per MP block ("
+             + ("balanced routing" if out["s1_slots_source"] == "balanced" else
+                f"observed, given; balanced routing gives {out['s1_slots_balanced']:.6g}")
+             + f"; the paper's T / N_MP = {out['T'] / s['mp']:.6g}), S2: T / N_MP",
              "  " + pricing_line(out)]
     if out["t_baseline"] is not None:
         lines.append(f"  baseline (Eq. 1): {out['t_baseline'] * ms:.3f} ms; the chosen schedule is "
