@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey
-from moe_plugins.parm_cost import (DEFAULT_COSTS, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
+from moe_plugins.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
+from moe_plugins.parm_cost import (DEFAULT_COSTS, NEAR_TIE, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
                                    choose_schedule, op_volumes, s1_gate_ops, s1_slots, schedule_ops, shape_problems,
                                    sizes, t_baseline, t_s1, t_s2)
 
@@ -123,7 +123,12 @@ def test_choice_is_argmin_and_eq_6_holds(B, L, M, k, f, degrees, alpha, beta_a2a
     costs = ParmCosts(a2a_ep_esp=link, ag_mp=AlphaBeta(alpha=alpha, beta=beta_ag), a2a_ep=link,
                       ag_esp=AlphaBeta(alpha=alpha, beta=beta_ag), ar_esp=AlphaBeta(alpha=alpha, beta=2 * beta_ag))
     c = choose_schedule(shape, costs, saa=False)
-    assert c.choice == ("parm-s1" if c.t_s1 <= c.t_s2 else "parm-s2")
+    if abs(c.t_s1 - c.t_s2) > NEAR_TIE * min(c.t_s1, c.t_s2):
+        assert c.choice == ("parm-s1" if c.t_s1 < c.t_s2 else "parm-s2")
+    else:                               # a near-tie: the schedule sending fewer all-to-all elements (S1 if equal)
+        sent = {s: op_volumes(schedule_ops(s, shape)).get("all_to_all@ep_esp", (0, 0.0))[1]
+                for s in ("parm-s1", "parm-s2")}
+        assert c.choice == ("parm-s1" if sent["parm-s1"] <= sent["parm-s2"] else "parm-s2")
     if ep > 1 and esp > 1:
         # Eq. 6: with N_MP = 1 both schedules beat the baseline by at least the ESP all-gather
         flat = ParmShape(**{**shape.__dict__, "mp": 1})
@@ -167,7 +172,6 @@ def test_costs_from_a_profile_convert_bytes_to_elements():
 
 def measured_profile(points):
     """A profile whose three Algorithm 1 terms carry lines and per-size measurements (x bytes -> seconds)."""
-    from moe_plugins.costmodel import Measurement
     p = profile({"all_to_all@ep_esp": (1e-4, 1e-10), "all_gather@mp": (2e-5, 5e-11), "saa@ep_esp+mp": (3e-4, 2e-10)})
     measured = {k: Measurement(x=tuple(x for x, _ in pts), seconds=tuple(t for _, t in pts))
                 for k, pts in points.items()}
@@ -195,17 +199,13 @@ def test_curve_drawn_from_the_lines_changes_nothing():
     """Measurements that lie on the lines give the lines' times, choice and break-even T (the curve's
     break-even is found numerically)."""
     shape = ParmShape(**{**SHAPE.__dict__, "esp": 1})
-    lines = COSTS
-    xs = [2.0 ** j for j in range(10, 34)]
-    points = {key: [(x, getattr(lines, name).alpha + getattr(lines, name).beta / 4 * x) for x in xs]
-              for name, key in (("a2a_ep_esp", "all_to_all@ep_esp"), ("ag_mp", "all_gather@mp"),
-                                ("saa", "saa@ep_esp+mp"))}
-    p = measured_profile(points)
-    p = CostProfile(key=p.key, dtype=p.dtype, measurements=p.measurements,
-                    models={**p.models, **{k: LinearModel(alpha=getattr(lines, n).alpha, beta=getattr(lines, n).beta / 4,
-                                                          unit="byte")
-                                           for n, k in (("a2a_ep_esp", "all_to_all@ep_esp"), ("ag_mp", "all_gather@mp"),
-                                                        ("saa", "saa@ep_esp+mp"))}})
+    lines, xs = COSTS, [2.0 ** j for j in range(10, 34)]
+    keys = {"a2a_ep_esp": "all_to_all@ep_esp", "ag_mp": "all_gather@mp", "saa": "saa@ep_esp+mp"}
+    per_byte = {keys[n]: (getattr(lines, n).alpha, getattr(lines, n).beta / 4) for n in keys}   # fp32
+    p = profile(per_byte)
+    p = CostProfile(key=p.key, dtype=p.dtype, models=p.models,
+                    measurements={k: Measurement(x=tuple(xs), seconds=tuple(a + b * x for x in xs))
+                                  for k, (a, b) in per_byte.items()})
     curved = ParmCosts.from_profile(p, element_bytes=4)
     assert len(curved.curves) == 3
     for T in (1.0, 37.0, 512.0, 4096.0):
@@ -239,3 +239,23 @@ def test_s2_runs_with_saa_only_where_the_model_says_it_pays():
         assert c.s2_form == form and c.choice == "parm-s2"
         assert c.t_s2 == min(t_s2(shape, costs, saa=True), t_s2(shape, costs, saa=False))
     assert choose_schedule(shape, costs, saa=False).s2_form == "sequential"
+
+
+def test_near_ties_go_to_fewer_all_to_all_elements():
+    """A flat measured all-to-all (noise pooled 256 KiB and 512 KiB into one level) prices S1, which sends
+    twice S2's elements at f = 0.25, the same as S2: the tie goes to S2. Outside the 2% band, price decides;
+    equal elements (N_MP = 1) keep the paper's rule, S1."""
+    shape = ParmShape(B=1, L=512, M=256, H=512, E=8, k=2, f=0.25, mp=2, ep=2, esp=2)
+    flat, gather = AlphaBeta(alpha=4.5e-3, beta=0.0), AlphaBeta(alpha=3.5e-3, beta=0.0)
+    tie = choose_schedule(shape, ParmCosts(a2a_ep_esp=flat, ag_mp=gather))
+    assert tie.t_s1 == tie.t_s2 and tie.choice == "parm-s2"
+    near = choose_schedule(shape, ParmCosts(a2a_ep_esp=flat, ag_mp=AlphaBeta(alpha=3.5e-3, beta=1e-9)))
+    assert abs(near.t_s1 - near.t_s2) <= NEAR_TIE * min(near.t_s1, near.t_s2) and near.choice == "parm-s2"
+    # outside the band the price decides, even for the schedule sending more: at f = 2 an observed C_l of 140
+    # (balanced 64, S2's T / N_MP 128) has S1 send more, but S2 gathers 4x the elements over a dear MP link
+    f2 = ParmShape(**{**shape.__dict__, "f": 2.0})
+    costs = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=1e-3, beta=1e-9), ag_mp=AlphaBeta(alpha=0.0, beta=1e-8))
+    apart = choose_schedule(f2, costs, c_l=140)
+    assert apart.t_s1 < (1 - NEAR_TIE) * apart.t_s2 and apart.choice == "parm-s1"
+    flat_mp1 = ParmShape(**{**shape.__dict__, "mp": 1})
+    assert choose_schedule(flat_mp1, ParmCosts(a2a_ep_esp=flat, ag_mp=gather)).choice == "parm-s1"
