@@ -232,8 +232,7 @@ class ParmCosts:
 
     def problems(self) -> List[str]:
         out = []
-        for name in ("a2a_ep_esp", "ag_mp", "saa", "ag_esp", "ar_esp", "a2a_ep"):
-            term = getattr(self, name)
+        for name, term in self.lines().items():
             if term is None:
                 continue
             for part in ("alpha", "beta"):
@@ -257,9 +256,6 @@ class ParmCosts:
     def lines(self) -> Dict[str, Optional[AlphaBeta]]:
         """The six alpha-beta terms by name."""
         return {name: getattr(self, name) for name in ("a2a_ep_esp", "ag_mp", "saa", "ag_esp", "ar_esp", "a2a_ep")}
-
-    def has(self, name: str) -> bool:
-        return getattr(self, name) is not None
 
     def time(self, name: str, n: float) -> float:
         """Seconds of term ``name`` on n elements: its curve when it has one, else its line."""

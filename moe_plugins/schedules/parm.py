@@ -341,7 +341,6 @@ class ParmAutoSchedule(_ParmSchedule):
         self._state = state if state is not None else S2Form()
         self.choices: Dict[int, ParmChoice] = {}
         self.watch: Dict[int, _S1Watch] = {}
-        self.logged: Dict[int, str] = {}       # the run last logged per token count
         self.made: Set[str] = set()             # every schedule run so far (parm-s1, parm-s2, parm-s2-saa)
 
     def saa_now(self) -> bool:           # this call's S2 form (read by the shared exchange steps)
@@ -361,19 +360,22 @@ class ParmAutoSchedule(_ParmSchedule):
 
     def choose(self, num_tokens: int) -> ParmChoice:
         if num_tokens not in self.choices:
-            watch = self.watch.get(num_tokens)
-            c_l = watch.agreed if watch is not None else None
-            choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa, c_l=c_l)
-            if self.logged.get(num_tokens) != run_name(choice):
-                log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s]; "
-                         "costs: %s)", self.rec.layer, run_name(choice), num_tokens, choice.t_s1, choice.s1_slots,
-                         choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
-                self.logged[num_tokens] = run_name(choice)
-            self.choices[num_tokens] = choice
+            self._decide(num_tokens)
         return self.choices[num_tokens]
 
+    def _decide(self, num_tokens: int) -> None:
+        """(Re)make the decision for ``num_tokens`` with the agreed C_l, if any; log it when what runs changes."""
+        watch, before = self.watch.get(num_tokens), self.choices.get(num_tokens)
+        choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa,
+                                 c_l=watch.agreed if watch is not None else None)
+        if before is None or run_name(before) != run_name(choice):
+            log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s]; "
+                     "costs: %s)", self.rec.layer, run_name(choice), num_tokens, choice.t_s1, choice.s1_slots,
+                     choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
+        self.choices[num_tokens] = choice
+
     def observe(self, num_tokens: int, block_slots: int) -> None:
-        """Note one call's C_l; on the agreement calls, agree with every rank and re-decide on the next call."""
+        """Note one call's C_l; on the agreement calls, agree with every rank and re-decide (for the next call)."""
         if self.observe_every <= 0 or self.groups.layout.mp == 1:
             return
         watch = self.watch.setdefault(num_tokens, _S1Watch())
@@ -386,7 +388,7 @@ class ParmAutoSchedule(_ParmSchedule):
         watch.seen = watch.total = 0
         if agreed != watch.agreed:
             watch.agreed = agreed
-            self.choices.pop(num_tokens, None)
+            self._decide(num_tokens)
 
     def notes(self) -> List[str]:
         return [f"parm-auto: {run_name(c)} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms with C_l {c.s1_slots:.4g} "
