@@ -81,11 +81,16 @@ def test_auto_rows_decide_from_a_profile_measured_at_each_rate(world):
     groups: the record carries the fit, the rows record what they chose, and their outputs equal the fixed
     rows' (the choice never changes the math)."""
     case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=4, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
-    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=1, warmup=1,
+    other = CaseConfig(tokens=32, hidden=32, ffn=32, experts=4, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case, other), rates=("unshaped",), iters=1, warmup=1,
                      rows=(RowSpec(name="parm-s1"), RowSpec(name="parm-s2-saa"), RowSpec(name="parm-auto"),
                            RowSpec(name="parm-s2", options=(("r", "auto"),))))
-    (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
-    assert group["skipped"] == {}
+    group, second = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
+    assert group["skipped"] == {} == second["skipped"]
+    # the link part is measured once per layout and rate and shared; the gemm is the case's own shape
+    link = {k: v for k, v in group["profile"].items() if k != "gemm"}
+    assert link == {k: v for k, v in second["profile"].items() if k != "gemm"} and "chunk" in link
+    assert group["profile_measurements"]["gemm"] != second["profile_measurements"]["gemm"]
     assert list(group["rows"]) == ["parm-s1", "parm-s2-saa", "parm-auto", "parm-s2@r=auto"]
     fits = group["profile"]
     for key in ("gemm", "all_to_all@ep_esp", "all_gather@mp", "saa@ep_esp+mp"):

@@ -276,18 +276,61 @@ def test_schedules_say_what_they_ran_as():
     assert base.ran() == {"baseline"} and base.notes() == []
 
 
-def test_bench_profiles_cover_the_case_from_small_messages_up():
-    from moe_plugins.bench.profiles import profile_spec_for
+def test_bench_link_profile_covers_every_case_of_the_layout_from_small_messages_up():
+    from moe_plugins.bench.profiles import LINK_REPEATS, gemm_spec_for, link_spec_for
     from moe_plugins.layout import ParallelLayout
-    case = CaseConfig(tokens=1024, hidden=256, ffn=512, experts=8, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
+    small = CaseConfig(tokens=256, hidden=256, ffn=512, experts=8, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
+    big = CaseConfig(tokens=1024, hidden=256, ffn=512, experts=8, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
     layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=2)
-    spec = profile_spec_for(case, layout, [RowSpec(name="parm-auto")], "float32")
-    a2a_bytes = 8 * 256 * 256 * 4 * 2              # E x C x M x 4 bytes, dumped to N_ESP = 2 shards
+    spec = link_spec_for([small, big], layout, [RowSpec(name="parm-auto")], "float32")
+    a2a_bytes = 8 * 256 * 256 * 4 * 2              # the big case's E x C x M x 4 bytes, dumped to N_ESP = 2 shards
     assert min(spec.sizes_bytes) == 4096 and max(spec.sizes_bytes) >= 2 * a2a_bytes
-    assert spec.gemm_shape == (4, 256, 256) and max(spec.gemm_rows) >= 2 * 256 * 4
-    assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups
-    pipe = profile_spec_for(case, layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
-    assert set(pipe.ops) == {"gemm", "all_to_all", "chunk"} and "chunk" not in spec.ops and spec.check() is spec
+    assert spec == link_spec_for([big, small], layout, [RowSpec(name="parm-auto")], "float32")   # order-free
+    assert max(link_spec_for([small], layout, [RowSpec(name="parm-auto")], "float32").sizes_bytes) < 2 * a2a_bytes
+    assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups and "gemm" not in spec.ops
+    assert spec.repeats == LINK_REPEATS and spec.check() is spec
+    pipe = link_spec_for([big], layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
+    assert set(pipe.ops) == {"all_to_all", "chunk"} and "chunk" not in spec.ops
+    gemm = gemm_spec_for(big, layout, "float32")
+    assert gemm.ops == ("gemm",) and gemm.gemm_shape == (4, 256, 256) and max(gemm.gemm_rows) >= 2 * 256 * 4
+    assert gemm.check() is gemm
+    with pytest.raises(ValueError, match="at least one case"):
+        link_spec_for([], layout, [RowSpec(name="parm-auto")], "float32")
+
+
+def _profile(models, device="cpu", dtype="float32", source="s"):
+    from moe_plugins.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
+    key = ProfileKey(world=2, ranks_per_node=1, mp=1, ep=2, esp=1, backend="gloo", device=device)
+    return CostProfile(key=key, dtype=dtype, source=source,
+                       models={k: LinearModel(alpha=a, beta=b, unit=u, r2=0.99) for k, (a, b, u) in models.items()},
+                       measurements={k: Measurement(x=(1.0, 2.0), seconds=(a + b, a + 2 * b))
+                                     for k, (a, b, u) in models.items()})
+
+
+def test_merge_profiles_joins_the_link_and_gemm_parts_and_refuses_mismatches():
+    from moe_plugins.bench.profiles import merge_profiles
+    link = _profile({"all_to_all@ep": (1e-4, 1e-9, "byte"), "chunk": (0.0, 5e-3, "chunk")}, source="link")
+    gemm = _profile({"gemm": (1e-5, 3e-11, "mac")}, source="gemm")
+    merged = merge_profiles(link, gemm)
+    assert set(merged.models) == {"all_to_all@ep", "chunk", "gemm"} == set(merged.measurements)
+    assert merged.models["gemm"] == gemm.models["gemm"] and merged.source == "link; gemm"
+    with pytest.raises(ValueError, match=r"models in more than one part: chunk"):
+        merge_profiles(link, _profile({"chunk": (0.0, 1e-3, "chunk")}))
+    with pytest.raises(ValueError, match=r"keys differ.*dtypes differ"):
+        merge_profiles(link, _profile({"gemm": (0.0, 1e-11, "mac")}, device="gpu", dtype="float64"))
+
+
+def test_report_lists_a_shared_fit_once_and_counts_distinct_fits():
+    from moe_plugins.bench.report import _profile_lines
+    link = {"all_to_all@ep": {"alpha": 1e-4, "beta": 3e-8, "r2": 0.99, "unit": "byte"},
+            "all_to_all@ep_esp": {"alpha": 1e-4, "beta": 3e-8, "r2": 0.99, "unit": "byte"}}
+    groups = [{"case_label": case, "rate": "1gbit",
+               "profile": {**link, "gemm": {"alpha": 0.0, "beta": b, "r2": r2, "unit": "mac"}}}
+              for case, b, r2 in (("A", 4e-11, 0.97), ("B", 5e-11, 0.91))]
+    lines = _profile_lines({"groups": groups})
+    assert "| 1gbit | all_to_all@ep = all_to_all@ep_esp | all 2 | 0.0001 | 3e-08 | 0.9900 |" in lines
+    assert sum(line.startswith("| 1gbit | gemm |") for line in lines) == 2
+    assert lines[-1] == "- R² over the 3 distinct fits: min 0.9100, median 0.9700; 2 of 3 at or above 0.95."
 
 
 def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():

@@ -203,20 +203,28 @@ def _profile_lines(report: Dict[str, Any]) -> List[str]:
     if not fits:
         return []
     out = ["", "## Cost profiles the auto rows used", "",
-           "Measured by the bench on the case's groups at the rate being timed (moe_plugins/bench/profiles.py); "
-           "t = alpha + beta x, x in bytes (collectives) or multiply-adds (gemm).", "",
-           "| case | rate | model | alpha s | beta s/unit | R² |", "|---|---|---|---|---|---|"]
-    seen, r2 = set(), []
+           "Measured by the bench at the rate being timed (moe_plugins/bench/profiles.py): the collectives and the "
+           "`chunk` term once per layout and rate, shared by every case of that layout; the gemm once per case, "
+           "on its shape. t = alpha + beta x, x in bytes (collectives), multiply-adds (gemm) or chunks. Each "
+           "distinct fit is listed once, with the cases that planned from it.", "",
+           "| rate | model | cases | alpha s | beta s/unit | R² |", "|---|---|---|---|---|---|"]
+    distinct: Dict[tuple, Dict[str, list]] = {}     # aliases (ep_esp == ep when esp = 1) and shared fits once
     for case, rate, prof in fits:
         for key, m in prof.items():
-            fit = (case, rate, m["alpha"], m["beta"], m["r2"])    # aliases (ep_esp == ep when esp = 1) once
-            if fit not in seen:
-                seen.add(fit)
-                r2 += [m["r2"]] if m["r2"] is not None else []
-                out.append(f"| {case} | {rate} | {key} | {m['alpha']:.3g} | {m['beta']:.3g} | {_fmt(m['r2'], 4)} |")
-    if r2:
-        out += ["", f"- R² over every fitted model: min {min(r2):.4f}, median {sorted(r2)[len(r2) // 2]:.4f}; "
-                    f"{sum(v >= 0.95 for v in r2)} of {len(r2)} at or above 0.95."]
+            entry = distinct.setdefault((m["unit"], m["alpha"], m["beta"], m["r2"]),
+                                        {"keys": [], "cases": [], "rates": []})
+            for field, value in (("keys", key), ("cases", case), ("rates", rate)):
+                entry[field] += [value] if value not in entry[field] else []
+    every_case = {case for case, _, _ in fits}
+    for (_, alpha, beta, r2), entry in distinct.items():
+        used = (f"all {len(every_case)}" if len(every_case) > 1 and set(entry["cases"]) == every_case
+                else ", ".join(entry["cases"]))
+        out.append(f"| {', '.join(entry['rates'])} | {' = '.join(entry['keys'])} | {used} | {alpha:.3g} | "
+                   f"{beta:.3g} | {_fmt(r2, 4)} |")
+    r2s = [key[3] for key in distinct if key[3] is not None]
+    if r2s:
+        out += ["", f"- R² over the {len(r2s)} distinct fits: min {min(r2s):.4f}, median "
+                    f"{sorted(r2s)[len(r2s) // 2]:.4f}; {sum(v >= 0.95 for v in r2s)} of {len(r2s)} at or above 0.95."]
     return out
 
 

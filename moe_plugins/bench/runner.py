@@ -32,7 +32,8 @@ from ..groups import MoEProcessGroups, build_process_groups, destroy_process_gro
 from ..layout import ParallelLayout
 from .cluster import Cluster, set_rate
 from .matrix import BenchPlan, CaseConfig, RowSpec
-from .profiles import measure_profile, profile_measurements, profile_spec_for, profile_summary
+from .profiles import (gemm_spec_for, link_spec_for, measure_profile, merge_profiles, profile_measurements,
+                       profile_summary)
 from ..pipemoe import PipelineLane
 from .rows import LANE, PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
 from .traffic import nic_tx_bytes
@@ -173,22 +174,37 @@ def _apply_rate(job: RankJob, rate: str) -> None:
     dist.barrier()
 
 
+def _profile_for(job: RankJob, case: CaseConfig, data: CaseData, specs: List[RowSpec],
+                 profiles: Dict[Tuple, CostProfile], rate: str) -> CostProfile:
+    """Collective: ``case``'s profile at ``rate``, the link part (measured once per layout and rate, over
+    every case of that layout) merged with the case's GEMM part (measured once per case)."""
+    layout, dtype = data.groups.layout, job.plan.dtype
+    same_layout = [c for c in job.plan.cases if _layout_key(c) == _layout_key(case)]
+    parts = []
+    for key, spec, source in (
+            (("link", rate), link_spec_for(same_layout, layout, specs, dtype),
+             f"moe-plugins bench at {rate}: link, shared by the {len(same_layout)} case(s) of this layout"),
+            (("gemm",), gemm_spec_for(case, layout, dtype), f"moe-plugins bench: gemm of {case.label}")):
+        if key + (spec,) not in profiles:
+            profiles[key + (spec,)] = measure_profile(spec, data.groups, source=source)
+        parts.append(profiles[key + (spec,)])
+    return merge_profiles(*parts)
+
+
 def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[Row], skipped: Dict[str, str],
-                   profiles: Dict[Tuple, Any], rate: str) -> Tuple[List[Row], Dict[str, str], Optional[CostProfile]]:
+                   profiles: Dict[Tuple, CostProfile], rate: str
+                   ) -> Tuple[List[Row], Dict[str, str], Optional[CostProfile]]:
     """The rows timed at ``rate``, in the plan's order: the rate-independent ones built once per case, plus the
-    auto rows rebuilt on a cost profile measured at this rate (one profile per layout and rate)."""
+    auto rows rebuilt on a cost profile measured at this rate (:func:`_profile_for`)."""
     auto_specs = [s for s in job.plan.rows if needs_profile(s)]
     if not auto_specs:
         return list(fixed), dict(skipped), None
-    pspec = profile_spec_for(case, data.groups.layout, auto_specs, job.plan.dtype)
-    key = (pspec, rate)
-    if key not in profiles:
-        profiles[key] = measure_profile(pspec, data.groups, source=f"moe-plugins bench at {rate}")
-    data.extras[PROFILE] = profiles[key]
+    profile = _profile_for(job, case, data, auto_specs, profiles, rate)
+    data.extras[PROFILE] = profile
     auto, auto_skipped = build_rows(auto_specs, data)
     order = {s.label: i for i, s in enumerate(job.plan.rows)}
     rows = sorted(list(fixed) + auto, key=lambda row: order[row.label])
-    return rows, {**skipped, **auto_skipped}, profiles[key]
+    return rows, {**skipped, **auto_skipped}, profile
 
 
 def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups],
@@ -196,7 +212,7 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
                records: List[Dict[str, Any]]) -> None:
     plan, world = job.plan, dist.get_world_size()
     done, total = 0, len(plan.cases) * len(plan.rates)
-    profiles: Dict[Tuple, Any] = {}
+    profiles: Dict[Tuple, CostProfile] = {}
     for case in plan.cases:
         key = _layout_key(case)
         if key not in layouts:
