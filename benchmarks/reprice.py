@@ -4,7 +4,8 @@ rows measured at that degree. An analysis of recorded data, not a measurement.
 For each group of a ``moe-plugins bench`` JSON that carries the auto row's cost profile (``profile`` and
 ``profile_measurements``), this rebuilds the profile, plans the group's layer with
 ``PipeCosts.from_profile(..., pricing=P)`` for P in ``linear`` and ``curve`` (the same ``choose_degree`` the
-``auto`` rows run), and prints the pick next to the fixed rows' medians. A pick with no fixed row of its
+``auto`` rows run), and as the planner was up to git 4a0cac8 (``curve-v1``, see :func:`costs_for`), and prints
+the pick next to the fixed rows' medians. A pick with no fixed row of its
 degree shows "–". Only the baseline schedule with ``baseline@r=N`` fixed rows is handled.
 
     python benchmarks/reprice.py benchmarks/results/pipemoe-2x1-curve.json
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from moe_plugins.costmodel import EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey
@@ -53,6 +55,20 @@ def workload(case: dict):
                          f=case["capacity_factor"], P=case["ep"])
 
 
+# "curve-v1": the planner as it was up to git 4a0cac8: the exchange curve, alpha_e from the profile's stored
+# chunk line (fitted through every degree, r = 1 included), no step of pipelining, no back-to-back curve.
+PRICINGS = EXCHANGE_PRICING + ("curve-v1",)
+
+
+def costs_for(profile: CostProfile, pricing: str) -> PipeCosts:
+    if pricing != "curve-v1":
+        return PipeCosts.from_profile(profile, "ep", pricing)
+    costs = PipeCosts.from_profile(profile, "ep", "curve")
+    slope = profile.models["chunk"].beta if "chunk" in profile.models else 0.0
+    return replace(costs, alpha_e=max(2 * profile.models["gemm"].alpha, slope / 3), pipeline_step=0.0,
+                   stream_curve=None)
+
+
 def reprice(report: dict) -> List[dict]:
     plan = report["meta"]["plan"]
     out = []
@@ -66,9 +82,8 @@ def reprice(report: dict) -> List[dict]:
         fixed = fixed_medians(g["rows"])
         best = min(fixed.values())
         picks: Dict[str, Tuple[int, Optional[float]]] = {}
-        for pricing in EXCHANGE_PRICING:
-            r = choose_degree(PipeCosts.from_profile(profile, "ep", pricing), w.n_d, w.n_e,
-                              r_max=min(R_MAX, w.capacity)).degree
+        for pricing in PRICINGS:
+            r = choose_degree(costs_for(profile, pricing), w.n_d, w.n_e, r_max=min(R_MAX, w.capacity)).degree
             picks[pricing] = (r, fixed[r] / best if r in fixed else None)
         out.append({"case": g["case_label"], "rate": g["rate"], "best": min(fixed, key=fixed.get), "picks": picks})
     return out
@@ -82,19 +97,19 @@ def main() -> None:
         with open(path) as f:
             rows = reprice(json.load(f))
         print(f"# {path}\n\n| case | rate | best fixed r | " + " | ".join(
-            f"{p}: r (t_fixed(r) / t_best)" for p in EXCHANGE_PRICING) + " |")
-        print("|---|---|---|" + "---|" * len(EXCHANGE_PRICING))
-        within, judged = {p: 0 for p in EXCHANGE_PRICING}, {p: 0 for p in EXCHANGE_PRICING}
+            f"{p}: r (t_fixed(r) / t_best)" for p in PRICINGS) + " |")
+        print("|---|---|---|" + "---|" * len(PRICINGS))
+        within, judged = {p: 0 for p in PRICINGS}, {p: 0 for p in PRICINGS}
         for row in rows:
             cells = []
-            for p in EXCHANGE_PRICING:
+            for p in PRICINGS:
                 r, ratio = row["picks"][p]
                 cells.append(f"{r} ({'–' if ratio is None else f'{ratio:.2f}'})")
                 within[p] += ratio is not None and ratio <= TOLERANCE
                 judged[p] += ratio is not None
             print(f"| {row['case']} | {row['rate']} | {row['best']} | " + " | ".join(cells) + " |")
         print(f"\nof {len(rows)} groups, picks with a fixed row of their degree that is within 5% of the best: "
-              + ", ".join(f"{p} {within[p]} of {judged[p]}" for p in EXCHANGE_PRICING) + "\n")
+              + ", ".join(f"{p} {within[p]} of {judged[p]}" for p in PRICINGS) + "\n")
 
 
 if __name__ == "__main__":

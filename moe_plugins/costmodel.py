@@ -36,9 +36,9 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from scipy.optimize import isotonic_regression, lsq_linear
 
-OPS = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa")
-UNITS = {"gemm": "mac", "all_to_all": "byte", "all_gather": "byte", "all_reduce": "byte", "saa": "byte",
-         "chunk": "chunk"}
+OPS = ("gemm", "all_to_all", "all_to_all_stream", "all_gather", "all_reduce", "saa")
+UNITS = {"gemm": "mac", "all_to_all": "byte", "all_to_all_stream": "byte", "all_gather": "byte",
+         "all_reduce": "byte", "saa": "byte", "chunk": "chunk"}
 PROFILE_VERSION = 1
 
 
@@ -95,6 +95,23 @@ def r_squared(x_N: np.ndarray, t_N: np.ndarray, alpha: float, beta: float) -> fl
     resid = t_N - (alpha + beta * x_N)
     total = float(((t_N - t_N.mean()) ** 2).sum())
     return 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+
+
+def runner_chunk_terms(measured: "Measurement") -> Tuple[LinearModel, float]:
+    """Pure: the pipelined runner's costs from the profile's ``chunk`` points (forward + backward of a tiny
+    layer at degrees 1, 2, 3, ...; x = the degree).
+
+    r = 1 runs the schedule's sequential loop; r >= 2 runs the pipeline (a lane thread, twin groups, an
+    autograd island per stage), so the points are a step then a line, not one line. Returns the line through
+    the degrees >= 2 (its slope: what one more chunk costs) and the step: how far the line, taken back to
+    r = 1, lies above the sequential loop's time, ``max(0, line(1) - t(1))`` (what turning the pipeline on
+    costs beyond its chunks). Without a degree-1 point the step is 0."""
+    x_N, t_N = np.asarray(measured.x, dtype=np.float64), np.asarray(measured.seconds, dtype=np.float64)
+    piped = x_N >= 2
+    line = fit_linear(x_N[piped], t_N[piped], "chunk")
+    sequential = t_N[x_N == 1]
+    step = max(0.0, line.time(1.0) - float(np.median(sequential))) if sequential.size else 0.0
+    return line, step
 
 
 def model_key(op: str, group: Optional[str] = None) -> str:
@@ -268,6 +285,14 @@ class PipeCosts:
     - ``exchange_curve``: when set, an exchange of x bytes takes ``exchange_curve.time(x)`` instead of
       alpha_a + beta_a x. Theorem 1's closed forms assume the line, so the degree is then found by timing
       the recurrence at every r (pipemoe.choose_degree).
+    - ``stream_curve``: when set, the time of one exchange of x bytes issued right behind another, as a
+      pipeline issues its chunks (the profile's ``all_to_all_stream``). An exchange after idle link time can
+      be faster than one in a stream (the emulated link's token bucket passes its first 128 KiB at once; on
+      any link the next message's start-up can hide behind a compute gap), so with r >= 2 every exchange but
+      the first dispatch is priced from this curve (pipemoe.moe_time).
+    - ``pipeline_step`` [s]: what running r >= 2 chunks costs once per forward + backward beyond its
+      per-chunk terms (the runner's lane, twin groups and autograd islands; r = 1 runs the sequential loop),
+      measured by the profile's ``chunk`` points (:func:`runner_chunk_terms`). 0 for the paper's model.
     """
 
     alpha_a: float
@@ -275,6 +300,8 @@ class PipeCosts:
     alpha_e: float
     beta_e: float
     exchange_curve: Optional[ExchangeCurve] = None
+    stream_curve: Optional[ExchangeCurve] = None
+    pipeline_step: float = 0.0
 
     def exchange_time(self, x: float) -> float:
         """Seconds of one exchange of x bytes per rank."""
@@ -282,14 +309,20 @@ class PipeCosts:
             return self.exchange_curve.time(x)
         return self.alpha_a + self.beta_a * x
 
+    def stream_time(self, x: float) -> float:
+        """Seconds of one exchange of x bytes right behind another (the exchange time without a stream curve)."""
+        if self.stream_curve is not None:
+            return self.stream_curve.time(x)
+        return self.exchange_time(x)
+
     def problems(self) -> List[str]:
         out = []
-        for name in ("alpha_a", "beta_a", "alpha_e", "beta_e"):
+        for name in ("alpha_a", "beta_a", "alpha_e", "beta_e", "pipeline_step"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 out.append(f"{name} ({value!r}) must be a finite number >= 0")
-        if self.exchange_curve is not None:
-            out += self.exchange_curve.problems()
+        for curve in (self.exchange_curve, self.stream_curve):
+            out += curve.problems() if curve is not None else []
         return out
 
     def check(self) -> "PipeCosts":
@@ -303,13 +336,16 @@ class PipeCosts:
         """alpha_a/beta_a from the all-to-all on ``exchange``; alpha_e/beta_e from the GEMM model (x2).
 
         ``pricing="curve"`` (the default) also keeps the all-to-all's measured curve
-        (:class:`ExchangeCurve`) when the profile holds its measurements; "linear" plans with the line alone.
+        (:class:`ExchangeCurve`) when the profile holds its measurements, and the back-to-back one
+        (``all_to_all_stream``) when it holds that too; "linear" plans with the line alone.
 
-        With a ``chunk`` model (the runner's measured cost of one more chunk, forward + backward, see
-        :mod:`moe_plugins.profiler`), alpha_e is at least a third of its slope: the expert stage's start-up as
-        the runner pays it (threads, autograd, synchronisation), not a bare GEMM's. In the compute-bound
-        regime the model's time grows by 3 alpha_e per chunk (forward e, backward 2 e), which is then the
-        measured slope."""
+        With the ``chunk`` points (the runner's measured forward + backward at several degrees, see
+        :mod:`moe_plugins.profiler`), :func:`runner_chunk_terms` splits them into a slope and a step. alpha_e
+        is at least a third of the slope: the expert stage's start-up as the runner pays it (threads,
+        autograd, synchronisation), not a bare GEMM's. In the compute-bound regime the model's time grows by
+        3 alpha_e per chunk (forward e, backward 2 e), which is then the measured slope. The step becomes
+        ``pipeline_step``. A profile with a ``chunk`` model but no points (written by hand) gives the slope
+        alone."""
         if pricing not in EXCHANGE_PRICING:
             raise ValueError(f"pricing ({pricing!r}) must be one of {', '.join(EXCHANGE_PRICING)}")
         key = model_key("all_to_all", exchange)
@@ -317,15 +353,29 @@ class PipeCosts:
         problems = model_problems(key, a2a) + model_problems("gemm", gemm)
         if problems:
             raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
-        alpha_e = 2 * gemm.alpha
-        if "chunk" in profile.models:
-            alpha_e = max(alpha_e, profile.models["chunk"].beta / 3)
-        measured = profile.measurements.get(key)
-        curve = None
-        if pricing == "curve" and measured is not None and len(set(measured.x)) >= 2:
-            curve = ExchangeCurve.fit(measured, a2a.beta)
-        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=alpha_e, beta_e=2 * gemm.beta,
-                         exchange_curve=curve)
+        slope, step = _runner_terms(profile)
+        curve, stream = (_curve(profile, key, a2a.beta), _curve(profile, model_key("all_to_all_stream", exchange),
+                                                                a2a.beta)) if pricing == "curve" else (None, None)
+        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=max(2 * gemm.alpha, slope / 3),
+                         beta_e=2 * gemm.beta, exchange_curve=curve, stream_curve=stream if curve else None,
+                         pipeline_step=step)
+
+
+def _curve(profile: CostProfile, key: str, beta_tail: float) -> Optional[ExchangeCurve]:
+    measured = profile.measurements.get(key)
+    if measured is None or len(set(measured.x)) < 2:
+        return None
+    return ExchangeCurve.fit(measured, beta_tail)
+
+
+def _runner_terms(profile: CostProfile) -> Tuple[float, float]:
+    """(slope per chunk, step) from the profile's ``chunk`` points, or the fitted model's slope alone."""
+    points = profile.measurements.get("chunk")
+    if points is not None and len({x for x in points.x if x >= 2}) >= 2:
+        line, step = runner_chunk_terms(points)
+        return line.beta, step
+    model = profile.models.get("chunk")
+    return (model.beta, 0.0) if model is not None else (0.0, 0.0)
 
 
 # The paper's 16-GPU testbed (pipemoe.txt Fig. 6 caption: 16 x RTX2080Ti over 100 Gb/s InfiniBand):

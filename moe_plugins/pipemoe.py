@@ -97,27 +97,50 @@ def pipeline_time(t_d: Sequence[float], t_e: Sequence[float], t_c: Sequence[floa
 
 
 def chunk_costs(costs: PipeCosts, n_d: float, n_e: float, r: float) -> Tuple[float, float]:
-    """(t_d, t_e) of one of r equal chunks (Eq. 15, 17); t_c = t_d (Eq. 18)."""
-    return costs.exchange_time(n_d / r), costs.alpha_e + costs.beta_e * n_e / r
+    """(t_d, t_e) of one of r equal chunks (Eq. 15, 17); t_c = t_d (Eq. 18). With r >= 2 and a stream
+    curve, t_d is that of a chunk behind another (all but the first dispatch, see :func:`moe_time`)."""
+    x = n_d / r
+    return (costs.stream_time(x) if r >= 2 else costs.exchange_time(x)), costs.alpha_e + costs.beta_e * n_e / r
 
 
 def moe_time(costs: PipeCosts, n_d: float, n_e: float, r: int, *, shared_link: bool = True,
              expert_factor: float = 1.0) -> float:
-    """The recurrence for r equal chunks; ``expert_factor`` scales the expert stage (backward = 2)."""
-    d, e = chunk_costs(costs, n_d, n_e, r)
-    return pipeline_time([d] * r, [expert_factor * e] * r, [d] * r, shared_link=shared_link)
+    """The recurrence for r equal chunks; ``expert_factor`` scales the expert stage (backward = 2).
+
+    The first dispatch follows idle link time and costs ``exchange_time``; with r >= 2 every later exchange
+    leaves right behind another on the lane (D_1..D_r, then C_1..C_r, FIFO) and costs ``stream_time``
+    (the same without a stream curve). With r = 1 the combine follows the experts' compute, like the
+    profile's isolated exchange."""
+    first, e = costs.exchange_time(n_d / r), costs.alpha_e + costs.beta_e * n_e / r
+    d = costs.stream_time(n_d / r) if r >= 2 else first
+    return pipeline_time([first] + [d] * (r - 1), [expert_factor * e] * r, [d] * r, shared_link=shared_link)
+
+
+def step_time(costs: PipeCosts, r: int, objective: str) -> float:
+    """The runner's measured cost of pipelining at all (``PipeCosts.pipeline_step``, forward + backward):
+    0 at r = 1, which runs the sequential loop. The forward pass carries a third of it, as it carries one of
+    the three expert stages (forward e, backward 2 e) whose start-up the chunk slope is charged to."""
+    if r <= 1:
+        return 0.0
+    return costs.pipeline_step / 3 if objective == "forward" else costs.pipeline_step
+
+
+def forward_time(costs: PipeCosts, n_d: float, n_e: float, r: int) -> float:
+    """The forward pipeline's recurrence plus its share of the step."""
+    return moe_time(costs, n_d, n_e, r) + step_time(costs, r, "forward")
 
 
 def training_time(costs: PipeCosts, n_d: float, n_e: float, r: int, backward_factor: float = 2.0) -> float:
-    """Forward pipeline plus the mirrored backward pipeline, same r."""
-    return moe_time(costs, n_d, n_e, r) + moe_time(costs, n_d, n_e, r, expert_factor=backward_factor)
+    """Forward pipeline plus the mirrored backward pipeline, same r, plus the step."""
+    return (moe_time(costs, n_d, n_e, r) + moe_time(costs, n_d, n_e, r, expert_factor=backward_factor)
+            + step_time(costs, r, "training"))
 
 
 def objective_time(costs: PipeCosts, n_d: float, n_e: float, r: int, objective: str,
                    backward_factor: float = 2.0) -> float:
-    """T(r) of one of :data:`OBJECTIVES`: the forward pipeline alone, or :func:`training_time`."""
+    """T(r) of one of :data:`OBJECTIVES`: :func:`forward_time`, or :func:`training_time`."""
     if objective == "forward":
-        return moe_time(costs, n_d, n_e, r)
+        return forward_time(costs, n_d, n_e, r)
     return training_time(costs, n_d, n_e, r, backward_factor)
 
 
@@ -208,7 +231,7 @@ def optimal_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_M
     SLSQP), each SLSQP optimum rounded both ways and re-timed with the recurrence; the fastest wins
     (ties go to the smaller r)."""
     _check_theorem_inputs(costs, n_d, n_e, r_max)
-    cands = [Candidate(1, moe_time(costs, n_d, n_e, 1), "r=1")]
+    cands = [Candidate(1, forward_time(costs, n_d, n_e, 1), "r=1")]
     if r_max >= 2:
         c, ad, ae = costs, costs.beta_a * n_d, costs.beta_e * n_e
         obj3: Fn = (lambda r: f3(c, n_d, n_e, r), lambda r: c.alpha_e - 2 * ad / r ** 2)
@@ -218,7 +241,7 @@ def optimal_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_M
         not_q2: Fn = (lambda r: -is_q2[0](r), lambda r: -is_q2[1](r))
         r2 = _r2(costs, n_d, n_e, r_max)
         if r2 is not None:
-            cands.append(Candidate(r2, moe_time(costs, n_d, n_e, r2), "Q1 (f2)"))
+            cands.append(Candidate(r2, forward_time(costs, n_d, n_e, r2), "Q1 (f2)"))
         # not-Q1 is monotone in r: when it fails at both ends, cases 2 and 3 are empty (no solver needed)
         if max(not_q1[0](2.0), not_q1[0](float(r_max))) < 0:
             return _pick(cands, "forward")
@@ -228,7 +251,7 @@ def optimal_degree(costs: PipeCosts, n_d: float, n_e: float, *, r_max: int = R_M
         for obj, cons, case in ((obj3, [not_q1, is_q2], "Q2 (f3)"), (obj4, [not_q1, not_q2], "not Q2 (f4)")):
             r = _slsqp(obj, cons, r_max, starts[case])
             if r is not None:
-                cands += [Candidate(v, moe_time(costs, n_d, n_e, v), case) for v in _neighbours(r, r_max)]
+                cands += [Candidate(v, forward_time(costs, n_d, n_e, v), case) for v in _neighbours(r, r_max)]
     return _pick(cands, "forward")
 
 
@@ -268,9 +291,9 @@ def _pick(cands: List[Candidate], objective: str) -> DegreeChoice:
 
 def _check_theorem_inputs(costs: PipeCosts, n_d: float, n_e: float, r_max: int) -> None:
     """Theorem 1's closed forms price an exchange with the line; a measured curve would be silently ignored."""
-    if costs.exchange_curve is not None:
-        raise ValueError("Theorem 1 assumes t_d = alpha_a + beta_a n_d / r; costs with an exchange_curve are "
-                         "planned by searched_degree (choose_degree picks it)")
+    if costs.exchange_curve is not None or costs.stream_curve is not None:
+        raise ValueError("Theorem 1 assumes t_d = alpha_a + beta_a n_d / r; costs with an exchange_curve or "
+                         "stream_curve are planned by searched_degree (choose_degree picks it)")
     _check_plan_inputs(costs, n_d, n_e, r_max)
 
 
@@ -303,7 +326,7 @@ def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = 
         raise ValueError(f"objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
     if not (isinstance(tie_tolerance, (int, float)) and 0 <= tie_tolerance < 1):
         raise ValueError(f"tie_tolerance ({tie_tolerance!r}) must be a number in [0, 1)")
-    if costs.exchange_curve is not None:
+    if costs.exchange_curve is not None or costs.stream_curve is not None:
         best = searched_degree(costs, n_d, n_e, objective=objective, r_max=r_max, backward_factor=backward_factor)
     elif objective == "forward":
         best = optimal_degree(costs, n_d, n_e, r_max=r_max)

@@ -6,14 +6,21 @@ What is timed (every rank at once, as in training; each sample is the slowest ra
 - ``all_to_all@<g>``, ``all_gather@<g>``, ``all_reduce@<g>`` on every group kind of the layout larger than
   one rank (all groups of a kind run concurrently); x = bytes (the ledger's convention: the gathered size
   for all-gather, the input size otherwise);
+- ``all_to_all_stream@<g>``: the all-to-all issued back to back, as PipeMoE's lane issues its chunks: one
+  timed run is :func:`stream_count` exchanges (about 4 MiB per rank in all), and x's time is the run's time
+  over that count. A lone exchange after idle link time can be faster (the emulated link's token bucket,
+  benchmarks/results/tbf-burst.md: 128 KiB after 5 ms idle took 0.09x its time at the rate);
 - ``saa@ep_esp+mp``: Parm's SAA as the layer runs it (:func:`moe_plugins.saa.saa_raw`: the EP&ESP
   all-to-all as point-to-point slices, each peer block's ESP sum all-gathered on MP as soon as it lands),
   so the fit carries its per-slice costs; x = bytes into the all-to-all (the all-gather is mp / esp times
   that, as in S2);
-- ``chunk`` (opt-in): what one more pipeline chunk costs PipeMoE's runner. A tiny MoE layer (so that the
-  per-byte and per-mac terms vanish) runs forward + backward at degrees 1, 2, 4, 8 on the layout's groups;
-  x = the degree, and the slope is the per-chunk start-up (thread hand-offs, autograd, waiting for the
-  slowest rank at each collective) that the bare ops above do not see.
+- ``chunk`` (opt-in): what PipeMoE's runner costs per chunk. A tiny MoE layer (so that the per-byte and
+  per-mac terms vanish) runs forward + backward at the degrees in :data:`CHUNK_DEGREES` on the layout's
+  groups; x = the degree. r = 1 runs the sequential loop and r >= 2 the pipeline, so the line is fitted to
+  the degrees >= 2 (:func:`~moe_plugins.costmodel.runner_chunk_terms`): its slope is the per-chunk start-up
+  (thread hand-offs, autograd, waiting for the slowest rank at each collective) that the bare ops above do
+  not see, and the gap between that line at r = 1 and the sequential time is the step of turning the
+  pipeline on, which the planner reads from the points.
 
 Per size: ``warmup`` untimed runs, then ``repeats`` timed runs; the median is fitted with numpy least
 squares and R^2 is reported. Rank 0 returns the :class:`~moe_plugins.costmodel.CostProfile`; saving it
@@ -31,12 +38,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .costmodel import UNITS, CostProfile, Measurement, ProfileKey, fit_linear
+from .costmodel import UNITS, CostProfile, LinearModel, Measurement, ProfileKey, fit_linear, runner_chunk_terms
 from .groups import Group, MoEProcessGroups, process_groups
 from .layout import ParallelLayout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
+COLLECTIVES = ("all_to_all", "all_to_all_stream", "all_gather", "all_reduce")
 GROUP_KINDS = ("ep", "esp", "mp", "ep_esp", "dp", "expert_dp")
 
 
@@ -87,6 +94,7 @@ class _Bench:
     x: Callable[[int], float]         # size index -> x of the model
     setup: Callable[[int], Callable[[], None]]    # size index -> the op to time
     aliases: List[str]                # other keys whose groups hold the same ranks (measured once)
+    per_op: Callable[[int], int] = lambda i: 1     # size index -> ops one timed run holds (its time is divided)
 
 
 def _slowest(seconds: float) -> float:
@@ -120,10 +128,22 @@ def _elements(nbytes: int, dtype: torch.dtype, multiple: int) -> int:
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+STREAM_BYTES = 4 << 20     # bytes per rank one back-to-back sample sends, so a link's banked burst is a small share
+STREAM_MAX = 256           # exchanges per back-to-back sample at most
+
+
+def stream_count(nbytes: int) -> int:
+    """Pure: how many exchanges of ``nbytes`` one ``all_to_all_stream`` sample runs back to back."""
+    return min(STREAM_MAX, max(1, -(-STREAM_BYTES // max(nbytes, 1))))
+
+
 def _collective(op: str, group: Group, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
     x = torch.randn(numel, device=device).to(dtype)
-    if op == "all_to_all":
+    if op in ("all_to_all", "all_to_all_stream"):
         out = torch.empty_like(x)
+        if op == "all_to_all_stream":
+            count = stream_count(numel * x.element_size())
+            return lambda: [dist.all_to_all_single(out, x, group=group.pg) for _ in range(count)]
         return lambda: dist.all_to_all_single(out, x, group=group.pg)
     if op == "all_gather":                 # x is the gathered size
         shard = torch.randn(numel // group.size, device=device).to(dtype)
@@ -174,8 +194,10 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
                 first[op, group.ranks].aliases.append(f"{op}@{kind}")
                 continue
             numels = [_elements(s, dtype, group.size) for s in sizes]
+            per_op = ((lambda i, n=numels: stream_count(n[i] * elsize)) if op == "all_to_all_stream"
+                      else (lambda i: 1))
             bench = _Bench(f"{op}@{kind}", lambda i, n=numels: float(n[i] * elsize),
-                           lambda i, op=op, g=group, n=numels: _collective(op, g, n[i], dtype, device), [])
+                           lambda i, op=op, g=group, n=numels: _collective(op, g, n[i], dtype, device), [], per_op)
             first[op, group.ranks] = bench
             out.append(bench)
     if "saa" in spec.ops and groups.ep_esp.size > 1 and groups.mp.size > 1:
@@ -185,7 +207,7 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
     return out
 
 
-CHUNK_DEGREES = (1, 2, 4, 8)
+CHUNK_DEGREES = (1, 2, 3, 4, 6, 8)
 
 
 def _chunk_bench(groups: MoEProcessGroups, dtype: torch.dtype, device: torch.device, stack: ExitStack) -> _Bench:
@@ -244,16 +266,22 @@ def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
             xs, ts = [], []
             for i in range(_count(bench, spec)):
                 bar.set_description(bench.key)
-                ts.append(_time(bench.setup(i), spec.warmup, spec.repeats, device))
+                ts.append(_time(bench.setup(i), spec.warmup, spec.repeats, device) / bench.per_op(i))
                 xs.append(bench.x(i))
                 bar.update(1)
             for key in [bench.key] + bench.aliases:
                 measured[key] = Measurement(x=tuple(xs), seconds=tuple(ts))
     if dist.get_rank() != 0:
         return None
-    models = {k: fit_linear(m.x, m.seconds, UNITS[k.split("@")[0]]) for k, m in measured.items()}
+    models = {k: _fit(k, m) for k, m in measured.items()}
     return CostProfile(key=profile_key(spec.layout, dist.get_backend(), device), dtype=spec.dtype, models=models,
                        measurements=measured, source=source)
+
+
+def _fit(key: str, m: Measurement) -> LinearModel:
+    if key == "chunk":
+        return runner_chunk_terms(m)[0]
+    return fit_linear(m.x, m.seconds, UNITS[key.split("@")[0]])
 
 
 def profile_key(layout: ParallelLayout, backend: str, device: torch.device) -> ProfileKey:

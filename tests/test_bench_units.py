@@ -290,7 +290,7 @@ def test_bench_link_profile_covers_every_case_of_the_layout_from_small_messages_
     assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups and "gemm" not in spec.ops
     assert spec.repeats == LINK_REPEATS and spec.check() is spec
     pipe = link_spec_for([big], layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
-    assert set(pipe.ops) == {"all_to_all", "chunk"} and "chunk" not in spec.ops
+    assert set(pipe.ops) == {"all_to_all", "all_to_all_stream", "chunk"} and "chunk" not in spec.ops
     gemm = gemm_spec_for(big, layout, "float32")
     assert gemm.ops == ("gemm",) and gemm.gemm_shape == (4, 256, 256) and max(gemm.gemm_rows) >= 2 * 256 * 4
     assert gemm.check() is gemm
@@ -347,7 +347,8 @@ def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():
 
 def test_reprice_reproduces_the_committed_auto_choices():
     """benchmarks/reprice.py re-plans a committed run from the profiles in its JSON; with the curve pricing it
-    must land on the degree each auto row logged while the bench ran (same profile, same planner)."""
+    must land on the degree each auto row logged while the bench ran (same profile, the planner of that run:
+    curve-v1)."""
     import importlib.util
     import re
     from pathlib import Path
@@ -361,4 +362,4 @@ def test_reprice_reproduces_the_committed_auto_choices():
     for group, row in zip([g for g in report["groups"] if g.get("profile_measurements")], replanned):
         logged = next(re.search(r"auto degree: r=(\d+)", n) for n in group["rows"]["baseline@r=auto"]["notes"]
                       if "auto degree" in n)
-        assert row["picks"]["curve"][0] == int(logged.group(1)), (row["case"], row["rate"])
+        assert row["picks"]["curve-v1"][0] == int(logged.group(1)), (row["case"], row["rate"])

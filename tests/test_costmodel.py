@@ -10,7 +10,7 @@ import pytest
 
 from moe_plugins.costmodel import (CostProfile, ExchangeCurve, LinearModel, Measurement, PipeCosts, ProfileKey,
                                    cache_path, default_cache_dir, fit_linear, load_cached, model_key,
-                                   model_problems)
+                                   model_problems, runner_chunk_terms)
 from moe_plugins.cli import main
 from moe_plugins.layout import ParallelLayout
 from moe_plugins.profiler import ProfileSpec, plot_profile
@@ -113,6 +113,57 @@ def test_pipe_costs_price_exchanges_from_the_profiles_curve():
     assert PipeCosts.from_profile(bare).exchange_curve is None
 
 
+def test_runner_points_split_into_a_per_chunk_line_and_the_step_of_pipelining():
+    r_N = np.array([1.0, 2.0, 3.0, 4.0, 6.0, 8.0])
+    t_N = np.where(r_N == 1, 5e-3, 12e-3 + 4e-3 * r_N)      # sequential 5 ms; pipelined 12 ms + 4 ms per chunk
+    line, step = runner_chunk_terms(Measurement(x=tuple(r_N), seconds=tuple(t_N)))
+    assert line.beta == pytest.approx(4e-3) and line.alpha == pytest.approx(12e-3) and line.samples == 5
+    assert step == pytest.approx(12e-3 + 4e-3 - 5e-3) and line.r2 == pytest.approx(1.0)
+    # a sequential time above the pipelined line is no step; without a degree-1 point there is none either
+    assert runner_chunk_terms(Measurement(x=(1.0, 2.0, 4.0), seconds=(30e-3, 20e-3, 28e-3)))[1] == 0.0
+    assert runner_chunk_terms(Measurement(x=(2.0, 4.0), seconds=(20e-3, 28e-3)))[1] == 0.0
+    gemm = LinearModel(alpha=1e-4, beta=1e-11, unit="mac")
+    a2a = LinearModel(alpha=1e-4, beta=1e-9, unit="byte")
+    points = Measurement(x=tuple(r_N), seconds=tuple(t_N))
+    prof = CostProfile(key=KEY, dtype="float32", models={"gemm": gemm, "all_to_all@ep": a2a, "chunk": line},
+                       measurements={"chunk": points})
+    costs = PipeCosts.from_profile(prof)
+    assert costs.pipeline_step == pytest.approx(11e-3) and costs.alpha_e == pytest.approx(4e-3 / 3)
+    # a hand-written profile with the chunk model but no points: the slope alone, no step
+    bare = PipeCosts.from_profile(CostProfile(key=KEY, dtype="float32", models=prof.models))
+    assert bare.pipeline_step == 0.0 and bare.alpha_e == pytest.approx(4e-3 / 3)
+    with pytest.raises(ValueError, match=r"pipeline_step \(-1\.0\) must be a finite number >= 0"):
+        PipeCosts(alpha_a=0, beta_a=0, alpha_e=0, beta_e=0, pipeline_step=-1.0).check()
+
+
+def test_back_to_back_exchanges_price_every_pipelined_chunk_but_the_first():
+    from moe_plugins.pipemoe import chunk_costs, moe_time, pipeline_time
+    from moe_plugins.profiler import STREAM_MAX, stream_count
+    assert stream_count(4 << 20) == 1 and stream_count(1 << 20) == 4 and stream_count(3 << 20) == 2
+    assert stream_count(1) == STREAM_MAX and stream_count(64 << 20) == 1
+    lone = Measurement(x=(1e4, 1e5, 1e6), seconds=(0.2e-3, 0.5e-3, 20e-3))     # a banked burst: small is cheap
+    stream = Measurement(x=(1e4, 1e5, 1e6), seconds=(0.5e-3, 2.5e-3, 21e-3))
+    models = {"gemm": LinearModel(alpha=1e-4, beta=1e-11, unit="mac"),
+              "all_to_all@ep": fit_linear(lone.x, lone.seconds, "byte"),
+              "all_to_all_stream@ep": fit_linear(stream.x, stream.seconds, "byte")}
+    prof = CostProfile(key=KEY, dtype="float32", models=models,
+                       measurements={"all_to_all@ep": lone, "all_to_all_stream@ep": stream})
+    costs = PipeCosts.from_profile(prof)
+    assert costs.stream_time(1e5) == pytest.approx(2.5e-3) and costs.exchange_time(1e5) == pytest.approx(0.5e-3)
+    assert PipeCosts.from_profile(prof, pricing="linear").stream_curve is None
+    n_d, n_e = 4e5, 1e8
+    e = costs.alpha_e + costs.beta_e * n_e / 4
+    first, d = costs.exchange_time(n_d / 4), costs.stream_time(n_d / 4)
+    assert moe_time(costs, n_d, n_e, 4) == pytest.approx(pipeline_time([first] + [d] * 3, [e] * 4, [d] * 4))
+    assert chunk_costs(costs, n_d, n_e, 4)[0] == d and chunk_costs(costs, n_d, n_e, 1)[0] == costs.exchange_time(n_d)
+    whole = costs.exchange_time(n_d)
+    assert moe_time(costs, n_d, n_e, 1) == pytest.approx(2 * whole + costs.alpha_e + costs.beta_e * n_e)
+    # without the stream curve every chunk is priced as a lone exchange, which makes chunks look cheaper
+    lone_only = PipeCosts.from_profile(CostProfile(key=KEY, dtype="float32", models=models,
+                                                   measurements={"all_to_all@ep": lone}))
+    assert lone_only.stream_curve is None and moe_time(lone_only, n_d, n_e, 4) < moe_time(costs, n_d, n_e, 4)
+
+
 def test_default_cache_dir_is_resolved_from_what_the_cli_passes():
     assert str(default_cache_dir({"MOE_PLUGINS_CACHE": "/x/y"})) == "/x/y"
     assert str(default_cache_dir({"XDG_CACHE_HOME": "/c"})) == "/c/moe_plugins"
@@ -127,20 +178,26 @@ def test_profile_spec_reports_every_problem():
 def test_tiny_real_profile_on_two_ranks(world, tmp_path):
     layout = ParallelLayout(world=2, ranks_per_node=2, ep=2)
     spec = ProfileSpec(layout=layout, sizes_bytes=(1 << 16, 1 << 18, 1 << 20), gemm_rows=(16, 64, 256),
-                       gemm_shape=(2, 64, 128), ops=("gemm", "all_to_all", "all_reduce", "chunk"),
+                       gemm_shape=(2, 64, 128), ops=("gemm", "all_to_all", "all_to_all_stream", "all_reduce",
+                                                      "chunk"),
                        groups=("ep", "ep_esp"), warmup=1, repeats=3)
     prof, other = world(2).run(tiny_profile, spec)
     assert other is None and prof.key.slug() == "w2-n2-mp1-ep2-esp1-gloo-cpu"
     # ep_esp holds the same ranks as ep here: measured once, stored under both keys
-    assert set(prof.models) == {"gemm", "all_to_all@ep", "all_to_all@ep_esp", "all_reduce@ep", "all_reduce@ep_esp",
-                                "chunk"}
+    assert set(prof.models) == {"gemm", "all_to_all@ep", "all_to_all@ep_esp", "all_to_all_stream@ep",
+                                "all_to_all_stream@ep_esp", "all_reduce@ep", "all_reduce@ep_esp", "chunk"}
+    # back to back: the same sizes, one exchange's share of a run of stream_count(x) of them
+    assert prof.measurements["all_to_all_stream@ep"].x == prof.measurements["all_to_all@ep"].x
+    assert PipeCosts.from_profile(prof).stream_curve is not None
     # the runner's cost per chunk: x = degree; one more chunk is more collectives and hand-offs, never free
-    assert prof.measurements["chunk"].x == (1.0, 2.0, 4.0, 8.0) and prof.models["chunk"].beta > 0
-    assert PipeCosts.from_profile(prof).alpha_e >= prof.models["chunk"].beta / 3
+    assert prof.measurements["chunk"].x == (1.0, 2.0, 3.0, 4.0, 6.0, 8.0) and prof.models["chunk"].beta > 0
+    costs = PipeCosts.from_profile(prof)
+    assert costs.alpha_e >= prof.models["chunk"].beta / 3 and costs.pipeline_step >= 0
     assert prof.measurements["all_to_all@ep"] == prof.measurements["all_to_all@ep_esp"]
     for key, model in prof.models.items():
         m = prof.measurements[key]
-        assert len(m.x) == len(m.seconds) == model.samples == (4 if key == "chunk" else 3)
+        assert len(m.x) == len(m.seconds) == (6 if key == "chunk" else 3)
+        assert model.samples == (5 if key == "chunk" else 3)      # the chunk line is fitted to r >= 2
         assert all(t > 0 for t in m.seconds)
         assert model.r2 is not None and model.r2 <= 1.0
     assert prof.measurements["all_to_all@ep"].x == (65536.0, 262144.0, 1048576.0)

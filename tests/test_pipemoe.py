@@ -2,14 +2,16 @@
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from moe_plugins.costmodel import PAPER_TESTBED, ExchangeCurve, PipeCosts
 from moe_plugins.pipemoe import (TIE_TOLERANCE, AutoDegree, choose_degree, degree_from_flag, f1, f3, f4,
-                                 fewest_chunks_near, moe_time, optimal_degree, optimal_training_degree,
-                                 pipeline_time, plan_workload, searched_degree, training_time)
+                                 fewest_chunks_near, moe_time, objective_time, optimal_degree,
+                                 optimal_training_degree, pipeline_time, plan_workload, searched_degree,
+                                 training_time)
 from moe_plugins.verify import VerifySpec
 from tests.workers.pipemoe import auto_layer, overlap_probe, verify_many
 
@@ -61,12 +63,14 @@ def _shapes():
 
 @pytest.mark.parametrize("costs", [PAPER_TESTBED, CPU_LIKE,
                                    PipeCosts(alpha_a=2e-4, beta_a=1e-10, alpha_e=0.0, beta_e=2e-13),
-                                   PipeCosts(alpha_a=0.0, beta_a=4e-10, alpha_e=5e-5, beta_e=5e-14), GLOO_KINK],
-                         ids=["paper", "cpu", "alpha_e=0", "alpha_a=0", "measured-curve"])
+                                   PipeCosts(alpha_a=0.0, beta_a=4e-10, alpha_e=5e-5, beta_e=5e-14), GLOO_KINK,
+                                   replace(CPU_LIKE, pipeline_step=4e-3), replace(GLOO_KINK, pipeline_step=15e-3)],
+                         ids=["paper", "cpu", "alpha_e=0", "alpha_a=0", "measured-curve", "cpu+step",
+                              "measured-curve+step"])
 @pytest.mark.parametrize("objective", ["forward", "training"])
 def test_chosen_degree_minimises_the_recurrence(costs, objective):
     def time_of(w, r):
-        return moe_time(costs, w.n_d, w.n_e, r) if objective == "forward" else training_time(costs, w.n_d, w.n_e, r)
+        return objective_time(costs, w.n_d, w.n_e, r, objective)
     chosen = set()
     for w in _shapes():
         choice = choose_degree(costs, w.n_d, w.n_e, objective=objective, r_max=64, tie_tolerance=0.0)
@@ -113,6 +117,25 @@ def test_a_kinked_curve_moves_the_degree_where_the_line_would_not():
         optimal_degree(GLOO_KINK, n_d, n_e)                 # the line's closed forms would ignore the curve
     with pytest.raises(ValueError, match="Theorem 1 assumes t_d = alpha_a"):
         optimal_training_degree(GLOO_KINK, n_d, n_e)
+
+
+@pytest.mark.parametrize("objective, share", [("training", 1.0), ("forward", 1 / 3)])
+def test_the_step_of_pipelining_is_charged_once_to_every_r_above_1(objective, share):
+    """The runner's step (PipeCosts.pipeline_step) costs nothing at r = 1 (the sequential loop) and the same at
+    every r >= 2; so it never moves the best r >= 2, and a large enough step makes r = 1 the choice."""
+    w = plan_workload(B=1, L=2048, M=256, H=2048, E=8, k=2, f=1.0, P=2)
+    stepped = replace(CPU_LIKE, pipeline_step=9e-3)
+    for r in (1, 2, 5, 64):
+        gap = objective_time(stepped, w.n_d, w.n_e, r, objective) - objective_time(CPU_LIKE, w.n_d, w.n_e, r, objective)
+        assert gap == pytest.approx(0.0 if r == 1 else 9e-3 * share, abs=1e-15), r
+    free = choose_degree(CPU_LIKE, w.n_d, w.n_e, objective=objective, tie_tolerance=0.0)
+    assert free.degree > 1
+    gain = objective_time(CPU_LIKE, w.n_d, w.n_e, 1, objective) - free.predicted_time_s
+    big = choose_degree(replace(CPU_LIKE, pipeline_step=1.01 * gain / share), w.n_d, w.n_e, objective=objective,
+                        tie_tolerance=0.0)
+    small = choose_degree(replace(CPU_LIKE, pipeline_step=0.99 * gain / share), w.n_d, w.n_e, objective=objective,
+                          tie_tolerance=0.0)
+    assert big.degree == 1 and small.degree == free.degree
 
 
 def test_fewest_chunks_near_breaks_near_ties_towards_fewer_chunks():

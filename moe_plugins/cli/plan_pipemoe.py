@@ -17,6 +17,9 @@ Exchange pricing: a profile also holds the all-to-all's measured medians per siz
 ``--exchange-pricing curve`` (the default) an exchange of x bytes costs the isotonic fit of those medians at x
 (``exchange_curve`` in the JSON: sizes in bytes, seconds), and the degree is the recurrence's minimum over every
 r; ``linear`` plans with alpha_a + beta_a x and Theorem 1. The manual flags and the paper default are lines.
+Where the profile also timed exchanges back to back (``all_to_all_stream``), a pipelined chunk behind another
+is priced from that curve (``stream_curve``) and only the first dispatch from the isolated one. With a
+``chunk`` model the runner's step of pipelining at all is in ``costs.pipeline_step``.
 
 Objective: ``training`` (default; what ``pipeline_degree: auto`` uses when autograd records) is the
 forward pipeline plus the mirrored backward one whose expert stage costs ``--backward-factor`` x the forward
@@ -39,7 +42,8 @@ from ..pipemoe import (OBJECTIVES, R_MAX, TIE_TOLERANCE, chunk_costs, choose_deg
 
 MANUAL = ("alpha_a", "beta_a", "alpha_e", "beta_e")
 UNITS = {"n_d": "bytes per rank per dispatch", "n_e": "multiply-adds per expert GEMM, this rank's experts",
-         "alpha_a": "s", "beta_a": "s/byte", "alpha_e": "s", "beta_e": "s/mac", "time": "s"}
+         "alpha_a": "s", "beta_a": "s/byte", "alpha_e": "s", "beta_e": "s/mac", "time": "s",
+         "pipeline_step": "s per forward + backward with r >= 2 (the forward objective charges a third)"}
 
 
 def register(sub) -> None:
@@ -116,8 +120,9 @@ def plan(args: argparse.Namespace) -> dict:
     return {"planner": "pipemoe", "objective": args.objective, "costs_source": source,
             "inputs": {k: getattr(args, k) for k in ("B", "L", "M", "H", "E", "k", "f", "P", "element_bytes",
                                                       "backward_factor", "r_max", "tie_tolerance")},
-            "costs": {n: getattr(costs, n) for n in MANUAL},
+            "costs": {n: getattr(costs, n) for n in MANUAL + ("pipeline_step",)},
             "exchange_curve": None if costs.exchange_curve is None else asdict(costs.exchange_curve),
+            "stream_curve": None if costs.stream_curve is None else asdict(costs.stream_curve),
             "capacity": w.capacity, "n_d": w.n_d, "n_e": w.n_e,
             "degree": choice.degree, "predicted_time_s": choice.predicted_time_s, "case": choice.case,
             "candidates": [{"r": c.r, "time_s": c.time_s, "case": c.case} for c in choice.candidates],
@@ -137,10 +142,10 @@ def run(args: argparse.Namespace) -> int:
 def explain(out: dict) -> str:
     """The choice in words."""
     c, r, t1 = out["costs"], out["degree"], out["curve"][0][1]
-    raw = out.get("exchange_curve")
-    curve = None if raw is None else ExchangeCurve(x=tuple(raw["x"]), seconds=tuple(raw["seconds"]),
-                                                   beta_tail=raw["beta_tail"])
-    costs = PipeCosts(**c, exchange_curve=curve)
+    curve, stream = (None if out.get(k) is None else ExchangeCurve(
+        x=tuple(out[k]["x"]), seconds=tuple(out[k]["seconds"]), beta_tail=out[k]["beta_tail"])
+        for k in ("exchange_curve", "stream_curve"))
+    costs = PipeCosts(**c, exchange_curve=curve, stream_curve=stream)
     d1, e1 = chunk_costs(costs, out["n_d"], out["n_e"], r)
     passes = "forward + backward" if out["objective"] == "training" else "forward"
     lines = [
@@ -155,6 +160,13 @@ def explain(out: dict) -> str:
             f"from {curve.x[0]:.4g} to {curve.x[-1]:.4g} bytes (isotonic fit of the medians), e.g. "
             f"{curve.time(out['n_d']) * 1e3:.3f} ms for all n_d at once, the line says "
             f"{(c['alpha_a'] + c['beta_a'] * out['n_d']) * 1e3:.3f} ms"]),
+        *([] if stream is None else [
+            f"    chunks behind another priced from the back-to-back curve: e.g. n_d / 4 takes "
+            f"{stream.time(out['n_d'] / 4) * 1e3:.3f} ms in a stream, {curve.time(out['n_d'] / 4) * 1e3:.3f} ms "
+            f"after idle link time"]),
+        *([] if not c.get("pipeline_step") else [
+            f"    the profile's runner points add a step of {c['pipeline_step'] * 1e3:.3f} ms (forward + backward) "
+            f"to every r >= 2: the pipeline's lane, twin groups and autograd islands, beyond their per-chunk cost"]),
         f"  r = 1 (no pipelining) takes {t1 * 1e3:.3f} ms: dispatch, experts and combine one after another.",
     ]
     if r == 1:

@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..costmodel import CostProfile, cache_path, default_cache_dir
+from ..costmodel import CostProfile, cache_path, default_cache_dir, runner_chunk_terms
 from ..layout import ParallelLayout, layout_problems
 from ..profiler import COLLECTIVES, GROUP_KINDS, ProfileSpec, plot_profile, profile_rank
 
@@ -131,4 +131,8 @@ def _print(profile: CostProfile, out: Path, plot, as_json: bool) -> None:
         clamped = [term for term in ("alpha", "beta") if getattr(m, f"{term}_clamped")]
         note = f"  ({' and '.join(clamped)} < 0 in the unbounded fit: pinned at 0)" if clamped else ""
         print(f"  {key:24s} {m.alpha:11.3e} {m.beta:14.3e} {m.unit:>5s} {m.r2:7.4f}{note}")
+    if "chunk" in profile.measurements:
+        step = runner_chunk_terms(profile.measurements["chunk"])[1]
+        print(f"  chunk: the line is fitted to degrees >= 2; the step of turning the pipeline on (r = 1 -> 2, "
+              f"beyond one chunk) is {step:.3e} s")
     sys.stdout.flush()
