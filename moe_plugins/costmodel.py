@@ -7,6 +7,8 @@ op               x (the same convention as the CommLedger)        unit of x
 ==============  ===============================================  ==========================
 ``gemm``         m * k * n of one (batched) matmul                 multiply-add ("mac")
 ``all_to_all``   bytes each rank passes in                         byte
+``all_to_all_    bytes each rank passes in, one of several         byte
+stream``         exchanges issued back to back (time per exchange)
 ``all_gather``   bytes of the gathered (output) tensor             byte
 ``all_reduce``   bytes of the reduced tensor                       byte
 ``saa``          bytes each rank passes to the all-to-all, run     byte
