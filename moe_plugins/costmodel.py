@@ -356,14 +356,16 @@ class PipeCosts:
         if problems:
             raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
         slope, step = _runner_terms(profile)
-        curve, stream = (_curve(profile, key, a2a.beta), _curve(profile, model_key("all_to_all_stream", exchange),
-                                                                a2a.beta)) if pricing == "curve" else (None, None)
+        stream_key = model_key("all_to_all_stream", exchange)
+        curve, stream = ((measured_curve(profile, key, a2a.beta), measured_curve(profile, stream_key, a2a.beta))
+                         if pricing == "curve" else (None, None))
         return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=max(2 * gemm.alpha, slope / 3),
                          beta_e=2 * gemm.beta, exchange_curve=curve, stream_curve=stream if curve else None,
                          pipeline_step=step)
 
 
-def _curve(profile: CostProfile, key: str, beta_tail: float) -> Optional[ExchangeCurve]:
+def measured_curve(profile: CostProfile, key: str, beta_tail: float) -> Optional[ExchangeCurve]:
+    """The isotonic curve of the op ``key`` when the profile measured it at >= 2 sizes, else None."""
     measured = profile.measurements.get(key)
     if measured is None or len(set(measured.x)) < 2:
         return None

@@ -48,7 +48,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from scipy.optimize import brentq
 
-from .costmodel import EXCHANGE_PRICING, ExchangeCurve
+from .costmodel import EXCHANGE_PRICING, ExchangeCurve, measured_curve
 
 SCHEDULE_S1 = "parm-s1"
 SCHEDULE_S2 = "parm-s2"
@@ -307,10 +307,10 @@ def measured_curves(profile, element_bytes: int, lines: "ParmCosts") -> Tuple[Tu
     (its tail grows with the term's line)."""
     out = []
     for name, key in CURVE_TERMS.items():
-        measured, line = profile.measurements.get(key), getattr(lines, name)
-        if measured is None or line is None or len(set(measured.x)) < 2:
+        line = getattr(lines, name)
+        curve = measured_curve(profile, key, line.beta / element_bytes) if line is not None else None
+        if curve is None:
             continue
-        curve = ExchangeCurve.fit(measured, line.beta / element_bytes)
         out.append((name, ExchangeCurve(x=tuple(x / element_bytes for x in curve.x), seconds=curve.seconds,
                                         beta_tail=line.beta)))
     return tuple(out)

@@ -22,6 +22,7 @@ pipeline degree), and the large ones beta.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -93,11 +94,7 @@ def merge_profiles(*parts: CostProfile) -> CostProfile:
         problems.append(f"keys differ ({', '.join(sorted({p.key.slug() for p in parts}))})")
     if len({p.dtype for p in parts}) != 1:
         problems.append(f"dtypes differ ({', '.join(sorted({p.dtype for p in parts}))})")
-    seen: Dict[str, int] = {}
-    for p in parts:
-        for name in p.models:
-            seen[name] = seen.get(name, 0) + 1
-    twice = sorted(name for name, n in seen.items() if n > 1)
+    twice = sorted(name for name, n in Counter(name for p in parts for name in p.models).items() if n > 1)
     if twice:
         problems.append(f"models in more than one part: {', '.join(twice)}")
     if not parts or problems:
