@@ -606,8 +606,11 @@ class _Stage:
     def join(self) -> torch.Tensor:
         leaf, y, done = self.forward.result()
         self.streams.wait(done, y)
+        # let go of the fenced input: its grad_fn's ctx holds this stage, and a cycle through an autograd
+        # node is one Python's collector cannot see, so every step's chunks would stay alive
+        fenced, self.fenced = self.fenced, None
         if leaf.requires_grad:
-            return _Join.apply(self.fenced, self)
+            return _Join.apply(fenced, self)
         return y
 
     def launch_backward(self, g: torch.Tensor) -> None:

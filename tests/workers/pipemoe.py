@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
@@ -239,3 +240,41 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
 
 def _forward_exchanges(ledger: CommLedger) -> int:
     return sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward")
+
+
+# ---- nothing of a step outlives it ----------------------------------------------------------------------------
+
+def live_stages_after(spec: VerifySpec, steps: int) -> Dict[str, int]:
+    """``steps`` training calls of a pipelined layer, then a forward with grad whose output is dropped unused,
+    then a no_grad call; after each kind, how many of the runner's stages are still alive once the
+    step's tensors are gone and the collector has run."""
+    with process_groups(spec.layout()) as groups:
+        return _live_stages_after(spec, steps, groups)
+
+
+def _live_stages(*kinds: type) -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, kinds))
+
+
+def _live_stages_after(spec: VerifySpec, steps: int, groups) -> Dict[str, int]:
+    from moe_plugins.pipemoe import _Stage
+    prob = make_problem(spec)
+    x0 = prob.x_DSM[spec.layout().coords(groups.global_rank)["dp"]]
+    layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,
+                     dtype=DTYPES[spec.dtype])
+    out = {}
+    try:
+        for _ in range(steps):
+            x = x0.clone().requires_grad_(True)
+            layer(x).y.sum().backward()
+        del x
+        out["training"] = _live_stages(_Stage)
+        layer(x0.clone().requires_grad_(True))
+        out["forward_unused"] = _live_stages(_Stage)
+        with torch.no_grad():
+            layer(x0)
+        out["no_grad"] = _live_stages(_Stage)
+    finally:
+        layer.pipeline_lane.close()
+    return out
