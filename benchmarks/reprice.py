@@ -4,8 +4,9 @@ rows measured at that degree. An analysis of recorded data, not a measurement.
 For each group of a ``moe-plugins bench`` JSON that carries the auto row's cost profile (``profile`` and
 ``profile_measurements``), this rebuilds the profile, plans the group's layer with
 ``PipeCosts.from_profile(..., pricing=P)`` for P in ``linear`` and ``curve`` (the same ``choose_degree`` the
-``auto`` rows run), and as the planner was up to git 4a0cac8 (``curve-v1``, see :func:`costs_for`), and prints
-the pick next to the fixed rows' medians. A pick with no fixed row of its
+``auto`` rows run), and as the planner was up to git 4a0cac8 (``curve-v1``) and from 8bcdc67 until the runner's
+start-up per chunk was added to the GEMMs' (``curve-v2``; see :func:`costs_for`), and prints the pick next to the
+fixed rows' medians. A pick with no fixed row of its
 degree shows "–". Only the baseline schedule with ``baseline@r=N`` fixed rows is handled.
 
     python benchmarks/reprice.py benchmarks/results/pipemoe-2x1-curve.json
@@ -57,16 +58,20 @@ def workload(case: dict):
 
 # "curve-v1": the planner as it was up to git 4a0cac8: the exchange curve, alpha_e from the profile's stored
 # chunk line (fitted through every degree, r = 1 included), no step of pipelining, no back-to-back curve.
-PRICINGS = EXCHANGE_PRICING + ("curve-v1",)
+# "curve-v2": the planner from git 8bcdc67 to 52ed3b5: curve, back-to-back curve and step as now, but alpha_e the
+# larger of the GEMMs' start-up and the runner's per chunk instead of their sum.
+PRICINGS = EXCHANGE_PRICING + ("curve-v1", "curve-v2")
 
 
 def costs_for(profile: CostProfile, pricing: str) -> PipeCosts:
-    if pricing != "curve-v1":
+    if pricing not in ("curve-v1", "curve-v2"):
         return PipeCosts.from_profile(profile, "ep", pricing)
     costs = PipeCosts.from_profile(profile, "ep", "curve")
+    gemm_alpha_e = 2 * profile.model("gemm").alpha
+    if pricing == "curve-v2":
+        return replace(costs, alpha_e=max(gemm_alpha_e, costs.alpha_e - gemm_alpha_e))
     slope = profile.models["chunk"].beta if "chunk" in profile.models else 0.0
-    return replace(costs, alpha_e=max(2 * profile.models["gemm"].alpha, slope / 3), pipeline_step=0.0,
-                   stream_curve=None)
+    return replace(costs, alpha_e=max(gemm_alpha_e, slope / 3), pipeline_step=0.0, stream_curve=None)
 
 
 def reprice(report: dict) -> List[dict]:

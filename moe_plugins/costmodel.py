@@ -342,12 +342,12 @@ class PipeCosts:
         (``all_to_all_stream``) when it holds that too; "linear" plans with the line alone.
 
         With the ``chunk`` points (the runner's measured forward + backward at several degrees, see
-        :mod:`moe_plugins.profiler`), :func:`runner_chunk_terms` splits them into a slope and a step. alpha_e
-        is at least a third of the slope: the expert stage's start-up as the runner pays it (threads,
-        autograd, synchronisation), not a bare GEMM's. In the compute-bound regime the model's time grows by
-        3 alpha_e per chunk (forward e, backward 2 e), which is then the measured slope. The step becomes
-        ``pipeline_step``. A profile with a ``chunk`` model but no points (written by hand) gives the slope
-        alone."""
+        :mod:`moe_plugins.profiler`), :func:`runner_chunk_terms` splits them into a slope and a step. A third
+        of the slope is added to alpha_e: the start-up a chunk pays in the runner (threads, autograd,
+        synchronisation), measured on a layer too small to have GEMM start-up of its own, so a real layer's
+        chunk pays both (in the compute-bound regime the model's time grows by 3 alpha_e per chunk: forward
+        e, backward 2 e). The step becomes ``pipeline_step``. A profile with a ``chunk`` model but no points
+        (written by hand) gives the slope alone."""
         if pricing not in EXCHANGE_PRICING:
             raise ValueError(f"pricing ({pricing!r}) must be one of {', '.join(EXCHANGE_PRICING)}")
         key = model_key("all_to_all", exchange)
@@ -359,7 +359,7 @@ class PipeCosts:
         stream_key = model_key("all_to_all_stream", exchange)
         curve, stream = ((measured_curve(profile, key, a2a.beta), measured_curve(profile, stream_key, a2a.beta))
                          if pricing == "curve" else (None, None))
-        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=max(2 * gemm.alpha, slope / 3),
+        return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=2 * gemm.alpha + slope / 3,
                          beta_e=2 * gemm.beta, exchange_curve=curve, stream_curve=stream if curve else None,
                          pipeline_step=step)
 

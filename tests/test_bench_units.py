@@ -345,10 +345,10 @@ def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():
     assert len(before_a) >= 3, before_a
 
 
-def test_reprice_reproduces_the_committed_auto_choices():
-    """benchmarks/reprice.py re-plans a committed run from the profiles in its JSON; with the curve pricing it
-    must land on the degree each auto row logged while the bench ran (same profile, the planner of that run:
-    curve-v1)."""
+@pytest.mark.parametrize("stem, pricing", [("pipemoe-2x1-curve", "curve-v1"), ("pipemoe-2x1-noleak", "curve-v2")])
+def test_reprice_reproduces_the_committed_auto_choices(stem, pricing):
+    """benchmarks/reprice.py re-plans a committed run from the profiles in its JSON; with the planner of that
+    run it must land on the degree each auto row logged while the bench ran (same profile)."""
     import importlib.util
     import re
     from pathlib import Path
@@ -356,10 +356,10 @@ def test_reprice_reproduces_the_committed_auto_choices():
     spec = importlib.util.spec_from_file_location("reprice", root / "benchmarks" / "reprice.py")
     reprice = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reprice)
-    report = json.loads((root / "benchmarks" / "results" / "pipemoe-2x1-curve.json").read_text())
+    report = json.loads((root / "benchmarks" / "results" / f"{stem}.json").read_text())
     replanned = reprice.reprice(report)
     assert len(replanned) == 16
     for group, row in zip([g for g in report["groups"] if g.get("profile_measurements")], replanned):
         logged = next(re.search(r"auto degree: r=(\d+)", n) for n in group["rows"]["baseline@r=auto"]["notes"]
                       if "auto degree" in n)
-        assert row["picks"]["curve-v1"][0] == int(logged.group(1)), (row["case"], row["rate"])
+        assert row["picks"][pricing][0] == int(logged.group(1)), (row["case"], row["rate"])
