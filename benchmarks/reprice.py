@@ -58,8 +58,8 @@ def workload(case: dict):
 
 # "curve-v1": the planner as it was up to git 4a0cac8: the exchange curve, alpha_e from the profile's stored
 # chunk line (fitted through every degree, r = 1 included), no step of pipelining, no back-to-back curve.
-# "curve-v2": the planner from git 8bcdc67 to 52ed3b5: curve, back-to-back curve and step as now, but alpha_e the
-# larger of the GEMMs' start-up and the runner's per chunk instead of their sum.
+# "curve-v2": the planner from git 8bcdc67 until e294983 (merged in df71149): curve, back-to-back curve and step
+# as now, but alpha_e the larger of the GEMMs' start-up and the runner's per chunk instead of their sum.
 PRICINGS = EXCHANGE_PRICING + ("curve-v1", "curve-v2")
 
 
