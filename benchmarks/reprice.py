@@ -20,7 +20,8 @@ import re
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from moe_plugins.costmodel import EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey
+from moe_plugins.costmodel import (EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey,
+                                   runner_terms)
 from moe_plugins.pipemoe import R_MAX, choose_degree, plan_workload
 
 TOLERANCE = 1.05
@@ -69,7 +70,7 @@ def costs_for(profile: CostProfile, pricing: str) -> PipeCosts:
     costs = PipeCosts.from_profile(profile, "ep", "curve")
     gemm_alpha_e = 2 * profile.model("gemm").alpha
     if pricing == "curve-v2":
-        return replace(costs, alpha_e=max(gemm_alpha_e, costs.alpha_e - gemm_alpha_e))
+        return replace(costs, alpha_e=max(gemm_alpha_e, runner_terms(profile)[0] / 3))
     slope = profile.models["chunk"].beta if "chunk" in profile.models else 0.0
     return replace(costs, alpha_e=max(gemm_alpha_e, slope / 3), pipeline_step=0.0, stream_curve=None)
 

@@ -355,7 +355,7 @@ class PipeCosts:
         problems = model_problems(key, a2a) + model_problems("gemm", gemm)
         if problems:
             raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
-        slope, step = _runner_terms(profile)
+        slope, step = runner_terms(profile)
         stream_key = model_key("all_to_all_stream", exchange)
         curve, stream = ((measured_curve(profile, key, a2a.beta), measured_curve(profile, stream_key, a2a.beta))
                          if pricing == "curve" else (None, None))
@@ -372,7 +372,7 @@ def measured_curve(profile: CostProfile, key: str, beta_tail: float) -> Optional
     return ExchangeCurve.fit(measured, beta_tail)
 
 
-def _runner_terms(profile: CostProfile) -> Tuple[float, float]:
+def runner_terms(profile: CostProfile) -> Tuple[float, float]:
     """(slope per chunk, step) from the profile's ``chunk`` points, or the fitted model's slope alone."""
     points = profile.measurements.get("chunk")
     if points is not None and len({x for x in points.x if x >= 2}) >= 2:
