@@ -61,17 +61,13 @@ def workload(case: dict):
 # chunk line (fitted through every degree, r = 1 included), no step of pipelining, no back-to-back curve.
 # "curve-v2": the planner from git 8bcdc67 until e294983 (merged in df71149): curve, back-to-back curve and step
 # as now, but alpha_e the larger of the GEMMs' start-up and the runner's per chunk instead of their sum.
-# "curve-v3": the planner from e294983 until the loaded exchange was priced: as now, but a pipelined chunk's
-# exchange and compute priced as if each ran alone (no loaded curve, no compute stolen).
-PRICINGS = EXCHANGE_PRICING + ("curve-v1", "curve-v2", "curve-v3")
+PRICINGS = EXCHANGE_PRICING + ("curve-v1", "curve-v2")
 
 
 def costs_for(profile: CostProfile, pricing: str) -> PipeCosts:
-    if pricing not in ("curve-v1", "curve-v2", "curve-v3"):
+    if pricing not in ("curve-v1", "curve-v2"):
         return PipeCosts.from_profile(profile, "ep", pricing)
     costs = PipeCosts.from_profile(profile, "ep", "curve")
-    if pricing == "curve-v3":
-        return replace(costs, loaded_curve=None, stolen_alpha=0.0, stolen_beta=0.0)
     gemm_alpha_e = 2 * profile.model("gemm").alpha
     if pricing == "curve-v2":
         return replace(costs, alpha_e=max(gemm_alpha_e, runner_terms(profile)[0] / 3))

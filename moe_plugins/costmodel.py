@@ -9,10 +9,6 @@ op               x (the same convention as the CommLedger)        unit of x
 ``all_to_all``   bytes each rank passes in                         byte
 ``all_to_all_    bytes each rank passes in, one of several         byte
 stream``         exchanges issued back to back (time per exchange)
-``all_to_all_    as ``all_to_all_stream``, issued while the       byte
-loaded``         rank computes (time per exchange)
-``compute_       the same runs: the compute time the rank lost     byte
-stolen``         per exchange
 ``all_gather``   bytes of the gathered (output) tensor             byte
 ``all_reduce``   bytes of the reduced tensor                       byte
 ``saa``          bytes each rank passes to the all-to-all, run     byte
@@ -42,10 +38,9 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from scipy.optimize import isotonic_regression, lsq_linear
 
-OPS = ("gemm", "all_to_all", "all_to_all_stream", "all_to_all_loaded", "compute_stolen", "all_gather", "all_reduce",
-       "saa")
-UNITS = {"gemm": "mac", "all_to_all": "byte", "all_to_all_stream": "byte", "all_to_all_loaded": "byte",
-         "compute_stolen": "byte", "all_gather": "byte", "all_reduce": "byte", "saa": "byte", "chunk": "chunk"}
+OPS = ("gemm", "all_to_all", "all_to_all_stream", "all_gather", "all_reduce", "saa")
+UNITS = {"gemm": "mac", "all_to_all": "byte", "all_to_all_stream": "byte", "all_gather": "byte",
+         "all_reduce": "byte", "saa": "byte", "chunk": "chunk"}
 PROFILE_VERSION = 1
 
 
@@ -300,11 +295,6 @@ class PipeCosts:
     - ``pipeline_step`` [s]: what running r >= 2 chunks costs once per forward + backward beyond its
       per-chunk terms (the runner's lane, twin groups and autograd islands; r = 1 runs the sequential loop),
       measured by the profile's ``chunk`` points (:func:`runner_chunk_terms`). 0 for the paper's model.
-    - ``loaded_curve``, ``stolen_alpha`` [s], ``stolen_beta`` [s/byte]: when set, what overlapping costs
-      (the profile's ``all_to_all_loaded`` and ``compute_stolen``). The paper's recurrence lets an exchange
-      and the experts' compute run side by side at their lone speeds. Side by side, the exchange takes
-      ``loaded_curve.time(x)`` and takes ``stolen_alpha + stolen_beta x`` from the compute
-      (pipemoe.overlapped).
     """
 
     alpha_a: float
@@ -314,9 +304,6 @@ class PipeCosts:
     exchange_curve: Optional[ExchangeCurve] = None
     stream_curve: Optional[ExchangeCurve] = None
     pipeline_step: float = 0.0
-    loaded_curve: Optional[ExchangeCurve] = None
-    stolen_alpha: float = 0.0
-    stolen_beta: float = 0.0
 
     def exchange_time(self, x: float) -> float:
         """Seconds of one exchange of x bytes per rank."""
@@ -330,29 +317,13 @@ class PipeCosts:
             return self.stream_curve.time(x)
         return self.exchange_time(x)
 
-    def loaded_time(self, x: float) -> float:
-        """Seconds of one exchange of x bytes in a stream while the rank computes (the stream time without a
-        loaded curve)."""
-        if self.loaded_curve is not None:
-            return self.loaded_curve.time(x)
-        return self.stream_time(x)
-
-    def stolen_time(self, x: float) -> float:
-        """Compute seconds one exchange of x bytes takes from the rank when they run side by side."""
-        return self.stolen_alpha + self.stolen_beta * x
-
-    @property
-    def measured(self) -> bool:
-        """Whether any exchange is priced from a measured curve (Theorem 1's closed forms then do not apply)."""
-        return any(c is not None for c in (self.exchange_curve, self.stream_curve, self.loaded_curve))
-
     def problems(self) -> List[str]:
         out = []
-        for name in ("alpha_a", "beta_a", "alpha_e", "beta_e", "pipeline_step", "stolen_alpha", "stolen_beta"):
+        for name in ("alpha_a", "beta_a", "alpha_e", "beta_e", "pipeline_step"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 out.append(f"{name} ({value!r}) must be a finite number >= 0")
-        for curve in (self.exchange_curve, self.stream_curve, self.loaded_curve):
+        for curve in (self.exchange_curve, self.stream_curve):
             out += curve.problems() if curve is not None else []
         return out
 
@@ -368,8 +339,7 @@ class PipeCosts:
 
         ``pricing="curve"`` (the default) also keeps the all-to-all's measured curve
         (:class:`ExchangeCurve`) when the profile holds its measurements, and the back-to-back one
-        (``all_to_all_stream``) when it holds that too, and the loaded one with the compute it takes
-        (``all_to_all_loaded``, ``compute_stolen``) when it holds those; "linear" plans with the line alone.
+        (``all_to_all_stream``) when it holds that too; "linear" plans with the line alone.
 
         With the ``chunk`` points (the runner's measured forward + backward at several degrees, see
         :mod:`moe_plugins.profiler`), :func:`runner_chunk_terms` splits them into a slope and a step. A third
@@ -389,21 +359,9 @@ class PipeCosts:
         stream_key = model_key("all_to_all_stream", exchange)
         curve, stream = ((measured_curve(profile, key, a2a.beta), measured_curve(profile, stream_key, a2a.beta))
                          if pricing == "curve" else (None, None))
-        loaded, stolen = _overlap_terms(profile, exchange, a2a.beta) if curve else (None, (0.0, 0.0))
         return PipeCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_e=2 * gemm.alpha + slope / 3,
                          beta_e=2 * gemm.beta, exchange_curve=curve, stream_curve=stream if curve else None,
-                         pipeline_step=step, loaded_curve=loaded, stolen_alpha=stolen[0], stolen_beta=stolen[1])
-
-
-def _overlap_terms(profile: CostProfile, exchange: str,
-                   beta_tail: float) -> Tuple[Optional[ExchangeCurve], Tuple[float, float]]:
-    """The loaded exchange curve and the (alpha, beta) of the compute it takes, when the profile measured both
-    (else None and zeros)."""
-    loaded = measured_curve(profile, model_key("all_to_all_loaded", exchange), beta_tail)
-    stolen = profile.models.get(model_key("compute_stolen", exchange))
-    if loaded is None or stolen is None or model_problems("compute_stolen", stolen):
-        return None, (0.0, 0.0)
-    return loaded, (stolen.alpha, stolen.beta)
+                         pipeline_step=step)
 
 
 def measured_curve(profile: CostProfile, key: str, beta_tail: float) -> Optional[ExchangeCurve]:

@@ -96,27 +96,11 @@ def pipeline_time(t_d: Sequence[float], t_e: Sequence[float], t_c: Sequence[floa
     return tau_c[r - 1] + t_c[r - 1] - tau_d[0]                            # Eq. 12
 
 
-def overlapped(costs: PipeCosts, x: float, e: float, r: int) -> Tuple[float, float]:
-    """(t_d, t_e) of a pipelined chunk (r >= 2) whose exchanges of x bytes run beside compute of e seconds.
-
-    The exchange costs ``stream_time(x)`` alone and ``loaded_time(x)`` beside compute, which it has beside
-    it for a share phi = min(1, e / stream_time(x)) of its time (in a stream of chunks, compute e runs in
-    each exchange's slot). Each chunk's compute runs beside about 2 (r - 1) / r exchanges (dispatch i + 1
-    and combine i - 1; the first and the last chunk beside one), and loses ``stolen_time(x)`` to each, times
-    the same phi. Without the loaded terms this is (stream_time(x), e)."""
-    d = costs.stream_time(x)
-    if costs.loaded_curve is None:
-        return d, e
-    phi = min(1.0, e / d) if d > 0 else 1.0
-    return d + phi * (costs.loaded_time(x) - d), e + phi * costs.stolen_time(x) * 2 * (r - 1) / r
-
-
 def chunk_costs(costs: PipeCosts, n_d: float, n_e: float, r: float) -> Tuple[float, float]:
-    """(t_d, t_e) of one of r equal chunks in the forward pass (Eq. 15, 17); t_c = t_d (Eq. 18). With r >= 2,
-    t_d is that of a chunk behind another (all but the first dispatch) and both are as side by side
-    (:func:`overlapped`, :func:`moe_time`)."""
-    x, e = n_d / r, costs.alpha_e + costs.beta_e * n_e / r
-    return overlapped(costs, x, e, r) if r >= 2 else (costs.exchange_time(x), e)
+    """(t_d, t_e) of one of r equal chunks (Eq. 15, 17); t_c = t_d (Eq. 18). With r >= 2 and a stream
+    curve, t_d is that of a chunk behind another (all but the first dispatch, see :func:`moe_time`)."""
+    x = n_d / r
+    return (costs.stream_time(x) if r >= 2 else costs.exchange_time(x)), costs.alpha_e + costs.beta_e * n_e / r
 
 
 def moe_time(costs: PipeCosts, n_d: float, n_e: float, r: int, *, shared_link: bool = True,
@@ -125,12 +109,11 @@ def moe_time(costs: PipeCosts, n_d: float, n_e: float, r: int, *, shared_link: b
 
     The first dispatch follows idle link time and costs ``exchange_time``; with r >= 2 every later exchange
     leaves right behind another on the lane (D_1..D_r, then C_1..C_r, FIFO) and costs ``stream_time``
-    (the same without a stream curve), or as it runs beside the experts' compute (:func:`overlapped`, which
-    also slows that compute). With r = 1 the combine follows the experts' compute, like the profile's
-    isolated exchange."""
-    first, e = costs.exchange_time(n_d / r), expert_factor * (costs.alpha_e + costs.beta_e * n_e / r)
-    d, e = overlapped(costs, n_d / r, e, r) if r >= 2 else (first, e)
-    return pipeline_time([first] + [d] * (r - 1), [e] * r, [d] * r, shared_link=shared_link)
+    (the same without a stream curve). With r = 1 the combine follows the experts' compute, like the
+    profile's isolated exchange."""
+    first, e = costs.exchange_time(n_d / r), costs.alpha_e + costs.beta_e * n_e / r
+    d = costs.stream_time(n_d / r) if r >= 2 else first
+    return pipeline_time([first] + [d] * (r - 1), [expert_factor * e] * r, [d] * r, shared_link=shared_link)
 
 
 def step_time(costs: PipeCosts, r: int, objective: str) -> float:
@@ -308,9 +291,9 @@ def _pick(cands: List[Candidate], objective: str) -> DegreeChoice:
 
 def _check_theorem_inputs(costs: PipeCosts, n_d: float, n_e: float, r_max: int) -> None:
     """Theorem 1's closed forms price an exchange with the line; a measured curve would be silently ignored."""
-    if costs.measured:
-        raise ValueError("Theorem 1 assumes t_d = alpha_a + beta_a n_d / r; costs with an exchange_curve, "
-                         "stream_curve or loaded_curve are planned by searched_degree (choose_degree picks it)")
+    if costs.exchange_curve is not None or costs.stream_curve is not None:
+        raise ValueError("Theorem 1 assumes t_d = alpha_a + beta_a n_d / r; costs with an exchange_curve or "
+                         "stream_curve are planned by searched_degree (choose_degree picks it)")
     _check_plan_inputs(costs, n_d, n_e, r_max)
 
 
@@ -343,7 +326,7 @@ def choose_degree(costs: PipeCosts, n_d: float, n_e: float, *, objective: str = 
         raise ValueError(f"objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
     if not (isinstance(tie_tolerance, (int, float)) and 0 <= tie_tolerance < 1):
         raise ValueError(f"tie_tolerance ({tie_tolerance!r}) must be a number in [0, 1)")
-    if costs.measured:
+    if costs.exchange_curve is not None or costs.stream_curve is not None:
         best = searched_degree(costs, n_d, n_e, objective=objective, r_max=r_max, backward_factor=backward_factor)
     elif objective == "forward":
         best = optimal_degree(costs, n_d, n_e, r_max=r_max)

@@ -10,13 +10,6 @@ What is timed (every rank at once, as in training; each sample is the slowest ra
   timed run is :func:`stream_count` exchanges (about 4 MiB per rank in all), and x's time is the run's time
   over that count. A lone exchange after idle link time can be faster (the emulated link's token bucket,
   benchmarks/results/tbf-burst.md: 128 KiB after 5 ms idle took 0.09x its time at the rate);
-- ``all_to_all_loaded@<g>`` (with ``compute_stolen@<g>``): the back-to-back all-to-all again, now issued from
-  a second thread while this one computes (a GEMM of ``gemm_shape`` with :data:`LOAD_ROWS` rows, over and
-  over until the exchanges end), as PipeMoE's lane exchanges chunks while the experts compute. x's time is
-  the run's time over the exchange count, and ``compute_stolen`` at x is the compute time lost per
-  exchange: the run's time less the GEMMs done times one GEMM's time alone. On CPU both sides share the
-  cores (gloo's threads wait for a core the GEMM holds, and take time from it); on GPU the collective's
-  kernels share the device with the GEMMs. The isolated ops above see neither;
 - ``saa@ep_esp+mp``: Parm's SAA as the layer runs it (:func:`moe_plugins.saa.saa_raw`: the EP&ESP
   all-to-all as point-to-point slices, each peer block's ESP sum all-gathered on MP as soon as it lands),
   so the fit carries its per-slice costs; x = bytes into the all-to-all (the all-gather is mp / esp times
@@ -37,10 +30,9 @@ squares and R^2 is reported. Rank 0 returns the :class:`~moe_plugins.costmodel.C
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -52,8 +44,6 @@ from .layout import ParallelLayout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 COLLECTIVES = ("all_to_all", "all_to_all_stream", "all_gather", "all_reduce")
-# what a spec may ask for: every model's op but compute_stolen, which all_to_all_loaded measures with it
-PROFILE_OPS = tuple(op for op in UNITS if op != "compute_stolen")
 GROUP_KINDS = ("ep", "esp", "mp", "ep_esp", "dp", "expert_dp")
 
 
@@ -81,9 +71,9 @@ class ProfileSpec:
         for name, values in (("sizes_bytes", self.sizes_bytes), ("gemm_rows", self.gemm_rows)):
             if len(set(values)) < 2 or min(values) < 1:
                 out.append(f"{name} ({list(values)}) needs at least 2 distinct positive sizes")
-        unknown_ops = sorted(set(self.ops) - set(PROFILE_OPS))
+        unknown_ops = sorted(set(self.ops) - set(UNITS))
         if unknown_ops:
-            out.append(f"ops ({unknown_ops}) are unknown; allowed: {', '.join(PROFILE_OPS)}")
+            out.append(f"ops ({unknown_ops}) are unknown; allowed: {', '.join(UNITS)}")
         unknown_groups = sorted(set(self.groups) - set(GROUP_KINDS))
         if unknown_groups:
             out.append(f"groups ({unknown_groups}) are unknown; allowed: {', '.join(GROUP_KINDS)}")
@@ -105,22 +95,6 @@ class _Bench:
     setup: Callable[[int], Callable[[], None]]    # size index -> the op to time
     aliases: List[str]                # other keys whose groups hold the same ranks (measured once)
     per_op: Callable[[int], int] = lambda i: 1     # size index -> ops one timed run holds (its time is divided)
-    side: Optional["_SideLog"] = None              # a second measurement the same runs take
-    side_aliases: List[str] = field(default_factory=list)
-
-
-@dataclass
-class _SideLog:
-    """Per-run values a bench records besides its time (``key`` names their model); the median of the last
-    ``repeats`` of a size, slowest rank, is the size's point."""
-
-    key: str
-    values: List[float]
-
-    def take(self, repeats: int) -> float:
-        point = _slowest(statistics.median(self.values[-repeats:]))
-        self.values.clear()
-        return point
 
 
 def _slowest(seconds: float) -> float:
@@ -177,58 +151,6 @@ def _collective(op: str, group: Group, numel: int, dtype: torch.dtype, device: t
     return lambda: dist.all_reduce(x, group=group.pg)
 
 
-LOAD_ROWS = 64     # rows of the GEMM the loaded all-to-all runs against: short, so the loop ends soon after
-
-
-def _unit_seconds(unit: Callable[[], None], device: torch.device, repeats: int = 5, count: int = 50) -> float:
-    """One run of ``unit`` alone, on this rank: the median over ``repeats`` of ``count`` back to back."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(count):
-        unit()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(count):
-            unit()
-        sync()
-        samples.append((time.perf_counter() - t0) / count)
-    return statistics.median(samples)
-
-
-def _loaded(group: Group, numel: int, dtype: torch.dtype, device: torch.device, unit: Callable[[], None],
-            unit_s: float, stolen: List[float]) -> Callable[[], None]:
-    """``stream_count`` exchanges on a second thread while this one runs ``unit`` until they end; appends
-    the compute time lost per exchange to ``stolen``. CUDA: the exchanges go on a side stream."""
-    x = torch.randn(numel, device=device).to(dtype)
-    out = torch.empty_like(x)
-    count = stream_count(numel * x.element_size())
-    side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def exchanges(done: threading.Event) -> None:
-        with torch.cuda.stream(side) if side is not None else ExitStack():
-            for _ in range(count):
-                dist.all_to_all_single(out, x, group=group.pg)
-        if side is not None:
-            side.synchronize()
-        done.set()
-
-    def run() -> None:
-        done = threading.Event()
-        lane = threading.Thread(target=exchanges, args=(done,), name="moe-profile-lane")
-        t0 = time.perf_counter()
-        lane.start()
-        units = 0
-        while not done.is_set():
-            unit()
-            sync()
-            units += 1
-        lane.join()
-        stolen.append(max(0.0, time.perf_counter() - t0 - units * unit_s) / count)
-    return run
-
-
 SAA_ROW = 64       # elements per slot row of the profiled SAA tensor (w: G x 1 x 1 x c x SAA_ROW)
 
 
@@ -278,44 +200,10 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
                            lambda i, op=op, g=group, n=numels: _collective(op, g, n[i], dtype, device), [], per_op)
             first[op, group.ranks] = bench
             out.append(bench)
-    if "all_to_all_loaded" in spec.ops:
-        out += _loaded_benches(spec, groups, device, sizes)
     if "saa" in spec.ops and groups.ep_esp.size > 1 and groups.mp.size > 1:
         numels = [_elements(s, dtype, groups.ep_esp.size * SAA_ROW) for s in sizes]
         out.append(_Bench("saa@ep_esp+mp", lambda i: float(numels[i] * elsize),
                           lambda i: _saa(groups, numels[i], dtype, device), []))
-    return out
-
-
-def _loaded_benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device,
-                    sizes: List[int]) -> List[_Bench]:
-    """``all_to_all_loaded@<g>`` (with ``compute_stolen@<g>``) on every group kind of the spec larger than one
-    rank, once per distinct set of ranks."""
-    dtype = DTYPES[spec.dtype]
-    elsize = torch.tensor([], dtype=dtype).element_size()
-    e_l, m, h = spec.gemm_shape
-    a = torch.randn(e_l, LOAD_ROWS, m, device=device).to(dtype)
-    b = torch.randn(e_l, m, h, device=device).to(dtype)
-    unit = lambda: torch.bmm(a, b)                                      # noqa: E731
-    unit_s = _unit_seconds(unit, device)
-    out: List[_Bench] = []
-    seen: Dict[Tuple[int, ...], _Bench] = {}
-    for kind in spec.groups:
-        group = getattr(groups, kind)
-        if group.size == 1:
-            continue
-        if group.ranks in seen:
-            seen[group.ranks].aliases.append(f"all_to_all_loaded@{kind}")
-            seen[group.ranks].side_aliases.append(f"compute_stolen@{kind}")
-            continue
-        numels = [_elements(s, dtype, group.size) for s in sizes]
-        log = _SideLog(f"compute_stolen@{kind}", [])
-        bench = _Bench(f"all_to_all_loaded@{kind}", lambda i, n=numels: float(n[i] * elsize),
-                       lambda i, g=group, n=numels, log=log: _loaded(g, n[i], dtype, device, unit, unit_s,
-                                                                     log.values),
-                       [], lambda i, n=numels: stream_count(n[i] * elsize), log)
-        seen[group.ranks] = bench
-        out.append(bench)
     return out
 
 
@@ -375,18 +263,14 @@ def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
         bar = _progress(total, progress and dist.get_rank() == 0)
         stack.callback(bar.close)
         for bench in benches:
-            xs, ts, sides = [], [], []
+            xs, ts = [], []
             for i in range(_count(bench, spec)):
                 bar.set_description(bench.key)
                 ts.append(_time(bench.setup(i), spec.warmup, spec.repeats, device) / bench.per_op(i))
                 xs.append(bench.x(i))
-                if bench.side is not None:
-                    sides.append(bench.side.take(spec.repeats))
                 bar.update(1)
             for key in [bench.key] + bench.aliases:
                 measured[key] = Measurement(x=tuple(xs), seconds=tuple(ts))
-            for key in ([bench.side.key] + bench.side_aliases) if bench.side is not None else []:
-                measured[key] = Measurement(x=tuple(xs), seconds=tuple(sides))
     if dist.get_rank() != 0:
         return None
     models = {k: _fit(k, m) for k, m in measured.items()}

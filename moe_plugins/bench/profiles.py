@@ -5,8 +5,7 @@
 every rate it applies, so each auto row decides from the link it is timed on, and the report carries the fit
 (alpha, beta, R^2) next to the times. Two parts, merged per case (:func:`merge_profiles`):
 
-- **the link part** (collectives, Parm's SAA, PipeMoE's back-to-back all-to-all, alone and beside compute,
-  and ``chunk`` term): measured once per layout and rate
+- **the link part** (collectives, Parm's SAA, PipeMoE's back-to-back all-to-all and ``chunk`` term): measured once per layout and rate
   and shared by every case of that layout, as a user's profile is. Sizes run from 4 KiB to twice the
   largest case's dispatch all-to-all bytes per rank (at least 1 MiB, at most 8 MiB), with
   :data:`LINK_REPEATS` timed runs per size. (Until git 51dee78 every case measured its own, over its own
@@ -73,7 +72,7 @@ def link_spec_for(cases: Sequence[CaseConfig], layout: ParallelLayout, specs: Se
     pipe = any(degree_needs_profile(s.option("r", "1")) for s in specs)
     return ProfileSpec(layout=layout, sizes_bytes=_powers_of_two(4096, min(max(2 * top, MIN_TOP_BYTES), MAX_TOP_BYTES)),
                        ops=("all_to_all",) + (("all_gather", "saa") if parm else ())
-                       + (("all_to_all_stream", "all_to_all_loaded", "chunk") if pipe else ()),
+                       + (("all_to_all_stream", "chunk") if pipe else ()),
                        groups=("ep", "ep_esp", "mp") if parm else ("ep", "ep_esp"), warmup=WARMUP, repeats=repeats,
                        dtype=dtype)
 

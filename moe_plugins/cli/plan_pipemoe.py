@@ -18,9 +18,7 @@ Exchange pricing: a profile also holds the all-to-all's measured medians per siz
 (``exchange_curve`` in the JSON: sizes in bytes, seconds), and the degree is the recurrence's minimum over every
 r; ``linear`` plans with alpha_a + beta_a x and Theorem 1. The manual flags and the paper default are lines.
 Where the profile also timed exchanges back to back (``all_to_all_stream``), a pipelined chunk behind another
-is priced from that curve (``stream_curve``) and only the first dispatch from the isolated one. Where it timed
-them beside compute too (``all_to_all_loaded``, ``compute_stolen``), a chunk's exchange and compute are priced
-as side by side (``loaded_curve``, ``costs.stolen_alpha`` / ``stolen_beta``; pipemoe.overlapped). With a
+is priced from that curve (``stream_curve``) and only the first dispatch from the isolated one. With a
 ``chunk`` model the runner's step of pipelining at all is in ``costs.pipeline_step``.
 
 Objective: ``training`` (default; what ``pipeline_degree: auto`` uses when autograd records) is the
@@ -122,10 +120,9 @@ def plan(args: argparse.Namespace) -> dict:
     return {"planner": "pipemoe", "objective": args.objective, "costs_source": source,
             "inputs": {k: getattr(args, k) for k in ("B", "L", "M", "H", "E", "k", "f", "P", "element_bytes",
                                                       "backward_factor", "r_max", "tie_tolerance")},
-            "costs": {n: getattr(costs, n) for n in MANUAL + ("pipeline_step", "stolen_alpha", "stolen_beta")},
+            "costs": {n: getattr(costs, n) for n in MANUAL + ("pipeline_step",)},
             "exchange_curve": None if costs.exchange_curve is None else asdict(costs.exchange_curve),
             "stream_curve": None if costs.stream_curve is None else asdict(costs.stream_curve),
-            "loaded_curve": None if costs.loaded_curve is None else asdict(costs.loaded_curve),
             "capacity": w.capacity, "n_d": w.n_d, "n_e": w.n_e,
             "degree": choice.degree, "predicted_time_s": choice.predicted_time_s, "case": choice.case,
             "candidates": [{"r": c.r, "time_s": c.time_s, "case": c.case} for c in choice.candidates],
@@ -145,10 +142,10 @@ def run(args: argparse.Namespace) -> int:
 def explain(out: dict) -> str:
     """The choice in words."""
     c, r, t1 = out["costs"], out["degree"], out["curve"][0][1]
-    curve, stream, loaded = (None if out.get(k) is None else ExchangeCurve(
+    curve, stream = (None if out.get(k) is None else ExchangeCurve(
         x=tuple(out[k]["x"]), seconds=tuple(out[k]["seconds"]), beta_tail=out[k]["beta_tail"])
-        for k in ("exchange_curve", "stream_curve", "loaded_curve"))
-    costs = PipeCosts(**c, exchange_curve=curve, stream_curve=stream, loaded_curve=loaded)
+        for k in ("exchange_curve", "stream_curve"))
+    costs = PipeCosts(**c, exchange_curve=curve, stream_curve=stream)
     d1, e1 = chunk_costs(costs, out["n_d"], out["n_e"], r)
     passes = "forward + backward" if out["objective"] == "training" else "forward"
     lines = [
@@ -167,11 +164,6 @@ def explain(out: dict) -> str:
             f"    chunks behind another priced from the back-to-back curve: e.g. n_d / 4 takes "
             f"{stream.time(out['n_d'] / 4) * 1e3:.3f} ms in a stream, {curve.time(out['n_d'] / 4) * 1e3:.3f} ms "
             f"after idle link time"]),
-        *([] if loaded is None else [
-            f"    exchanges beside the experts' compute priced from the loaded curve: e.g. n_d / 4 takes "
-            f"{loaded.time(out['n_d'] / 4) * 1e3:.3f} ms while the rank computes and takes "
-            f"{costs.stolen_time(out['n_d'] / 4) * 1e3:.3f} ms of its compute (profile: all_to_all_loaded, "
-            f"compute_stolen); a chunk has the compute beside it for the share of its time the compute lasts"]),
         *([] if not c.get("pipeline_step") else [
             f"    the profile's runner points add a step of {c['pipeline_step'] * 1e3:.3f} ms (forward + backward) "
             f"to every r >= 2: the pipeline's lane, twin groups and autograd islands, beyond their per-chunk cost"]),

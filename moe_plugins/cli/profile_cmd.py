@@ -21,7 +21,7 @@ from ..costmodel import CostProfile, cache_path, default_cache_dir, runner_chunk
 from ..layout import ParallelLayout, layout_problems
 from ..profiler import COLLECTIVES, GROUP_KINDS, ProfileSpec, plot_profile, profile_rank
 
-OPS = ("gemm",) + COLLECTIVES + ("all_to_all_loaded", "saa", "chunk")
+OPS = ("gemm",) + COLLECTIVES + ("saa", "chunk")
 
 
 def register(sub) -> None:
