@@ -347,7 +347,8 @@ def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():
 
 @pytest.mark.parametrize("stem, pricing", [("pipemoe-2x1-curve", "curve-v1"), ("pipemoe-2x1-noleak", "curve-v2"),
                                            ("pipemoe-2x2-noleak", "curve-v2"), ("pipemoe-2x1-additive", "curve"),
-                                           ("pipemoe-2x2-additive", "curve")])
+                                           ("pipemoe-2x2-additive", "curve"), ("pipemoe-2x1-additive-b", "curve"),
+                                           ("pipemoe-2x2-additive-b", "curve")])
 def test_reprice_reproduces_the_committed_auto_choices(stem, pricing):
     """benchmarks/reprice.py re-plans a committed run from the profiles in its JSON; with the planner of that
     run it must land on the degree each auto row logged while the bench ran (same profile)."""
