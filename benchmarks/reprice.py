@@ -6,8 +6,8 @@ For each group of a ``moe-plugins bench`` JSON that carries the auto row's cost 
 ``PipeCosts.from_profile(..., pricing=P)`` for P in ``linear`` and ``curve`` (the same ``choose_degree`` the
 ``auto`` rows run), and as the planner was up to git 4a0cac8 (``curve-v1``) and from 8bcdc67 until the runner's
 start-up per chunk was added to the GEMMs' (``curve-v2``; see :func:`costs_for`), and prints the pick next to the
-fixed rows' medians. A pick with no fixed row of its
-degree shows "–". Only the baseline schedule with ``baseline@r=N`` fixed rows is handled.
+fixed rows' medians. A pick with no fixed row of its degree shows "–". Only the baseline schedule with
+``baseline@r=N`` fixed rows is handled.
 
     python benchmarks/reprice.py benchmarks/results/pipemoe-2x1-curve.json
 """

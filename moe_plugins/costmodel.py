@@ -283,7 +283,8 @@ class PipeCosts:
 
     - ``alpha_a`` [s], ``beta_a`` [s/byte]: one dispatch (or combine) exchange of n_d bytes per rank;
     - ``alpha_e`` [s], ``beta_e`` [s/mac]: the expert FFN forward on n_e = rows * M * H_shard multiply-adds
-      per GEMM, i.e. two GEMMs: alpha_e = 2 alpha_gemm, beta_e = 2 beta_gemm (Eq. 14-15).
+      per GEMM, i.e. two GEMMs: alpha_e = 2 alpha_gemm, beta_e = 2 beta_gemm (Eq. 14-15); from a profile with
+      ``chunk`` points alpha_e also carries a third of the runner's per-chunk slope (:meth:`from_profile`).
     - ``exchange_curve``: when set, an exchange of x bytes takes ``exchange_curve.time(x)`` instead of
       alpha_a + beta_a x. Theorem 1's closed forms assume the line, so the degree is then found by timing
       the recurrence at every r (pipemoe.choose_degree).
