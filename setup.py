@@ -23,5 +23,5 @@ setup(
     python_requires=">=3.10",
     install_requires=[TORCH, "numpy==2.4.6", "tqdm==4.70.1", "rich==15.0.0"],
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["moe-plugins=moe_plugins.cli:main"]},
+    entry_points={"console_scripts": ["moe-plugins=moe_plugins.tools.cli:main"]},
 )

@@ -1,7 +1,7 @@
 """The emulated link in both directions at once, raw TCP against gloo: a measurement, not a test.
 
 A 2-rank all-to-all sends N bytes each way at the same time. For each N this brings up 2 emulated nodes
-(moe_plugins.bench.cluster) at RATE and times, after 20 ms of idle link (median of 5):
+(moe_plugins.tools.bench.cluster) at RATE and times, after 20 ms of idle link (median of 5):
 
 - raw: one TCP connection, both ends sending N bytes and receiving N bytes at once;
 - gloo: ``all_to_all_single`` of 2 N bytes per rank over gloo on the nodes' NICs (N of them cross the link);
@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Callable, List
 
-from moe_plugins.bench.cluster import ClusterSpec, emulated_cluster, set_rate
-from moe_plugins.bench.matrix import parse_rate
+from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, set_rate
+from moe_plugins.tools.bench.matrix import parse_rate
 
 SIZES = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
 IDLE_S = 0.02

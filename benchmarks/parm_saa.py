@@ -3,7 +3,7 @@
     python benchmarks/parm_saa.py --rates 200mbit 1gbit --out benchmarks/results          # emulated cluster
     python benchmarks/parm_saa.py --mode loopback --fit --out benchmarks/results           # no namespaces
 
-Two nodes of two ranks (network namespaces joined by a tbf-shaped link, moe_plugins/bench/cluster.py),
+Two nodes of two ranks (network namespaces joined by a tbf-shaped link, moe_plugins/tools/bench/cluster.py),
 layout mp=2 (inside a node), ep=2, esp=2, so the EP&ESP all-to-all crosses the link and the MP all-gather
 stays on the node's loopback: parm.txt's premise for SAA. For each size, in interleaved rounds (barrier,
 time, max over ranks; medians reported):
@@ -12,12 +12,12 @@ time, max over ranks; medians reported):
 - ``ag``:  the MP all-gather of the combined buffer alone (E x c x M per rank);
 - ``seq``: the two in sequence, with the ESP sum between them (what parm-s2 runs);
 - ``seq_p2p``: the same with SAA's own transport (point-to-point all-to-all), not overlapped: the control;
-- ``saa``: :func:`moe_plugins.saa.saa_raw` (what parm-s2-saa runs).
+- ``saa``: :func:`moe_plugins.parm.saa.saa_raw` (what parm-s2-saa runs).
 
 It reports seq / saa (what parm-s2-saa gains over parm-s2), seq_p2p / saa, and the share of the all-gather
 that the overlap hides: (seq_p2p - saa) / ag.
 ``--fit`` also fits alpha/beta (seconds, seconds per element) of every term Parm's planner uses, to refresh
-the placeholders in moe_plugins/parm_cost.py. Timings on a shared 2-core machine are noisy: read the ratios,
+the placeholders in moe_plugins/parm/cost.py. Timings on a shared 2-core machine are noisy: read the ratios,
 which are measured side by side in one run.
 """
 
@@ -42,12 +42,12 @@ def rank_main(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from moe_plugins import comm
-    from moe_plugins.costmodel import fit_linear
-    from moe_plugins.comm import Recorder
-    from moe_plugins.groups import build_process_groups
-    from moe_plugins.layout import ParallelLayout
-    from moe_plugins.saa import block_order, saa_raw
+    from moe_plugins.core import comm
+    from moe_plugins.core.costmodel import fit_linear
+    from moe_plugins.core.comm import Recorder
+    from moe_plugins.core.groups import build_process_groups
+    from moe_plugins.core.layout import ParallelLayout
+    from moe_plugins.parm.saa import block_order, saa_raw
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
@@ -122,8 +122,8 @@ def rank_main(cfg: dict) -> None:
 
 def launch(cfg: dict, cluster, workdir: Path) -> dict:
     """Start the ranks (inside the nodes' namespaces when ``cluster`` is given) and wait for them."""
-    from moe_plugins.bench.launch import MASTER_PORT_IN_NAMESPACE, rank_env
-    from moe_plugins.pool import free_port
+    from moe_plugins.tools.bench.launch import MASTER_PORT_IN_NAMESPACE, rank_env
+    from moe_plugins.tools.pool import free_port
     world, per_node = cfg["world"], cfg["ranks_per_node"]
     addr, port, ifname = ("127.0.0.1", free_port(), "lo") if cluster is None else \
         (cluster.addresses[0], MASTER_PORT_IN_NAMESPACE, cluster.ifname)
@@ -180,13 +180,13 @@ def main() -> int:
     if args.rank_config:
         rank_main(json.loads(Path(args.rank_config).read_text()))
         return 0
-    from moe_plugins.bench.launch import signals_raise
+    from moe_plugins.tools.bench.launch import signals_raise
     with signals_raise():            # SIGTERM/SIGHUP unwind, so the ranks are stopped and the namespaces removed
         return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_plugins.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason, set_rate
+    from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason, set_rate
     reason = None if args.mode == "loopback" else netns_unavailable_reason()
     if args.mode == "netns" and reason:
         raise SystemExit(f"parm_saa: the emulated cluster is unavailable: {reason}")

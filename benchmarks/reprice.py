@@ -20,9 +20,9 @@ import re
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from moe_plugins.costmodel import (EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey,
+from moe_plugins.core.costmodel import (EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey,
                                    runner_terms)
-from moe_plugins.pipemoe import R_MAX, choose_degree, plan_workload
+from moe_plugins.pipemoe.model import R_MAX, choose_degree, plan_workload
 
 TOLERANCE = 1.05
 

@@ -5,7 +5,7 @@ the shaped rate. A real NIC banks nothing. In an MoE layer the link is idle whil
 large bucket hands the next all-to-all a free head start; that made r = 1 look better than a real link
 would (docs/benchmarks.md, "The tbf bucket").
 
-For each bucket this brings up 2 emulated nodes (moe_plugins.bench.cluster) at RATE and sends messages of
+For each bucket this brings up 2 emulated nodes (moe_plugins.tools.bench.cluster) at RATE and sends messages of
 128 KiB, 512 KiB and 2 MiB from node 1 to node 0 over one TCP connection, after 0, 5, 20 and 60 ms of idle
 link (median of 5), then sends 2 x 8 x 2 MiB over two concurrent connections and reads the sender's
 retransmitted segments and the qdisc's drops. Needs root and iproute2, like ``moe-plugins bench``.
@@ -23,8 +23,8 @@ import sys
 import time
 from typing import List
 
-from moe_plugins.bench.cluster import ClusterSpec, emulated_cluster, set_rate
-from moe_plugins.bench.matrix import parse_rate
+from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, set_rate
+from moe_plugins.tools.bench.matrix import parse_rate
 
 SIZES = (128 << 10, 512 << 10, 2 << 20)
 IDLES_MS = (0, 5, 20, 60)

@@ -11,13 +11,13 @@ def enable(config=None, *, host: str = "deepspeed", **kwargs):
     """Turn the plugin on for a host framework; returns a handle that is also a context manager.
 
     ``config``: a ds_config (dict or JSON path) holding a ``moe_plugins`` section, the section itself, a
-    :class:`moe_plugins.plugin_config.PluginConfig`, or None to let each engine's ds_config section decide.
+    :class:`moe_plugins.core.plugin_config.PluginConfig`, or None to let each engine's ds_config section decide.
     Call before ``deepspeed.initialize``. The host is imported here, lazily: ``import moe_plugins`` alone
     never imports DeepSpeed.
     """
     if host != "deepspeed":
         raise ValueError(f"host ({host!r}) must be 'deepspeed'")
-    from .patches import deepspeed as adapter
+    from moe_plugins.patches import deepspeed as adapter
     return adapter.enable(config, **kwargs)
 
 

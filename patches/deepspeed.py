@@ -9,7 +9,7 @@ Hook points, checked against DeepSpeed 0.19.8 (docs/deepspeed.md lists what each
 - ``deepspeed.moe.layer.MoE._create_process_groups``: called once per layer by ``set_deepspeed_parallelism``
   from ``DeepSpeedEngine._configure_distributed_model``. Stock looks up or creates the ``ep_size_<n>`` groups via
   ``groups._create_expert_and_data_parallel`` / ``_create_expert_data_and_model_parallel``. Patched: build the
-  project's node-aware :class:`~moe_plugins.groups.MoEProcessGroups`, register its EP and expert-DP groups under
+  project's node-aware :class:`~moe_plugins.core.groups.MoEProcessGroups`, register its EP and expert-DP groups under
   the same name in DeepSpeed's registry (which the engine's gradient reduction, ZeRO-1/2 and checkpointing
   read), give the EP group to the gate, and swap the layer to its schedule.
 - ``deepspeed.moe.sharded_moe.MOELayer.forward``: patched to run the schedule for swapped layers (its
@@ -33,15 +33,15 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from moe_plugins import comm
-from moe_plugins.comm import Recorder
-from moe_plugins.config import MoEConfig, moe_config_problems
-from moe_plugins.experts import ExpertWeights, ffn_shard, partial_ffn
-from moe_plugins.gating import Routing
-from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups
-from moe_plugins.layout import ParallelLayout, layout_problems
-from moe_plugins.ledger import CommLedger
-from moe_plugins.plugin_config import (PROFILED_SCHEDULES, SECTION, PluginConfig, degree_needs_profile,
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.experts import ExpertWeights, ffn_shard, partial_ffn
+from moe_plugins.core.gating import Routing
+from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups
+from moe_plugins.core.layout import ParallelLayout, layout_problems
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.plugin_config import (PROFILED_SCHEDULES, SECTION, PluginConfig, degree_needs_profile,
                                        resolve)
 from moe_plugins.schedules import (LayerParams, Schedule, host_schedule_class, run_schedule,
                                    schedule_problems)
@@ -271,7 +271,7 @@ class SwappedLayer:
         if self.pipeline_degree == 1:
             y_SM, dispatched = run_schedule(self.schedule, x_SM, params)
         else:
-            from moe_plugins.pipemoe import run_pipelined
+            from moe_plugins.pipemoe.runner import run_pipelined
             y_SM, dispatched = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.lane)
         layer.l_aux, layer.exp_counts = dispatched.aux_loss, dispatched.exp_counts_E
         if timed:
@@ -513,7 +513,8 @@ class DeepSpeedPlugin:
 
     def _cached_profile(self, layout: ParallelLayout, moe):
         """The cost profile ``moe-plugins profile`` cached for this layout, backend and device (or None)."""
-        from moe_plugins import costmodel, profiler
+        from moe_plugins.core import costmodel
+        from moe_plugins.tools import profiler
         device = next(moe.parameters()).device
         key = profiler.profile_key(layout, dist.get_backend(), device)
         return costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
@@ -528,11 +529,12 @@ class DeepSpeedPlugin:
         and its lane, one per layout (collective to build)."""
         if value == 1:
             return 1, None
-        from moe_plugins import pipemoe
+        from moe_plugins.pipemoe.degree import degree_from_flag
+        from moe_plugins.pipemoe.runner import PipelineLane
         profile = self._cached_profile(layout, moe) if degree_needs_profile(value) else None
-        degree = pipemoe.degree_from_flag(value, profile)
+        degree = degree_from_flag(value, profile)
         if layout not in self._lanes:
-            self._lanes[layout] = pipemoe.PipelineLane(groups)
+            self._lanes[layout] = PipelineLane(groups)
         return degree, self._lanes[layout]
 
     def _host_groups(self, layout: ParallelLayout, sliced: bool) -> _HostGroups:
@@ -631,7 +633,7 @@ def _default_ranks_per_node() -> Optional[int]:
 def _profile_dir() -> Optional[str]:
     """Where ``moe-plugins profile`` caches cost profiles (pipeline_degree "auto" or "tune"), read once at enable."""
     try:
-        from moe_plugins.costmodel import default_cache_dir
+        from moe_plugins.core.costmodel import default_cache_dir
     except ImportError:
         return None
     return str(default_cache_dir())

@@ -27,11 +27,11 @@ import logging
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
-from moe_plugins.ledger import CommLedger
-from moe_plugins.plugin_config import SECTION, PluginConfig
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.plugin_config import SECTION, PluginConfig
 
-from .megatron_config import facts_from_args, plugin_problems
-from .megatron_groups import (MegatronGroups, build_megatron_groups, destroy_megatron_groups,
+from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems
+from moe_plugins.patches.megatron_groups import (MegatronGroups, build_megatron_groups, destroy_megatron_groups,
                               groups_from_pg_collection, megatron_groups, token_view)
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -90,7 +90,7 @@ def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[Megat
         return stock_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .megatron_layer import PluginMoELayer
+    from moe_plugins.patches.megatron_layer import PluginMoELayer
     params = dict(stock_spec.params, plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
     return ModuleSpec(module=PluginMoELayer, params=params, submodules=stock_spec.submodules,
                       metainfo=dict(stock_spec.metainfo))

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
-from moe_plugins.config import MoEConfig, moe_config_problems
-from moe_plugins.experts import ACTIVATIONS
-from moe_plugins.layout import ParallelLayout, layout_problems
-from moe_plugins.plugin_config import SECTION, PluginConfig, degree_needs_profile
+from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.experts import ACTIVATIONS
+from moe_plugins.core.layout import ParallelLayout, layout_problems
+from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile
 from moe_plugins.schedules import schedule_problems
 
 DISPATCHERS = ("alltoall", "allgather")

@@ -1,10 +1,10 @@
 """Megatron-core's ``ProcessGroupCollection`` and the project's node-aware groups, in both directions.
 
-- :func:`build_megatron_groups`: from a :class:`~moe_plugins.layout.ParallelLayout` (MP = TP, EP, ESP =
+- :func:`build_megatron_groups`: from a :class:`~moe_plugins.core.layout.ParallelLayout` (MP = TP, EP, ESP =
   expert-TP) create the groups once and hand them to Megatron in a ``ProcessGroupCollection``, passed
   explicitly to the model, ``DistributedDataParallel``, the optimizer and ``finalize_model_grads``.
 - :func:`groups_from_pg_collection`: read a collection Megatron already has (its ``parallel_state`` groups,
-  or one built here) back into :class:`~moe_plugins.groups.MoEProcessGroups`, checking that every group holds
+  or one built here) back into :class:`~moe_plugins.core.groups.MoEProcessGroups`, checking that every group holds
   the ranks the layout says (Megatron's default orders ``tp-cp-ep-dp-pp`` / ``tp-ep-dp-pp`` do).
 
 Field mapping (megatron-core 0.16.1)::
@@ -20,7 +20,7 @@ Field mapping (megatron-core 0.16.1)::
     (singleton)   pp, cp
 
 Megatron calls ``.size()`` on its groups, so a group of one rank is a real singleton group there, while the
-core's :class:`~moe_plugins.groups.Group` keeps ``pg=None`` for it.
+core's :class:`~moe_plugins.core.groups.Group` keeps ``pg=None`` for it.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from moe_plugins.groups import Group, MoEProcessGroups, build_process_groups, destroy_process_groups
-from moe_plugins.layout import GROUP_KINDS, ParallelLayout
+from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups, destroy_process_groups
+from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout
 
 # layout kind -> the ProcessGroupCollection field that holds the same ranks
 PGC_FIELD: Dict[str, str] = {"mp": "tp", "dp": "dp", "ep": "ep", "esp": "expt_tp", "ep_esp": "tp_ep",

@@ -38,21 +38,22 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from moe_plugins import comm
-from moe_plugins.comm import Recorder
-from moe_plugins.costmodel import CostProfile, default_cache_dir, load_cached
-from moe_plugins.gating import Routing
-from moe_plugins.groups import Group, MoEProcessGroups
-from moe_plugins.layout import ParallelLayout
-from moe_plugins.ledger import CommLedger
-from moe_plugins.pipemoe import PipelineLane, degree_from_flag, run_pipelined
-from moe_plugins.profiler import profile_key
-from moe_plugins.plugin_config import PROFILED_SCHEDULES, PluginConfig, degree_needs_profile
-from moe_plugins.router import uniform_capacity
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.costmodel import CostProfile, default_cache_dir, load_cached
+from moe_plugins.core.gating import Routing
+from moe_plugins.core.groups import Group, MoEProcessGroups
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.pipemoe.runner import PipelineLane, run_pipelined
+from moe_plugins.pipemoe.degree import degree_from_flag
+from moe_plugins.tools.profiler import profile_key
+from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, PluginConfig, degree_needs_profile
+from moe_plugins.core.router import uniform_capacity
 from moe_plugins.schedules import LayerParams, Schedule, host_schedule_class
 
-from .megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
-from .megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
+from moe_plugins.patches.megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
+from moe_plugins.patches.megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
                               pg_collection_problems, token_view)
 
 logger = logging.getLogger("moe_plugins.megatron")

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_plugins.plugin_config import PluginConfig
+from moe_plugins.core.plugin_config import PluginConfig
 
-from .models import ModelSize, MoEFactory, moe_layer_indices
+from moe_plugins.recipes.models import ModelSize, MoEFactory, moe_layer_indices
 
 AUX_COEF = 0.01       # Megatron's load-balancing loss coefficient (the DeepSpeed recipes use the same)
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import data, models, report
+from moe_plugins.recipes import data, models, report
 
 AUX_COEF = 0.01
 

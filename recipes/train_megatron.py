@@ -29,12 +29,12 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from moe_plugins.layout import layout_problems
+from moe_plugins.core.layout import layout_problems
 from moe_plugins.patches.megatron import FLAG, extra_args_provider, resolve_plugin
 
-from . import data, models, report
-from .megatron_moe import MegatronMoESettings, megatron_moe_factory, plugin_summary
-from .train_deepspeed import make_batch
+from moe_plugins.recipes import data, models, report
+from moe_plugins.recipes.megatron_moe import MegatronMoESettings, megatron_moe_factory, plugin_summary
+from moe_plugins.recipes.train_deepspeed import make_batch
 
 DEFAULT_CLIP = 1.0
 
@@ -62,7 +62,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/moe_plugins"))
     p.add_argument("--cpu-shims", action="store_true",
                    help="DEVELOPMENT ONLY: run Megatron-core on CPU with gloo through the test/bench shims of "
-                        "moe_plugins.bench.megatron_cpu_shims (never applied otherwise)")
+                        "moe_plugins.patches.megatron_cpu (never applied otherwise)")
     extra_args_provider(p)                                           # --moe-plugins <json or path>
     return p.parse_args(argv)
 
@@ -202,7 +202,7 @@ def _shims(cpu_shims: bool):
     """The CPU shims (model, optimizer), or null contexts: only the explicit flag imports them."""
     if not cpu_shims:
         return contextlib.nullcontext(), contextlib.nullcontext
-    from moe_plugins.bench.megatron_cpu_shims import megatron_on_cpu, megatron_optimizer_on_cpu
+    from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
     return megatron_on_cpu(), megatron_optimizer_on_cpu
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_plugins.pool import WorkerPool
+from moe_plugins.tools.pool import WorkerPool
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from moe_plugins.bench import cluster
-from moe_plugins.bench.cluster import ClusterSpec, emulated_cluster
-from moe_plugins.bench.harness import RunOptions, run_bench
-from moe_plugins.bench.matrix import BenchPlan, CaseConfig, RowSpec
+from moe_plugins.tools.bench import cluster
+from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster
+from moe_plugins.tools.bench.harness import RunOptions, run_bench
+from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
 
 REASON = cluster.netns_unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")

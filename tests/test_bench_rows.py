@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_plugins.bench.matrix import BenchPlan, CaseConfig, RowSpec
-from moe_plugins.bench.runner import RankJob
+from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
+from moe_plugins.tools.bench.runner import RankJob
 from tests.workers.bench import run_bench_plan
 
 # S=64 tokens per rank, E=4, k=2, f=2: capacity C = ceil(2*2*64/4) = 64 = S, so no layer drops a route and

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch.distributed as dist
 
-from moe_plugins.bench import cluster, harness, launch, matrix, report, rows
-from moe_plugins.bench.matrix import BenchPlan, CaseConfig, RowSpec
+from moe_plugins.tools.bench import cluster, harness, launch, matrix, report, rows
+from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
 
 
 def test_parse_rate_uses_tc_si_units():
@@ -131,7 +131,7 @@ def test_cluster_names_are_unique_and_carry_the_owner():
 
 
 def test_bench_refuses_a_malformed_tcp_cc_before_running(capsys):
-    from moe_plugins.cli import main
+    from moe_plugins.tools.cli import main
     rc = main(["bench", "--case", "S=64,M=16,H=32,E=4,k=2,ep=4", "--rows", "baseline", "--rates", "1gbit",
                "--tcp-cc", "reno; rm", "--out", "/nonexistent/never-written"])
     assert rc == 2
@@ -140,7 +140,7 @@ def test_bench_refuses_a_malformed_tcp_cc_before_running(capsys):
 
 @pytest.mark.parametrize("burst", ["512", "64 kb", "0kb", "1gbit", "128kb; rm"])
 def test_bench_refuses_a_malformed_tbf_burst_before_running(capsys, burst):
-    from moe_plugins.cli import main
+    from moe_plugins.tools.cli import main
     rc = main(["bench", "--case", "S=64,M=16,H=32,E=4,k=2,ep=4", "--rows", "baseline", "--rates", "1gbit",
                "--tbf-burst", burst, "--out", "/nonexistent/never-written"])
     assert rc == 2
@@ -152,14 +152,14 @@ def test_rank_environment_and_command():
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["GLOO_SOCKET_IFNAME"] == "nic0"
     c = cluster.plan_cluster(cluster.ClusterSpec(nodes=2), "moeb1x0000")
     assert launch.rank_command(3, 2, c, "job.pkl")[:4] == ["ip", "netns", "exec", "moeb1x0000n1"]
-    assert launch.rank_command(3, 2, None, "job.pkl")[1:3] == ["-m", "moe_plugins.bench.rank_main"]
+    assert launch.rank_command(3, 2, None, "job.pkl")[1:3] == ["-m", "moe_plugins.tools.bench.rank_main"]
 
 
 def test_megatron_shims_restore_every_original():
     import torch
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
-    from moe_plugins.bench.megatron_cpu_shims import _patches, megatron_on_cpu
+    from moe_plugins.patches.megatron_cpu import _patches, megatron_on_cpu
     targets = [(obj, name) for obj, name, _ in _patches()]
     before = [(obj, name, obj.__dict__.get(name, "MISSING")) for obj, name in targets]
     with megatron_on_cpu():
@@ -173,8 +173,8 @@ def test_megatron_shims_restore_every_original():
 
 
 def test_collective_counter_restores_torch_distributed():
-    from moe_plugins.bench.traffic import CollectiveCounter
-    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.tools.bench.traffic import CollectiveCounter
+    from moe_plugins.core.layout import ParallelLayout
     names = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
              "reduce_scatter")
     before = {n: getattr(dist, n) for n in names}
@@ -259,7 +259,7 @@ def test_fixed_twin_names_the_row_an_auto_row_ran_as():
 
 
 def test_schedules_say_what_they_ran_as():
-    from moe_plugins.parm_cost import ParmChoice
+    from moe_plugins.parm.cost import ParmChoice
     from moe_plugins.schedules import SCHEDULES
     cls = SCHEDULES["parm-auto"]
     auto = cls.__new__(cls)                      # the protocol reads decisions only, no groups needed
@@ -277,8 +277,8 @@ def test_schedules_say_what_they_ran_as():
 
 
 def test_bench_link_profile_covers_every_case_of_the_layout_from_small_messages_up():
-    from moe_plugins.bench.profiles import LINK_REPEATS, gemm_spec_for, link_spec_for
-    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.tools.bench.profiles import LINK_REPEATS, gemm_spec_for, link_spec_for
+    from moe_plugins.core.layout import ParallelLayout
     small = CaseConfig(tokens=256, hidden=256, ffn=512, experts=8, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
     big = CaseConfig(tokens=1024, hidden=256, ffn=512, experts=8, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
     layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=2)
@@ -299,7 +299,7 @@ def test_bench_link_profile_covers_every_case_of_the_layout_from_small_messages_
 
 
 def _profile(models, device="cpu", dtype="float32", source="s"):
-    from moe_plugins.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
+    from moe_plugins.core.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
     key = ProfileKey(world=2, ranks_per_node=1, mp=1, ep=2, esp=1, backend="gloo", device=device)
     return CostProfile(key=key, dtype=dtype, source=source,
                        models={k: LinearModel(alpha=a, beta=b, unit=u, r2=0.99) for k, (a, b, u) in models.items()},
@@ -308,7 +308,7 @@ def _profile(models, device="cpu", dtype="float32", source="s"):
 
 
 def test_merge_profiles_joins_the_link_and_gemm_parts_and_refuses_mismatches():
-    from moe_plugins.bench.profiles import merge_profiles
+    from moe_plugins.tools.bench.profiles import merge_profiles
     link = _profile({"all_to_all@ep": (1e-4, 1e-9, "byte"), "chunk": (0.0, 5e-3, "chunk")}, source="link")
     gemm = _profile({"gemm": (1e-5, 3e-11, "mac")}, source="gemm")
     merged = merge_profiles(link, gemm)
@@ -321,7 +321,7 @@ def test_merge_profiles_joins_the_link_and_gemm_parts_and_refuses_mismatches():
 
 
 def test_report_lists_a_shared_fit_once_and_counts_distinct_fits():
-    from moe_plugins.bench.report import _profile_lines
+    from moe_plugins.tools.bench.report import _profile_lines
     link = {"all_to_all@ep": {"alpha": 1e-4, "beta": 3e-8, "r2": 0.99, "unit": "byte"},
             "all_to_all@ep_esp": {"alpha": 1e-4, "beta": 3e-8, "r2": 0.99, "unit": "byte"}}
     groups = [{"case_label": case, "rate": "1gbit",
@@ -334,7 +334,7 @@ def test_report_lists_a_shared_fit_once_and_counts_distinct_fits():
 
 
 def test_round_order_is_a_seeded_permutation_that_varies_the_neighbours():
-    from moe_plugins.bench.runner import round_order
+    from moe_plugins.tools.bench.runner import round_order
     labels = list("abcdef")
     orders = [round_order(labels, 7, i) for i in range(40)]
     assert all(sorted(o) == labels for o in orders)

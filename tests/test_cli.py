@@ -8,7 +8,7 @@ import pytest
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "moe_plugins.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moe_plugins.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

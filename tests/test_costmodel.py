@@ -8,12 +8,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from moe_plugins.costmodel import (CostProfile, ExchangeCurve, LinearModel, Measurement, PipeCosts, ProfileKey,
+from moe_plugins.core.costmodel import (CostProfile, ExchangeCurve, LinearModel, Measurement, PipeCosts, ProfileKey,
                                    cache_path, default_cache_dir, fit_linear, load_cached, model_key,
                                    model_problems, runner_chunk_terms)
-from moe_plugins.cli import main
-from moe_plugins.layout import ParallelLayout
-from moe_plugins.profiler import ProfileSpec, plot_profile
+from moe_plugins.tools.cli import main
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.tools.profiler import ProfileSpec, plot_profile
 from tests.workers.pipemoe import tiny_profile
 
 KEY = ProfileKey(world=4, ranks_per_node=2, mp=1, ep=4, esp=1, backend="gloo", device="cpu")
@@ -138,8 +138,8 @@ def test_runner_points_split_into_a_per_chunk_line_and_the_step_of_pipelining():
 
 
 def test_back_to_back_exchanges_price_every_pipelined_chunk_but_the_first():
-    from moe_plugins.pipemoe import chunk_costs, moe_time, pipeline_time
-    from moe_plugins.profiler import STREAM_MAX, stream_count
+    from moe_plugins.pipemoe.model import chunk_costs, moe_time, pipeline_time
+    from moe_plugins.tools.profiler import STREAM_MAX, stream_count
     assert stream_count(4 << 20) == 1 and stream_count(1 << 20) == 4 and stream_count(3 << 20) == 2
     assert stream_count(1) == STREAM_MAX and stream_count(64 << 20) == 1
     lone = Measurement(x=(1e4, 1e5, 1e6), seconds=(0.2e-3, 0.5e-3, 20e-3))     # a banked burst: small is cheap

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from moe_plugins.cli import main as cli_main
-from moe_plugins.cli.launch_cmd import launch_env
-from moe_plugins.launch_shim import CONFIG_ENV, SHIM_DIR, config_path_from_argv
-from moe_plugins.plugin_config import PluginConfig, plugin_config_problems, resolve
+from moe_plugins.tools.cli import main as cli_main
+from moe_plugins.tools.cli.launch_cmd import launch_env
+from moe_plugins.tools.launch_shim import CONFIG_ENV, SHIM_DIR, config_path_from_argv
+from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems, resolve
 
 
 def test_defaults_and_round_trip():
@@ -124,7 +124,7 @@ def test_launch_enables_the_plugin_when_deepspeed_is_imported(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
-    out = subprocess.run([sys.executable, "-m", "moe_plugins.cli", "launch", "--", sys.executable, str(script),
+    out = subprocess.run([sys.executable, "-m", "moe_plugins.tools.cli", "launch", "--", sys.executable, str(script),
                           "--deepspeed_config", str(cfg)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_plugins.verify_deepspeed import DeepSpeedVerifySpec, host_spec_problems, run_rank
+from moe_plugins.tools.verify_deepspeed import DeepSpeedVerifySpec, host_spec_problems, run_rank
 from tests.workers import deepspeed as jobs
 
 pytest.importorskip("deepspeed")

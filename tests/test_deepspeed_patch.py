@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import moe_plugins
-from moe_plugins.dispatch import combine, dispatch
-from moe_plugins.plugin_config import PluginConfig
+from moe_plugins.core.dispatch import combine, dispatch
+from moe_plugins.core.plugin_config import PluginConfig
 
 ds = pytest.importorskip("deepspeed")
 adapter = importlib.import_module("moe_plugins.patches.deepspeed")
@@ -172,7 +172,7 @@ def test_ffn_activation_recognises_only_plain_ffns():
 
 
 def test_replica_groups():
-    from moe_plugins.layout import ParallelLayout
+    from moe_plugins.core.layout import ParallelLayout
     layout = ParallelLayout(world=8, ranks_per_node=4, ep=2, esp=2)
     assert adapter.replica_groups(layout) == [(0, 1, 4, 5), (2, 3, 6, 7)]
 

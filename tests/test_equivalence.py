@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from moe_plugins.layout import ParallelLayout, layout_problems
+from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.schedules import schedule_problems
-from moe_plugins.verify import VerifySpec, compare
+from moe_plugins.tools.verify import VerifySpec, compare
 from tests.workers.core import collect, verify_many
 
 WORLD = 4

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moe_plugins.dispatch import combine, dispatch
-from moe_plugins.gating import apply_capacity, assign_topk, capacity, route
+from moe_plugins.core.dispatch import combine, dispatch
+from moe_plugins.core.gating import apply_capacity, assign_topk, capacity, route
 
 
 def naive_route(logits, k, cap):

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from moe_plugins.cli import main as cli_main
-from moe_plugins.cli.launch_megatron import flag_from_argv, megatron_args, prepare
-from moe_plugins.launch_shim import CONFIG_ENV, MEGATRON_ENV, SHIM_DIR
-from moe_plugins.plugin_config import PluginConfig
+from moe_plugins.tools.cli import main as cli_main
+from moe_plugins.tools.cli.launch_megatron import flag_from_argv, megatron_args, prepare
+from moe_plugins.tools.launch_shim import CONFIG_ENV, MEGATRON_ENV, SHIM_DIR
+from moe_plugins.core.plugin_config import PluginConfig
 
 TORCHRUN = ["torchrun", "--nproc-per-node", "8", "pretrain_gpt.py"]
 MOE_ARGS = ["--num-experts", "8", "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]
@@ -47,7 +47,7 @@ def test_prepare_from_the_command_flag(tmp_path):
 
 
 def launch(*args):
-    return subprocess.run([sys.executable, "-m", "moe_plugins.cli", "launch", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moe_plugins.tools.cli", "launch", *args], capture_output=True, text=True,
                           timeout=120, env={k: v for k, v in os.environ.items() if k not in (CONFIG_ENV, MEGATRON_ENV)})
 
 
@@ -95,7 +95,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from moe_plugins.bench.megatron_cpu_shims import megatron_on_cpu   # test-only: Megatron has no CPU path
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu  # test-only: Megatron has no CPU path
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(expert_model_parallel_size=2, create_gloo_process_groups=False)
@@ -107,7 +107,7 @@ with megatron_on_cpu():
     layer = TransformerLayer(config, submodules=spec.submodules, layer_number=1)
     y, _ = layer.mlp(torch.randn(8, 1, 16))
     y.sum().backward()
-from moe_plugins.patches import megatron as adapter                # only to inspect what the launcher enabled
+from moe_plugins.patches import megatron as adapter  # only to inspect what the launcher enabled
 handle = adapter.active()
 result = ("RESULT", dist.get_rank(), before, type(layer.mlp).__name__, handle.plugin.schedule, handle.specs_built,
           list(layer.mlp.moe_groups.ep.ranks), tuple(y.shape))
@@ -125,7 +125,7 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     section = '{"schedule": "baseline-tp"}'
-    out = subprocess.run([sys.executable, "-m", "moe_plugins.cli", "launch", "--megatron", section,
+    out = subprocess.run([sys.executable, "-m", "moe_plugins.tools.cli", "launch", "--megatron", section,
                           "--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env={k: v for k, v in os.environ.items() if k not in (CONFIG_ENV, MEGATRON_ENV)})

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from moe_plugins.layout import GROUP_KINDS, ParallelLayout, layout_problems
+from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout, layout_problems
 
 
 def test_paper_example_groups():

@@ -3,9 +3,9 @@ AG_ESP(BLM*N_ESP), A2A_EP(ETM*N_ESP) twice and AR_ESP(ETM*N_ESP), in forward and
 
 import json
 
-from moe_plugins.gating import capacity
-from moe_plugins.ledger import CommLedger, CommRecord
-from moe_plugins.verify import VerifySpec
+from moe_plugins.core.gating import capacity
+from moe_plugins.core.ledger import CommLedger, CommRecord
+from moe_plugins.tools.verify import VerifySpec
 from tests.workers.core import verify_many
 
 

@@ -16,12 +16,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from moe_plugins.dispatch import combine, dispatch                                    # noqa: E402
-from moe_plugins.patches import megatron as mp                                        # noqa: E402
+from moe_plugins.core.dispatch import combine, dispatch  # noqa: E402
+from moe_plugins.patches import megatron as mp  # noqa: E402
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems, token_layout  # noqa: E402
-from moe_plugins.plugin_config import PluginConfig                                    # noqa: E402
-from moe_plugins.schedules import SCHEDULES, schedule_problems                        # noqa: E402
-from moe_plugins.verify_megatron import MegatronVerifySpec, collect                   # noqa: E402
+from moe_plugins.core.plugin_config import PluginConfig  # noqa: E402
+from moe_plugins.schedules import SCHEDULES, schedule_problems  # noqa: E402
+from moe_plugins.tools.verify_megatron import MegatronVerifySpec, collect  # noqa: E402
 from tests.workers import megatron as jobs                                            # noqa: E402
 
 WORLD, RPN = 4, 2
@@ -301,7 +301,7 @@ def test_pg_collection_that_breaks_the_layout_is_refused(world):
 
 
 def test_verify_cli_rejects_bad_megatron_flags(capsys):
-    from moe_plugins.cli import main
+    from moe_plugins.tools.cli import main
     code = main(["verify", "--host", "megatron", "--world", "4", "--ep", "3", "--min-capacity", "2", "--skew", "1"])
     assert code == 2
     err = capsys.readouterr().err
@@ -320,7 +320,7 @@ def test_flag_path_builds_the_plugin_inside_megatron_transformer_layer(world):
 def _fake_cluster_profile(tmp_path, ep: int, esp: int) -> str:
     """A cost profile cached for Megatron's token layout (mp 1) whose start-up terms are tiny, so PipeMoE's
     choice is clearly above 1: the plumbing under test is "the adapter finds and uses the cached profile"."""
-    from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey, cache_path
+    from moe_plugins.core.costmodel import CostProfile, LinearModel, ProfileKey, cache_path
     key = ProfileKey(world=WORLD, ranks_per_node=RPN, mp=1, ep=ep, esp=esp, backend="gloo", device="cpu")
     a2a = LinearModel(alpha=1e-9, beta=1e-8, unit="byte")
     models = {"all_to_all@ep": a2a, "all_to_all@ep_esp": a2a, "gemm": LinearModel(alpha=1e-9, beta=1e-9, unit="mac")}

@@ -11,17 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_plugins.comm import Recorder
-from moe_plugins.config import MoEConfig
-from moe_plugins.gating import (apply_capacity, assign_topk, block_candidates, capacity, gate_logits, route,
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.config import MoEConfig
+from moe_plugins.core.gating import (apply_capacity, assign_topk, block_candidates, capacity, gate_logits, route,
                                 route_block)
-from moe_plugins.groups import Group, MoEProcessGroups
-from moe_plugins.layout import GROUP_KINDS, ParallelLayout
-from moe_plugins.parm_cost import AlphaBeta, ParmCosts, ParmShape, op_volumes, s1_gate_ops, schedule_ops
-from moe_plugins.saa import block_order
+from moe_plugins.core.groups import Group, MoEProcessGroups
+from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout
+from moe_plugins.parm.cost import AlphaBeta, ParmCosts, ParmShape, op_volumes, s1_gate_ops, schedule_ops
+from moe_plugins.parm.saa import block_order
 from moe_plugins.schedules import LayerParams
-from moe_plugins.schedules.parm import ParmAutoSchedule, block_counts, expert_partials, local_slots
-from moe_plugins.verify import VerifySpec, make_problem
+from moe_plugins.parm.schedules import ParmAutoSchedule, block_counts, expert_partials, local_slots
+from moe_plugins.tools.verify import VerifySpec, make_problem
 from tests.workers import parm as jobs
 
 LAYOUTS = [(mp, ep, esp) for mp in (1, 2) for ep, esp in ((1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4))]
@@ -311,7 +311,7 @@ def test_auto_choice_is_logged_once_and_follows_the_costs(caplog):
     for choice, runs_as in (("parm-s1", "parm-s1"), ("parm-s2", "parm-s2-saa")):
         cls = ParmAutoSchedule.with_costs(forcing(choice), "test")
         sched = cls(cfg, fake_groups(layout, 0), Recorder(None, "layer7"))
-        with caplog.at_level(logging.INFO, logger="moe_plugins.schedules.parm"):
+        with caplog.at_level(logging.INFO, logger="moe_plugins.parm.schedules"):
             caplog.clear()
             assert sched.choose(64).choice == choice and sched.choose(64).choice == choice
         assert len(caplog.records) == 1 and f"layer7: parm-auto chose {runs_as} for 64 tokens" in caplog.text
@@ -348,8 +348,8 @@ def test_mp_block_slots_matches_block_counts():
     gen = torch.Generator().manual_seed(3)
     expert_SK = torch.randint(0, 4, (10, 2), generator=gen)
     slot_SK = torch.randint(-1, 3, (10, 2), generator=gen)
-    from moe_plugins.gating import Routing
-    from moe_plugins.schedules.parm import mp_block_slots
+    from moe_plugins.core.gating import Routing
+    from moe_plugins.parm.schedules import mp_block_slots
     routing = Routing(expert_SK=expert_SK, slot_SK=slot_SK, weight_SK=torch.ones(10, 2), capacity=3,
                       aux_loss=torch.zeros(()), exp_counts_E=torch.zeros(4))
     padded_e = torch.cat([expert_SK, torch.zeros(2, 2, dtype=torch.long)])

@@ -1,4 +1,4 @@
-"""Parm's cost model (moe_plugins/parm_cost.py): sizes, per-op volumes, t_B / t_D1 / t_D2, Algorithm 1."""
+"""Parm's cost model (moe_plugins/parm/cost.py): sizes, per-op volumes, t_B / t_D1 / t_D2, Algorithm 1."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_plugins.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
-from moe_plugins.parm_cost import (DEFAULT_COSTS, NEAR_TIE, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
+from moe_plugins.core.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
+from moe_plugins.parm.cost import (DEFAULT_COSTS, NEAR_TIE, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
                                    choose_schedule, op_volumes, s1_gate_ops, s1_slots, schedule_ops, shape_problems,
                                    sizes, t_baseline, t_s1, t_s2)
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from moe_plugins.cli import main
-from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey, cache_path
-from moe_plugins.parm_cost import ParmCosts, ParmShape, choose_schedule, sizes
+from moe_plugins.tools.cli import main
+from moe_plugins.core.costmodel import CostProfile, LinearModel, ProfileKey, cache_path
+from moe_plugins.parm.cost import ParmCosts, ParmShape, choose_schedule, sizes
 
 BASE = ["plan", "parm", "--B", "4", "--L", "512", "--M", "1024", "--H", "4096", "--E", "8", "--k", "2",
         "--f", "1.2", "--mp", "2", "--ep", "2", "--esp", "2"]
@@ -83,7 +83,7 @@ def test_bad_input_is_one_line_listing_everything(capsys):
 
 
 def test_curve_pricing_and_observed_buffer_flags(capsys, tmp_path):
-    from moe_plugins.costmodel import Measurement
+    from moe_plugins.core.costmodel import Measurement
     p = profile()
     kinked = Measurement(x=(4096.0, 1 << 20, 1 << 23), seconds=(1e-4, 5e-4, 2e-2))
     p = CostProfile(key=p.key, dtype=p.dtype, models=p.models, measurements={"all_to_all@ep_esp": kinked})

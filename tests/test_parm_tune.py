@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_plugins.schedules.parm_tune import candidates, fastest, first_unmeasured, model_pick
-from moe_plugins.tuning import Search
-from moe_plugins.verify import VerifySpec
+from moe_plugins.parm.tune import candidates, fastest, first_unmeasured, model_pick
+from moe_plugins.core.tuning import Search
+from moe_plugins.tools.verify import VerifySpec
 from tests.workers import parm as jobs
 
 ONE = SimpleNamespace(size=1)

@@ -4,10 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_plugins.costmodel import PipeCosts
-from moe_plugins.pipemoe import choose_degree, degree_from_flag
-from moe_plugins.pipemoe_tune import TunedDegree, best_probe, ladder, next_probe
-from moe_plugins.verify import VerifySpec
+from moe_plugins.core.costmodel import PipeCosts
+from moe_plugins.pipemoe.model import choose_degree
+from moe_plugins.pipemoe.degree import degree_from_flag
+from moe_plugins.pipemoe.tune import TunedDegree, best_probe, ladder, next_probe
+from moe_plugins.tools.verify import VerifySpec
 from tests.workers.pipemoe import tuned_layer
 
 WORLD = 4
@@ -73,7 +74,7 @@ def test_climb_finds_the_best_rung_of_a_convex_time(a, b, c, start, r_max):
 
 
 def test_tune_flag_and_bad_settings():
-    from moe_plugins.costmodel import CostProfile, LinearModel, ProfileKey
+    from moe_plugins.core.costmodel import CostProfile, LinearModel, ProfileKey
     key = ProfileKey(world=4, ranks_per_node=2, mp=1, ep=4, esp=1, backend="gloo", device="cpu")
     lin = lambda u: LinearModel(alpha=1e-4, beta=1e-9, unit=u)
     profile = CostProfile(key=key, dtype="float32", models={"gemm": lin("mac"), "all_to_all@ep": lin("byte")})

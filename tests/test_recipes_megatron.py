@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_plugins.pool import WorkerError
+from moe_plugins.tools.pool import WorkerError
 
 pytest.importorskip("megatron.core")
 
-from moe_plugins.recipes import models                                   # noqa: E402
+from moe_plugins.recipes import models  # noqa: E402
 from moe_plugins.recipes.train_megatron import main, parse_args, run_problems  # noqa: E402
 from tests.workers.recipes_megatron import train_job                     # noqa: E402
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Optional, Type
 
-from ..costmodel import CostProfile
-from ..layout import ParallelLayout
-from ..parm_cost import DEFAULT_COSTS_SOURCE
-from ..plugin_config import PROFILED_SCHEDULES
-from .base import Dispatched, LayerParams, Schedule, chunk_bounds, run_schedule
-from .baseline import BaselineSchedule
-from .baseline_tp import BaselineTPSchedule
-from .parm import PARM_SCHEDULES, parm_auto_for
-from .parm_tune import ParmTuneSchedule
+from moe_plugins.core.costmodel import CostProfile
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.parm.cost import DEFAULT_COSTS_SOURCE
+from moe_plugins.core.plugin_config import PROFILED_SCHEDULES
+from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule, chunk_bounds, run_schedule
+from moe_plugins.core.baseline import BaselineSchedule
+from moe_plugins.core.baseline_tp import BaselineTPSchedule
+from moe_plugins.parm.schedules import PARM_SCHEDULES, parm_auto_for
+from moe_plugins.parm.tune import ParmTuneSchedule
 
 SCHEDULES: Dict[str, Type[Schedule]] = {cls.name: cls for cls in (BaselineSchedule, BaselineTPSchedule,
                                                                    *PARM_SCHEDULES, ParmTuneSchedule)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_plugins.bench.runner import RankJob, run_plan
+from moe_plugins.tools.bench.runner import RankJob, run_plan
 
 
 def run_bench_plan(job: RankJob):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from moe_plugins.verify import VerifySpec, collect_rank, run_rank
+from moe_plugins.tools.verify import VerifySpec, collect_rank, run_rank
 
 
 def verify_many(specs: List[VerifySpec]):

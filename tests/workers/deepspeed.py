@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_plugins.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
+from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
 
 M, H, E, B, L = 8, 16, 4, 2, 8
 

@@ -1,6 +1,6 @@
 """Pool jobs for the Megatron-core host tests: stock ``MoELayer`` (alltoall dispatcher) and the plugin's layer side
 by side on the same process groups, weights and tokens, under the CPU shims. The layer-level comparison is
-``moe-plugins verify --host megatron``'s (:mod:`moe_plugins.verify_megatron`); training, checkpoints and
+``moe-plugins verify --host megatron``'s (:mod:`moe_plugins.tools.verify_megatron`); training, checkpoints and
 construction-time validation are here.
 
 Shapes: s tokens per rank (Megatron's [s, b=1, M] layout; sequence parallel: distinct per TP rank), M model dim.
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_plugins.bench.megatron_cpu_shims import megatron_on_cpu
-from moe_plugins.layout import ParallelLayout
-from moe_plugins.plugin_config import PluginConfig
-from moe_plugins.verify_megatron import MegatronVerifySpec, build_pair, compare_on_rank, transformer_config
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.plugin_config import PluginConfig
+from moe_plugins.tools.verify_megatron import MegatronVerifySpec, build_pair, compare_on_rank, transformer_config
 
 from tests.megatron_shims_extra import cuda_factories_on_cpu
 
@@ -258,7 +258,7 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from moe_plugins.patches.megatron_layer import PluginMoELayer
-    from moe_plugins.verify_megatron import _run
+    from moe_plugins.tools.verify_megatron import _run
     with megatron_on_cpu(), _groups(spec) as groups:
         config = transformer_config(spec)
         with torch.random.fork_rng(devices=[]):

@@ -9,20 +9,20 @@ from typing import Iterator, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from moe_plugins import comm
-from moe_plugins.comm import Recorder
-from moe_plugins.config import MoEConfig
-from moe_plugins.experts import init_full_weights, sharded_experts
-from moe_plugins.groups import build_process_groups, process_groups
-from moe_plugins.layer import MoELayer
-from moe_plugins.layout import ParallelLayout
-from moe_plugins.ledger import CommLedger
-from moe_plugins.router import route_token_block, route_tokens
-from moe_plugins.saa import block_order, saa_adjoint_raw, saa_raw
-from moe_plugins.parm_cost import ParmCosts
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.config import MoEConfig
+from moe_plugins.core.experts import init_full_weights, sharded_experts
+from moe_plugins.core.groups import build_process_groups, process_groups
+from moe_plugins.core.layer import MoELayer
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.router import route_token_block, route_tokens
+from moe_plugins.parm.saa import block_order, saa_adjoint_raw, saa_raw
+from moe_plugins.parm.cost import ParmCosts
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule
-from moe_plugins.schedules.parm import ParmAutoSchedule
-from moe_plugins.verify import VerifySpec, make_problem, run_rank
+from moe_plugins.parm.schedules import ParmAutoSchedule
+from moe_plugins.tools.verify import VerifySpec, make_problem, run_rank
 
 
 def verify_many(specs: List[VerifySpec]):

@@ -9,15 +9,16 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from moe_plugins.costmodel import PipeCosts
-from moe_plugins.groups import process_groups
-from moe_plugins.layer import MoELayer
-from moe_plugins.ledger import CommLedger
-from moe_plugins.pipemoe import AutoDegree, PipelineLane, run_pipelined
-from moe_plugins.profiler import ProfileSpec, profile_rank
+from moe_plugins.core.costmodel import PipeCosts
+from moe_plugins.core.groups import process_groups
+from moe_plugins.core.layer import MoELayer
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.pipemoe.degree import AutoDegree
+from moe_plugins.pipemoe.runner import PipelineLane, run_pipelined
+from moe_plugins.tools.profiler import ProfileSpec, profile_rank
 from moe_plugins.schedules import LayerParams, run_schedule
-from moe_plugins.schedules.baseline import BaselineSchedule
-from moe_plugins.verify import DTYPES, VerifySpec, make_problem, run_rank
+from moe_plugins.core.baseline import BaselineSchedule
+from moe_plugins.tools.verify import DTYPES, VerifySpec, make_problem, run_rank
 
 
 def verify_many(specs: List[VerifySpec]):
@@ -131,8 +132,8 @@ def _overlap_probe(spec: VerifySpec, groups, r: int, pipelined: bool, timeout_s:
 def _params(layer: MoELayer) -> LayerParams:
     from functools import partial
 
-    from moe_plugins.experts import sharded_experts
-    from moe_plugins.router import route_tokens
+    from moe_plugins.core.experts import sharded_experts
+    from moe_plugins.core.router import route_tokens
     return LayerParams(router=partial(route_tokens, wg_EM=layer.wg_EM, config=layer.config, groups=layer.groups,
                                       rec=layer.rec),
                        experts=partial(sharded_experts, weights=layer.expert_weights,
@@ -201,7 +202,7 @@ def tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int) -> di
 
 
 def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, groups) -> dict:
-    from moe_plugins.pipemoe_tune import TunedDegree
+    from moe_plugins.pipemoe.tune import TunedDegree
     layout, prob = spec.layout(), make_problem(spec)
     dp = layout.coords(groups.global_rank)["dp"]
     tuned = TunedDegree(costs=costs, warmup_calls=1, timed_calls=2)
@@ -258,7 +259,7 @@ def _live_stages(*kinds: type) -> int:
 
 
 def _live_stages_after(spec: VerifySpec, steps: int, groups) -> Dict[str, int]:
-    from moe_plugins.pipemoe import _Stage
+    from moe_plugins.pipemoe.runner import _Stage
     prob = make_problem(spec)
     x0 = prob.x_DSM[spec.layout().coords(groups.global_rank)["dp"]]
     layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,

@@ -1,0 +1,85 @@
+"""Real torch.distributed process groups for a ParallelLayout, collected in one object passed explicitly."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional
+
+import torch.distributed as dist
+
+from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout, Ranks
+
+
+@dataclass(frozen=True)
+class Group:
+    """This rank's view of one group: its process group (None when size 1), members and node facts."""
+
+    kind: str
+    ranks: Ranks
+    pg: Optional[dist.ProcessGroup]
+    rank: int            # index of this rank in ``ranks``
+    remote_peers: int    # members on another node
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class MoEProcessGroups:
+    """Node-aware MP, DP, EP, ESP, fused EP&ESP and expert-DP groups of one layout (cf. Megatron's
+    ProcessGroupCollection). Build it once with :func:`build_process_groups` and pass it to layers."""
+
+    layout: ParallelLayout
+    global_rank: int
+    mp: Group
+    dp: Group
+    ep: Group
+    esp: Group
+    ep_esp: Group
+    expert_dp: Group
+
+    def by_kind(self) -> Dict[str, Group]:
+        return {k: getattr(self, k) for k in GROUP_KINDS}
+
+
+def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None) -> MoEProcessGroups:
+    """Create every group of the layout. Collective: all ranks of the default group must call it."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
+    if dist.get_world_size() != layout.world:
+        raise ValueError(f"layout.world ({layout.world}) must equal the process group's world size "
+                         f"({dist.get_world_size()})")
+    rank = dist.get_rank()
+    made = {}
+    for kind in GROUP_KINDS:
+        for ranks in layout.groups(kind):
+            # new_group is collective over the default group: every rank creates every group.
+            pg = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                made[kind] = Group(kind=kind, ranks=ranks, pg=pg, rank=ranks.index(rank),
+                                   remote_peers=layout.remote_peers(kind, rank))
+    return MoEProcessGroups(layout=layout, global_rank=rank, **made)
+
+
+def destroy_process_groups(groups: MoEProcessGroups) -> None:
+    """Free the groups' communicators (gloo keeps worker threads per group). Every member must call it.
+
+    Measured with torch 2.13 on gloo: the threads go only when the last reference to the ProcessGroup goes
+    (destroy alone leaves them), so callers should also drop the ``MoEProcessGroups`` and what holds it."""
+    seen = set()
+    for group in groups.by_kind().values():
+        if group.pg is not None and id(group.pg) not in seen:
+            seen.add(id(group.pg))
+            dist.destroy_process_group(group.pg)
+
+
+@contextmanager
+def process_groups(layout: ParallelLayout, backend: Optional[str] = None) -> Iterator[MoEProcessGroups]:
+    """Build the layout's groups for the duration of a block, then destroy them (short jobs, tests)."""
+    groups = build_process_groups(layout, backend)
+    try:
+        yield groups
+    finally:
+        destroy_process_groups(groups)

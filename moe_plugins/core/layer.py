@@ -1,0 +1,116 @@
+"""The host-independent MoE layer: a gate, this rank's expert shard, and a schedule.
+
+Shapes: B batch, L sequence, M model dim, E experts (E_l local), H FFN hidden (H_s per ESP shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional, Type, Union
+
+import torch
+from torch import nn
+
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.experts import ExpertWeights, shard_weights, sharded_experts
+from moe_plugins.core.groups import MoEProcessGroups
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.router import route_token_block, route_tokens
+from moe_plugins.pipemoe.degree import AutoDegree, Degree
+from moe_plugins.pipemoe.runner import PipelineLane, run_pipelined
+from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule, schedule_problems
+
+ScheduleLike = Union[str, Type[Schedule]]     # a registered name, or a registered schedule's configured subclass
+
+
+def schedule_class(schedule: ScheduleLike) -> Type[Schedule]:
+    """The class behind a schedule name; a class is taken as is when it derives from the registered class of
+    its ``name`` (e.g. ``ParmAutoSchedule.with_costs(...)``, parm-auto with measured costs)."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule ({schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
+        return SCHEDULES[schedule]
+    name = getattr(schedule, "name", None)
+    if not (isinstance(schedule, type) and name in SCHEDULES and issubclass(schedule, SCHEDULES[name])):
+        raise ValueError(f"schedule ({schedule!r}) must be a name in {', '.join(sorted(SCHEDULES))} or a subclass "
+                         "of the registered class of its name")
+    return schedule
+
+
+@dataclass(frozen=True)
+class MoEOutput:
+    y: torch.Tensor              # same shape as the input
+    aux_loss: torch.Tensor       # this rank's load-balancing loss (GShard/Switch)
+    exp_counts_E: torch.Tensor   # routes per expert before dropping, this rank's tokens
+    dropped: int                 # routes dropped by capacity, this rank's tokens
+
+
+def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: ScheduleLike,
+                     pipeline_degree: Degree) -> None:
+    """Raise one ValueError listing every problem, before anything is built."""
+    name = schedule if isinstance(schedule, str) else getattr(schedule, "name", repr(schedule))
+    problems = moe_config_problems(config, groups.layout) + schedule_problems(name, groups.layout)
+    fixed_ok = isinstance(pipeline_degree, int) and pipeline_degree >= 1
+    if not (fixed_ok or isinstance(pipeline_degree, AutoDegree)):
+        problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer or an AutoDegree")
+    if problems:
+        raise ValueError("invalid MoE layer: " + "; ".join(problems))
+
+
+class MoELayer(nn.Module):
+    """Gate (replicated) + expert shard (sharded over EP and ESP), run by a named schedule."""
+
+    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: ScheduleLike = "baseline",
+                 pipeline_degree: Degree = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
+                 dtype: torch.dtype = torch.float32, pipeline_lane: Optional[PipelineLane] = None):
+        super().__init__()
+        check_layer_args(config, groups, schedule, pipeline_degree)
+        self.config, self.groups, self.pipeline_degree, self.name = config, groups, pipeline_degree, name
+        self.ledger = ledger
+        self.rec = Recorder(ledger, name)
+        self.schedule = schedule_class(schedule)(config, groups, self.rec)
+        # PipeMoE: degree != 1 runs the exchanges on a lane (collective to build; layers may share one)
+        if pipeline_lane is None and pipeline_degree != 1:
+            pipeline_lane = PipelineLane(groups)
+        self.pipeline_lane = pipeline_lane
+        e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
+        self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
+        self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))
+        self.b1_EH = nn.Parameter(torch.zeros(e_l, h_s, dtype=dtype))
+        self.w2_EHM = nn.Parameter(torch.zeros(e_l, h_s, m, dtype=dtype))
+        self.b2_EM = nn.Parameter(torch.zeros(e_l, m, dtype=dtype))
+        for p in (self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM):
+            p.allreduce = False          # expert params: reduced over expert-DP, not DP (DeepSpeed's marker)
+
+    @property
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM)
+
+    @torch.no_grad()
+    def load_full(self, wg_EM: torch.Tensor, full: ExpertWeights) -> None:
+        """Copy this rank's shard out of full (unsharded) weights."""
+        c = self.groups.layout.coords(self.groups.global_rank)
+        shard = shard_weights(full, c["ep"], self.groups.ep.size, c["esp"], self.groups.esp.size)
+        self.wg_EM.copy_(wg_EM)
+        for p, t in zip((self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM),
+                        (shard.w1_EMH, shard.b1_EH, shard.w2_EHM, shard.b2_EM)):
+            p.copy_(t)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        x_SM = x.reshape(-1, x.shape[-1])
+        if x_SM.shape[0] == 0:
+            raise ValueError("MoE layer input has no tokens")
+        params = LayerParams(
+            router=partial(route_tokens, wg_EM=self.wg_EM, config=self.config, groups=self.groups, rec=self.rec),
+            experts=partial(sharded_experts, weights=self.expert_weights, activation=self.config.activation,
+                            esp=self.groups.esp, rec=self.rec),
+            block_router=partial(route_token_block, wg_EM=self.wg_EM, config=self.config, groups=self.groups,
+                                 rec=self.rec))
+        if self.pipeline_degree == 1:
+            y_SM, d = run_schedule(self.schedule, x_SM, params)
+        else:
+            y_SM, d = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.pipeline_lane)
+        return MoEOutput(y=y_SM.reshape(x.shape), aux_loss=d.aux_loss, exp_counts_E=d.exp_counts_E,
+                         dropped=d.dropped)

@@ -1,0 +1,178 @@
+"""The ``moe_plugins`` section of a host config (DeepSpeed's ds_config, Megatron's arguments): one typed,
+frozen config shared by every host adapter, validated at the boundary.
+
+Schema (documented for users in ``docs/config.md``)::
+
+    "moe_plugins": {
+        "enabled": true,            # false keeps the section but runs the host's stock MoE layers
+        "schedule": "baseline",     # a name in moe_plugins.schedules.SCHEDULES
+        "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1, "auto" or "tune"
+        "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
+                                    # another value is a layout the host cannot express (docs/config.md)
+        "ranks_per_node": null,     # ranks per node for the node-aware layout; null: LOCAL_WORLD_SIZE
+        "a2a_priority": false,      # reserved (Lina)
+        "fssdp": false,             # reserved (Hecate)
+        "overlap": false            # reserved (Lancet)
+    }
+
+:meth:`PluginConfig.from_dict` reports every unknown key and every bad value in one ``ValueError`` that names
+the path, the value and what is allowed. Nothing here imports a host framework.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+SECTION = "moe_plugins"
+# pipeline_degree values whose degree comes from the cost profile: the model's pick ("auto"), or that pick
+# checked by timing the layer ("tune", moe_plugins/pipemoe/tune.py).
+PROFILED_DEGREES = ("auto", "tune")
+
+
+# schedules that decide from the cost profile (Algorithm 1), the second checking by timing the layer
+PROFILED_SCHEDULES = ("parm-auto", "parm-tune")
+
+
+def degree_needs_profile(value: Any) -> bool:
+    """Whether a pipeline_degree value is one of :data:`PROFILED_DEGREES` (case and spaces ignored)."""
+    return isinstance(value, str) and value.strip().lower() in PROFILED_DEGREES
+
+
+# Keys a later issue implements: accepted with their "off" value only, so configs can be written ahead.
+RESERVED: Dict[str, str] = {
+    "a2a_priority": "Lina's all-to-all priority over the gradient all-reduce (micro-op scheduling)",
+    "fssdp": "Hecate's fully sharded sparse data parallelism (FSSDP)",
+    "overlap": "Lancet's overlap of the all-to-all with non-MoE computation",
+}
+
+
+# Top-level ds_config keys that tell a whole ds_config from a bare section.
+_DS_CONFIG_KEYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                             "optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "gradient_clipping"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PluginConfig:
+    """What the plugin does to a host's MoE layers. Defaults reproduce the host's math with the baseline
+    schedule; each field is documented in docs/config.md."""
+
+    enabled: bool = True
+    schedule: str = "baseline"
+    pipeline_degree: Union[int, str] = 1
+    esp: Optional[int] = None
+    ranks_per_node: Optional[int] = None
+    a2a_priority: bool = False
+    fssdp: bool = False
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        problems = plugin_config_problems(asdict(self), SECTION)
+        if problems:
+            raise ValueError(f"invalid {SECTION} section: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, section: Any, path: str = SECTION) -> "PluginConfig":
+        """Build from a parsed JSON object. Raises one ValueError listing every problem, each with its path."""
+        if not isinstance(section, Mapping):
+            raise ValueError(f"{path} ({section!r}) must be a JSON object (dict), got {type(section).__name__}")
+        problems = plugin_config_problems(section, path)
+        if problems:
+            raise ValueError(f"invalid {path} section: " + "; ".join(problems))
+        return cls(**dict(section))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _names() -> List[str]:
+    return [f.name for f in fields(PluginConfig)]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION) -> List[str]:
+    """Every unknown key and bad value of a section, each naming ``path.key``, the value and what is allowed
+    (empty when valid). Pure: no host, no process group."""
+    from moe_plugins.schedules import SCHEDULES  # lazy: the schedules import torch
+
+    allowed = _names()
+    problems = []
+    for key in section:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{path}.{key}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
+
+    def bad(key: str, rule: str) -> None:
+        problems.append(f"{path}.{key} ({section[key]!r}) {rule}")
+
+    if "enabled" in section and not isinstance(section["enabled"], bool):
+        bad("enabled", "must be true or false")
+    if "schedule" in section and section["schedule"] not in SCHEDULES:
+        bad("schedule", f"must be one of {', '.join(sorted(SCHEDULES))}")
+    if "pipeline_degree" in section:
+        value = section["pipeline_degree"]
+        if not (value in PROFILED_DEGREES if isinstance(value, str) else _is_int(value) and value >= 1):
+            bad("pipeline_degree", "must be an integer >= 1, \"auto\" (the cost model's pick) or \"tune\" (that "
+                "pick checked by timing the layer)")
+    for key in ("esp", "ranks_per_node"):
+        if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
+            bad(key, "must be an integer >= 1, or null to derive it")
+    for key, technique in RESERVED.items():
+        if key not in section:
+            continue
+        if not isinstance(section[key], bool):
+            bad(key, "must be true or false")
+        elif section[key]:
+            bad(key, f"is reserved for {technique}, which a later issue implements; only false is accepted now")
+    return problems
+
+
+def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[str, Any]:
+    """A ds_config given as a dict or a JSON file path, read once."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    with open(config, "r", encoding="utf-8") as fh:
+        loaded = json.load(fh)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"ds_config {os.fspath(config)!r} must hold a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def section_of(ds_config: Mapping[str, Any]) -> Optional[PluginConfig]:
+    """The validated ``moe_plugins`` section of a ds_config, or None when it has none."""
+    if SECTION not in ds_config:
+        return None
+    return PluginConfig.from_dict(ds_config[SECTION], SECTION)
+
+
+def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]]) -> Optional[PluginConfig]:
+    """What ``moe_plugins.enable(...)`` accepts, as a PluginConfig (None: decide per engine from its ds_config).
+
+    - a PluginConfig;
+    - a ds_config dict or JSON path holding a ``moe_plugins`` section (a ds_config without one is an error);
+    - the section itself as a dict.
+    """
+    if config is None or isinstance(config, PluginConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        ds_config = load_ds_config(config)
+        found = section_of(ds_config)
+        if found is None:
+            raise ValueError(f"ds_config {os.fspath(config)!r} has no {SECTION!r} section")
+        return found
+    if not isinstance(config, Mapping):
+        raise ValueError(f"moe_plugins.enable expects a ds_config (dict or path), its {SECTION!r} section or a "
+                         f"PluginConfig, got {type(config).__name__}")
+    if SECTION in config:
+        return section_of(config)
+    host_keys = sorted(set(config) & _DS_CONFIG_KEYS)
+    if host_keys:
+        raise ValueError(f"the ds_config given (keys {', '.join(host_keys)}, ...) has no {SECTION!r} section")
+    return PluginConfig.from_dict(config, SECTION)

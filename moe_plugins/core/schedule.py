@@ -1,0 +1,160 @@
+"""The schedule interface: how one MoE layer moves tokens to experts and back.
+
+A schedule is five steps. Steps 2-4 act on one chunk of the capacity axis, so other techniques compose
+with any schedule without knowing it:
+
+1. ``prepare(x_SM)``: gate and lay tokens out for exchange; returns :class:`Dispatched`
+   (the tensor ``d`` with its capacity axis ``cap_dim``, plus private state for step 5);
+2. ``exchange_in(chunk)``: collectives that bring a capacity chunk to the expert shards;
+3. ``expert(chunk)``: expert compute (with the ESP reduction);
+4. ``exchange_out(chunk)``: collectives that bring expert outputs back;
+5. ``finish(r, dispatched)``: reassemble and combine into y_SM.
+
+:func:`run_schedule` runs steps 2-4 over ``degree`` chunks in order. Pipelining (PipeMoE), priority of
+all-to-all over gradient all-reduce (Lina) and overlap with other computation (Lancet) replace that loop;
+sparse materialisation (Hecate) replaces where the expert weights come from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, List, Optional, Set, Tuple
+
+import torch
+
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.config import MoEConfig
+from moe_plugins.core.gating import BlockRouting, Routing
+from moe_plugins.core.groups import MoEProcessGroups
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    d: torch.Tensor
+    cap_dim: int
+    state: Any
+    aux_loss: torch.Tensor
+    exp_counts_E: torch.Tensor
+    dropped: int
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How a schedule's exchange relates to its dispatched tensor d (not visible from d alone); cost models
+    (PipeMoE's auto degree) price the exchange from it."""
+
+    group: str       # the group kind whose all-to-all carries it: its alpha_a/beta_a are used
+    sent: float      # bytes the all-to-all moves per byte of d
+    rows: float      # expert rows per row of d
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """What a schedule computes with, supplied by the layer (the core's or a host's):
+
+    - ``router(x_SM) -> Routing``: gate plus capacity; in dropless mode the capacity it returns is
+      uniform over every rank the layer exchanges with (a host's gate does this its own way);
+    - ``experts(x_ElNM) -> y_ElNM``: the local experts on their rows, ESP reduction included;
+    - ``block_router(x_sM, num_tokens) -> BlockRouting`` (optional): the same gate run on this MP rank's
+      block of the MP group's ``num_tokens`` tokens only (rows [p s, (p+1) s), padded), giving exactly the
+      routing ``router`` gives on all of them (Parm's S1 uses it). None where the host's gate cannot be
+      split that way (a random or opaque gate); S1 then gates the whole block with ``router``.
+    """
+
+    router: Callable[[torch.Tensor], Routing]
+    experts: Callable[[torch.Tensor], torch.Tensor]
+    block_router: Optional[Callable[[torch.Tensor, int], BlockRouting]] = None
+
+
+class Schedule(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, rec: Recorder):
+        self.config, self.groups, self.rec = config, groups, rec
+
+    def twin(self, groups: MoEProcessGroups) -> "Schedule":
+        """This schedule on other process groups (PipeMoE's lane runs the exchanges on a twin). A schedule
+        with per-call state that its exchanges read shares that state with the twin."""
+        return type(self)(self.config, groups, self.rec)
+
+    def exchange(self, d: torch.Tensor) -> Optional[Exchange]:
+        """What one exchange of the dispatched tensor ``d`` moves; None when the schedule does not say (a
+        cost model then refuses it)."""
+        return None
+
+    def notes(self) -> List[str]:
+        """What this schedule decided so far, in words (for logs and bench reports); [] when it decides
+        nothing."""
+        return []
+
+    def ran(self) -> Set[str]:
+        """The registered schedule names its training calls ran as (several when a deciding schedule chose
+        differently per token count)."""
+        return {type(self).name}
+
+    @classmethod
+    def layout_problems(cls, groups_layout) -> List[str]:
+        """Reasons this schedule cannot run on a layout (empty when it can)."""
+        return []
+
+    @abstractmethod
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched: ...
+
+    @abstractmethod
+    def exchange_in(self, d: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def expert(self, e: torch.Tensor, params: LayerParams) -> torch.Tensor: ...
+
+    @abstractmethod
+    def exchange_out(self, o: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
+
+    # -- helpers shared by schedules -------------------------------------------------------------------
+
+    def run_experts(self, e_XM: torch.Tensor, params: LayerParams, replicas: int = 1) -> torch.Tensor:
+        """Local experts on a received chunk laid out (EP sources, E_l, ..., M): regroup rows per local
+        expert, compute, and restore the layout. ``replicas`` > 1 means every row arrives that many times
+        (MP replicas); the weight gradients are then divided by it while the input gradients stay exact."""
+        ep, shape = self.groups.ep.size, e_XM.shape
+        e_l = self.config.num_experts // ep
+        x_ElRM = e_XM.reshape(ep, e_l, -1, shape[-1]).transpose(0, 1).reshape(e_l, -1, shape[-1])
+        if replicas > 1:
+            x_ElRM = comm.grad_scale(x_ElRM, float(replicas))
+        y_ElRM = params.experts(x_ElRM)
+        if replicas > 1:
+            y_ElRM = comm.grad_scale(y_ElRM, 1.0 / replicas)
+        return y_ElRM.reshape(e_l, ep, -1, shape[-1]).transpose(0, 1).reshape(shape)
+
+
+def chunk_bounds(length: int, degree: int) -> List[Tuple[int, int]]:
+    """Split [0, length) into ``degree`` contiguous chunks, sizes differing by at most one; empty chunks
+    are kept (a rank with fewer slots than chunks still takes part in every collective)."""
+    if degree < 1:
+        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
+    base, extra = divmod(length, degree)
+    bounds, start = [], 0
+    for i in range(degree):
+        size = base + (1 if i < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def run_schedule(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, degree: int = 1):
+    """Run a schedule with its capacity axis cut into ``degree`` chunks, one after another."""
+    dispatched = schedule.prepare(x_SM, params)
+    d, dim = dispatched.d, dispatched.cap_dim
+    outs = [schedule.exchange_out(schedule.expert(schedule.exchange_in(d.narrow(dim, a, b - a)), params))
+            for a, b in chunk_bounds(d.shape[dim], degree)]
+    r = outs[0] if len(outs) == 1 else torch.cat(outs, dim=dim)
+    return schedule.finish(r, dispatched), dispatched
+
+
+def routing_stats(routings: List[Routing]) -> Tuple[torch.Tensor, int]:
+    counts = torch.stack([r.exp_counts_E for r in routings]).sum(0)
+    return counts, sum(r.dropped for r in routings)

@@ -1,0 +1,465 @@
+"""Parm's communication-time model (parm.txt §IV-V) and the automatic S1/S2 choice, as pure functions.
+
+Notation (parm.txt Table I): B samples and L tokens per sample on a rank (so S = B*L tokens per MP group
+member, the same tokens on every member of an MP group), M model dim, H FFN hidden, E experts, k routes
+per token, f capacity factor, N_MP / N_EP / N_ESP the group sizes.
+
+Sizes, in elements (the paper's convention; the ledger's ``numel``):
+
+    x = B L M                      the MoE layer's input on one rank
+    T = k f B L / E                slots per expert (the paper's real number; the layer uses ceil(T))
+    y = E T M N_ESP                what one rank passes to an EP&ESP all-to-all when nothing is split
+
+Times, one direction (forward; the backward issues the same collectives with the same sizes). A
+collective on a group of size 1 is not issued, so it costs nothing (not even alpha):
+
+    t_B  = AG_ESP(x N_ESP) + AR_ESP(y) + 2 A2A_EP(y)                                  (Eq. 1)
+    t_D1 = 2 A2A_EP&ESP(y1) + AG_MP(x)                                                (Eq. 11, 13)
+    t_D2 = 2 A2A_EP&ESP(y / N_MP) + AG_MP(E T M)             sequential (AAS)       (Eq. 7, right side)
+    t_D2 = A2A_EP&ESP(y / N_MP) + SAA(y / N_MP)              with SAA               (Eq. 7, 14)
+
+where y1 = E C_l M N_ESP is S1's buffer (:func:`s1_slots`; the paper's y / N_MP when T is a multiple of
+the block's demand, e.g. f = 1 with k <= 2) and every op is alpha + beta * n (Eq. 12) and SAA(n) = alpha_o + beta_o * n is the overlapped
+EP&ESP-AlltoAll (n elements) run together with the MP-AllGather of the same step (E T M elements).
+
+Typos in the paper that are not copied here (derived from the equations instead):
+
+- Algorithm 1, line 2 writes T = k f B L M / E; T is a slot count, k f B L / E (§II-A). The extra M
+  would make y quadratic in M.
+- Eq. 13's second line drops N_ESP from the all-to-all size; its first line and Eq. 11 keep it.
+- Eq. 14 adds AG_MP(E T M) on top of Overlap(.), the overlapped all-to-all + all-gather; Eq. 7 (and
+  §III-D) count the all-gather inside the overlap. Counting it twice would make SAA never pay off, so
+  t_D2 with SAA is A2A + SAA only.
+- Algorithm 1, line 5 writes beta_o * y; the overlapped all-to-all moves y / N_MP elements (Eq. 14).
+
+The choice (Algorithm 1): S1 when t_D1 <= t_D2, else S2; here near-ties go to the schedule sending fewer
+all-to-all elements (:func:`choose_schedule`).
+
+Units: alpha in seconds, beta in seconds per element, sizes in elements, times in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from scipy.optimize import brentq
+
+from moe_plugins.core.costmodel import EXCHANGE_PRICING, ExchangeCurve, measured_curve
+
+SCHEDULE_S1 = "parm-s1"
+SCHEDULE_S2 = "parm-s2"
+# t_D1 and t_D2 within this fraction of each other are a near-tie: decided by all-to-all bytes, not by price
+NEAR_TIE = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParmShape:
+    """One MoE layer and its parallel degrees, in the paper's letters (per rank: B samples of L tokens)."""
+
+    B: int
+    L: int
+    M: int
+    H: int
+    E: int
+    k: int = 1
+    f: float = 1.0
+    mp: int = 1
+    ep: int = 1
+    esp: int = 1
+
+
+def shape_problems(shape: ParmShape) -> List[str]:
+    """Every reason the shape cannot be planned, each naming the field and the values (empty when fine)."""
+    problems = []
+    for name in ("B", "L", "M", "H", "E", "k", "mp", "ep", "esp"):
+        value = getattr(shape, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{name} ({value!r}) must be a positive integer")
+    if not isinstance(shape.f, (int, float)) or not math.isfinite(shape.f) or shape.f <= 0:
+        problems.append(f"f ({shape.f!r}) must be a finite number > 0")
+    if problems:
+        return problems
+    if shape.k > shape.E:
+        problems.append(f"k ({shape.k}) must not exceed E ({shape.E})")
+    if shape.E % shape.ep:
+        problems.append(f"E ({shape.E}) must be divisible by ep ({shape.ep})")
+    if shape.H % shape.esp:
+        problems.append(f"H ({shape.H}) must be divisible by esp ({shape.esp})")
+    return problems
+
+
+def check_shape(shape: ParmShape) -> ParmShape:
+    problems = shape_problems(shape)
+    if problems:
+        raise ValueError("invalid Parm shape: " + "; ".join(problems))
+    return shape
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """x, T and y of §IV (elements, slots, elements)."""
+
+    x: float
+    T: float
+    y: float
+
+
+def s1_slots(shape: ParmShape, T: Optional[float] = None) -> float:
+    """Slots per expert in S1's buffer under balanced routing: C_l of moe_plugins/parm/schedules.py.
+
+    Not the paper's T / N_MP. This S1 drops exactly the baseline's routes, so the capacity positions are
+    GShard's over the MP group's whole token block: route rank r of token block p holds the positions
+    [(r N_MP + p) d, (r N_MP + p + 1) d) of every expert, d = B L / (E N_MP) routes. Block 0 keeps the
+    most, sum_r clamp(T - r N_MP d, 0, d), and every block's buffer has that many slots. That is T / N_MP
+    when T is a multiple of N_MP d (f = 1 with k = 1 or 2), up to T when capacity is short (f < 1 / N_MP),
+    and k d, below T / N_MP, when capacity is to spare (large f): S1 sends kept routes, S2 the capacity."""
+    slots = sizes(shape, T).T
+    d = shape.B * shape.L / (shape.E * shape.mp)
+    return sum(min(max(slots - r * shape.mp * d, 0.0), d) for r in range(shape.k))
+
+
+def sizes(shape: ParmShape, T: Optional[float] = None) -> Sizes:
+    """x = B L M, T = k f B L / E (or the given T, e.g. a measured capacity), y = E T M N_ESP."""
+    check_shape(shape)
+    slots = shape.k * shape.f * shape.B * shape.L / shape.E if T is None else float(T)
+    return Sizes(x=float(shape.B * shape.L * shape.M), T=slots, y=float(shape.E * slots * shape.M * shape.esp))
+
+
+# ---- the collectives each schedule issues (one direction) ----------------------------------------------
+
+@dataclass(frozen=True)
+class Op:
+    """One collective: ``op`` on the group kind ``group``, passing ``numel`` elements (ledger convention:
+    the gathered size for an all-gather, the input size otherwise)."""
+
+    op: str
+    group: str
+    numel: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}@{self.group}"
+
+
+def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None, *,
+                 c_l: Optional[float] = None) -> List[Op]:
+    """The collectives of one direction of ``schedule`` ("baseline", "parm-s1", "parm-s2"), with the paper's
+    sizes; collectives on groups of size 1 are left out (the layer does not issue them). ``c_l``: S1's buffer
+    in slots per expert as observed on real routing (None: :func:`s1_slots`, balanced routing)."""
+    if c_l is not None and not (isinstance(c_l, (int, float)) and math.isfinite(c_l) and c_l >= 0):
+        raise ValueError(f"c_l ({c_l!r}) must be a finite number >= 0 (S1's slots per expert)")
+    s = sizes(shape, T)
+    etm = shape.E * s.T * shape.M
+    if schedule == "baseline":
+        ops = [Op("all_gather", "esp", s.x * shape.esp), Op("all_to_all", "ep", s.y),
+               Op("all_reduce", "esp", s.y), Op("all_to_all", "ep", s.y)]
+    elif schedule == SCHEDULE_S1:
+        y1 = shape.E * (s1_slots(shape, T) if c_l is None else c_l) * shape.M * shape.esp
+        ops = [Op("all_to_all", "ep_esp", y1)] * 2 + [Op("all_gather", "mp", s.x)]
+    elif schedule == SCHEDULE_S2:
+        ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", etm)]
+    else:
+        raise ValueError(f"schedule ({schedule!r}) must be 'baseline', {SCHEDULE_S1!r} or {SCHEDULE_S2!r}")
+    size = {"mp": shape.mp, "ep": shape.ep, "esp": shape.esp, "ep_esp": shape.ep * shape.esp}
+    return [o for o in ops if size[o.group] > 1]
+
+
+def s1_gate_ops(shape: ParmShape, phase: str) -> List[Op]:
+    """The O(E) collectives of S1's split gate (each MP rank gates its 1/N_MP of the tokens), outside the
+    paper's model and not costed: forward, the all-gather of every block's route counts (k E integers per
+    MP rank) and the all-reduce of the gate sums (E); backward, the all-reduce of the gate weight's partial
+    gradient (E M). None with N_MP = 1. (Dropless capacity adds the integer maxes every schedule issues.)"""
+    check_shape(shape)
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase ({phase!r}) must be 'forward' or 'backward'")
+    if shape.mp == 1:
+        return []
+    if phase == "forward":
+        return [Op("all_gather", "mp", float(shape.mp * shape.k * shape.E)), Op("all_reduce", "mp", float(shape.E))]
+    return [Op("all_reduce", "mp", float(shape.E * shape.M))]
+
+
+def op_volumes(ops: List[Op]) -> Dict[str, Tuple[int, float]]:
+    """``op@group`` -> (count, total elements): the shape of a CommLedger summary row."""
+    out: Dict[str, Tuple[int, float]] = {}
+    for o in ops:
+        count, total = out.get(o.key, (0, 0.0))
+        out[o.key] = (count + 1, total + o.numel)
+    return out
+
+
+# ---- alpha-beta costs ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class AlphaBeta:
+    """t(n) = alpha + beta * n: alpha in seconds, beta in seconds per element (Eq. 12)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, n: float) -> float:
+        return self.alpha + self.beta * n
+
+
+# The terms a measured curve can price (the ones Algorithm 1 reads), and the profile model each comes from.
+CURVE_TERMS = {"a2a_ep_esp": "all_to_all@ep_esp", "ag_mp": "all_gather@mp", "saa": "saa@ep_esp+mp"}
+_TERM_OF_OP = {"all_to_all@ep_esp": "a2a_ep_esp", "all_gather@mp": "ag_mp", "all_gather@esp": "ag_esp",
+               "all_reduce@esp": "ar_esp", "all_to_all@ep": "a2a_ep"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParmCosts:
+    """The terms Parm plans with. ``a2a_ep_esp`` and ``ag_mp`` are Algorithm 1's inputs; ``saa`` is
+    (alpha_o, beta_o) of the overlapped collective as a function of its all-to-all size (None: S2 is costed
+    without overlap, the upper bound of Eq. 7); the last three cost the baseline (Eq. 1) and are only needed
+    for ``t_baseline``.
+
+    ``curves``: (term, curve) pairs for terms of :data:`CURVE_TERMS` priced from the profile's measured
+    times instead of their line (:class:`moe_plugins.core.costmodel.ExchangeCurve`, its x in *elements* here).
+    The line stays for display and for terms without a curve."""
+
+    a2a_ep_esp: AlphaBeta
+    ag_mp: AlphaBeta
+    saa: Optional[AlphaBeta] = None
+    ag_esp: Optional[AlphaBeta] = None
+    ar_esp: Optional[AlphaBeta] = None
+    a2a_ep: Optional[AlphaBeta] = None
+    curves: Tuple[Tuple[str, ExchangeCurve], ...] = ()
+
+    def problems(self) -> List[str]:
+        out = []
+        for name, term in self.lines().items():
+            if term is None:
+                continue
+            for part in ("alpha", "beta"):
+                value = getattr(term, part)
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    out.append(f"{name}.{part} ({value!r}) must be a finite number >= 0")
+        for name, curve in self.curves:
+            if name not in CURVE_TERMS:
+                out.append(f"curves: term {name!r} must be one of {', '.join(CURVE_TERMS)}")
+            elif getattr(self, name) is None:
+                out.append(f"curves: term {name!r} has a curve but no line")
+            out += [f"curves[{name}]: {p}" for p in curve.problems()]
+        return out
+
+    def check(self) -> "ParmCosts":
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid Parm costs: " + "; ".join(problems))
+        return self
+
+    def lines(self) -> Dict[str, Optional[AlphaBeta]]:
+        """The six alpha-beta terms by name."""
+        return {name: getattr(self, name) for name in ("a2a_ep_esp", "ag_mp", "saa", "ag_esp", "ar_esp", "a2a_ep")}
+
+    def time(self, name: str, n: float) -> float:
+        """Seconds of term ``name`` on n elements: its curve when it has one, else its line."""
+        curve = dict(self.curves).get(name)
+        if curve is not None:
+            return curve.time(n)
+        term = getattr(self, name)
+        if term is None:
+            raise ValueError(f"costs have no term {name!r}")
+        return term.time(n)
+
+    def term(self, op: Op) -> Optional[AlphaBeta]:
+        return getattr(self, _TERM_OF_OP[op.key])
+
+    def op_time(self, op: Op) -> float:
+        return self.time(_TERM_OF_OP[op.key], op.numel)
+
+    @staticmethod
+    def from_profile(profile, element_bytes: int, pricing: str = "curve") -> "ParmCosts":
+        """Fill from a :class:`moe_plugins.core.costmodel.CostProfile` (x in bytes there, elements here).
+        Missing optional models (saa, the baseline's) stay None; the two Algorithm 1 needs must exist.
+        ``pricing="curve"`` (the default) also prices the terms of :data:`CURVE_TERMS` from the profile's
+        measured times where it holds them (>= 2 sizes); "linear" keeps the lines alone."""
+        if element_bytes < 1:
+            raise ValueError(f"element_bytes ({element_bytes}) must be >= 1")
+        if pricing not in EXCHANGE_PRICING:
+            raise ValueError(f"pricing ({pricing!r}) must be one of {', '.join(EXCHANGE_PRICING)}")
+
+        def get(op: str, group: str, required: bool) -> Optional[AlphaBeta]:
+            key = f"{op}@{group}"
+            if key not in profile.models:
+                if required:
+                    raise ValueError(f"profile {profile.key.slug()} has no model for {key!r}, which Parm's "
+                                     f"choice needs; it has: {', '.join(sorted(profile.models)) or 'none'}")
+                return None
+            m = profile.models[key]
+            return AlphaBeta(alpha=m.alpha, beta=m.beta * element_bytes)
+
+        lines = ParmCosts(a2a_ep_esp=get("all_to_all", "ep_esp", True), ag_mp=get("all_gather", "mp", True),
+                          saa=get("saa", "ep_esp+mp", False), ag_esp=get("all_gather", "esp", False),
+                          ar_esp=get("all_reduce", "esp", False), a2a_ep=get("all_to_all", "ep", False))
+        if pricing == "linear":
+            return lines.check()
+        return dataclasses.replace(lines, curves=measured_curves(profile, element_bytes, lines)).check()
+
+
+def measured_curves(profile, element_bytes: int, lines: "ParmCosts") -> Tuple[Tuple[str, ExchangeCurve], ...]:
+    """The isotonic curve of each :data:`CURVE_TERMS` term the profile measured at >= 2 sizes, in elements
+    (its tail grows with the term's line)."""
+    out = []
+    for name, key in CURVE_TERMS.items():
+        line = getattr(lines, name)
+        curve = measured_curve(profile, key, line.beta / element_bytes) if line is not None else None
+        if curve is None:
+            continue
+        out.append((name, ExchangeCurve(x=tuple(x / element_bytes for x in curve.x), seconds=curve.seconds,
+                                        beta_tail=line.beta)))
+    return tuple(out)
+
+
+# The paper's only published terms (§VI-B, Fig. 6): the MP all-gather on its two testbeds.
+PAPER_AG_MP = {
+    "testbed-a": AlphaBeta(alpha=6.64e-4, beta=5.38e-10),   # 8 x RTX4090, PCIe 4.0 x16, one node
+    "testbed-b": AlphaBeta(alpha=1.09e-4, beta=7.14e-10),   # 32 x RTX2080Ti, 8 nodes, 100 Gb/s ConnectX-5
+}
+
+# Placeholders measured on this project's development machine (2 CPU cores, gloo) on its emulated 2-node
+# cluster (2 ranks per node, 1 Gbit/s tbf link; mp=2 inside a node, ep=2, esp=2; fp32):
+# `python benchmarks/parm_saa.py --rates 1gbit --fit`, 2026-11-22, benchmarks/results/parm_saa.md.
+# Negative intercepts were pinned at 0 (costmodel.fit_linear). The paper publishes no all-to-all or overlap
+# terms, so no paper testbed can stand in for them; these only make the CLI and parm-auto usable before
+# `moe-plugins profile` has run on the real cluster.
+DEFAULT_COSTS = ParmCosts(
+    a2a_ep_esp=AlphaBeta(alpha=0.0, beta=3.93e-8),
+    ag_mp=AlphaBeta(alpha=7.36e-4, beta=1.64e-8),
+    saa=AlphaBeta(alpha=1.55e-3, beta=4.24e-8),
+    ag_esp=AlphaBeta(alpha=0.0, beta=3.45e-8),
+    ar_esp=AlphaBeta(alpha=2.85e-3, beta=1.49e-8),
+    a2a_ep=AlphaBeta(alpha=0.0, beta=4.38e-8),
+)
+DEFAULT_COSTS_SOURCE = ("default: placeholders measured on the project's 2-core CPU machine (gloo, emulated 2-node "
+                        "cluster at 1 Gbit/s), not a real cluster; run `moe-plugins profile` or pass alpha/beta")
+
+
+# ---- times and the choice ----------------------------------------------------------------------------
+
+def ops_time(ops: List[Op], costs: ParmCosts) -> float:
+    return sum(costs.op_time(o) for o in ops)
+
+
+def t_baseline(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) -> Optional[float]:
+    """Eq. 1, or None when the costs lack a baseline term that the layout needs."""
+    ops = schedule_ops("baseline", shape, T)
+    if any(costs.term(o) is None for o in ops):
+        return None
+    return ops_time(ops, costs)
+
+
+def t_s1(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, c_l: Optional[float] = None) -> float:
+    """t_D1 (Eq. 11); ``c_l``: S1's observed buffer (slots per expert), else balanced routing's."""
+    return ops_time(schedule_ops(SCHEDULE_S1, shape, T, c_l=c_l), costs)
+
+
+def saa_form(shape: ParmShape, costs: ParmCosts, saa: bool) -> bool:
+    return saa and costs.saa is not None and shape.mp > 1
+
+
+def t_s2(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True) -> float:
+    """t_D2: with SAA (Eq. 14 without its double-counted all-gather) when ``saa`` and the costs have the
+    overlap term and N_MP > 1; otherwise the sequential form (Eq. 7's right side)."""
+    ops = schedule_ops(SCHEDULE_S2, shape, T)
+    if not saa_form(shape, costs, saa):
+        return ops_time(ops, costs)
+    a2a = [o for o in ops if o.key == "all_to_all@ep_esp"]
+    return ops_time(a2a[:1], costs) + costs.time("saa", sizes(shape, T).y / shape.mp)
+
+
+@dataclass(frozen=True)
+class ParmChoice:
+    """What Algorithm 1 decided, with every number it used."""
+
+    x: float
+    T: float
+    y: float
+    t_baseline: Optional[float]
+    t_s1: float
+    t_s2: float
+    s2_form: str           # "saa" or "sequential": the cheaper form of S2 (sequential when SAA is not allowed)
+    choice: str            # "parm-s1" or "parm-s2"
+    s1_slots: float = 0.0  # S1's buffer it priced (slots per expert)
+    s1_source: str = "balanced"   # "balanced" (:func:`s1_slots`) or "observed" (measured on real routing)
+
+
+def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True,
+                    c_l: Optional[float] = None) -> ParmChoice:
+    """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper). ``c_l``: S1's buffer as
+    observed on the layer's routing (the paper assumes balanced routing, :func:`s1_slots`).
+
+    Near-ties (t_D1 and t_D2 within :data:`NEAR_TIE` of each other) go to the schedule that sends fewer
+    elements through the EP&ESP all-to-all, S1 when equal (the paper's tie rule). A measured curve can be
+    flat across sizes whose medians the noise put out of order (the isotonic fit pools them), so a price
+    tie there says nothing about which is faster; the bytes on the slow link do.
+
+    S2's form: where SAA is allowed (``saa``) and priced, t_D2 is the cheaper of S2 with SAA (Eq. 14) and
+    without (Eq. 7), and ``s2_form`` says which; the paper always runs S2 with SAA, but on a slow start-up
+    SAA's slices can cost more than they hide (small T). Ties go to SAA."""
+    costs.check()
+    s = sizes(shape, T)
+    d1 = t_s1(shape, costs, T, c_l=c_l)
+    form = "sequential"
+    d2 = t_s2(shape, costs, T, saa=False)
+    if saa_form(shape, costs, saa):
+        overlapped = t_s2(shape, costs, T, saa=True)
+        if overlapped <= d2:
+            form, d2 = "saa", overlapped
+    if abs(d1 - d2) <= NEAR_TIE * min(d1, d2):
+        pick = SCHEDULE_S1 if _a2a_elements(shape, T, c_l, SCHEDULE_S1) <= _a2a_elements(shape, T, c_l, SCHEDULE_S2) \
+            else SCHEDULE_S2
+    else:
+        pick = SCHEDULE_S1 if d1 < d2 else SCHEDULE_S2
+    return ParmChoice(x=s.x, T=s.T, y=s.y, t_baseline=t_baseline(shape, costs, T), t_s1=d1, t_s2=d2,
+                      s2_form=form,
+                      choice=pick,
+                      s1_slots=s1_slots(shape, T) if c_l is None else float(c_l),
+                      s1_source="balanced" if c_l is None else "observed")
+
+
+def _a2a_elements(shape: ParmShape, T: Optional[float], c_l: Optional[float], schedule: str) -> float:
+    return sum(o.numel for o in schedule_ops(schedule, shape, T, c_l=c_l) if o.key == "all_to_all@ep_esp")
+
+
+def break_even_T(shape: ParmShape, costs: ParmCosts, *, saa: bool = True) -> Optional[float]:
+    """The smallest T > 0 at which t_D1 = t_D2 for this shape (balanced routing), or None when they never
+    cross. With lines both are piecewise linear in T (t_D1 bends where S1's buffer stops growing,
+    :func:`s1_slots`, at multiples of d = B L / (E N_MP)), so each piece is solved as a line. With measured
+    curves the pieces bend at every measured size too: the sign of t_D1 - t_D2 is scanned on a fine
+    geometric grid of T (and the kinks) and each sign change refined with scipy's brentq, so a crossing that
+    touches zero between two grid points without changing sign is not reported."""
+    d = shape.B * shape.L / (shape.E * shape.mp)
+    kinks = [0.0] + [float(j) * d for j in range(1, 2 * shape.k * shape.mp + 1)] + [math.inf]
+
+    def gap(T: float) -> float:
+        return t_s1(shape, costs, T) - t_s2(shape, costs, T, saa=saa)
+
+    if costs.curves:
+        return _first_root(gap, kinks[1:-1] + list(np.geomspace(d * 1e-3, kinks[-2] * 64, 600)))
+    for lo, hi in zip(kinks, kinks[1:]):
+        a = lo if lo > 0 else min(d, 1.0) * 1e-6
+        b = hi if math.isfinite(hi) else lo + max(d, 1.0)
+        f_a, f_b = gap(a), gap(b)
+        if f_b == f_a:
+            continue
+        root = a - f_a * (b - a) / (f_b - f_a)
+        if lo <= root <= hi and root > 0:
+            return root
+    return None
+
+
+def _first_root(gap, points: List[float]) -> Optional[float]:
+    grid = sorted(set(float(p) for p in points if p > 0))
+    values = [gap(T) for T in grid]
+    for (a, f_a), (b, f_b) in zip(zip(grid, values), zip(grid[1:], values[1:])):
+        if f_a == 0:
+            return a
+        if (f_a < 0) != (f_b < 0):
+            return float(brentq(gap, a, b, xtol=1e-12 * b))
+    return None

@@ -1,0 +1,438 @@
+"""Parm's dedicated schedules for MP+EP+ESP (parm.txt §III): S1, S2, S2 with SAA, and the automatic choice.
+
+    baseline     ESP-AllGather -> gate -> EP-A2A -> experts -> ESP-AllReduce -> EP-A2A -> combine -> ESP-Split
+    parm-s1      MP-Split(tokens) -> gate -> dump -> EP&ESP-A2A -> expert partials -> EP&ESP-A2A
+    (Fig. 3b)      -> local combine (sum of the ESP partials) -> combine -> MP-AllGather(tokens)
+    parm-s2      gate -> dispatch -> MP-Split(capacity) -> dump -> EP&ESP-A2A -> expert partials
+    (Fig. 3c)      -> EP&ESP-A2A -> local combine -> MP-AllGather(capacity) -> combine
+    parm-s2-saa  parm-s2 with the EP&ESP-A2A and the MP-AllGather beside it run as one overlapped
+                 collective (SAA, moe_plugins/parm/saa.py), in forward and in backward
+    parm-auto    per layer and token count, S1 or S2 with SAA by Algorithm 1 (moe_plugins/parm/cost.py)
+    parm-tune    parm-auto's pick checked by timing the layer (schedules/parm_tune.py)
+
+What pausing MP buys: each MP rank sends a distinct 1/N_MP of the group's work, so no expert computes a
+row twice; the dump + one EP&ESP all-to-all (Fig. 4c) replaces ESP-AllGather + EP-AlltoAll, and the
+all-to-all back + local combine (Fig. 4d) replaces ESP-AllReduce + EP-AlltoAll + ESP-Split. Backward
+mirrors it: MP-Split <-> MP-AllGather, dump <-> sum, all-to-all <-> all-to-all.
+
+Exactness. S1 gates only this MP rank's token block, 1/N_MP of the MP group's tokens, as Fig. 3b does
+(``LayerParams.block_router``, the core's ``router.route_token_block``). Capacity positions, drops and the
+aux loss are reconciled over MP with O(E) numbers, not tokens: an all-gather of every block's route counts
+per (route rank, expert) (k E integers per rank) gives each route its position in GShard's order on the
+whole block, and an all-reduce of the gate sums (E floats) gives the aux loss. So exactly the baseline's
+routes are dropped, with its combine weights and aux loss. The gate weight's gradient is then a partial sum
+over MP; ``copy_to`` all-reduces it in backward (E M elements), so every MP rank holds the full gradient as
+in the baseline. A host whose gate cannot be split (random or opaque: DeepSpeed's TopKGate, Megatron's
+router) supplies no block router, and S1 gates the whole block on every MP rank instead
+(:func:`whole_block_routing`; the S x K combine-weight gradients are then all-gathered in backward).
+
+S1's buffer. Each rank dispatches only the kept routes of its own tokens, in the baseline's slot order,
+into C_l slots per expert, C_l = the largest per-expert count of kept routes over the MP group's token
+blocks (known on every MP rank) made uniform over the EP&ESP group by one integer max. With balanced
+routing C_l ~ C / N_MP, the paper's T / N_MP; it is never above C.
+
+Shapes: S tokens of the MP group (s = S' / P per rank after padding S to S' = a multiple of P), E experts
+(E_l per EP rank), C capacity (c a chunk), M model dim, K routes per token, G = N_EP * N_ESP members of
+the fused group, P = N_MP. S1 moves d_EcM; S2 moves d_EPcM (its MP axis is split on the wire to size 1:
+w_GE1cM), which is how the shared exchange steps tell the two apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, ClassVar, Dict, List, Optional, Set, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+
+from moe_plugins.core import comm
+from moe_plugins.core.dispatch import combine, dispatch
+from moe_plugins.core.experts import ExpertWeights, partial_ffn, sharded_experts
+from moe_plugins.core.gating import BlockRouting, Routing
+from moe_plugins.core.groups import Group
+from moe_plugins.parm.cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, SCHEDULE_S1, ParmChoice, ParmCosts, ParmShape,
+                         choose_schedule)
+from moe_plugins.parm.saa import block_order, saa_gather, saa_scatter
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
+
+log = logging.getLogger(__name__)
+
+
+# ---- expert partial sums (no ESP reduction: Parm's local combine does it) -------------------------------
+
+def sharded_expert_partials(x_ElNM: torch.Tensor, *, weights: ExpertWeights, activation: str,
+                            esp_size: int) -> torch.Tensor:
+    """This shard's H-partial of every local expert, plus b2 / N_ESP, so that the N_ESP partials of a row
+    sum to the expert's output. b2 is replicated on the ESP shards; its gradient is scaled by N_ESP so each
+    replica gets the full gradient, as with the ESP all-reduce of the baseline."""
+    b2_EM = comm.grad_scale(weights.b2_EM, float(esp_size)) / esp_size
+    return partial_ffn(x_ElNM, weights, activation) + b2_EM.unsqueeze(1)
+
+
+def expert_partials(params: LayerParams, esp: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The callable that gives un-reduced expert partials. With N_ESP = 1 the layer's ``experts`` is one
+    already. Otherwise ``params.partial_experts`` when the host supplies it, else the core's
+    :func:`sharded_experts` re-bound to its partial form."""
+    if esp.size == 1:
+        return params.experts
+    supplied = getattr(params, "partial_experts", None)
+    if supplied is not None:
+        return supplied
+    fn = params.experts
+    if isinstance(fn, partial) and fn.func is sharded_experts and not fn.args:
+        return partial(sharded_expert_partials, weights=fn.keywords["weights"],
+                       activation=fn.keywords["activation"], esp_size=esp.size)
+    raise ValueError(f"Parm schedules with esp ({esp.size}) > 1 need the experts' partial sums: the host must "
+                     "supply LayerParams.partial_experts (its experts callable does the ESP all-reduce itself)")
+
+
+# ---- prepared state ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _TokenSplit:
+    """S1: this rank's token block, routed into its own C_l-slot buffer."""
+
+    local: Routing          # this rank's s rows: slots in [0, C_l), weights split from the full routing
+    num_tokens: int         # S before padding
+    block_slots: int        # C_l of this MP group's blocks, before the EP&ESP max
+
+
+@dataclass
+class S2Form:
+    """The running call's S2 form (SAA or not), shared with PipeMoE's lane twin, whose exchanges read it."""
+
+    saa: bool = True
+
+
+@dataclass
+class _S1Watch:
+    """What parm-auto has seen of S1's buffer for one token count: this MP group's C_l summed over the calls
+    since the last agreement, and the agreed value (None before the first)."""
+
+    calls: int = 0
+    seen: int = 0
+    total: int = 0
+    agreed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class _CapacitySplit:
+    """S2: the MP group's full routing; the capacity axis is split over MP."""
+
+    routing: Routing
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), value)
+    return torch.cat([t, pad])
+
+
+def block_counts(expert_SK: torch.Tensor, slot_SK: torch.Tensor, num_experts: int, blocks: int,
+                 block_rows: int) -> torch.Tensor:
+    """counts_PE: kept routes of each token block (rows [p*s, (p+1)*s)) per expert."""
+    kept_SK = slot_SK >= 0
+    block_SK = (torch.arange(expert_SK.shape[0], device=expert_SK.device) // block_rows).unsqueeze(1).expand_as(kept_SK)
+    flat = (block_SK * num_experts + expert_SK)[kept_SK]
+    return torch.bincount(flat, minlength=blocks * num_experts).view(blocks, num_experts)
+
+
+def local_slots(expert_sK: torch.Tensor, slot_sK: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
+    """Slots of a token block's kept routes in its own buffer: the baseline's slot order, compacted per
+    expert (route at global slot j of expert e goes to the number of the block's kept routes of e below
+    j). Dropped routes stay -1."""
+    kept = slot_sK >= 0
+    occupied_EC = torch.zeros(num_experts, max(cap, 1), dtype=torch.long, device=expert_sK.device)
+    occupied_EC[expert_sK[kept], slot_sK[kept]] = 1
+    rank_EC = occupied_EC.cumsum(1) - 1
+    out = torch.full_like(slot_sK, -1)
+    out[kept] = rank_EC[expert_sK[kept], slot_sK[kept]]
+    return out
+
+
+def mp_block_slots(routing: Routing, num_experts: int, blocks: int) -> int:
+    """C_l that S1 would use for this routing of the MP group's whole token block (before the EP&ESP max):
+    the largest per-expert count of kept routes over its ``blocks`` token blocks."""
+    rows = _round_up(routing.num_tokens, blocks)
+    counts_PE = block_counts(_pad_rows(routing.expert_SK, rows, 0), _pad_rows(routing.slot_SK, rows, -1),
+                             num_experts, blocks, rows // blocks)
+    return int(counts_PE.max())
+
+
+def whole_block_routing(routing: Routing, num_experts: int, mp: Group, rec: comm.Recorder) -> BlockRouting:
+    """S1 with a gate that cannot be split (``LayerParams.block_router`` is None): the routing of the MP
+    group's whole token block, made on every MP rank, cut down to this rank's rows. The combine weights are
+    MP-split, so in backward their S x K gradient is all-gathered and the gate weight's gradient is complete
+    on every MP rank."""
+    num_tokens = routing.num_tokens
+    rows = _round_up(num_tokens, mp.size)
+    s = rows // mp.size
+    expert_SK = _pad_rows(routing.expert_SK, rows, 0)
+    slot_SK = _pad_rows(routing.slot_SK, rows, -1)
+    own = slice(mp.rank * s, (mp.rank + 1) * s)
+    w_sK = comm.split(F.pad(routing.weight_SK, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
+    mine = Routing(expert_SK=expert_SK[own], slot_SK=slot_SK[own], weight_SK=w_sK, capacity=routing.capacity,
+                   aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E)
+    return BlockRouting(routing=mine, kept_PE=block_counts(expert_SK, slot_SK, num_experts, mp.size, s),
+                        dropped=routing.dropped)
+
+
+# ---- the schedules ---------------------------------------------------------------------------------------
+
+class _ParmSchedule(Schedule):
+    """Steps 2-4, shared by S1 and S2 (so parm-auto's pipeline twin needs no state)."""
+
+    saa: ClassVar[bool] = False
+
+    def exchange(self, d: torch.Tensor) -> Exchange:
+        # S1 (d_EcM): the dump copies each row to the N_ESP shards; S2 (d_EPcM): MP-split first, then the dump
+        per = self.groups.esp.size / (self.groups.mp.size if d.dim() == 4 else 1)
+        return Exchange("ep_esp", per, per)
+
+    def saa_now(self) -> bool:
+        """Whether this call's S2 exchange runs as SAA (the class's ``saa``; parm-tune decides per call)."""
+        return self.saa
+
+    @property
+    def _esp(self) -> int:
+        return self.groups.esp.size
+
+    def _order(self):
+        return block_order(self.groups.layout, self.groups.mp, self._esp)
+
+    def _dump(self, d_EXM: torch.Tensor) -> torch.Tensor:
+        """Fig. 4c's local dump: the rows for EP block b go to each of its N_ESP expert shards."""
+        esp, g = self._esp, self.groups.ep_esp.size
+        rest = tuple(d_EXM.shape[1:])
+        blocks = d_EXM.reshape((g // esp, 1, d_EXM.shape[0] * esp // g) + rest)
+        return blocks.expand((g // esp, esp) + tuple(blocks.shape[2:])).reshape((g, blocks.shape[2]) + rest)
+
+    def exchange_in(self, d: torch.Tensor) -> torch.Tensor:
+        groups = self.groups
+        if d.dim() == 4:                                         # S2: d_EPcM, keep this rank's MP block
+            if self.saa_now() and groups.mp.size > 1:
+                return saa_scatter(d, ep_esp=groups.ep_esp, mp=groups.mp, esp=self._esp, order=self._order(),
+                                   rec=self.rec)
+            d = comm.split(d, groups.mp, self.rec, dim=1)        # E, 1, c, M
+        return comm.all_to_all(self._dump(d), groups.ep_esp, self.rec)
+
+    def expert(self, e: torch.Tensor, params: LayerParams) -> torch.Tensor:
+        """Rows from every member of the fused group, regrouped per local expert; H-partials come back."""
+        g, e_l, m = e.shape[0], e.shape[1], e.shape[-1]
+        x_ElNM = e.transpose(0, 1).reshape(e_l, e.numel() // max(e_l * m, 1), m)
+        y_ElNM = expert_partials(params, self.groups.esp)(x_ElNM)
+        return y_ElNM.reshape((e_l, g) + tuple(e.shape[2:])).transpose(0, 1)
+
+    def exchange_out(self, o: torch.Tensor) -> torch.Tensor:
+        groups, esp = self.groups, self._esp
+        if o.dim() == 5 and self.saa_now() and groups.mp.size > 1:    # S2 with SAA: r_EPcM
+            return saa_gather(o, ep_esp=groups.ep_esp, mp=groups.mp, esp=esp, order=self._order(), rec=self.rec)
+        r = comm.all_to_all(o, groups.ep_esp, self.rec)
+        g, e_l, rest = r.shape[0], r.shape[1], tuple(r.shape[2:])
+        r = r.reshape((g // esp, esp, e_l) + rest).sum(1).reshape((g // esp * e_l,) + rest)   # Fig. 4d
+        if r.dim() == 4:                                         # S2: gather the capacity over MP
+            r = comm.all_gather(r, groups.mp, self.rec, dim=1, bwd="split")
+        return r
+
+    # -- S1 ---------------------------------------------------------------------------------------------
+
+    def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        cfg, mp, rec = self.config, self.groups.mp, self.rec
+        num_tokens, e = x_SM.shape[0], cfg.num_experts
+        rows = _round_up(num_tokens, mp.size)
+        x_sM = comm.split(F.pad(x_SM, (0, 0, 0, rows - num_tokens)), mp, rec, dim=0)
+        if params.block_router is not None:
+            block = params.block_router(x_sM, num_tokens)
+        else:
+            block = whole_block_routing(params.router(x_SM), e, mp, rec)
+        routing = block.routing
+        cap_local = block_slots = int(block.kept_PE.max())
+        if not set(self.groups.ep_esp.ranks) <= set(mp.ranks):  # members with other tokens: agree on C_l
+            cap_local = comm.all_reduce_max(cap_local, self.groups.ep_esp, rec)
+        cap_local = max(cap_local, 1)
+        local = Routing(expert_SK=routing.expert_SK,
+                        slot_SK=local_slots(routing.expert_SK, routing.slot_SK, e, routing.capacity),
+                        weight_SK=routing.weight_SK, capacity=cap_local, aux_loss=routing.aux_loss,
+                        exp_counts_E=routing.exp_counts_E)
+        d_EcM = dispatch(x_sM, local, e, cap_local)
+        return Dispatched(d=d_EcM, cap_dim=1, state=_TokenSplit(local, num_tokens, block_slots),
+                          aux_loss=routing.aux_loss,
+                          exp_counts_E=routing.exp_counts_E, dropped=block.dropped)
+
+    def _finish_tokens(self, r_EcM: torch.Tensor, st: _TokenSplit) -> torch.Tensor:
+        y_sM = combine(r_EcM, st.local)
+        return comm.all_gather(y_sM, self.groups.mp, self.rec, dim=0, bwd="split")[:st.num_tokens]
+
+    # -- S2 ---------------------------------------------------------------------------------------------
+
+    def _prepare_capacity(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        cfg, p = self.config, self.groups.mp.size
+        routing = params.router(x_SM)
+        slots = _round_up(routing.capacity, p)
+        d_EPcM = dispatch(x_SM, routing, cfg.num_experts, slots).view(cfg.num_experts, p, slots // p, -1)
+        return Dispatched(d=d_EPcM, cap_dim=2, state=_CapacitySplit(routing), aux_loss=routing.aux_loss,
+                          exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def _finish_capacity(self, r_EPcM: torch.Tensor, st: _CapacitySplit) -> torch.Tensor:
+        e, p, c, m = r_EPcM.shape
+        return combine(r_EPcM.reshape(e, p * c, m), st.routing)
+
+    def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        st = dispatched.state
+        if isinstance(st, _TokenSplit):
+            return self._finish_tokens(r, st)
+        return self._finish_capacity(r, st)
+
+
+class ParmS1Schedule(_ParmSchedule):
+    """Fig. 3b: pause MP before the experts by splitting tokens; gather the combined output."""
+
+    name = "parm-s1"
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        return self._prepare_tokens(x_SM, params)
+
+
+class ParmS2Schedule(_ParmSchedule):
+    """Fig. 3c: pause MP after the gate by splitting the capacity axis; gather it before the combine."""
+
+    name = "parm-s2"
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        return self._prepare_capacity(x_SM, params)
+
+
+class ParmS2SAASchedule(ParmS2Schedule):
+    """S2 whose EP&ESP all-to-all and MP all-gather overlap slice by slice (§III-D)."""
+
+    name = "parm-s2-saa"
+    saa = True
+
+
+class ParmAutoSchedule(_ParmSchedule):
+    """Parm: per layer and token count, S1 or S2 by Algorithm 1, S2 with SAA or without, whichever the same
+    model prices lower (:func:`moe_plugins.parm.cost.choose_schedule`). The decision depends only on
+    the token count, the config, the layout, the costs and values agreed by every rank, so every rank makes
+    the same one; it is logged when it is first made or changes, and kept in ``choices``. Costs: the class
+    attribute ``costs`` (use :meth:`with_costs` for a measured profile; a class, so PipeMoE's lane twin
+    inherits it). The running call's S2 form lives in an :class:`S2Form` shared with that twin.
+
+    S1's buffer. Algorithm 1 prices S1 with balanced routing's C_l (:func:`moe_plugins.parm.cost.s1_slots`).
+    Real routing is skewed, and S1's buffer is the largest per-expert count over the MP group's token blocks
+    (and over the EP&ESP group): on the bench's random gate it was 1.16x balanced at f = 1 and 1.56x at
+    f = 0.5, which moves the choice. So every call notes the C_l its routing gives (S1's own, or, running
+    S2, what S1 would have used: a bincount of the routing it already holds, no communication), and every
+    ``observe_every`` calls of a token count, starting with the first, the ranks agree on the largest mean
+    of those notes (two integer max all-reduces, over EP&ESP then MP); from the next call on, S1 is priced
+    with that. (The max of the ranks' means is at most the mean of the per-call EP&ESP maxima S1 pays.)
+    ``observe_every = 0`` keeps the paper's balanced pricing and issues nothing."""
+
+    name = "parm-auto"
+    saa = True
+    model_saa: ClassVar[bool] = True      # S2 may run with SAA (then Algorithm 1 prices both forms)
+    observe_every: ClassVar[int] = 16
+    costs: ClassVar[ParmCosts] = DEFAULT_COSTS
+    costs_source: ClassVar[str] = DEFAULT_COSTS_SOURCE
+
+    def __init__(self, config, groups, rec, state: Optional[S2Form] = None):
+        super().__init__(config, groups, rec)
+        self._state = state if state is not None else S2Form()
+        self.choices: Dict[int, ParmChoice] = {}
+        self.watch: Dict[int, _S1Watch] = {}
+        self.made: Set[str] = set()             # every schedule run so far (parm-s1, parm-s2, parm-s2-saa)
+
+    def saa_now(self) -> bool:           # this call's S2 form (read by the shared exchange steps)
+        return self._state.saa
+
+    def twin(self, groups) -> "ParmAutoSchedule":
+        return type(self)(self.config, groups, self.rec, state=self._state)
+
+    @classmethod
+    def with_costs(cls, costs: ParmCosts, source: str) -> Type["ParmAutoSchedule"]:
+        return type(cls.__name__, (cls,), {"costs": costs.check(), "costs_source": source})
+
+    def shape_for(self, num_tokens: int) -> ParmShape:
+        cfg, layout = self.config, self.groups.layout
+        return ParmShape(B=1, L=num_tokens, M=cfg.hidden, H=cfg.ffn, E=cfg.num_experts, k=cfg.k,
+                         f=cfg.capacity_factor, mp=layout.mp, ep=layout.ep, esp=layout.esp)
+
+    def choose(self, num_tokens: int) -> ParmChoice:
+        if num_tokens not in self.choices:
+            self._decide(num_tokens)
+        return self.choices[num_tokens]
+
+    def _decide(self, num_tokens: int) -> None:
+        """(Re)make the decision for ``num_tokens`` with the agreed C_l, if any; log it when what runs changes."""
+        watch, before = self.watch.get(num_tokens), self.choices.get(num_tokens)
+        choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa,
+                                 c_l=watch.agreed if watch is not None else None)
+        if before is None or run_name(before) != run_name(choice):
+            log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s]; "
+                     "costs: %s)", self.rec.layer, run_name(choice), num_tokens, choice.t_s1, choice.s1_slots,
+                     choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
+        self.choices[num_tokens] = choice
+
+    def observe(self, num_tokens: int, block_slots: int) -> None:
+        """Note one call's C_l; on the agreement calls, agree with every rank and re-decide (for the next call)."""
+        if self.observe_every <= 0 or self.groups.layout.mp == 1:
+            return
+        watch = self.watch.setdefault(num_tokens, _S1Watch())
+        watch.calls, watch.seen, watch.total = watch.calls + 1, watch.seen + 1, watch.total + block_slots
+        if (watch.calls - 1) % self.observe_every:
+            return
+        mean = -(-watch.total // watch.seen)
+        agreed = comm.all_reduce_max(comm.all_reduce_max(mean, self.groups.ep_esp, self.rec), self.groups.mp,
+                                     self.rec)
+        watch.seen = watch.total = 0
+        if agreed != watch.agreed:
+            watch.agreed = agreed
+            self._decide(num_tokens)
+
+    def notes(self) -> List[str]:
+        return [f"parm-auto: {run_name(c)} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms with C_l {c.s1_slots:.4g} "
+                f"{c.s1_source}, t_s2 {c.t_s2 * 1e3:.3g} ms {c.s2_form})" for tokens, c in sorted(self.choices.items())]
+
+    def ran(self) -> Set[str]:
+        return set(self.made)
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        num_tokens = x_SM.shape[0]
+        choice = self.choose(num_tokens)
+        self.made.add(run_name(choice))
+        self._state.saa = choice.s2_form == "saa"
+        if choice.choice == SCHEDULE_S1:
+            dispatched = self._prepare_tokens(x_SM, params)
+            block_slots = dispatched.state.block_slots
+        else:
+            dispatched = self._prepare_capacity(x_SM, params)
+            block_slots = mp_block_slots(dispatched.state.routing, self.config.num_experts, self.groups.mp.size)
+        self.observe(num_tokens, block_slots)
+        return dispatched
+
+
+def run_name(choice: ParmChoice) -> str:
+    """The registered schedule a decision runs as: parm-s1, parm-s2 or parm-s2-saa."""
+    if choice.choice == SCHEDULE_S1:
+        return SCHEDULE_S1
+    return ParmS2SAASchedule.name if choice.s2_form == "saa" else ParmS2Schedule.name
+
+
+PARM_SCHEDULES: Tuple[Type[Schedule], ...] = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule, ParmAutoSchedule)
+
+
+def parm_auto_for(profile, element_bytes: int, mp: int,
+                  base: Type[ParmAutoSchedule] = ParmAutoSchedule) -> Type[ParmAutoSchedule]:
+    """``parm-auto`` (or ``base``, e.g. parm-tune) deciding from a measured
+    :class:`moe_plugins.core.costmodel.CostProfile` (None: the documented defaults, ``DEFAULT_COSTS_SOURCE``). With
+    N_MP = 1 there is no MP split, S1 and S2 issue the same collectives and no MP all-gather exists to
+    profile, so the defaults stand: the choice changes nothing."""
+    if profile is None or mp == 1:
+        return base
+    return base.with_costs(ParmCosts.from_profile(profile, element_bytes), f"profile {profile.key.slug()}")

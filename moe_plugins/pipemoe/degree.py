@@ -1,0 +1,101 @@
+"""PipeMoE's ``pipeline_degree="auto"``: the degree of each layer call from its dispatched tensor and the
+cost profile (the time model is :mod:`moe_plugins.pipemoe.model`; docs/pipemoe.md explains both).
+
+Shapes: E experts, C capacity, M model dim, H FFN hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, Mapping, Optional, Tuple, Union
+
+from moe_plugins.core.costmodel import CostProfile, PipeCosts
+from moe_plugins.core.plugin_config import degree_needs_profile
+from moe_plugins.core.schedule import Dispatched, Schedule
+from moe_plugins.pipemoe.model import R_MAX, DegreeChoice, choose_degree
+
+@dataclass(frozen=True, kw_only=True)
+class AutoDegree:
+    """``pipeline_degree="auto"``: pick r per layer call from the dispatched tensor's shape and the costs
+    (``costs`` keyed by the exchange's group kind, "ep" or "ep_esp"). Objective: forward + backward when
+    autograd records, else forward only. Deterministic, so every rank of an exchange group (same shapes)
+    picks the same r."""
+
+    costs: Mapping[str, PipeCosts]
+    r_max: int = R_MAX
+    backward_factor: float = 2.0
+    source: str = ""
+    # what it chose, per (schedule, n_d bytes, n_e macs, training): for logs and reports, not for deciding
+    decisions: Dict[Tuple[str, float, float, bool], int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = [f"costs[{k!r}]: {p}" for k, c in self.costs.items() for p in c.problems()]
+        if not self.costs:
+            problems.append("costs ({}) must name at least one exchange group, e.g. 'ep'")
+        if not isinstance(self.r_max, int) or self.r_max < 1:
+            problems.append(f"r_max ({self.r_max!r}) must be a positive integer")
+        if problems:
+            raise ValueError("invalid AutoDegree: " + "; ".join(problems))
+
+    def workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[PipeCosts, float, float]:
+        """(costs, n_d, n_e) of this call: bytes into one exchange all-to-all, macs of one expert GEMM."""
+        name = type(schedule).name
+        d, cfg, groups = dispatched.d, schedule.config, schedule.groups
+        ex = schedule.exchange(d)
+        if ex is None:
+            raise ValueError(f"pipeline_degree 'auto' does not know the exchange of schedule {name!r}: it "
+                             "describes none (Schedule.exchange)")
+        if ex.group not in self.costs:
+            raise ValueError(f"pipeline_degree 'auto' needs all-to-all costs on group {ex.group!r} for schedule "
+                             f"{name!r}; it has: {', '.join(sorted(self.costs))}")
+        rows = d.numel() // max(d.shape[-1], 1) * ex.rows
+        return (self.costs[ex.group], float(d.numel() * d.element_size() * ex.sent),
+                float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size)))
+
+    def begin(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> Tuple[int, Optional[object]]:
+        """(degree, None): the degree of this call; a subclass that times calls (pipemoe_tune.TunedDegree)
+        returns a sample with ``wrap_input`` / ``wrap_output`` in place of None."""
+        return self.degree(schedule, dispatched, training), None
+
+    def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
+        costs, n_d, n_e = self.workload(schedule, dispatched)
+        r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
+        r = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
+                           self.backward_factor).degree
+        self.decisions[(type(schedule).name, n_d, n_e, training)] = r
+        return r
+
+
+@lru_cache(maxsize=256)
+def _cached_choice(costs: PipeCosts, n_d: float, n_e: float, objective: str, r_max: int,
+                   backward_factor: float) -> DegreeChoice:
+    return choose_degree(costs, n_d, n_e, objective=objective, r_max=r_max, backward_factor=backward_factor)
+
+
+Degree = Union[int, AutoDegree]
+
+
+def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, r_max: int = R_MAX) -> Degree:
+    """A host flag's value (an int, a digit string, "auto" or "tune") to what MoELayer takes. "auto" and
+    "tune" need a profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its
+    boundary."""
+    if degree_needs_profile(value):
+        word = value.strip().lower()
+        if profile is None:
+            raise ValueError(f"pipeline_degree ({word!r}) needs a cost profile: run `moe-plugins profile` on "
+                             "this cluster, or pass an int degree")
+        kinds = [g for g in ("ep", "ep_esp") if f"all_to_all@{g}" in profile.models]
+        costs = {g: PipeCosts.from_profile(profile, g) for g in kinds}
+        source = f"profile {profile.key.slug()}"
+        if word == "tune":
+            from moe_plugins.pipemoe.tune import TunedDegree  # it builds on AutoDegree, defined above
+            return TunedDegree(costs=costs, r_max=r_max, source=source)
+        return AutoDegree(costs=costs, r_max=r_max, source=source)
+    try:
+        degree = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer, 'auto' or 'tune'") from None
+    if degree < 1 or (isinstance(value, float) and value != degree):
+        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer, 'auto' or 'tune'")
+    return degree

@@ -1,0 +1,243 @@
+"""Rows of the benchmark matrix: what one implementation of an MoE case looks like to the runner.
+
+Every schedule registered in ``moe_plugins.schedules.SCHEDULES`` is a row of kind *plugin* (the project's
+``MoELayer``), with option ``r`` (the pipeline degree). A later issue adds rows by registering a schedule
+(``parm-s1``, ``parm-s2``, ...) or, for something that is not a schedule, one entry in :data:`ROW_KINDS`.
+The stock layers are rows too: ``deepspeed`` (:mod:`.stock_deepspeed`) and ``megatron``
+(:mod:`.stock_megatron`).
+
+Every row of a case starts from the same weights and the same tokens (:class:`CaseData`), so their outputs
+are comparable; the runner reports how far each row's output is from the first row's.
+
+Shapes: S tokens per rank, M model dim, E experts, H FFN hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import partial
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from moe_plugins.core.experts import ExpertWeights, init_full_weights
+from moe_plugins.core.groups import MoEProcessGroups
+from moe_plugins.core.layer import MoELayer, ScheduleLike
+from moe_plugins.pipemoe.degree import AutoDegree, Degree, degree_from_flag
+from moe_plugins.pipemoe.tune import TunedDegree
+from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, degree_needs_profile
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.schedules import SCHEDULES, host_schedule_class
+from moe_plugins.tools.bench.matrix import CaseConfig, RowSpec, moe_config
+from moe_plugins.tools.bench.traffic import LedgerMeter
+
+logger = logging.getLogger("moe_plugins.tools.bench")
+AUX_COEF = 0.01
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CaseData:
+    """What every row of a case is built from and fed with (this rank's share)."""
+
+    case: CaseConfig
+    groups: MoEProcessGroups
+    wg_EM: torch.Tensor
+    full: ExpertWeights          # all E experts, unsharded; each row takes its own shard
+    x_SM: torch.Tensor           # this rank's tokens (the same on the MP ranks of one DP block)
+    g_SM: torch.Tensor           # upstream gradient for those tokens
+    dtype: torch.dtype
+    extras: Dict[str, object] = field(default_factory=dict)   # per-case host objects, e.g. singleton groups
+
+
+def make_case_data(case: CaseConfig, groups: MoEProcessGroups, seed: int, dtype: str) -> CaseData:
+    """Weights from ``seed`` (same on every rank); tokens from ``seed`` and this rank's DP block."""
+    gen = torch.Generator().manual_seed(seed)
+    full = init_full_weights(case.experts, case.hidden, case.ffn, gen, torch.float32)
+    wg_EM = torch.randn(case.experts, case.hidden, generator=gen) / case.hidden ** 0.5
+    block = groups.layout.coords(groups.global_rank)["dp"]
+    gen_x = torch.Generator().manual_seed(seed * 100_003 + 1 + block)
+    x_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
+    g_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
+    td = TORCH_DTYPES[dtype]
+    return CaseData(case=case, groups=groups, wg_EM=wg_EM, full=full, x_SM=x_SM.to(td), g_SM=g_SM.to(td), dtype=td)
+
+
+@dataclass
+class Row:
+    """A built row: ``forward(x_SM) -> (y_SM, aux_loss)``; ``scope()`` is entered around construction-free
+    work (forward and backward), for hosts that need shims or scoped settings; ``meter`` measures the
+    inter-node bytes of one step."""
+
+    label: str
+    kind: str                     # plugin | stock
+    module: nn.Module
+    forward: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    meter: object                 # LedgerMeter or traffic.CollectiveCounter (start() / stop() -> bytes)
+    scope: Callable[[], ContextManager] = contextlib.nullcontext
+    tokens: Optional[slice] = None    # the rows of x_SM this rank feeds (sequence parallelism); None: all
+    notes: Tuple[str, ...] = ()
+    describe: Callable[[], Tuple[str, ...]] = tuple   # after the timed rounds: what an auto row chose
+    ran_as: Callable[[], Optional[str]] = lambda: None  # after the timed rounds: the fixed row an auto row ran as
+
+
+def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
+    """One forward and backward of ``row`` on this rank's tokens; returns the output (detached)."""
+    row.module.zero_grad(set_to_none=True)
+    part = row.tokens if row.tokens is not None else slice(None)
+    x_SM = data.x_SM[part].detach().clone().requires_grad_(True)
+    with row.scope():
+        y_SM, aux = row.forward(x_SM)
+        ((y_SM * data.g_SM[part]).float().sum() + AUX_COEF * aux.float()).backward()
+    return y_SM.detach()
+
+
+# ---- plugin rows: the project's MoELayer with a registered schedule -------------------------------------
+
+PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'auto': PipeMoE's choice from the "
+                      "cost profile measured at this rate; 'tune': that choice checked by timing the layer)"}
+PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
+LANE = "pipeline_lane"       # CaseData.extras key: the layout's one PipelineLane, shared by every pipelined row
+
+
+def needs_profile(spec: RowSpec) -> bool:
+    """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` / ``@r=tune``
+    (PipeMoE). The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
+    return spec.name in SCHEDULES and (spec.name in PROFILED_SCHEDULES or degree_needs_profile(spec.option("r", "1")))
+
+
+def _profile(spec: RowSpec, data: CaseData):
+    profile = data.extras.get(PROFILE)
+    if profile is None:
+        raise ValueError(f"row ({spec.label!r}) needs a cost profile measured at this rate; the runner makes one "
+                         "(CaseData.extras['profile'])")
+    return profile
+
+
+def _pipeline_degree(spec: RowSpec, data: CaseData) -> Degree:
+    r = spec.option("r", "1")
+    return degree_from_flag(int(r) if r.isdigit() else r, _profile(spec, data) if degree_needs_profile(r) else None)
+
+
+def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
+    profile = _profile(spec, data) if spec.name in PROFILED_SCHEDULES else None
+    return host_schedule_class(spec.name, profile, torch.empty((), dtype=data.dtype).element_size(),
+                               data.groups.layout.mp, logger)
+
+
+def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
+    ledger = CommLedger()
+    layer = MoELayer(moe_config(data.case), data.groups, schedule=_schedule(spec, data),
+                     pipeline_degree=_pipeline_degree(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype,
+                     pipeline_lane=data.extras.get(LANE))
+    layer.load_full(data.wg_EM.to(data.dtype), ExpertWeights(*(t.to(data.dtype) for t in (
+        data.full.w1_EMH, data.full.b1_EH, data.full.w2_EHM, data.full.b2_EM))))
+
+    def forward(x_SM: torch.Tensor):
+        out = layer(x_SM)
+        return out.y, out.aux_loss
+    return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger),
+               describe=partial(choice_notes, layer), ran_as=partial(_ran_as, spec, layer))
+
+
+def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
+    """What an auto row decided in its steps: the schedule's decisions (parm-auto, parm-tune), PipeMoE's
+    training degree."""
+    notes = list(layer.schedule.notes())
+    degree = layer.pipeline_degree
+    if isinstance(degree, AutoDegree):
+        chosen = sorted({r for (_, _, _, training), r in degree.decisions.items() if training})
+        notes.append(f"auto degree: r={'/'.join(map(str, chosen)) or '?'} ({degree.source})")
+    if isinstance(degree, TunedDegree):
+        notes += degree.notes()
+    return tuple(notes)
+
+
+def _ran_as(spec: RowSpec, layer: MoELayer) -> Optional[str]:
+    degree = layer.pipeline_degree
+    degrees = ({r for (_, _, _, training), r in degree.decisions.items() if training}
+               if isinstance(degree, AutoDegree) else set())
+    return fixed_twin(spec, layer.schedule.ran(), degrees)
+
+
+def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int]) -> Optional[str]:
+    """Pure: the label of the fixed row that runs what auto row ``spec`` ran, given the schedules it ran as
+    (``Schedule.ran``: S2's form included) and the training degrees PipeMoE's auto or tune chose; None when
+    ``spec`` is not an auto row or it ran more than one configuration."""
+    name, options = spec.name, dict(spec.options)
+    auto_schedule, auto_degree = name in PROFILED_SCHEDULES, degree_needs_profile(options.get("r"))
+    if not (auto_schedule or auto_degree):
+        return None
+    if auto_schedule:
+        if len(schedules) != 1:
+            return None
+        (name,) = schedules
+    if auto_degree:
+        if len(degrees) != 1:
+            return None
+        (r,) = degrees
+        options["r"] = str(r)
+        if r == 1:
+            del options["r"]
+    return RowSpec(name=name, options=tuple(options.items())).label
+
+
+# ---- the registry ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowKind:
+    build: Callable[[RowSpec, CaseData], Row]
+    options: Dict[str, str]       # allowed option -> what it means
+    kind: str = "stock"
+
+
+def _build_deepspeed(spec: RowSpec, data: CaseData) -> Row:
+    from moe_plugins.tools.bench.stock_deepspeed import build_deepspeed_row
+    return build_deepspeed_row(spec, data)
+
+
+def _build_megatron(spec: RowSpec, data: CaseData) -> Row:
+    from moe_plugins.tools.bench.stock_megatron import build_megatron_row
+    return build_megatron_row(spec, data)
+
+
+ROW_KINDS: Dict[str, RowKind] = {
+    "deepspeed": RowKind(_build_deepspeed, {}),
+    "megatron": RowKind(_build_megatron, {"dispatcher": "Megatron's moe_token_dispatcher_type: alltoall "
+                                                        "(default) or allgather"}),
+}
+STOCK_ROWS = tuple(ROW_KINDS)
+
+
+def row_kind(name: str) -> Optional[RowKind]:
+    if name in ROW_KINDS:
+        return ROW_KINDS[name]
+    if name in SCHEDULES:
+        return RowKind(build_plugin_row, PLUGIN_OPTIONS, kind="plugin")
+    return None
+
+
+def row_problems(spec: RowSpec) -> List[str]:
+    kind = row_kind(spec.name)
+    if kind is None:
+        known = sorted(ROW_KINDS) + sorted(SCHEDULES)
+        return [f"row ({spec.name!r}) is unknown; allowed: {', '.join(known)} (schedules from "
+                f"moe_plugins.schedules.SCHEDULES, plus the stock layers)"]
+    problems = []
+    for key, value in spec.options:
+        if key not in kind.options:
+            allowed = ", ".join(kind.options) or "none"
+            problems.append(f"row ({spec.label!r}): option {key!r} is unknown; allowed: {allowed}")
+    if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):
+        problems.append(f"row ({spec.label!r}): dispatcher ({spec.option('dispatcher')!r}) must be alltoall or allgather")
+    return problems
+
+
+def build_row(spec: RowSpec, data: CaseData) -> Row:
+    problems = row_problems(spec)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return row_kind(spec.name).build(spec, data)

@@ -1,0 +1,5 @@
+import sys
+
+from moe_plugins.tools.cli import main
+
+sys.exit(main())

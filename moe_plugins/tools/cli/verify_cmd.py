@@ -1,0 +1,117 @@
+"""``moe-plugins verify``: check one MoE layer against the single-process reference.
+
+Spawns ``--world`` gloo ranks on this machine, or, under torchrun (RANK and WORLD_SIZE set), runs as one
+of the launched ranks on the cluster. Exit code 0 when every error is within tolerance, 1 on a mismatch,
+2 on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+from moe_plugins.tools.verify import DTYPES, VerifySpec, run_rank, spec_problems
+
+
+def register(sub) -> None:
+    p = sub.add_parser("verify", help="check an MoE layer against the single-process reference")
+    p.add_argument("--world", type=int, default=4, help="number of ranks (ignored under torchrun)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: world)")
+    p.add_argument("--mp", type=int, default=1, help="tensor (model) parallel degree of the dense layers")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel degree")
+    p.add_argument("--esp", type=int, default=1, help="expert-sharding degree (each expert split along H)")
+    p.add_argument("--experts", type=int, default=4, help="E, number of experts")
+    p.add_argument("--k", type=int, default=1, help="top-k")
+    p.add_argument("--capacity-factor", type=float, default=1.0, help="f")
+    p.add_argument("--min-capacity", type=int, default=0)
+    p.add_argument("--drop", dest="drop", action="store_true", default=True, help="drop tokens over capacity")
+    p.add_argument("--no-drop", dest="drop", action="store_false", help="dropless")
+    p.add_argument("--tokens", type=int, default=16, help="B*L tokens per rank")
+    p.add_argument("--hidden", type=int, default=8, help="M")
+    p.add_argument("--ffn", type=int, default=16, help="H")
+    p.add_argument("--schedule", default="baseline")
+    p.add_argument("--pipeline-degree", type=int, default=1, help="capacity chunks per layer")
+    p.add_argument("--dtype", default="float64", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0, help="bias routing towards expert 0")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--host", default="core", choices=("core", "deepspeed", "megatron"),
+                   help="core: against the single-process reference; deepspeed: the plugin against DeepSpeed's "
+                        "stock MoE layer in the same process groups (--esp equal to --mp turns on its expert "
+                        "tensor parallelism); megatron: the plugin against Megatron-core's stock MoELayer "
+                        "(alltoall dispatcher; --mp is its sequence-parallel TP, --esp its expert TP)")
+    p.add_argument("--rts", action="store_true", help="deepspeed host: the gate's random token selection")
+    p.add_argument("--jitter", action="store_true", help="deepspeed host: the gate's input jitter")
+    p.add_argument("--top2-sampling", action="store_true", help="deepspeed host: top-2 second-expert sampling")
+    p.add_argument("--pad", action="store_true", help="megatron host: pad expert inputs to capacity (with --drop)")
+    p.set_defaults(run=run)
+
+
+def spec_from_args(args: argparse.Namespace, world: int) -> VerifySpec:
+    return VerifySpec(world=world, ranks_per_node=args.ranks_per_node or world, mp=args.mp, ep=args.ep,
+                      esp=args.esp, experts=args.experts, k=args.k, capacity_factor=args.capacity_factor,
+                      min_capacity=args.min_capacity, drop=args.drop, tokens=args.tokens, hidden=args.hidden,
+                      ffn=args.ffn, schedule=args.schedule, pipeline_degree=args.pipeline_degree,
+                      dtype=args.dtype, seed=args.seed, skew=args.skew)
+
+
+def run(args: argparse.Namespace) -> int:
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world
+    spec, rank_fn = spec_from_args(args, world), run_rank
+    problems = spec_problems(spec)
+    if args.host == "deepspeed":
+        from moe_plugins.tools import verify_deepspeed as host
+        spec = host.DeepSpeedVerifySpec(**asdict(spec), rts=args.rts, jitter=args.jitter,
+                                        top2_sampling=args.top2_sampling)
+        problems, rank_fn = host.host_spec_problems(spec), host.run_rank
+    if args.host == "megatron":
+        from moe_plugins.tools import verify_megatron as megatron_host
+        spec = megatron_host.MegatronVerifySpec(**asdict(spec), pad=args.pad)
+        problems, rank_fn = megatron_host.host_spec_problems(spec), megatron_host.run_rank
+    if problems:
+        raise ValueError("; ".join(problems))
+    if under_torchrun:
+        report = _run_torchrun(spec, rank_fn)
+        if report is None:
+            return 0
+    else:
+        from moe_plugins.tools.pool import WorkerPool
+        with WorkerPool(world) as pool:
+            report = pool.run(rank_fn, spec)[0]
+    _print(report, args.json)
+    return 0 if report["ok"] else 1
+
+
+def _run_torchrun(spec: VerifySpec, rank_fn=run_rank):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return rank_fn(spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def _print(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+        return
+    status = "ok" if report["ok"] else "MISMATCH"
+    s = report["spec"]
+    print(f"{status}: schedule={s['schedule']} world={s['world']} mp={s['mp']} ep={s['ep']} esp={s['esp']} "
+          f"k={s['k']} drop={s['drop']} dtype={s['dtype']} (tolerance {report['tolerance']:g})")
+    for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
+        print(f"  {key:16s} {report[key]:.3e}")
+    print(f"  routing equal    {report['routing_equal']}  (dropped routes: {report['dropped_routes']})")
+    if "bitwise_equal" in report:
+        print(f"  bitwise equal    {report['bitwise_equal']}  (host {report['host']}; swapped: {report['swaps']})")
+    for layer, ops in report["ledger"].items():
+        print(f"  ledger [{layer}] rank 0:")
+        for key, row in sorted(ops.items()):
+            print(f"    {key:32s} x{row['count']}  {row['numel']:>10d} elems  {row['inter_node_bytes']:>10d} B inter-node")
+    sys.stdout.flush()

@@ -1,0 +1,339 @@
+"""Measure the ops of the cost model on the real process groups and fit t = alpha + beta * x (costmodel.py).
+
+What is timed (every rank at once, as in training; each sample is the slowest rank's time):
+
+- ``gemm``: one batched matmul (E_l, rows, M) @ (E_l, M, H) on each rank; x = E_l * rows * M * H macs;
+- ``all_to_all@<g>``, ``all_gather@<g>``, ``all_reduce@<g>`` on every group kind of the layout larger than
+  one rank (all groups of a kind run concurrently); x = bytes (the ledger's convention: the gathered size
+  for all-gather, the input size otherwise);
+- ``all_to_all_stream@<g>``: the all-to-all issued back to back, as PipeMoE's lane issues its chunks: one
+  timed run is :func:`stream_count` exchanges (about 4 MiB per rank in all), and x's time is the run's time
+  over that count. A lone exchange after idle link time can be faster (the emulated link's token bucket,
+  benchmarks/results/tbf-burst.md: 128 KiB after 5 ms idle took 0.09x its time at the rate);
+- ``saa@ep_esp+mp``: Parm's SAA as the layer runs it (:func:`moe_plugins.parm.saa.saa_raw`: the EP&ESP
+  all-to-all as point-to-point slices, each peer block's ESP sum all-gathered on MP as soon as it lands),
+  so the fit carries its per-slice costs; x = bytes into the all-to-all (the all-gather is mp / esp times
+  that, as in S2);
+- ``chunk`` (opt-in): what PipeMoE's runner costs per chunk. A tiny MoE layer (so that the per-byte and
+  per-mac terms vanish) runs forward + backward at the degrees in :data:`CHUNK_DEGREES` on the layout's
+  groups; x = the degree. r = 1 runs the sequential loop and r >= 2 the pipeline, so the line is fitted to
+  the degrees >= 2 (:func:`~moe_plugins.core.costmodel.runner_chunk_terms`): its slope is the per-chunk start-up
+  (thread hand-offs, autograd, waiting for the slowest rank at each collective) that the bare ops above do
+  not see, and the gap between that line at r = 1 and the sequential time is the step of turning the
+  pipeline on, which the planner reads from the points.
+
+Per size: ``warmup`` untimed runs, then ``repeats`` timed runs; the median is fitted with numpy least
+squares and R^2 is reported. Rank 0 returns the :class:`~moe_plugins.core.costmodel.CostProfile`; saving it
+(the cache) and plotting are the caller's business (the CLI).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.core.costmodel import UNITS, CostProfile, LinearModel, Measurement, ProfileKey, fit_linear, runner_chunk_terms
+from moe_plugins.core.groups import Group, MoEProcessGroups, process_groups
+from moe_plugins.core.layout import ParallelLayout
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+COLLECTIVES = ("all_to_all", "all_to_all_stream", "all_gather", "all_reduce")
+GROUP_KINDS = ("ep", "esp", "mp", "ep_esp", "dp", "expert_dp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSpec:
+    """What to measure. Byte sizes are per rank; GEMM shapes are (E_l, M, H) with a range of rows."""
+
+    layout: ParallelLayout
+    sizes_bytes: Tuple[int, ...] = tuple(2 ** p for p in range(14, 23, 1))      # 16 KiB .. 4 MiB
+    gemm_rows: Tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    gemm_shape: Tuple[int, int, int] = (2, 256, 512)                            # E_l, M, H
+    ops: Tuple[str, ...] = ("gemm", "all_to_all", "all_gather", "all_reduce", "saa", "chunk")
+    groups: Tuple[str, ...] = ("ep", "esp", "mp", "ep_esp")
+    warmup: int = 2
+    repeats: int = 5
+    dtype: str = "float32"
+
+    def problems(self) -> List[str]:
+        out = []
+        if self.dtype not in DTYPES:
+            out.append(f"dtype ({self.dtype!r}) must be one of {sorted(DTYPES)}")
+        for name in ("warmup", "repeats"):
+            if getattr(self, name) < (0 if name == "warmup" else 1):
+                out.append(f"{name} ({getattr(self, name)}) must be >= {0 if name == 'warmup' else 1}")
+        for name, values in (("sizes_bytes", self.sizes_bytes), ("gemm_rows", self.gemm_rows)):
+            if len(set(values)) < 2 or min(values) < 1:
+                out.append(f"{name} ({list(values)}) needs at least 2 distinct positive sizes")
+        unknown_ops = sorted(set(self.ops) - set(UNITS))
+        if unknown_ops:
+            out.append(f"ops ({unknown_ops}) are unknown; allowed: {', '.join(UNITS)}")
+        unknown_groups = sorted(set(self.groups) - set(GROUP_KINDS))
+        if unknown_groups:
+            out.append(f"groups ({unknown_groups}) are unknown; allowed: {', '.join(GROUP_KINDS)}")
+        if len(self.gemm_shape) != 3 or min(self.gemm_shape) < 1:
+            out.append(f"gemm_shape ({self.gemm_shape}) must be three positive ints (E_l, M, H)")
+        return out
+
+    def check(self) -> "ProfileSpec":
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid profile spec: " + "; ".join(problems))
+        return self
+
+
+@dataclass(frozen=True)
+class _Bench:
+    key: str                          # model key, e.g. "all_to_all@ep"
+    x: Callable[[int], float]         # size index -> x of the model
+    setup: Callable[[int], Callable[[], None]]    # size index -> the op to time
+    aliases: List[str]                # other keys whose groups hold the same ranks (measured once)
+    per_op: Callable[[int], int] = lambda i: 1     # size index -> ops one timed run holds (its time is divided)
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _time(op: Callable[[], None], warmup: int, repeats: int, device: torch.device) -> float:
+    """Median over ``repeats`` of the slowest rank's time; ranks start each run together."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        op()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        op()
+        sync()
+        samples.append(_slowest(time.perf_counter() - t0))
+    return statistics.median(samples)
+
+
+def _elements(nbytes: int, dtype: torch.dtype, multiple: int) -> int:
+    per = torch.tensor([], dtype=dtype).element_size()
+    return max(multiple, nbytes // per // multiple * multiple)
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (as in comm.py)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+STREAM_BYTES = 4 << 20     # bytes per rank one back-to-back sample sends, so a link's banked burst is a small share
+STREAM_MAX = 256           # exchanges per back-to-back sample at most
+
+
+def stream_count(nbytes: int) -> int:
+    """Pure: how many exchanges of ``nbytes`` one ``all_to_all_stream`` sample runs back to back."""
+    return min(STREAM_MAX, max(1, -(-STREAM_BYTES // max(nbytes, 1))))
+
+
+def _collective(op: str, group: Group, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    x = torch.randn(numel, device=device).to(dtype)
+    if op in ("all_to_all", "all_to_all_stream"):
+        out = torch.empty_like(x)
+        if op == "all_to_all_stream":
+            count = stream_count(numel * x.element_size())
+            return lambda: [dist.all_to_all_single(out, x, group=group.pg) for _ in range(count)]
+        return lambda: dist.all_to_all_single(out, x, group=group.pg)
+    if op == "all_gather":                 # x is the gathered size
+        shard = torch.randn(numel // group.size, device=device).to(dtype)
+        return lambda: _all_gather_flat(x, shard, group=group.pg)
+    return lambda: dist.all_reduce(x, group=group.pg)
+
+
+SAA_ROW = 64       # elements per slot row of the profiled SAA tensor (w: G x 1 x 1 x c x SAA_ROW)
+
+
+def _saa(groups: MoEProcessGroups, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """The layer's own SAA (:func:`moe_plugins.parm.saa.saa_raw`: p2p slices on EP&ESP, each peer block summed and
+    all-gathered on MP as it lands) on ``numel`` all-to-all elements per rank, so the fitted term carries its
+    per-slice costs; the all-gather is mp / esp times the all-to-all, as in S2."""
+    from moe_plugins.core.comm import Recorder
+    from moe_plugins.parm.saa import block_order, saa_raw
+    g = groups.ep_esp.size
+    w = torch.randn(g, 1, 1, numel // (g * SAA_ROW), SAA_ROW, device=device).to(dtype)
+    order = block_order(groups.layout, groups.mp, groups.esp.size)
+    rec = Recorder(None, "profile")
+    return lambda: saa_raw(w, ep_esp=groups.ep_esp, mp=groups.mp, esp=groups.esp.size, order=order, rec=rec,
+                           phase="forward")
+
+
+def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) -> List[_Bench]:
+    dtype = DTYPES[spec.dtype]
+    elsize = torch.tensor([], dtype=dtype).element_size()
+    sizes = sorted(set(spec.sizes_bytes))
+    out: List[_Bench] = []
+    if "gemm" in spec.ops:
+        e_l, m, h = spec.gemm_shape
+        rows = sorted(set(spec.gemm_rows))
+
+        def gemm_setup(i: int) -> Callable[[], None]:
+            a = torch.randn(e_l, rows[i], m, device=device).to(dtype)
+            b = torch.randn(e_l, m, h, device=device).to(dtype)
+            return lambda: torch.bmm(a, b)
+        out.append(_Bench("gemm", lambda i: float(e_l * rows[i] * m * h), gemm_setup, []))
+    first: Dict[Tuple[str, Tuple[int, ...]], _Bench] = {}
+    for kind in spec.groups:
+        group = getattr(groups, kind)
+        if group.size == 1:
+            continue
+        for op in COLLECTIVES:
+            if op not in spec.ops:
+                continue
+            if (op, group.ranks) in first:          # e.g. ep_esp == ep when esp == 1
+                first[op, group.ranks].aliases.append(f"{op}@{kind}")
+                continue
+            numels = [_elements(s, dtype, group.size) for s in sizes]
+            per_op = ((lambda i, n=numels: stream_count(n[i] * elsize)) if op == "all_to_all_stream"
+                      else (lambda i: 1))
+            bench = _Bench(f"{op}@{kind}", lambda i, n=numels: float(n[i] * elsize),
+                           lambda i, op=op, g=group, n=numels: _collective(op, g, n[i], dtype, device), [], per_op)
+            first[op, group.ranks] = bench
+            out.append(bench)
+    if "saa" in spec.ops and groups.ep_esp.size > 1 and groups.mp.size > 1:
+        numels = [_elements(s, dtype, groups.ep_esp.size * SAA_ROW) for s in sizes]
+        out.append(_Bench("saa@ep_esp+mp", lambda i: float(numels[i] * elsize),
+                          lambda i: _saa(groups, numels[i], dtype, device), []))
+    return out
+
+
+CHUNK_DEGREES = (1, 2, 3, 4, 6, 8)
+
+
+def _chunk_bench(groups: MoEProcessGroups, dtype: torch.dtype, device: torch.device, stack: ExitStack) -> _Bench:
+    """The runner's per-chunk cost: fwd+bwd of a tiny baseline MoE layer at each degree in CHUNK_DEGREES,
+    all degrees on one lane (collective to build: every rank builds it in the same order)."""
+    from moe_plugins.core.config import MoEConfig
+    from moe_plugins.core.layer import MoELayer
+    from moe_plugins.pipemoe.runner import PipelineLane
+    layout = groups.layout
+    config = MoEConfig(hidden=32, ffn=32 * layout.esp, num_experts=2 * layout.ep, k=1, capacity_factor=1.0,
+                       min_capacity=max(CHUNK_DEGREES))
+    lane = PipelineLane(groups)
+    stack.callback(lane.close)
+    layers = [MoELayer(config, groups, schedule="baseline", pipeline_degree=r, dtype=dtype,
+                       pipeline_lane=lane if r > 1 else None).to(device) for r in CHUNK_DEGREES]
+    gen = torch.Generator().manual_seed(0)
+    x_SM = torch.randn(16 * config.num_experts, config.hidden, generator=gen).to(device=device, dtype=dtype)
+    for layer in layers:
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen).to(p))
+
+    def setup(i: int) -> Callable[[], None]:
+        def run() -> None:
+            out = layers[i](x_SM.detach().requires_grad_(True))
+            (out.y.sum() + out.aux_loss).backward()
+        return run
+    return _Bench("chunk", lambda i: float(CHUNK_DEGREES[i]), setup, [])
+
+
+def _count(bench: _Bench, spec: ProfileSpec) -> int:
+    if bench.key == "chunk":
+        return len(CHUNK_DEGREES)
+    return len(set(spec.gemm_rows)) if bench.key == "gemm" else len(set(spec.sizes_bytes))
+
+
+def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
+                 groups: Optional[MoEProcessGroups] = None) -> Optional[CostProfile]:
+    """Collective over the default group: measure every op and fit it. Rank 0 returns the profile.
+    Without ``groups`` it builds the layout's groups and destroys them afterwards."""
+    spec.check()
+    if groups is None:
+        with process_groups(spec.layout) as made:
+            return profile_rank(spec, source=source, progress=progress, groups=made)
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    measured: Dict[str, Measurement] = {}
+    with ExitStack() as stack:
+        benches = _benches(spec, groups, device)
+        if "chunk" in spec.ops:
+            benches.append(_chunk_bench(groups, DTYPES[spec.dtype], device, stack))
+        total = sum(_count(b, spec) for b in benches)
+        bar = _progress(total, progress and dist.get_rank() == 0)
+        stack.callback(bar.close)
+        for bench in benches:
+            xs, ts = [], []
+            for i in range(_count(bench, spec)):
+                bar.set_description(bench.key)
+                ts.append(_time(bench.setup(i), spec.warmup, spec.repeats, device) / bench.per_op(i))
+                xs.append(bench.x(i))
+                bar.update(1)
+            for key in [bench.key] + bench.aliases:
+                measured[key] = Measurement(x=tuple(xs), seconds=tuple(ts))
+    if dist.get_rank() != 0:
+        return None
+    models = {k: _fit(k, m) for k, m in measured.items()}
+    return CostProfile(key=profile_key(spec.layout, dist.get_backend(), device), dtype=spec.dtype, models=models,
+                       measurements=measured, source=source)
+
+
+def _fit(key: str, m: Measurement) -> LinearModel:
+    if key == "chunk":
+        return runner_chunk_terms(m)[0]
+    return fit_linear(m.x, m.seconds, UNITS[key.split("@")[0]])
+
+
+def profile_key(layout: ParallelLayout, backend: str, device: torch.device) -> ProfileKey:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return ProfileKey(world=layout.world, ranks_per_node=layout.ranks_per_node, mp=layout.mp, ep=layout.ep,
+                      esp=layout.esp, backend=backend, device=name)
+
+
+class _NoBar:
+    def set_description(self, _: str) -> None:
+        pass
+
+    def update(self, _: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, unit="size", desc="profile", leave=True)
+
+
+def plot_profile(profile: CostProfile, path) -> None:
+    """One panel per op: measured medians (markers) and the fitted line, like pipemoe.txt Fig. 6."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    keys = [k for k in sorted(profile.models) if k in profile.measurements]
+    if not keys:
+        raise ValueError("profile has no measurements to plot")
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        m, fit = profile.measurements[key], profile.models[key]
+        x_N = np.asarray(m.x)
+        grid = np.linspace(0, x_N.max() * 1.05, 100)
+        ax.plot(x_N, np.asarray(m.seconds) * 1e3, "o", label="measured (median)")
+        ax.plot(grid, (fit.alpha + fit.beta * grid) * 1e3, "-", label="fit")
+        ax.set_title(f"{key}\nalpha={fit.alpha:.3g} s, beta={fit.beta:.3g} s/{fit.unit}, R2={fit.r2:.3f}",
+                     fontsize=8)
+        ax.set_xlabel(f"x ({fit.unit}s)")
+        ax.set_ylabel("time (ms)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(f"cost profile {profile.key.slug()} ({profile.dtype})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,422 @@
+"""``moe-plugins verify --host deepspeed``: the plugin against DeepSpeed's stock MoE layer, same process groups.
+
+Every rank builds a ``deepspeed.moe.layer.MoE`` twice from the same weights: once stock, once with the plugin
+enabled. Both run forward and backward on the same token block with the same upstream gradient, and with the same
+RNG state before the forward, so the stock gate and the plugin (which keeps DeepSpeed's gate) draw the same
+random numbers (RTS, jitter, top-2 sampling). Rank 0 compares outputs, input gradients, dense parameter
+gradients by name, expert gradients by global expert id (each summed over its expert-DP group, as DeepSpeed
+reduces it), the aux loss and the routing statistics (expert counts, capacity, dropped routes).
+
+With ``--mp N`` an mpu with tensor parallelism N is installed (:class:`GroupsMPU`); ``--esp N`` (= mp) turns on
+``enable_expert_tensor_parallelism`` with tensor-parallel experts (:class:`TensorParallelFFN`). ``--esp N`` with
+``--mp 1`` is a layout DeepSpeed cannot express: the plugin (section ``esp``) slices DeepSpeed's FFN experts
+over ESP, and is compared with stock DeepSpeed at the same EP without ESP.
+
+Shapes: S tokens, M model dim, H FFN hidden (H_t = H / N_TP per rank), E experts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.groups import Group
+from moe_plugins.core.layout import ParallelLayout, dp_groups, layout_problems, mp_groups
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.plugin_config import PluginConfig
+from moe_plugins.schedules import SCHEDULES
+from moe_plugins.tools.verify import AUX_COEF, DTYPES, TOLERANCE, VerifySpec, make_problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedVerifySpec(VerifySpec):
+    """VerifySpec plus the stock gate's random options (DeepSpeed's defaults are rts on, top-2 sampling on)."""
+
+    rts: bool = False
+    jitter: bool = False
+    top2_sampling: bool = False
+
+
+def deepspeed_capacity(tokens: int, experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
+    """DeepSpeed 0.19's ``_capacity``: ceil(S / E * f * k), at least min_capacity (k folded into f as it does)."""
+    return max(int(math.ceil(tokens / experts * (capacity_factor * k))), min_capacity)
+
+
+def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
+    """Every reason this spec cannot be run by stock DeepSpeed and the plugin side by side."""
+    problems = layout_problems(spec.world, spec.ranks_per_node, spec.mp, spec.ep, spec.esp)
+    if problems:
+        return problems
+    if spec.mp > 1 and spec.esp not in (1, spec.mp):
+        problems.append(f"esp ({spec.esp}) must be 1 or mp ({spec.mp}) when mp > 1: esp = mp compares DeepSpeed's "
+                        "expert tensor parallelism; esp > 1 with mp = 1 compares the plugin slicing DeepSpeed's "
+                        "experts against stock DeepSpeed without ESP")
+    if spec.schedule not in SCHEDULES:
+        problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
+    elif spec.mp > 1 and spec.esp > 1 and spec.schedule.startswith("parm"):
+        problems.append(f"schedule ({spec.schedule!r}) with esp ({spec.esp}) = mp: DeepSpeed's tensor-parallel "
+                        "experts all-reduce inside themselves and Parm needs their partial sums (the plugin "
+                        "refuses this layout; docs/parm.md, Limits)")
+    if spec.experts % spec.ep:
+        problems.append(f"experts ({spec.experts}) must be divisible by ep ({spec.ep})")
+    if spec.ffn % spec.esp:
+        problems.append(f"ffn ({spec.ffn}) must be divisible by esp ({spec.esp})")
+    if not 1 <= spec.k <= spec.experts:
+        problems.append(f"k ({spec.k}) must be between 1 and experts ({spec.experts})")
+    if spec.dtype not in DTYPES:
+        problems.append(f"dtype ({spec.dtype!r}) must be one of {sorted(DTYPES)}")
+    if spec.tokens < max(1, spec.min_capacity):
+        problems.append(f"tokens ({spec.tokens}) must be >= 1 and >= min_capacity ({spec.min_capacity}) "
+                        "(DeepSpeed's top-1 gate asserts it)")
+    if spec.pipeline_degree < 1:
+        problems.append(f"pipeline_degree ({spec.pipeline_degree}) must be >= 1")
+    if spec.mp > 1 and spec.esp > 1 and not spec.drop:
+        problems.append(f"drop=False with esp ({spec.esp}) > 1: stock DeepSpeed 0.19.8 rounds the dropless capacity "
+                        "up to the tensor-parallel degree only without expert tensor parallelism, so its "
+                        "drop_tokens asserts on an odd capacity (the plugin pads; stock cannot be compared)")
+    if spec.mp > 1 and spec.drop and not problems:
+        cap = deepspeed_capacity(spec.tokens, spec.experts, spec.k, spec.capacity_factor, spec.min_capacity)
+        if cap % spec.mp:
+            problems.append(f"capacity ({cap} = ceil(tokens {spec.tokens} / experts {spec.experts} * "
+                            f"capacity_factor {spec.capacity_factor} * k {spec.k})) must be divisible by mp "
+                            f"({spec.mp}): stock DeepSpeed's drop_tokens asserts it")
+    return problems
+
+
+# ---- a small real mpu and a tensor-parallel expert -----------------------------------------------------
+
+class GroupsMPU:
+    """A Megatron-style mpu over real gloo/NCCL groups: what DeepSpeed calls on ``groups.mpu`` (tensor and data
+    parallel groups, ranks and sizes). Collective to build: every rank builds every group."""
+
+    def __init__(self, world: int, tp: int):
+        rank = dist.get_rank()
+        self.tp = self._build("mp", mp_groups(world, tp), rank)
+        self.dp = self._build("dp", dp_groups(world, tp), rank)
+
+    @staticmethod
+    def _build(kind: str, all_ranks, rank: int) -> Group:
+        mine = None
+        for ranks in all_ranks:
+            pg = dist.new_group(list(ranks))   # real even for size 1: DeepSpeed asks it for ranks
+            if rank in ranks:
+                mine = Group(kind=kind, ranks=tuple(ranks), pg=pg, rank=ranks.index(rank), remote_peers=0)
+        return mine
+
+    def __deepcopy__(self, memo) -> "GroupsMPU":
+        return self   # a handle on process groups: DeepSpeed's Experts deep-copies modules that hold it
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp.size
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp.rank
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp.pg
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.tp.ranks[0]
+
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_group = get_tensor_model_parallel_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp.size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp.rank
+
+    def get_data_parallel_group(self):
+        return self.dp.pg
+
+    def get_data_parallel_group_ranks(self) -> List[int]:
+        return list(self.dp.ranks)
+
+
+class TensorParallelFFN(nn.Module):
+    """An expert sharded along H over the mpu's tensor-parallel group (Megatron's column- then row-parallel
+    linear): y = AllReduce(act(x @ w1_t^T + b1_t) @ w2_t^T) + b2, with the input gradient all-reduced."""
+
+    def __init__(self, hidden: int, ffn: int, mpu: GroupsMPU, activation=F.gelu):
+        super().__init__()
+        if ffn % mpu.tp.size:
+            raise ValueError(f"ffn ({ffn}) must be divisible by the tensor-parallel size ({mpu.tp.size})")
+        self.mpu, self.activation = mpu, activation
+        self.fc1 = nn.Linear(hidden, ffn // mpu.tp.size)
+        self.fc2 = nn.Linear(ffn // mpu.tp.size, hidden, bias=False)
+        self.b2 = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rec = Recorder(None, "tp-expert")
+        x = comm.copy_to(x, self.mpu.tp, rec)
+        y = comm.all_reduce(self.fc2(self.activation(self.fc1(x))), self.mpu.tp, rec)
+        return y + self.b2
+
+
+def make_expert(hidden: int, ffn: int, mpu: Optional[GroupsMPU], tensor_parallel: bool) -> nn.Module:
+    if tensor_parallel:
+        return TensorParallelFFN(hidden, ffn, mpu)
+    return nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+
+@torch.no_grad()
+def init_experts(moe: nn.Module, seed: int, ep_rank: int, tp_rank: int, tp: int) -> None:
+    """Give every global expert its own weights (DeepSpeed deep-copies one expert E_l times), drawn from
+    (seed, global expert id) at full size and sliced for this tensor-parallel rank, so that every layout
+    holds the same full experts."""
+    local = moe.deepspeed_moe.experts.deepspeed_experts
+    for j, expert in enumerate(local):
+        gen = torch.Generator().manual_seed(seed * 1000003 + ep_rank * len(local) + j)
+        for p in expert.parameters():
+            dim = _tp_dim(expert, p)
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            fan_in = shape[-1] if len(shape) > 1 else shape[0]
+            full = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(fan_in)
+            p.copy_(full if dim is None else full.chunk(tp, dim)[tp_rank])
+
+
+def _tp_dim(expert: nn.Module, p: torch.Tensor) -> Optional[int]:
+    """The dimension along which a TensorParallelFFN parameter is sharded (None: replicated)."""
+    if not isinstance(expert, TensorParallelFFN):
+        return None
+    if p is expert.fc1.weight or p is expert.fc1.bias:
+        return 0
+    return 1 if p is expert.fc2.weight else None
+
+
+# ---- DeepSpeed process state ---------------------------------------------------------------------------
+
+def init_deepspeed_comm() -> None:
+    """``deepspeed.init_distributed`` over the existing gloo group, without JIT-building DeepSpeed's shm
+    all-reduce op (about 60 s; an optimisation of DeepSpeed's own all-reduce that nothing here needs). The
+    builder is replaced only while DeepSpeed's backend is created."""
+    import deepspeed
+    ds_torch = importlib.import_module("deepspeed.comm.torch")   # `import deepspeed.comm.torch` gives torch
+    original = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        deepspeed.init_distributed(dist_backend="gloo")
+    finally:
+        ds_torch.build_shm_op = original
+
+
+@contextmanager
+def gloo_compat() -> Iterator[None]:
+    """Let stock DeepSpeed's tensor-parallel MoE path run on gloo. ``moe.mappings._gather_tokens`` passes an
+    (E, c, M) input with a flat output to ``deepspeed.comm.all_gather_into_tensor``; NCCL accepts that, gloo
+    (torch 2.13) raises "invalid tensor size". Flattening the input is the same collective. Patched only inside
+    this context; the plugin's own collectives never need it."""
+    ds_comm = importlib.import_module("deepspeed.comm")
+    original = ds_comm.all_gather_into_tensor
+
+    def all_gather_into_tensor(output_tensor, tensor, *args, **kwargs):
+        if output_tensor.dim() == 1 and tensor.dim() > 1:
+            tensor = tensor.contiguous().reshape(-1)
+        return original(output_tensor, tensor, *args, **kwargs)
+
+    ds_comm.all_gather_into_tensor = all_gather_into_tensor
+    try:
+        yield
+    finally:
+        ds_comm.all_gather_into_tensor = original
+
+
+@contextmanager
+def deepspeed_groups(mpu: Optional[GroupsMPU]) -> Iterator[Any]:
+    """DeepSpeed's group state for one model: ``groups.mpu`` set, an empty expert registry; what was there
+    before is put back on exit (a pool worker runs many jobs)."""
+    groups = importlib.import_module("deepspeed.utils.groups")
+    names = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+             "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
+    saved = {n: dict(getattr(groups, n)) for n in names}
+    saved_mpu, saved_etp = groups.mpu, groups.expert_tensor_parallel_world_size
+    for n in names:
+        getattr(groups, n).clear()
+    groups.mpu, groups.expert_tensor_parallel_world_size = mpu, 1
+    try:
+        yield groups
+    finally:
+        for n in names:
+            getattr(groups, n).clear()
+            getattr(groups, n).update(saved[n])
+        groups.mpu, groups.expert_tensor_parallel_world_size = saved_mpu, saved_etp
+
+
+# ---- one side of the comparison ------------------------------------------------------------------------
+
+def expert_tp(spec: DeepSpeedVerifySpec) -> bool:
+    """esp = mp > 1: DeepSpeed's own expert tensor parallelism (tensor-parallel expert modules)."""
+    return spec.mp > 1 and spec.esp == spec.mp
+
+
+def plugin_esp(spec: DeepSpeedVerifySpec) -> Optional[int]:
+    """The section's esp for the plugin side: set only where it differs from what DeepSpeed shards by (mp = 1,
+    esp > 1: the plugin slices DeepSpeed's FFN experts; the stock side then runs the same EP without ESP)."""
+    return spec.esp if spec.esp > 1 and not expert_tp(spec) else None
+
+
+def build_moe(spec: DeepSpeedVerifySpec, mpu: Optional[GroupsMPU]) -> nn.Module:
+    from deepspeed.moe.layer import MoE
+    expert = make_expert(spec.hidden, spec.ffn, mpu, tensor_parallel=expert_tp(spec))
+    moe = MoE(hidden_size=spec.hidden, expert=expert, num_experts=spec.experts, ep_size=spec.ep, k=spec.k,
+              capacity_factor=spec.capacity_factor, eval_capacity_factor=spec.capacity_factor,
+              min_capacity=spec.min_capacity, noisy_gate_policy="Jitter" if spec.jitter else None,
+              drop_tokens=spec.drop, use_rts=spec.rts, enable_expert_tensor_parallelism=expert_tp(spec),
+              top2_2nd_expert_sampling=spec.top2_sampling)
+    return moe.to(DTYPES[spec.dtype])
+
+
+EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
+
+
+def run_side(spec: DeepSpeedVerifySpec, mpu: Optional[GroupsMPU], plugin_config: Optional[PluginConfig],
+             ledger: Optional[CommLedger]) -> Dict[str, Any]:
+    """Build, set up, forward and backward one MoE layer on this rank: stock when ``plugin_config`` is None.
+    Expert weights come from (seed, global expert id), so both sides hold the same experts whatever their
+    placement."""
+    from moe_plugins.patches import deepspeed as adapter
+    with ExitStack() as stack:
+        groups = stack.enter_context(deepspeed_groups(mpu))
+        stack.enter_context(gloo_compat())
+        handle = stack.enter_context(adapter.enable(plugin_config, ledger=ledger)) if plugin_config else None
+        torch.manual_seed(spec.seed)
+        moe = build_moe(spec, mpu)
+        moe.set_deepspeed_parallelism()
+        name = moe.expert_group_name
+        ep_rank = dist.get_rank(group=groups._EXPERT_PARALLEL_GROUP[name])
+        init_experts(moe, spec.seed, ep_rank, mpu.tp.rank if mpu else 0, spec.mp if expert_tp(spec) else 1)
+        prob = make_problem(spec)
+        dp_rank = dist.get_rank() // spec.mp
+        x = prob.x_DSM[dp_rank].clone().requires_grad_(True)
+        own_SM = x.detach().reshape(-1, spec.hidden)
+        calls: List[Dict[str, int]] = []
+        moe.deepspeed_moe.gate.register_forward_hook(lambda _m, inp, out: calls.append(
+            {"capacity": int(out[1]), "dropped": int((out[3] < 0).sum()), "own": bool(torch.equal(inp[0], own_SM))}))
+        torch.manual_seed(spec.seed + 1)      # the gate's random draws: the same state on both sides
+        y, l_aux, exp_counts = moe(x)
+        ((y * prob.g_DSM[dp_rank]).sum() + AUX_COEF * l_aux).backward()
+        shard = mpu.tp.rank if expert_tp(spec) else 0        # tensor-parallel experts: one shard per TP rank
+        dense, experts = reduced_grads(moe, groups._EXPERT_DATA_PARALLEL_GROUP[name], ep_rank, shard)
+        return {"y": y.detach(), "grad_x": x.grad, "aux": l_aux.detach(), "counts": exp_counts.detach(),
+                "calls": calls, "dense_grads": dense, "expert_grads": experts, "keys": list(moe.state_dict()),
+                "attrs": {n: (getattr(p, "allreduce", None), getattr(p, "group_name", None))
+                          for n, p in moe.named_parameters()},
+                "swaps": list(handle.swaps) if handle is not None else []}
+
+
+def reduced_grads(moe: nn.Module, expert_dp_pg, ep_rank: int, shard: int):
+    """Every gradient as DeepSpeed's reduction sees it. Dense parameters: this rank's, by name. Expert
+    parameters (``allreduce=False``): summed over the expert-DP group the layer registered, keyed by global
+    expert id and tensor-parallel shard. Only the sum is defined where schedules place an expert's tokens on its replicas differently
+    (stock splits an MP group's capacity between its ranks; the baseline processes every replica at 1/N_MP;
+    with a sliced ESP each member holds one H-slice of the gradient)."""
+    dense, experts = {}, {}
+    e_l = moe.num_local_experts
+    for n, p in moe.named_parameters():
+        g = p.grad.detach().clone()
+        if getattr(p, "allreduce", True) is not False:
+            dense[n] = g
+            continue
+        dist.all_reduce(g, group=expert_dp_pg)
+        local, rest = n[len(EXPERT_PREFIX):].split(".", 1)
+        experts[f"{ep_rank * e_l + int(local)}.{rest}@{shard}"] = g
+    return dense, experts
+
+
+def _maxerr(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else math.inf
+    if a.shape != b.shape:
+        return math.inf
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _maxerr_maps(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    return max((_maxerr(a.get(n), b.get(n)) for n in set(a) | set(b)), default=0.0)
+
+
+def compare_sides(stock: Dict[str, Any], plugin: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's errors of the plugin against stock, and whether the routing statistics agree (the plugin's
+    gate calls on this rank's own tokens against the stock layer's one call)."""
+    own = [{k: c[k] for k in ("capacity", "dropped")} for c in plugin["calls"] if c["own"]]
+    stock_call = {k: stock["calls"][0][k] for k in ("capacity", "dropped")} if len(stock["calls"]) == 1 else None
+    return {
+        "max_err_out": _maxerr(stock["y"], plugin["y"]),
+        "max_err_grad_in": _maxerr(stock["grad_x"], plugin["grad_x"]),
+        "max_err_grad_w": _maxerr_maps(stock["dense_grads"], plugin["dense_grads"]),
+        "max_err_aux": _maxerr(stock["aux"], plugin["aux"]),
+        "routing_equal": bool(torch.equal(stock["counts"], plugin["counts"])) and bool(own)
+        and all(c == stock_call for c in own),
+        "bitwise_equal": bool(torch.equal(stock["y"], plugin["y"])),
+        "state_keys_equal": stock["keys"] == plugin["keys"],
+        "attrs_equal": stock["attrs"] == plugin["attrs"],
+        "capacity": stock_call["capacity"] if stock_call else None,
+        "dropped": stock_call["dropped"] if stock_call else None,
+    }
+
+
+def collect_rank(spec: DeepSpeedVerifySpec) -> Dict[str, Any]:
+    """Collective over the default group: stock then plugin on this rank; returns this rank's comparison."""
+    init_deepspeed_comm()
+    mpu = GroupsMPU(spec.world, spec.mp) if spec.mp > 1 else None
+    ledger = CommLedger()
+    stock = run_side(spec, mpu, None, None)
+    plugin_cfg = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,
+                              ranks_per_node=spec.ranks_per_node, esp=plugin_esp(spec))
+    plugin = run_side(spec, mpu, plugin_cfg, ledger)
+    return {"rank": dist.get_rank(), **compare_sides(stock, plugin), "swaps": plugin["swaps"],
+            "expert_grads": (stock["expert_grads"], plugin["expert_grads"]), "ledger": ledger.summary()}
+
+
+def run_rank(spec: DeepSpeedVerifySpec) -> Optional[Dict[str, Any]]:
+    """Collective: every rank compares; rank 0 gets the report."""
+    mine = collect_rank(spec)
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return report(spec, gathered) if dist.get_rank() == 0 else None
+
+
+def _merge(maps: List[Dict[str, torch.Tensor]]):
+    """One gradient per global expert id, and how far the ranks holding the same id disagree."""
+    merged: Dict[str, torch.Tensor] = {}
+    spread = 0.0
+    for grads in maps:
+        for n, g in grads.items():
+            spread = max(spread, _maxerr(merged[n], g)) if n in merged else spread
+            merged.setdefault(n, g)
+    return merged, spread
+
+
+def report(spec: DeepSpeedVerifySpec, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Rank 0: the largest errors over the ranks. Expert gradients are compared per global expert id, over
+    every rank that holds one (each holds the sum over its expert-DP group)."""
+    keys = ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux")
+    err = {k: max(r[k] for r in ranks) for k in keys}
+    stock_e, _ = _merge([r["expert_grads"][0] for r in ranks])
+    plugin_e, spread = _merge([r["expert_grads"][1] for r in ranks])
+    experts_equal_keys = set(stock_e) == set(plugin_e) and len(stock_e) > 0
+    err["max_err_grad_w"] = max(err["max_err_grad_w"], _maxerr_maps(stock_e, plugin_e), spread)
+    tol = TOLERANCE[spec.dtype]
+    flags = {k: all(r[k] for r in ranks) for k in ("routing_equal", "bitwise_equal", "state_keys_equal", "attrs_equal")}
+    flags["expert_ids_equal"] = experts_equal_keys
+    ok = all(flags[k] for k in ("routing_equal", "state_keys_equal", "attrs_equal", "expert_ids_equal")) and all(
+        v <= tol for v in err.values())
+    layout = ParallelLayout(world=spec.world, ranks_per_node=spec.ranks_per_node, mp=spec.mp, ep=spec.ep, esp=spec.esp)
+    return {"ok": ok, "host": "deepspeed", **err, "tolerance": tol, **flags,
+            "dropped_routes": sum(r["dropped"] for r in ranks[::spec.mp]),
+            "capacity": [r["capacity"] for r in ranks], "swaps": ranks[0]["swaps"], "spec": asdict(spec),
+            "layout": layout.describe(), "ledger": ranks[0]["ledger"]}
