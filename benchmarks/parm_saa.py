@@ -5,7 +5,7 @@
 
 Two nodes of two ranks (network namespaces joined by a tbf-shaped link, moe_plugins/tools/bench/cluster.py),
 layout mp=2 (inside a node), ep=2, esp=2, so the EP&ESP all-to-all crosses the link and the MP all-gather
-stays on the node's loopback: parm.txt's premise for SAA. For each size, in interleaved rounds (barrier,
+stays on the node's loopback: the Parm paper's premise for SAA. For each size, in interleaved rounds (barrier,
 time, max over ranks; medians reported):
 
 - ``a2a``: the EP&ESP all-to-all alone (w: G x E_l x 1 x c x M, ``all_to_all_single``);

@@ -1,15 +1,16 @@
-"""Re-price a committed PipeMoE bench run offline: which degree each exchange pricing picks, and what the fixed
-rows measured at that degree. An analysis of recorded data, not a measurement.
+"""Re-plan a committed PipeMoE bench run offline with the current planner: which degree each exchange pricing
+picks, and what the fixed rows measured at that degree. An analysis of recorded data, not a measurement.
 
 For each group of a ``moe-plugins bench`` JSON that carries the auto row's cost profile (``profile`` and
 ``profile_measurements``), this rebuilds the profile, plans the group's layer with
-``PipeCosts.from_profile(..., pricing=P)`` for P in ``linear`` and ``curve`` (the same ``choose_degree`` the
-``auto`` rows run), and as the planner was up to git 4a0cac8 (``curve-v1``) and from 8bcdc67 until the runner's
-start-up per chunk was added to the GEMMs' (``curve-v2``; see :func:`costs_for`), and prints the pick next to the
-fixed rows' medians. A pick with no fixed row of its degree shows "–". Only the baseline schedule with
-``baseline@r=N`` fixed rows is handled.
+``PipeCosts.from_profile(..., pricing=P)`` for P in ``costmodel.EXCHANGE_PRICING`` (``curve``, the default the
+``auto`` rows run, and ``linear``) through the same ``choose_degree``, and prints each pick next to the fixed
+rows' medians. A pick with no fixed row of its degree shows "–". Only the baseline schedule with
+``baseline@r=N`` fixed rows is handled. On the runs of the current planner (``pipemoe-2x{1,2}-additive{,-b}``)
+the ``curve`` picks are the degrees the auto rows logged (``tests/test_bench_units.py``); runs of earlier
+planners are in git history, with the planner of their commit.
 
-    python benchmarks/reprice.py benchmarks/results/pipemoe-2x1-curve.json
+    python benchmarks/reprice.py benchmarks/results/pipemoe-2x1-additive.json
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from moe_plugins.core.costmodel import (EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey,
-                                   runner_terms)
+from moe_plugins.core.costmodel import EXCHANGE_PRICING, CostProfile, LinearModel, Measurement, PipeCosts, ProfileKey
 from moe_plugins.pipemoe.model import R_MAX, choose_degree, plan_workload
 
 TOLERANCE = 1.05
@@ -57,22 +56,7 @@ def workload(case: dict):
                          f=case["capacity_factor"], P=case["ep"])
 
 
-# "curve-v1": the planner as it was up to git 4a0cac8: the exchange curve, alpha_e from the profile's stored
-# chunk line (fitted through every degree, r = 1 included), no step of pipelining, no back-to-back curve.
-# "curve-v2": the planner from git 8bcdc67 until e294983 (merged in df71149): curve, back-to-back curve and step
-# as now, but alpha_e the larger of the GEMMs' start-up and the runner's per chunk instead of their sum.
-PRICINGS = EXCHANGE_PRICING + ("curve-v1", "curve-v2")
-
-
-def costs_for(profile: CostProfile, pricing: str) -> PipeCosts:
-    if pricing not in ("curve-v1", "curve-v2"):
-        return PipeCosts.from_profile(profile, "ep", pricing)
-    costs = PipeCosts.from_profile(profile, "ep", "curve")
-    gemm_alpha_e = 2 * profile.model("gemm").alpha
-    if pricing == "curve-v2":
-        return replace(costs, alpha_e=max(gemm_alpha_e, runner_terms(profile)[0] / 3))
-    slope = profile.models["chunk"].beta if "chunk" in profile.models else 0.0
-    return replace(costs, alpha_e=max(gemm_alpha_e, slope / 3), pipeline_step=0.0, stream_curve=None)
+PRICINGS = EXCHANGE_PRICING
 
 
 def reprice(report: dict) -> List[dict]:
@@ -89,7 +73,8 @@ def reprice(report: dict) -> List[dict]:
         best = min(fixed.values())
         picks: Dict[str, Tuple[int, Optional[float]]] = {}
         for pricing in PRICINGS:
-            r = choose_degree(costs_for(profile, pricing), w.n_d, w.n_e, r_max=min(R_MAX, w.capacity)).degree
+            costs = PipeCosts.from_profile(profile, "ep", pricing)
+            r = choose_degree(costs, w.n_d, w.n_e, r_max=min(R_MAX, w.capacity)).degree
             picks[pricing] = (r, fixed[r] / best if r in fixed else None)
         out.append({"case": g["case_label"], "rate": g["rate"], "best": min(fixed, key=fixed.get), "picks": picks})
     return out

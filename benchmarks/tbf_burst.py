@@ -3,7 +3,7 @@
 A token bucket fills while the link is idle, and the next ``burst`` bytes then leave at veth speed, not at
 the shaped rate. A real NIC banks nothing. In an MoE layer the link is idle while the experts compute, so a
 large bucket hands the next all-to-all a free head start; that made r = 1 look better than a real link
-would (docs/benchmarks.md, "The tbf bucket").
+would (docs/benchmarks.md, "The emulated cluster").
 
 For each bucket this brings up 2 emulated nodes (moe_plugins.tools.bench.cluster) at RATE and sends messages of
 128 KiB, 512 KiB and 2 MiB from node 1 to node 0 over one TCP connection, after 0, 5, 20 and 60 ms of idle
