@@ -250,7 +250,7 @@ class SwappedLayer:
     schedule: Schedule
     groups: MoEProcessGroups
     pipeline_degree: Any            # 1, an int > 1 or a pipemoe.AutoDegree
-    lane: Any = None                # the pipemoe.PipelineLane when pipeline_degree != 1
+    lane: Any = None                # the pipemoe.runner.Pipelined executor when pipeline_degree != 1
     slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
 
     def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -497,7 +497,8 @@ class DeepSpeedPlugin:
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
         schedule = self._schedule_class(cfg.schedule, layout, moe)(moe_config(facts), host.groups,
-                                                                  Recorder(self.ledger, facts.name))
+                                                                  Recorder(self.ledger, facts.name,
+                                                                           self._lanes.get(layout)))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None)
@@ -526,16 +527,16 @@ class DeepSpeedPlugin:
 
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
         """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device)
-        and its lane, one per layout (collective to build)."""
+        and its executor, on one communication engine with a pipeline lane per layout (collective to build)."""
         if value == 1:
             return 1, None
-        from moe_plugins.pipemoe.degree import degree_from_flag
-        from moe_plugins.pipemoe.runner import PipelineLane
+        from moe_plugins.core.engine import build_engine
+        from moe_plugins.pipemoe.runner import build_executor
         profile = self._cached_profile(layout, moe) if degree_needs_profile(value) else None
-        degree = degree_from_flag(value, profile)
         if layout not in self._lanes:
-            self._lanes[layout] = PipelineLane(groups)
-        return degree, self._lanes[layout]
+            self._lanes[layout] = build_engine(groups, pipeline=True)
+        executor = build_executor(value, profile, self._lanes[layout])
+        return executor.degree, executor
 
     def _host_groups(self, layout: ParallelLayout, sliced: bool) -> _HostGroups:
         """Collective the first time a layout is seen: every rank sets up the same layers in the same order.

@@ -6,7 +6,7 @@ module (only :mod:`moe_plugins.tools.bench.stock_megatron` and the tests do). Ea
 :func:`megatron_on_cpu`, which restores every original in ``finally``. Enter it around construction and
 around every forward/backward of a Megatron layer.
 
-The six shims (measured facts: /work/shared/notes/hosts-on-cpu.md):
+The six shims (each found by running the stock layer on CPU; docs/megatron.md, "CPU"):
 
 1. RNG: ``torch.cuda.get_rng_state``/``set_rng_state`` route to the CPU generator (Megatron's RNG tracker
    forks the CUDA RNG state around expert init).

@@ -45,8 +45,8 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ledger import CommLedger
-from moe_plugins.pipemoe.runner import PipelineLane, run_pipelined
-from moe_plugins.pipemoe.degree import degree_from_flag
+from moe_plugins.core.engine import CommEngine, build_engine
+from moe_plugins.pipemoe.runner import build_executor, needs_lane, run_pipelined
 from moe_plugins.tools.profiler import profile_key
 from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, PluginConfig, degree_needs_profile
 from moe_plugins.core.router import uniform_capacity
@@ -167,14 +167,18 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, config: Any, pg_collection: Any, *, groups: MoEProcessGroups, plugin: PluginConfig,
                  router: torch.nn.Module, experts: torch.nn.Module, ledger: Optional[CommLedger], name: str,
-                 profile: Optional[CostProfile] = None):
+                 profile: Optional[CostProfile] = None, engine: Optional[CommEngine] = None):
         super().__init__(config=config, pg_collection=pg_collection)
         self.groups, self.plugin, self.ledger = groups, plugin, ledger
         self.router, self.experts = router, experts
         self.moe_config = moe_config(facts_from_config(config))
-        self.degree = degree_from_flag(plugin.pipeline_degree, profile)
-        self.lane = PipelineLane(groups) if self._pipelined else None     # collective: layers build in order
-        self.rec = Recorder(ledger, name)
+        # no engine given and pipelined: one of its own, as the lane was (collective: layers build in order)
+        self.own_engine = (build_engine(groups, pipeline=True)
+                           if engine is None and needs_lane(plugin.pipeline_degree) else None)
+        self.engine = engine if engine is not None else self.own_engine
+        self.lane = build_executor(plugin.pipeline_degree, profile, self.engine)
+        self.degree = self.lane.degree
+        self.rec = Recorder(ledger, name, self.engine)
         self.schedule: Schedule = schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size)(
             self.moe_config, groups, self.rec)
         self._pass: Optional[_Pass] = None
@@ -186,7 +190,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
     def rename(self, name: str) -> None:
         """Ledger name of the layer (Megatron numbers layers after building them). The schedule object stays
         the same: PipeMoE's lane keeps one twin per schedule object."""
-        self.rec = self.schedule.rec = Recorder(self.ledger, name)
+        self.rec = self.schedule.rec = Recorder(self.ledger, name, self.engine)
 
     def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
         esp = self.groups.esp
@@ -249,7 +253,7 @@ class PluginMoELayer(MoELayer):
     def __init__(self, config: Any, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
-                 profile_dir: Optional[str] = None):
+                 profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None):
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
@@ -260,7 +264,7 @@ class PluginMoELayer(MoELayer):
         self.moe_groups = token_view(groups_from_pg_collection(pg_collection, layout))
         self.token_dispatcher = ScheduleTokenDispatcher(
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
-            ledger=ledger, name=self._ledger_name(layer_number),
+            ledger=ledger, name=self._ledger_name(layer_number), engine=engine,
             profile=lookup(self.moe_groups.layout)
             if degree_needs_profile(plugin.pipeline_degree) or plugin.schedule in PROFILED_SCHEDULES
             else None)
@@ -293,10 +297,11 @@ class PluginMoELayer(MoELayer):
         self.token_dispatcher.rename(self._ledger_name(layer_number))
 
     def close(self) -> None:
-        """Free the PipeMoE lane's twin groups, if any (collective; the layer must not run afterwards)."""
-        if self.token_dispatcher.lane is not None:
-            self.token_dispatcher.lane.close()
-            self.token_dispatcher.lane = None
+        """Free the PipeMoE lane's twin groups of the engine the layer built, if any (collective; the layer must
+        not run afterwards). An engine passed in is its builder's to close."""
+        if self.token_dispatcher.own_engine is not None:
+            self.token_dispatcher.own_engine.close()
+            self.token_dispatcher.own_engine = None
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Megatron's stage between dispatch and combine: the schedule's expert step (Megatron's experts, ESP

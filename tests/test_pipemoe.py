@@ -3,6 +3,7 @@
 import itertools
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -253,4 +254,6 @@ def test_auto_degree_in_the_layer(world, schedule, layout, group, n_d, n_e, r_ma
 def test_auto_degree_rejects_unknown_schedule_workload():
     auto = AutoDegree(costs={"ep": CPU_LIKE})
     with pytest.raises(ValueError, match="does not know the exchange of schedule 'nobody-knows'"):
-        auto.workload(type("S", (), {"name": "nobody-knows"})(), None)
+        schedule = type("S", (), {"name": "nobody-knows", "config": None, "groups": None,
+                                  "exchange": lambda self, d: None})()      # describes no exchange
+        auto.workload(schedule, SimpleNamespace(d=torch.zeros(4, 2)))

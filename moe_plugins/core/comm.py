@@ -14,50 +14,54 @@ op                      forward                   backward
 ``reduce_scatter``      reduce-scatter along dim   all-gather
 =====================  ========================  ==========================
 
-A group of size 1 is a no-op and records nothing. gloo lacks list-form all_to_all, so only the
-``_single`` / ``_into_tensor`` forms are used.
+A group of size 1 is a no-op and records nothing. Every collective goes through the Recorder's
+communication engine (:mod:`moe_plugins.core.engine`) as an URGENT op, which times and records it; a Recorder
+built without an engine gets an inline, urgent-only one of its own (no process groups, no threads).
+gloo lacks list-form all_to_all, so only the ``_single`` / flat forms are used.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from moe_plugins.core.engine import URGENT, CommEngine
 from moe_plugins.core.groups import Group
-from moe_plugins.core.ledger import CommLedger, CommRecord
+from moe_plugins.core.ledger import CommLedger
 
 
 @dataclass(frozen=True)
 class Recorder:
-    """Where a layer's collectives are recorded: the ledger (may be None) and the layer's name."""
+    """Where a layer's collectives go: its engine (None: an inline, urgent-only one), the ledger that records
+    them (may be None) and the layer's name."""
 
     ledger: Optional[CommLedger]
     layer: str
+    engine: Optional[CommEngine] = field(default=None, compare=False)
 
-    def record(self, op: str, group: Group, numel: int, elsize: int, remote_elems: float, phase: str) -> None:
-        if self.ledger is None:
-            return
-        self.ledger.add(CommRecord(layer=self.layer, op=op, group=group.kind, group_ranks=tuple(group.ranks),
-                                   numel=int(numel), bytes=int(numel) * elsize,
-                                   inter_node_bytes=int(round(remote_elems * elsize)), phase=phase))
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            object.__setattr__(self, "engine", CommEngine())
+
+    def issue(self, op: str, group: Group, x: torch.Tensor, phase: str, reduce: str = "sum") -> torch.Tensor:
+        """Run ``op`` now as an urgent op of this layer (inline, or on the lane whose thread this is)."""
+        return self.engine.issue(op, group, x, priority=URGENT, reduce=reduce, layer=self.layer, phase=phase,
+                                 ledger=self.ledger).wait()
+
+    def record(self, op: str, group: Group, numel: int, elsize: int, remote_elems: float, phase: str, *,
+               start_ns: int = 0) -> None:
+        """Record a collective issued outside the engine (a composite such as Parm's SAA), ending now."""
+        self.engine.record(layer=self.layer, op=op, group=group, numel=numel, elsize=elsize,
+                           remote_elems=remote_elems, phase=phase, ledger=self.ledger, start_ns=start_ns)
 
 
-# ---- raw collectives (no autograd), each records one ledger entry -------------------------------------
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics on flat buffers).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
+# ---- raw collectives (no autograd), each one urgent engine op ------------------------------------------
 
 def _gather(x: torch.Tensor, group: Group, dim: int, rec: Recorder, phase: str) -> torch.Tensor:
-    flat = x.contiguous().reshape(-1)
-    buf = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_flat(buf, flat, group=group.pg)
-    rec.record("all_gather", group, buf.numel(), x.element_size(), group.remote_peers * x.numel(), phase)
-    return torch.cat(list(buf.view((group.size,) + tuple(x.shape)).unbind(0)), dim=dim)
+    flat = rec.issue("all_gather", group, x.contiguous().reshape(-1), phase)
+    return torch.cat(list(flat.view((group.size,) + tuple(x.shape)).unbind(0)), dim=dim)
 
 
 def _own_block(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -72,32 +76,18 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int, rec: Recorder, phas
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the {group.kind} group "
                          f"size ({group.size})")
     stacked = torch.stack(x.chunk(group.size, dim=dim), dim=0).contiguous()
-    out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, stacked.reshape(-1), group=group.pg)
-    out = out.view(stacked.shape[1:])
-    rec.record("reduce_scatter", group, x.numel(), x.element_size(),
-               group.remote_peers * x.numel() / group.size, phase)
-    return out
+    return rec.issue("reduce_scatter", group, stacked.reshape(-1), phase).view(stacked.shape[1:])
 
 
 def _all_reduce(x: torch.Tensor, group: Group, rec: Recorder, phase: str) -> torch.Tensor:
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group.pg)
-    rec.record("all_reduce", group, x.numel(), x.element_size(),
-               2 * group.remote_peers * x.numel() / group.size, phase)
-    return x
+    return rec.issue("all_reduce", group, x.contiguous(), phase)
 
 
 def _all_to_all(x: torch.Tensor, group: Group, rec: Recorder, phase: str) -> torch.Tensor:
     if x.shape[0] % group.size:
         raise ValueError(f"all_to_all: dim 0 ({x.shape[0]}) is not divisible by the {group.kind} group size "
                          f"({group.size})")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group.pg)
-    rec.record("all_to_all", group, x.numel(), x.element_size(),
-               group.remote_peers * x.numel() / group.size, phase)
-    return out
+    return rec.issue("all_to_all", group, x.contiguous(), phase)
 
 
 # ---- autograd functions -------------------------------------------------------------------------------
@@ -218,6 +208,4 @@ def all_reduce_max(value: int, group: Group, rec: Recorder) -> int:
     if group.size == 1:
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
-    rec.record("all_reduce_max", group, 1, t.element_size(), 2 * group.remote_peers / group.size, "forward")
-    return int(t.item())
+    return int(rec.issue("all_reduce", group, t, "forward", reduce="max").item())

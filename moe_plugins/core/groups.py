@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Dict, Iterator, Optional
 
 import torch.distributed as dist
@@ -44,8 +45,10 @@ class MoEProcessGroups:
         return {k: getattr(self, k) for k in GROUP_KINDS}
 
 
-def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None) -> MoEProcessGroups:
-    """Create every group of the layout. Collective: all ranks of the default group must call it."""
+def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None,
+                         timeout: Optional[timedelta] = None) -> MoEProcessGroups:
+    """Create every group of the layout. Collective: all ranks of the default group must call it.
+    ``timeout``: how long a collective on these groups waits for its peers (None: the default group's)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
     if dist.get_world_size() != layout.world:
@@ -56,7 +59,7 @@ def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None) 
     for kind in GROUP_KINDS:
         for ranks in layout.groups(kind):
             # new_group is collective over the default group: every rank creates every group.
-            pg = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            pg = dist.new_group(list(ranks), backend=backend, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 made[kind] = Group(kind=kind, ranks=ranks, pg=pg, rank=ranks.index(rank),
                                    remote_peers=layout.remote_peers(kind, rank))

@@ -14,13 +14,14 @@ from torch import nn
 
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.engine import CommEngine
+from moe_plugins.core.executor import Executor, Sequential
 from moe_plugins.core.experts import ExpertWeights, shard_weights, sharded_experts
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.router import route_token_block, route_tokens
 from moe_plugins.pipemoe.degree import AutoDegree, Degree
-from moe_plugins.pipemoe.runner import PipelineLane, run_pipelined
-from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule, schedule_problems
+from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, schedule_problems
 
 ScheduleLike = Union[str, Type[Schedule]]     # a registered name, or a registered schedule's configured subclass
 
@@ -48,33 +49,42 @@ class MoEOutput:
 
 
 def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: ScheduleLike,
-                     pipeline_degree: Degree) -> None:
+                     pipeline_degree: Degree, executor: Optional[Executor] = None) -> None:
     """Raise one ValueError listing every problem, before anything is built."""
     name = schedule if isinstance(schedule, str) else getattr(schedule, "name", repr(schedule))
     problems = moe_config_problems(config, groups.layout) + schedule_problems(name, groups.layout)
     fixed_ok = isinstance(pipeline_degree, int) and pipeline_degree >= 1
     if not (fixed_ok or isinstance(pipeline_degree, AutoDegree)):
         problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer or an AutoDegree")
+    elif executor is None and pipeline_degree != 1:
+        problems.append(f"pipeline_degree ({pipeline_degree!r}) needs executor= (the layer builds no process "
+                        "groups): build_executor(pipeline_degree, profile, build_engine(groups, pipeline=True)) "
+                        "from moe_plugins.pipemoe.runner and moe_plugins.core.engine")
+    elif executor is not None and pipeline_degree not in (1, executor.degree):
+        problems.append(f"pipeline_degree ({pipeline_degree!r}) differs from the executor's degree "
+                        f"({executor.degree!r}); pass one of them")
     if problems:
         raise ValueError("invalid MoE layer: " + "; ".join(problems))
 
 
 class MoELayer(nn.Module):
-    """Gate (replicated) + expert shard (sharded over EP and ESP), run by a named schedule."""
+    """Gate (replicated) + expert shard (sharded over EP and ESP), run by a named schedule.
+
+    ``executor`` runs the schedule (default :class:`Sequential`; PipeMoE's ``Pipelined`` when the pipeline
+    degree is not 1); ``engine`` issues its collectives (default: the executor's, else an inline one). Both
+    are built by the caller: the layer builds no process groups."""
 
     def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: ScheduleLike = "baseline",
                  pipeline_degree: Degree = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
-                 dtype: torch.dtype = torch.float32, pipeline_lane: Optional[PipelineLane] = None):
+                 dtype: torch.dtype = torch.float32, executor: Optional[Executor] = None,
+                 engine: Optional[CommEngine] = None):
         super().__init__()
-        check_layer_args(config, groups, schedule, pipeline_degree)
-        self.config, self.groups, self.pipeline_degree, self.name = config, groups, pipeline_degree, name
+        check_layer_args(config, groups, schedule, pipeline_degree, executor)
+        self.executor = executor if executor is not None else Sequential()
+        self.config, self.groups, self.pipeline_degree, self.name = config, groups, self.executor.degree, name
         self.ledger = ledger
-        self.rec = Recorder(ledger, name)
+        self.rec = Recorder(ledger, name, engine if engine is not None else getattr(self.executor, "engine", None))
         self.schedule = schedule_class(schedule)(config, groups, self.rec)
-        # PipeMoE: degree != 1 runs the exchanges on a lane (collective to build; layers may share one)
-        if pipeline_lane is None and pipeline_degree != 1:
-            pipeline_lane = PipelineLane(groups)
-        self.pipeline_lane = pipeline_lane
         e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
         self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
         self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))
@@ -108,9 +118,6 @@ class MoELayer(nn.Module):
                             esp=self.groups.esp, rec=self.rec),
             block_router=partial(route_token_block, wg_EM=self.wg_EM, config=self.config, groups=self.groups,
                                  rec=self.rec))
-        if self.pipeline_degree == 1:
-            y_SM, d = run_schedule(self.schedule, x_SM, params)
-        else:
-            y_SM, d = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.pipeline_lane)
+        y_SM, d = self.executor.run(self.schedule, x_SM, params)
         return MoEOutput(y=y_SM.reshape(x.shape), aux_loss=d.aux_loss, exp_counts_E=d.exp_counts_E,
                          dropped=d.dropped)

@@ -4,6 +4,10 @@ Volume convention (the paper's, §IV): ``numel`` is the x in AG(x), A2A(x), AR(x
 the gathered (output) size for an all-gather, the input size for the others.
 ``inter_node_bytes`` counts what this rank sends to members of the group on other nodes under
 the direct algorithm (each peer's share sent once; all-reduce as reduce-scatter + all-gather).
+
+Records made by the communication engine (:mod:`moe_plugins.core.engine`) also carry its priority class, the
+lane it ran on, the recording rank and three ``time.perf_counter_ns()`` stamps of that rank's clock: issued,
+started, ended (:mod:`moe_plugins.core.timeline` writes them as a Chrome trace).
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ class CommRecord:
     bytes: int
     inter_node_bytes: int
     phase: str         # forward | backward
+    priority: str = "urgent"   # urgent | background (the engine's class)
+    lane: str = "main"         # main (the issuing thread) | pipeline | background
+    rank: int = -1             # global rank that ran it (-1: unknown)
+    issue_ns: int = 0          # perf_counter_ns() at issue, start and end, this rank's clock (0: not timed)
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 @dataclass

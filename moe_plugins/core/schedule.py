@@ -11,7 +11,8 @@ with any schedule without knowing it:
 5. ``finish(r, dispatched)``: reassemble and combine into y_SM.
 
 :func:`run_schedule` runs steps 2-4 over ``degree`` chunks in order. Pipelining (PipeMoE), priority of
-all-to-all over gradient all-reduce (Lina) and overlap with other computation (Lancet) replace that loop;
+all-to-all over gradient all-reduce (Lina) and overlap with other computation (Lancet) replace that loop
+(executors, :mod:`moe_plugins.core.executor`, and the communication engine, :mod:`moe_plugins.core.engine`);
 sparse materialisation (Hecate) replaces where the expert weights come from.
 """
 

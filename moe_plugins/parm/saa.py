@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.comm import Recorder
+from moe_plugins.core.engine import now_ns
 from moe_plugins.core.groups import Group
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,19 +48,19 @@ def block_order(layout, mp: Group, esp: int) -> List[int]:
     return sorted(range(ep), key=lambda b: (remote(b), (b - start) % ep))
 
 
-def _record_a2a(rec: Recorder, group: Group, numel: int, elsize: int, phase: str) -> None:
-    rec.record("all_to_all", group, numel, elsize, group.remote_peers * numel / group.size, phase)
-
-
-def _record_ag(rec: Recorder, group: Group, gathered: int, elsize: int, phase: str) -> None:
-    rec.record("all_gather", group, gathered, elsize, group.remote_peers * gathered / group.size, phase)
-
-
 def saa_raw(w_GEXM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int, order: Sequence[int], rec: Recorder,
             phase: str, overlap: bool = True) -> torch.Tensor:
     """The forward of SAA, without autograd: w (G, E_l, 1, c, M) -> r (E_l*EP, P, c, M). ``overlap=False``
     waits for the whole all-to-all before the first all-gather (same transport, no overlap: the benchmark's
-    control)."""
+    control). A composite of point-to-point ops and async gathers: it holds the engine (an urgent op in
+    flight) and records its two halves itself."""
+    with rec.engine.hold():
+        return _saa_raw(w_GEXM, ep_esp=ep_esp, mp=mp, esp=esp, order=order, rec=rec, phase=phase, overlap=overlap)
+
+
+def _saa_raw(w_GEXM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int, order: Sequence[int], rec: Recorder,
+             phase: str, overlap: bool) -> torch.Tensor:
+    start_ns = now_ns()
     w = w_GEXM.contiguous()
     g_size, e_l = ep_esp.size, w.shape[1]
     ep, inner = g_size // esp, tuple(w.shape[3:])          # (c, M)
@@ -96,9 +97,11 @@ def saa_raw(w_GEXM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int, order: 
         if work is not None:
             work.wait()
         out[b] = buf.transpose(0, 1)
-    _record_a2a(rec, ep_esp, w.numel(), w.element_size(), phase)
+    rec.record("all_to_all", ep_esp, w.numel(), w.element_size(), ep_esp.remote_peers * w.numel() / ep_esp.size,
+               phase, start_ns=start_ns)
     if mp.size > 1:
-        _record_ag(rec, mp, out.numel(), out.element_size(), phase)
+        rec.record("all_gather", mp, out.numel(), out.element_size(), mp.remote_peers * out.numel() / mp.size, phase,
+                   start_ns=start_ns)
     return out.view((ep * e_l, mp.size) + inner)
 
 
@@ -111,10 +114,7 @@ def saa_adjoint_raw(g_EPcM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int,
     w = own.expand((ep, esp, e // ep, 1) + inner).reshape((ep_esp.size, e // ep, 1) + inner).contiguous()
     if ep_esp.size == 1:
         return w
-    out = torch.empty_like(w)
-    dist.all_to_all_single(out, w, group=ep_esp.pg)
-    _record_a2a(rec, ep_esp, w.numel(), w.element_size(), phase)
-    return out
+    return rec.issue("all_to_all", ep_esp, w, phase)
 
 
 class _SAAGather(torch.autograd.Function):

@@ -2,8 +2,9 @@
 and combine(i-1) overlapped, in forward and backward (docs/pipemoe.md, "The runner").
 
 Chunks are cut along ``Dispatched.cap_dim`` (so dropping and math are exactly those of r = 1). The exchange
-stages of every chunk run on a *lane*: one worker thread with its own twin process groups, so its
-collectives never interleave with the expert stage's collectives on a shared group. Autograd: every
+stages of every chunk run on the communication engine's pipeline *lane* (:mod:`moe_plugins.core.engine`): one
+thread with its own twin process groups, so its collectives never interleave with the expert stage's
+collectives on a shared group; they are urgent ops, so background ops wait for them. Autograd: every
 exchange stage is an island graph built on the lane; ``_Join`` and ``_Fence`` bracket it in the main graph
 (see their docstrings). On GPU the lane's work is issued inline on a side CUDA stream and ordered with
 events (:class:`_Streams`); untested, no GPU here.
@@ -14,17 +15,18 @@ Shapes: E experts, C capacity (c = a chunk of it), M model dim, S tokens.
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from moe_plugins.core.groups import MoEProcessGroups, build_process_groups, destroy_process_groups
+from moe_plugins.core.costmodel import CostProfile
+from moe_plugins.core.engine import PIPELINE, CommEngine, Handle
+from moe_plugins.core.executor import Executor, Sequential
+from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.core.schedule import LayerParams, Schedule, chunk_bounds
-from moe_plugins.pipemoe.degree import AutoDegree, Degree
+from moe_plugins.pipemoe.degree import AutoDegree, Degree, degree_from_flag
+from moe_plugins.pipemoe.model import R_MAX
 
 class _Streams:
     """Device ordering between the main thread's work and the lane's. CPU: nothing to do (a gloo
@@ -61,70 +63,71 @@ class _Streams:
                 t.record_stream(torch.cuda.current_stream())
 
 
-class PipelineLane:
-    """Where exchange stages run, with twin process groups of the layout so that their collectives never
-    share a group with the expert stage's.
+class Pipelined(Executor):
+    """PipeMoE's executor: steps 2-4 over ``degree`` capacity chunks (an int, or an AutoDegree deciding per
+    call), the exchange stages on ``engine``'s pipeline lane, whose twin groups keep their collectives apart
+    from the expert stage's (build the engine with ``build_engine(groups, pipeline=True)``, collective).
 
-    - CPU/gloo: one worker thread, FIFO. gloo collectives block the thread that issues them, so the lane
+    - CPU/gloo: the lane is one FIFO thread. gloo collectives block the thread that issues them, so the lane
       thread is what lets them proceed while this thread computes.
     - CUDA/NCCL: no thread. Collectives are asynchronous to the host already; the lane's work is issued
       inline on a side stream (:class:`_Streams`), and the autograd engine's device thread is never made
       to wait on another host thread (which could deadlock it).
 
-    Collective: build it on every rank in the same order (it creates process groups). One lane may serve
-    many layers of a model. ``close()`` stops the thread and destroys the twin groups."""
+    One engine (hence one lane) may serve many layers and executors; the engine's builder closes it."""
 
-    def __init__(self, groups: MoEProcessGroups):
-        self.groups: Optional[MoEProcessGroups] = build_process_groups(groups.layout)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-pipe-lane")
-        # keyed by the schedule object itself (weakly): an id() could be reused by a later layer's schedule
-        self._twins: Optional["weakref.WeakKeyDictionary[Schedule, Schedule]"] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
+    def __init__(self, degree: Degree, engine: CommEngine):
+        if not engine.has_lane(PIPELINE):
+            raise ValueError(f"pipeline degree {degree!r} needs an engine with a pipeline lane: build it with "
+                             "build_engine(groups, pipeline=True) (collective)")
+        self.degree, self.engine = degree, engine
+
+    def run(self, schedule: Schedule, x_SM: torch.Tensor, params: LayerParams):
+        return run_pipelined(schedule, x_SM, params, self.degree, self)
 
     def twin(self, schedule: Schedule) -> Schedule:
-        """The same schedule class on the lane's groups. Built once per schedule object."""
-        with self._lock:
-            if self._twins is None:
-                raise RuntimeError("this PipelineLane is closed")
-            twin = self._twins.get(schedule)
-            if twin is None:
-                twin = schedule.twin(self.groups)
-                self._twins[schedule] = twin
-            return twin
+        """The same schedule class on the lane's groups. Built once per schedule object (by the engine)."""
+        return self.engine.twin(schedule, PIPELINE)
 
-    def submit(self, streams: _Streams, fn: Callable, *args) -> Future:
-        if not streams.cuda:
-            return self._pool.submit(fn, *args)
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:                # handed to the caller, as the thread pool does
-            done.set_exception(exc)
-        return done
+    def submit(self, streams: _Streams, fn: Callable, *args) -> Handle:
+        return self.engine.submit(fn, *args, lane=PIPELINE)
 
-    def close(self) -> None:
-        """Stop the thread and free the twin groups (gloo keeps threads per group). Collective: every
-        rank closes its lanes in the same order; a closed lane must not be used again."""
-        self._pool.shutdown(wait=True)
-        with self._lock:
-            if self._twins is not None:
-                self._twins = None
-                destroy_process_groups(self.groups)
-                # gloo frees a group's threads only when the last reference to it goes, not on destroy:
-                # layers may keep this lane alive, so the lane lets go of its groups
-                self.groups = None
+    def __repr__(self) -> str:
+        return f"Pipelined(degree={self.degree!r})"
+
+
+def needs_lane(pipeline_degree: Union[int, str, AutoDegree]) -> bool:
+    """Whether ``pipeline_degree`` (as :func:`build_executor` takes it) runs the pipeline, so that its engine
+    needs a pipeline lane."""
+    return (isinstance(pipeline_degree, AutoDegree) or degree_needs_profile(pipeline_degree)
+            or degree_from_flag(pipeline_degree, None) != 1)
+
+
+def build_executor(pipeline_degree: Union[int, str, AutoDegree], profile: Optional[CostProfile],
+                   engine: Optional[CommEngine], *, r_max: int = R_MAX) -> Executor:
+    """The executor for a host flag's ``pipeline_degree`` (an int, a digit string, "auto", "tune", or an
+    AutoDegree): :class:`Sequential` at 1, else :class:`Pipelined` on ``engine``'s pipeline lane. "auto" and
+    "tune" need ``profile`` (``moe-plugins profile``; the caller loads it at its boundary)."""
+    degree = (pipeline_degree if isinstance(pipeline_degree, AutoDegree)
+              else degree_from_flag(pipeline_degree, profile, r_max=r_max))
+    if degree == 1:
+        return Sequential()
+    if engine is None:
+        raise ValueError(f"pipeline_degree ({pipeline_degree!r}) needs engine=build_engine(groups, pipeline=True) "
+                         "(collective; the caller builds it once and closes it)")
+    return Pipelined(degree, engine)
 
 
 @dataclass
 class _Stage:
     """One exchange stage of one chunk: the island graph built on the lane and its pending results."""
 
-    lane: PipelineLane
+    lane: Pipelined
     streams: _Streams
     fn: Callable[[torch.Tensor], torch.Tensor]
     fenced: Optional[torch.Tensor] = None
-    forward: Optional[Future] = None
-    backward: Optional[Future] = None
+    forward: Optional[Handle] = None
+    backward: Optional[Handle] = None
     shape: Tuple[int, ...] = field(default_factory=tuple)
 
     def start(self, x: torch.Tensor) -> "_Stage":
@@ -142,7 +145,7 @@ class _Stage:
             return leaf, y, self.streams.mark()
 
     def join(self) -> torch.Tensor:
-        leaf, y, done = self.forward.result()
+        leaf, y, done = self.forward.wait()
         self.streams.wait(done, y)
         # let go of the fenced input: its grad_fn's ctx holds this stage, and a cycle through an autograd
         # node is one Python's collector cannot see, so every step's chunks would stay alive
@@ -155,7 +158,7 @@ class _Stage:
         self.backward = self.lane.submit(self.streams, self._run_backward, g, self.streams.mark())
 
     def _run_backward(self, g: torch.Tensor, ready):
-        leaf, y, _ = self.forward.result()
+        leaf, y, _ = self.forward.wait()
         with self.streams.lane(ready):
             if y.requires_grad:
                 (gx,) = torch.autograd.grad(y, leaf, g, allow_unused=True)
@@ -164,7 +167,7 @@ class _Stage:
             return (torch.zeros_like(leaf) if gx is None else gx), self.streams.mark()
 
     def input_grad(self) -> torch.Tensor:
-        gx, done = self.backward.result()
+        gx, done = self.backward.wait()
         self.streams.wait(done, gx)
         return gx
 
@@ -190,7 +193,7 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fenced, stage):
         ctx.stage = stage
-        _, y, _ = stage.forward.result()
+        _, y, _ = stage.forward.wait()
         return y.detach()
 
     @staticmethod
@@ -201,9 +204,9 @@ class _Join(torch.autograd.Function):
 
 
 def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, degree: Degree,
-                  lane: Optional[PipelineLane] = None):
-    """Drop-in for ``run_schedule``: steps 2-4 over ``degree`` capacity chunks, pipelined on ``lane``.
-    ``degree`` may be an :class:`AutoDegree`; a degree of 1 runs sequentially on this thread."""
+                  lane: Optional[Pipelined] = None):
+    """Drop-in for ``run_schedule``: steps 2-4 over ``degree`` capacity chunks, pipelined on ``lane`` (a
+    :class:`Pipelined`). ``degree`` may be an :class:`AutoDegree`; a degree of 1 runs sequentially here."""
     dispatched = schedule.prepare(x_SM, params)
     d, dim = dispatched.d, dispatched.cap_dim
     r, sample = (degree.begin(schedule, dispatched, torch.is_grad_enabled()) if isinstance(degree, AutoDegree)
@@ -213,8 +216,7 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
         y = schedule.exchange_out(schedule.expert(schedule.exchange_in(d), params))
         return schedule.finish(y if sample is None else sample.wrap_output(y), dispatched), dispatched
     if lane is None:
-        raise ValueError(f"pipeline degree {r} needs a PipelineLane (MoELayer builds one when "
-                         "pipeline_degree != 1)")
+        raise ValueError(f"pipeline degree {r} needs a Pipelined executor (build_executor(..., engine))")
     twin, streams = lane.twin(schedule), _Streams(d.device)
     chunks = [d.narrow(dim, a, b - a) for a, b in chunk_bounds(d.shape[dim], r)]
     # D_1..D_r queue first on the lane (FIFO link); E_i runs here as soon as D_i lands; C_i queues behind.

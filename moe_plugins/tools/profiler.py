@@ -212,17 +212,18 @@ CHUNK_DEGREES = (1, 2, 3, 4, 6, 8)
 
 def _chunk_bench(groups: MoEProcessGroups, dtype: torch.dtype, device: torch.device, stack: ExitStack) -> _Bench:
     """The runner's per-chunk cost: fwd+bwd of a tiny baseline MoE layer at each degree in CHUNK_DEGREES,
-    all degrees on one lane (collective to build: every rank builds it in the same order)."""
+    all degrees on one engine's lane (collective to build: every rank builds it in the same order)."""
     from moe_plugins.core.config import MoEConfig
+    from moe_plugins.core.engine import build_engine
     from moe_plugins.core.layer import MoELayer
-    from moe_plugins.pipemoe.runner import PipelineLane
+    from moe_plugins.pipemoe.runner import build_executor
     layout = groups.layout
     config = MoEConfig(hidden=32, ffn=32 * layout.esp, num_experts=2 * layout.ep, k=1, capacity_factor=1.0,
                        min_capacity=max(CHUNK_DEGREES))
-    lane = PipelineLane(groups)
-    stack.callback(lane.close)
-    layers = [MoELayer(config, groups, schedule="baseline", pipeline_degree=r, dtype=dtype,
-                       pipeline_lane=lane if r > 1 else None).to(device) for r in CHUNK_DEGREES]
+    engine = build_engine(groups, pipeline=True)
+    stack.callback(engine.close)
+    layers = [MoELayer(config, groups, schedule="baseline", dtype=dtype, executor=build_executor(r, None, engine),
+                       engine=engine).to(device) for r in CHUNK_DEGREES]
     gen = torch.Generator().manual_seed(0)
     x_SM = torch.randn(16 * config.num_experts, config.hidden, generator=gen).to(device=device, dtype=dtype)
     for layer in layers:

@@ -19,12 +19,15 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.engine import build_engine
 from moe_plugins.core.experts import ExpertWeights, init_full_weights, shard_weights
 from moe_plugins.core.groups import process_groups
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.reference import reference_moe
+from moe_plugins.core.timeline import chrome_trace
+from moe_plugins.pipemoe.runner import build_executor, needs_lane
 from moe_plugins.schedules import schedule_problems
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -52,6 +55,7 @@ class VerifySpec:
     dtype: str = "float64"
     seed: int = 0
     skew: float = 0.0      # > 0 biases the gate towards expert 0 (forces drops / empty ranks)
+    timeline: bool = False  # the report gets "timeline": every rank's collectives as a Chrome trace
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(world=self.world, ranks_per_node=self.ranks_per_node, mp=self.mp, ep=self.ep,
@@ -103,9 +107,15 @@ def make_problem(spec: VerifySpec) -> _Problem:
 
 
 def run_rank(spec: VerifySpec) -> Optional[Dict[str, Any]]:
-    """Collective over the default group: run the layer, gather to rank 0, return the report there."""
+    """Collective over the default group: run the layer, gather to rank 0, return the report there (with
+    ``spec.timeline``, its "timeline" is the Chrome trace of every rank's collectives)."""
     gathered = collect_rank(spec)
-    return compare(spec, gathered) if gathered is not None else None
+    if gathered is None:
+        return None
+    report = compare(spec, gathered)
+    if spec.timeline:
+        report["timeline"] = chrome_trace([r["timeline"] for r in gathered])
+    return report
 
 
 def collect_rank(spec: VerifySpec) -> Optional[List[Dict[str, Any]]]:
@@ -120,17 +130,20 @@ def collect_rank(spec: VerifySpec) -> Optional[List[Dict[str, Any]]]:
 
 def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups) -> Dict[str, Any]:
     ledger = CommLedger()
-    layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,
-                     ledger=ledger, dtype=DTYPES[spec.dtype])
-    prob = make_problem(spec)
-    layer.load_full(prob.wg_EM, prob.full)
-    coords = layout.coords(groups.global_rank)
-    x = prob.x_DSM[coords["dp"]].clone().requires_grad_(True)
-    out = layer(x)
-    ((out.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * out.aux_loss).backward()
-    if layer.pipeline_lane is not None:       # the pipelined runner's own groups: free them with the job's
-        layer.pipeline_lane.close()
-    return {"rank": groups.global_rank, "coords": coords, "y": out.y.detach(), "grad_x": x.grad,
+    engine = build_engine(groups, pipeline=needs_lane(spec.pipeline_degree))     # collective
+    try:
+        layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, ledger=ledger, dtype=DTYPES[spec.dtype],
+                         executor=build_executor(spec.pipeline_degree, None, engine), engine=engine)
+        prob = make_problem(spec)
+        layer.load_full(prob.wg_EM, prob.full)
+        coords = layout.coords(groups.global_rank)
+        x = prob.x_DSM[coords["dp"]].clone().requires_grad_(True)
+        out = layer(x)
+        ((out.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * out.aux_loss).backward()
+    finally:
+        engine.close()          # the pipeline lane's groups: free them with the job's
+    return {"timeline": list(ledger.records) if spec.timeline else None,
+            "rank": groups.global_rank, "coords": coords, "y": out.y.detach(), "grad_x": x.grad,
             "aux": out.aux_loss.detach(), "counts": out.exp_counts_E, "dropped": out.dropped,
             "grad_wg": layer.wg_EM.grad,
             "grad_experts": [p.grad for p in (layer.w1_EMH, layer.b1_EH, layer.w2_EHM, layer.b2_EM)],

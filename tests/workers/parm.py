@@ -12,6 +12,7 @@ import torch.distributed as dist
 from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.config import MoEConfig
+from moe_plugins.core.engine import build_engine
 from moe_plugins.core.experts import init_full_weights, sharded_experts
 from moe_plugins.core.groups import build_process_groups, process_groups
 from moe_plugins.core.layer import MoELayer
@@ -22,6 +23,7 @@ from moe_plugins.parm.saa import block_order, saa_adjoint_raw, saa_raw
 from moe_plugins.parm.cost import ParmCosts
 from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule
 from moe_plugins.parm.schedules import ParmAutoSchedule
+from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.tools.verify import VerifySpec, make_problem, run_rank
 
 
@@ -175,7 +177,9 @@ def tuned_parm(spec: VerifySpec, degree: int, steps: int) -> dict:
 def _tuned_parm(spec: VerifySpec, degree: int, steps: int, groups) -> dict:
     prob = make_problem(spec)
     dp = spec.layout().coords(groups.global_rank)["dp"]
-    layers = {name: MoELayer(spec.moe_config(), groups, schedule=name, pipeline_degree=r, dtype=torch.float64)
+    engine = build_engine(groups, pipeline=True)
+    layers = {name: MoELayer(spec.moe_config(), groups, schedule=name, dtype=torch.float64, engine=engine,
+                             executor=build_executor(r, None, engine))
               for name, r in (("parm-tune", degree), ("parm-s1", 1))}
     for layer in layers.values():
         layer.load_full(prob.wg_EM, prob.full)
@@ -194,8 +198,7 @@ def _tuned_parm(spec: VerifySpec, degree: int, steps: int, groups) -> dict:
             out["max_diff"] = max(out["max_diff"], *((a - b).abs().max().item()
                                                      for a, b in zip(res["parm-tune"], res["parm-s1"])))
     finally:
-        if layers["parm-tune"].pipeline_lane is not None:
-            layers["parm-tune"].pipeline_lane.close()
+        engine.close()
     out["start"], out["times"], out["decided"] = search.start, dict(search.times_s), search.decided
     out["notes"] = tuned.notes()
     return out

@@ -14,7 +14,8 @@ from moe_plugins.core.groups import process_groups
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.pipemoe.degree import AutoDegree
-from moe_plugins.pipemoe.runner import PipelineLane, run_pipelined
+from moe_plugins.core.engine import build_engine
+from moe_plugins.pipemoe.runner import Pipelined, build_executor, run_pipelined
 from moe_plugins.tools.profiler import ProfileSpec, profile_rank
 from moe_plugins.schedules import LayerParams, run_schedule
 from moe_plugins.core.baseline import BaselineSchedule
@@ -112,7 +113,8 @@ def _overlap_probe(spec: VerifySpec, groups, r: int, pipelined: bool, timeout_s:
     layer.load_full(prob.wg_EM, prob.full)
     probe = Probe(timeout_s)
     schedule = probed_schedule(probe, r)(layer.config, groups, layer.rec)
-    lane = PipelineLane(groups) if pipelined else None
+    engine = build_engine(groups, pipeline=True) if pipelined else None
+    lane = Pipelined(r, engine) if pipelined else None
     x = prob.x_DSM[layout.coords(groups.global_rank)["dp"]].clone().requires_grad_(True)
     params = _params(layer)
     try:
@@ -125,8 +127,8 @@ def _overlap_probe(spec: VerifySpec, groups, r: int, pipelined: bool, timeout_s:
     except TimeoutError as exc:
         return f"timeout: {exc}"
     finally:
-        if lane is not None:
-            lane.close()
+        if engine is not None:
+            engine.close()
 
 
 def _params(layer: MoELayer) -> LayerParams:
@@ -166,10 +168,11 @@ def _auto_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], groups) -> dict:
     prob = make_problem(spec)
     x0 = prob.x_DSM[layout.coords(groups.global_rank)["dp"]]
     results = {}
+    engine = build_engine(groups, pipeline=True)
     for label, degree in (("auto", _Recording(costs=costs)), ("one", 1)):
         ledger = CommLedger()
-        layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=degree, ledger=ledger,
-                         dtype=DTYPES[spec.dtype])
+        layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, ledger=ledger, dtype=DTYPES[spec.dtype],
+                         executor=build_executor(degree, None, engine), engine=engine)
         layer.load_full(prob.wg_EM, prob.full)
         x = x0.clone().requires_grad_(True)
         out = layer(x)
@@ -181,8 +184,7 @@ def _auto_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], groups) -> dict:
         eval_a2a = sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward")
         results[label] = {"y": out.y.detach(), "grad_x": x.grad, "y_eval": y_eval, "fwd_a2a": fwd_a2a,
                           "eval_a2a": eval_a2a, "chunks": list(getattr(degree, "chosen", []))}
-        if layer.pipeline_lane is not None:
-            layer.pipeline_lane.close()
+    engine.close()
     return results
 
 
@@ -207,9 +209,10 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
     dp = layout.coords(groups.global_rank)["dp"]
     tuned = TunedDegree(costs=costs, warmup_calls=1, timed_calls=2)
     layers = {}
+    engine = build_engine(groups, pipeline=True)
     for label, degree in (("tune", tuned), ("one", 1)):
-        layers[label] = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=degree,
-                                 ledger=CommLedger(), dtype=DTYPES[spec.dtype])
+        layers[label] = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, ledger=CommLedger(),
+                                 dtype=DTYPES[spec.dtype], executor=build_executor(degree, None, engine))
         layers[label].load_full(prob.wg_EM, prob.full)
     out = {"degrees": [], "eval_degrees": [], "max_diff": 0.0}
     try:
@@ -231,8 +234,7 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
             out["eval_degrees"].append(_forward_exchanges(layers["tune"].ledger) // 2)
             out["max_diff"] = max(out["max_diff"], (y_eval - res["one"][0]).abs().max().item())
     finally:
-        if layers["tune"].pipeline_lane is not None:
-            layers["tune"].pipeline_lane.close()
+        engine.close()
     out["climbs"] = {key[3]: (c.start, dict(c.times_s), c.decided) for key, c in tuned.searches.items()}
     out["decisions"] = {key[3]: r for key, r in tuned.decisions.items()}
     out["notes"] = tuned.notes()
@@ -262,8 +264,9 @@ def _live_stages_after(spec: VerifySpec, steps: int, groups) -> Dict[str, int]:
     from moe_plugins.pipemoe.runner import _Stage
     prob = make_problem(spec)
     x0 = prob.x_DSM[spec.layout().coords(groups.global_rank)["dp"]]
-    layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,
-                     dtype=DTYPES[spec.dtype])
+    engine = build_engine(groups, pipeline=True)
+    layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, dtype=DTYPES[spec.dtype],
+                     executor=build_executor(spec.pipeline_degree, None, engine))
     out = {}
     try:
         for _ in range(steps):
@@ -277,5 +280,5 @@ def _live_stages_after(spec: VerifySpec, steps: int, groups) -> Dict[str, int]:
             layer(x0)
         out["no_grad"] = _live_stages(_Stage)
     finally:
-        layer.pipeline_lane.close()
+        engine.close()
     return out

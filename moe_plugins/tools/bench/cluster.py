@@ -10,7 +10,7 @@ namespace it runs in. Names carry the creating process id and a random suffix
 (``moeb<pid>x<hex4>sw``, ``...n0``), so two runs never collide and namespaces left behind by a killed run
 (SIGKILL cannot be caught) are recognised by :func:`stale_namespaces`, whose owner process is gone.
 
-Measured facts this relies on (/work/shared/notes/emulated-cluster.md): tbf works, netem does not (so no
+Measured facts this relies on (docs/benchmarks.md, "The emulated cluster"): tbf works, netem does not (so no
 added delay or loss), and gloo must be told the NIC (``GLOO_SOCKET_IFNAME=nic0``) or it binds 127.0.0.1.
 
 TCP congestion control is set in every node namespace (``ClusterSpec.congestion_control``, reno by default).
@@ -21,7 +21,7 @@ same side-by-side runs (docs/benchmarks.md). cubic cannot be set in a child name
 ``net.ipv4.tcp_allowed_congestion_control`` and loading it needs the host namespace, which this module
 never touches.
 
-The tbf bucket is 128 KiB (``ClusterSpec.burst``), not the notes' 512 KiB. A bucket fills while the link is
+The tbf bucket is 128 KiB (``ClusterSpec.burst``), not the 512 KiB used before git 74d4bf4. A bucket fills while the link is
 idle and its bytes then leave at veth speed: with 512 KiB, a 512 KiB message sent after 20 ms of idle took
 1.7 ms at 200 Mbit/s instead of 21 ms, so an all-to-all that follows the experts' GEMMs was nearly free
 (benchmarks/tbf_burst.py). 64 KiB is smaller than a GSO packet plus headers, so tbf splits packets and two

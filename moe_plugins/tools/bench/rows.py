@@ -26,7 +26,9 @@ from torch import nn
 from moe_plugins.core.experts import ExpertWeights, init_full_weights
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.layer import MoELayer, ScheduleLike
-from moe_plugins.pipemoe.degree import AutoDegree, Degree, degree_from_flag
+from moe_plugins.core.executor import Executor
+from moe_plugins.pipemoe.degree import AutoDegree
+from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.pipemoe.tune import TunedDegree
 from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, degree_needs_profile
 from moe_plugins.core.ledger import CommLedger
@@ -100,7 +102,7 @@ def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
 PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'auto': PipeMoE's choice from the "
                       "cost profile measured at this rate; 'tune': that choice checked by timing the layer)"}
 PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
-LANE = "pipeline_lane"       # CaseData.extras key: the layout's one PipelineLane, shared by every pipelined row
+LANE = "engine"              # CaseData.extras key: the layout's one CommEngine (pipeline lane), shared by every row
 
 
 def needs_profile(spec: RowSpec) -> bool:
@@ -117,9 +119,10 @@ def _profile(spec: RowSpec, data: CaseData):
     return profile
 
 
-def _pipeline_degree(spec: RowSpec, data: CaseData) -> Degree:
+def _executor(spec: RowSpec, data: CaseData) -> Executor:
     r = spec.option("r", "1")
-    return degree_from_flag(int(r) if r.isdigit() else r, _profile(spec, data) if degree_needs_profile(r) else None)
+    return build_executor(int(r) if r.isdigit() else r, _profile(spec, data) if degree_needs_profile(r) else None,
+                          data.extras.get(LANE))
 
 
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
@@ -131,8 +134,8 @@ def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
     ledger = CommLedger()
     layer = MoELayer(moe_config(data.case), data.groups, schedule=_schedule(spec, data),
-                     pipeline_degree=_pipeline_degree(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype,
-                     pipeline_lane=data.extras.get(LANE))
+                     executor=_executor(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype,
+                     engine=data.extras.get(LANE))
     layer.load_full(data.wg_EM.to(data.dtype), ExpertWeights(*(t.to(data.dtype) for t in (
         data.full.w1_EMH, data.full.b1_EH, data.full.w2_EHM, data.full.b2_EM))))
 

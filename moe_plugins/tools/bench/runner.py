@@ -34,7 +34,7 @@ from moe_plugins.tools.bench.cluster import Cluster, set_rate
 from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
 from moe_plugins.tools.bench.profiles import (gemm_spec_for, link_spec_for, measure_profile, merge_profiles, profile_measurements,
                        profile_summary)
-from moe_plugins.pipemoe.runner import PipelineLane
+from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.tools.bench.rows import LANE, PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
 from moe_plugins.tools.bench.traffic import nic_tx_bytes
 
@@ -208,7 +208,7 @@ def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[R
 
 
 def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups],
-               lanes: Dict[Tuple[int, int, int], PipelineLane], singleton, ifname: Optional[str],
+               lanes: Dict[Tuple[int, int, int], CommEngine], singleton, ifname: Optional[str],
                records: List[Dict[str, Any]]) -> None:
     plan, world = job.plan, dist.get_world_size()
     done, total = 0, len(plan.cases) * len(plan.rates)
@@ -218,7 +218,7 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
         if key not in layouts:
             layouts[key] = build_process_groups(ParallelLayout(world=world, ranks_per_node=plan.ranks_per_node,
                                                                mp=case.mp, ep=case.ep, esp=case.esp))
-            lanes[key] = PipelineLane(layouts[key])     # one per layout: a lane per row would leak gloo threads
+            lanes[key] = build_engine(layouts[key], pipeline=True)   # one per layout: per row would leak gloo threads
         data = make_case_data(case, layouts[key], plan.seed, plan.dtype)
         data.extras["singleton"] = singleton
         data.extras[LANE] = lanes[key]
@@ -255,7 +255,7 @@ def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
         from moe_plugins.tools.bench.stock_megatron import singleton_groups
         singleton = singleton_groups(world, rank)
     layouts: Dict[Tuple[int, int, int], MoEProcessGroups] = {}
-    lanes: Dict[Tuple[int, int, int], PipelineLane] = {}
+    lanes: Dict[Tuple[int, int, int], CommEngine] = {}
     records: List[Dict[str, Any]] = []
     try:
         _run_cases(job, layouts, lanes, singleton, ifname, records)

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from moe_plugins.tools.verify import DTYPES, VerifySpec, run_rank, spec_problems
 
@@ -38,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="bias routing towards expert 0")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="write every rank's collectives as a Chrome trace (open in ui.perfetto.dev or "
+                        "chrome://tracing); core host only")
     p.add_argument("--host", default="core", choices=("core", "deepspeed", "megatron"),
                    help="core: against the single-process reference; deepspeed: the plugin against DeepSpeed's "
                         "stock MoE layer in the same process groups (--esp equal to --mp turns on its expert "
@@ -55,10 +59,12 @@ def spec_from_args(args: argparse.Namespace, world: int) -> VerifySpec:
                       esp=args.esp, experts=args.experts, k=args.k, capacity_factor=args.capacity_factor,
                       min_capacity=args.min_capacity, drop=args.drop, tokens=args.tokens, hidden=args.hidden,
                       ffn=args.ffn, schedule=args.schedule, pipeline_degree=args.pipeline_degree,
-                      dtype=args.dtype, seed=args.seed, skew=args.skew)
+                      dtype=args.dtype, seed=args.seed, skew=args.skew, timeline=args.timeline is not None)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.timeline is not None and args.host != "core":
+        raise ValueError(f"--timeline needs --host core (got {args.host!r})")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world
     spec, rank_fn = spec_from_args(args, world), run_rank
@@ -82,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         from moe_plugins.tools.pool import WorkerPool
         with WorkerPool(world) as pool:
             report = pool.run(rank_fn, spec)[0]
+    trace = report.pop("timeline", None)
+    if args.timeline is not None:
+        Path(args.timeline).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.timeline).write_text(json.dumps(trace))
     _print(report, args.json)
     return 0 if report["ok"] else 1
 

@@ -1,0 +1,136 @@
+"""The pieces the communication engine (:mod:`moe_plugins.core.engine`) is built from: the raw collectives it
+issues, their ledger volumes, argument checks, and the handle of an issued op.
+
+Priority classes and lanes are named here too, so that modules can name them without the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.core.groups import Group, MoEProcessGroups
+
+URGENT, BACKGROUND = "urgent", "background"              # priority classes
+MAIN, PIPELINE = "main", "pipeline"                      # lanes (the background lane is named BACKGROUND)
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics on flat buffers).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommError(RuntimeError):
+    """The engine cannot run an op: it is poisoned by an earlier failure, closed, or misused."""
+
+
+def now_ns() -> int:
+    """The engine's clock: ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux: one clock for the machine)."""
+    return time.perf_counter_ns()
+
+
+class Handle:
+    """The pending result of one issued op or submitted closure."""
+
+    def __init__(self, what: str, before_wait: Optional[Callable[["Handle"], None]] = None):
+        self.what, self._before_wait = what, before_wait
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self.cuda_event: Any = None                  # CUDA: the event that marks the op's end on its stream
+
+    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: Optional[float] = None) -> Any:
+        """The op's result; raises the op's error (the same on every call)."""
+        if not self._event.is_set() and self._before_wait is not None:
+            self._before_wait(self)
+        if not self._event.wait(timeout_s):
+            raise TimeoutError(f"{self.what} has not finished after {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        if self.cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_event)
+        return self._result
+
+
+@dataclass
+class Job:
+    """One unit of work of the engine: ``run(job)`` and the handle it fills, with its time stamps."""
+
+    run: Callable[["Job"], Any]
+    handle: Handle
+    issue_ns: int
+    start_ns: int = 0
+
+
+@dataclass
+class Lane:
+    """One lane of an engine: its FIFO of jobs, the thread that runs them (CPU) and its twin groups."""
+
+    name: str
+    priority: str
+    groups: Optional[MoEProcessGroups]
+    jobs: Deque[Job] = field(default_factory=deque)
+    thread: Optional[threading.Thread] = None
+    stream: Any = None                               # CUDA: the background lane's side stream
+
+
+def check_op(op: str, group: Group, x: torch.Tensor, priority: str, reduce: str) -> None:
+    """Raise one ValueError naming every bad argument of an op."""
+    problems = []
+    if op not in OPS:
+        problems.append(f"op ({op!r}) must be one of {', '.join(OPS)}")
+    if priority not in (URGENT, BACKGROUND):
+        problems.append(f"priority ({priority!r}) must be {URGENT!r} or {BACKGROUND!r}")
+    if reduce not in REDUCE_OPS:
+        problems.append(f"reduce ({reduce!r}) must be one of {sorted(REDUCE_OPS)}")
+    if op == "all_to_all" and x.dim() and x.shape[0] % group.size:
+        problems.append(f"all_to_all: dim 0 ({x.shape[0]}) must be divisible by the {group.kind} group size "
+                        f"({group.size})")
+    if op == "reduce_scatter" and x.numel() % group.size:
+        problems.append(f"reduce_scatter: numel ({x.numel()}) must be divisible by the {group.kind} group size "
+                        f"({group.size})")
+    if problems:
+        raise ValueError("invalid collective: " + "; ".join(problems))
+
+
+def volume(op: str, group: Group, x: torch.Tensor) -> Tuple[int, float]:
+    """(numel, inter-node elements) of ``op`` on input ``x``, in the ledger's convention (core/ledger.py)."""
+    n, size, remote = x.numel(), group.size, group.remote_peers
+    if op == "all_gather":
+        return n * size, remote * n
+    if op == "all_reduce":
+        return n, 2 * remote * n / size
+    return n, remote * n / size                     # all_to_all, reduce_scatter
+
+
+def run_op(op: str, pg: Optional[dist.ProcessGroup], size: int, x: torch.Tensor, reduce: str) -> torch.Tensor:
+    """The collective itself, out of place: all_to_all keeps x's shape; all_gather, reduce_scatter are flat."""
+    if pg is None:                                    # a group of one: nothing to exchange
+        return x.reshape(-1).clone() if op in ("all_gather", "reduce_scatter") else x.clone()
+    if op == "all_to_all":
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=pg)
+    elif op == "all_gather":
+        out = x.new_empty(size * x.numel())
+        _all_gather_flat(out, x.reshape(-1), group=pg)
+    elif op == "reduce_scatter":
+        out = x.new_empty(x.numel() // size)
+        _reduce_scatter_flat(out, x.reshape(-1), group=pg)
+    else:
+        out = x.clone()
+        dist.all_reduce(out, op=REDUCE_OPS[reduce], group=pg)
+    return out
