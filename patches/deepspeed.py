@@ -41,10 +41,10 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
-from moe_plugins.core.plugin_config import (PROFILED_SCHEDULES, SECTION, PluginConfig, degree_needs_profile,
-                                       resolve)
-from moe_plugins.schedules import (LayerParams, Schedule, host_schedule_class, run_schedule,
-                                   schedule_problems)
+from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, resolve
+from moe_plugins.core.profile_ops import profile_key
+from moe_plugins.core.schedule import LayerParams, Schedule, run_schedule
+from moe_plugins.plugins import default_registry
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
@@ -218,11 +218,15 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
         problems.append(f"{SECTION}.esp ({esp}) > 1 without DeepSpeed's expert tensor parallelism needs every "
                         "expert to be nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M)), "
                         "which the plugin slices along H; this layer's experts are not")
-    if host_esp > 1 and esp == host_esp and str(cfg.schedule).startswith("parm"):
+    registry = default_registry()
+    needs_partials = cfg.schedule in registry.schedule_names() and \
+        registry.schedule_class(cfg.schedule).needs_expert_partials
+    if host_esp > 1 and esp == host_esp and needs_partials:
+        allowed = [n for n in registry.schedule_names() if not registry.schedule_class(n).needs_expert_partials]
         problems.append(f"{SECTION}.schedule ({cfg.schedule!r}) cannot run with DeepSpeed's expert tensor "
-                        f"parallelism (esp {host_esp}): Parm's local combine needs the experts' partial sums, and "
+                        f"parallelism (esp {host_esp}): its local combine needs the experts' partial sums, and "
                         "enable_expert_tensor_parallelism's expert modules all-reduce inside themselves; allowed "
-                        "here: 'baseline', 'baseline-tp'")
+                        f"here: {', '.join(repr(n) for n in allowed)}")
     problems += layout_problems(world, ranks_per_node, facts.tp, facts.ep, esp)
     if problems:
         return problems
@@ -230,7 +234,7 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
     if facts.tp > 1 and facts.tp_ranks != layout.group_of("mp", rank):
         problems.append(f"the mpu's tensor-parallel group of rank {rank} {list(facts.tp_ranks)} must be the "
                         f"contiguous block {list(layout.group_of('mp', rank))} (Megatron's rank order)")
-    problems += moe_config_problems(moe_config(facts), layout) + schedule_problems(cfg.schedule, layout)
+    problems += moe_config_problems(moe_config(facts), layout) + registry.schedule_problems(cfg.schedule, layout)
     return problems
 
 
@@ -412,7 +416,8 @@ class DeepSpeedPlugin:
 
         def _configure_distributed_model(engine, model):
             section = getattr(engine._config, "_param_dict", {}).get(SECTION)
-            found = None if section is None else PluginConfig.from_dict(section, SECTION)
+            found = None if section is None else PluginConfig.from_dict(section, SECTION,
+                                                                            schedules=default_registry().schedule_names())
             if plugin.config is not None and found is not None and found != plugin.config:
                 raise ValueError(f"the ds_config {SECTION!r} section {found.to_dict()} conflicts with the config "
                                  f"given to moe_plugins.enable {plugin.config.to_dict()}")
@@ -515,15 +520,15 @@ class DeepSpeedPlugin:
     def _cached_profile(self, layout: ParallelLayout, moe):
         """The cost profile ``moe-plugins profile`` cached for this layout, backend and device (or None)."""
         from moe_plugins.core import costmodel
-        from moe_plugins.tools import profiler
         device = next(moe.parameters()).device
-        key = profiler.profile_key(layout, dist.get_backend(), device)
+        key = profile_key(layout, dist.get_backend(), device)
         return costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
 
     def _schedule_class(self, name: str, layout: ParallelLayout, moe):
         """The schedule's class; ``parm-auto`` / ``parm-tune`` read the profile cached for this layout."""
-        profile = self._cached_profile(layout, moe) if name in PROFILED_SCHEDULES else None
-        return host_schedule_class(name, profile, next(moe.parameters()).element_size(), layout.mp, logger)
+        registry = default_registry()
+        profile = self._cached_profile(layout, moe) if registry.is_profiled(name) else None
+        return registry.host_schedule_class(name, profile, next(moe.parameters()).element_size(), layout.mp, logger)
 
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
         """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device)
@@ -647,7 +652,7 @@ def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]
     a PluginConfig, or None to let each engine's ds_config section decide. Everything is validated before
     anything is patched; a failed enable leaves DeepSpeed untouched."""
     global _ACTIVE
-    resolved = resolve(config)
+    resolved = resolve(config, schedules=default_registry().schedule_names())
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for DeepSpeed; call moe_plugins.disable() first")
     ds = _import_deepspeed()

@@ -27,6 +27,7 @@ import logging
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
+from moe_plugins.plugins import default_registry
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 
@@ -69,8 +70,9 @@ def resolve_plugin(plugin: PluginLike, path: str = SECTION) -> PluginConfig:
         else:
             raise ValueError(f"{path} ({text!r}) must be a JSON object or the path of a JSON file")
     if isinstance(plugin, Mapping) and SECTION in plugin:
-        return PluginConfig.from_dict(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION)
-    return PluginConfig.from_dict(plugin, path)
+        return PluginConfig.from_dict(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION,
+                                      schedules=default_registry().schedule_names())
+    return PluginConfig.from_dict(plugin, path, schedules=default_registry().schedule_names())
 
 
 def _json(text: str, path: str) -> Any:

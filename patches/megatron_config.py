@@ -15,7 +15,7 @@ from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.experts import ACTIVATIONS
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile
-from moe_plugins.schedules import schedule_problems
+from moe_plugins.plugins import default_registry
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -141,7 +141,7 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
                            f"{facts.ep}, expert_tensor_parallel_size {facts.etp}: {p}" for p in bad_layout]
     layout = token_layout(facts, world, rpn)
     problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
-                 f"per TP rank): {p}" for p in schedule_problems(plugin.schedule, layout)]
+                 f"per TP rank): {p}" for p in default_registry().schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
     if degree_needs_profile(plugin.pipeline_degree) and (profile is None or profile(layout) is None):
         problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile for this "

@@ -47,10 +47,11 @@ from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.pipemoe.runner import build_executor, needs_lane, run_pipelined
-from moe_plugins.tools.profiler import profile_key
-from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, PluginConfig, degree_needs_profile
+from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile
+from moe_plugins.core.profile_ops import profile_key
 from moe_plugins.core.router import uniform_capacity
-from moe_plugins.schedules import LayerParams, Schedule, host_schedule_class
+from moe_plugins.core.schedule import LayerParams, Schedule
+from moe_plugins.plugins import default_registry
 
 from moe_plugins.patches.megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
 from moe_plugins.patches.megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
@@ -158,8 +159,9 @@ def find_profile(profile_dir: Optional[str], layout: ParallelLayout) -> Optional
 
 
 def schedule_class(name: str, profile: Optional[CostProfile], dtype: torch.dtype, mp: int) -> Type[Schedule]:
-    """The schedule's class (:func:`moe_plugins.schedules.host_schedule_class`, logged on this host's logger)."""
-    return host_schedule_class(name, profile, torch.empty((), dtype=dtype).element_size(), mp, logger)
+    """The schedule's class (:meth:`Registry.host_schedule_class`, logged on this host's logger)."""
+    return default_registry().host_schedule_class(name, profile, torch.empty((), dtype=dtype).element_size(), mp,
+                                                  logger)
 
 
 class ScheduleTokenDispatcher(MoETokenDispatcher):
@@ -266,7 +268,7 @@ class PluginMoELayer(MoELayer):
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
             ledger=ledger, name=self._ledger_name(layer_number), engine=engine,
             profile=lookup(self.moe_groups.layout)
-            if degree_needs_profile(plugin.pipeline_degree) or plugin.schedule in PROFILED_SCHEDULES
+            if degree_needs_profile(plugin.pipeline_degree) or default_registry().is_profiled(plugin.schedule)
             else None)
         log = logger.info if dist.get_rank() == 0 else logger.debug
         log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %s) on tp=%d ep=%d etp=%d, "

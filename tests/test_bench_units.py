@@ -62,8 +62,8 @@ def test_plan_problems_lists_everything_at_once():
 
 
 def test_every_registered_schedule_is_a_row():
-    from moe_plugins.schedules import SCHEDULES
-    for name in SCHEDULES:
+    from moe_plugins.plugins import default_registry
+    for name in default_registry().schedule_names():
         assert rows.row_problems(RowSpec(name=name)) == []
         assert rows.row_problems(RowSpec(name=name, options=(("r", "2"),))) == []
     assert rows.row_kind("deepspeed").kind == "stock" and rows.row_kind("baseline").kind == "plugin"
@@ -260,8 +260,8 @@ def test_fixed_twin_names_the_row_an_auto_row_ran_as():
 
 def test_schedules_say_what_they_ran_as():
     from moe_plugins.parm.cost import ParmChoice
-    from moe_plugins.schedules import SCHEDULES
-    cls = SCHEDULES["parm-auto"]
+    from moe_plugins.plugins import default_registry
+    cls = default_registry().schedule_class("parm-auto")
     auto = cls.__new__(cls)                      # the protocol reads decisions only, no groups needed
     auto.choices, auto.made = {}, set()
     assert auto.ran() == set() and auto.notes() == []
@@ -272,7 +272,7 @@ def test_schedules_say_what_they_ran_as():
     assert "C_l 1.5 observed" in auto.notes()[0]
     auto.made = {"parm-s1", "parm-s2-saa"}            # it switched once it had seen S1's buffer: both ran
     assert auto.ran() == {"parm-s1", "parm-s2-saa"}
-    base = SCHEDULES["baseline"].__new__(SCHEDULES["baseline"])
+    base = default_registry().schedule_class("baseline").__new__(default_registry().schedule_class("baseline"))
     assert base.ran() == {"baseline"} and base.notes() == []
 
 

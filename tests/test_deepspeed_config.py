@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.cli import main as cli_main
 from moe_plugins.tools.cli.launch_cmd import launch_env
 from moe_plugins.tools.launch_shim import CONFIG_ENV, SHIM_DIR, config_path_from_argv
@@ -28,7 +29,7 @@ def test_every_problem_in_one_error():
     bad = {"schedul": "baseline", "schedule": "fastest", "pipeline_degree": 0, "esp": True, "ranks_per_node": "8",
            "enabled": "yes", "a2a_priority": True, "fssdp": 1, "overlap": True}
     with pytest.raises(ValueError) as info:
-        PluginConfig.from_dict(bad, path="ds.moe_plugins")
+        PluginConfig.from_dict(bad, path="ds.moe_plugins", schedules=default_registry().schedule_names())
     msg = str(info.value)
     for part in ("ds.moe_plugins.schedul: unknown key (did you mean 'schedule'?)",
                  "ds.moe_plugins.schedule ('fastest') must be one of", "baseline-tp",
@@ -40,7 +41,7 @@ def test_every_problem_in_one_error():
                  "ds.moe_plugins.fssdp (1) must be true or false",
                  "ds.moe_plugins.overlap (True) is reserved for Lancet"):
         assert part in msg, part
-    assert len(plugin_config_problems(bad, "x")) == 9
+    assert len(plugin_config_problems(bad, "x", schedules=default_registry().schedule_names())) == 9
 
 
 @pytest.mark.parametrize("value", ["2", 1.5, -1, "AUTO", "tuned", None, False])

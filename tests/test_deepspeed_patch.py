@@ -140,7 +140,7 @@ def test_layer_problems_lists_every_reason():
         "shards this layer's expert modules by"]
     assert adapter.layer_problems(etp, PluginConfig(schedule="parm-s1"), world=4, rank=0, ranks_per_node=2,
                                   use_data_before_expert_parallel=False) == [
-        "moe_plugins.schedule ('parm-s1') cannot run with DeepSpeed's expert tensor parallelism (esp 2): Parm's "
+        "moe_plugins.schedule ('parm-s1') cannot run with DeepSpeed's expert tensor parallelism (esp 2): its "
         "local combine needs the experts' partial sums, and enable_expert_tensor_parallelism's expert modules "
         "all-reduce inside themselves; allowed here: 'baseline', 'baseline-tp'"]
     sliceable = _facts(ffn_activation="gelu", ffn=18)

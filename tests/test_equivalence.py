@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_plugins.core.layout import ParallelLayout, layout_problems
-from moe_plugins.schedules import schedule_problems
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, compare
 from tests.workers.core import collect, verify_many
 
@@ -17,7 +17,7 @@ def valid_layouts(schedule):
         for ep, esp in ((1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)):
             if layout_problems(WORLD, 2, mp, ep, esp):
                 continue
-            if not schedule_problems(schedule, ParallelLayout(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp)):
+            if not default_registry().schedule_problems(schedule, ParallelLayout(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp)):
                 out.append((mp, ep, esp))
     return out
 

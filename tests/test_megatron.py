@@ -20,7 +20,7 @@ from moe_plugins.core.dispatch import combine, dispatch  # noqa: E402
 from moe_plugins.patches import megatron as mp  # noqa: E402
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems, token_layout  # noqa: E402
 from moe_plugins.core.plugin_config import PluginConfig  # noqa: E402
-from moe_plugins.schedules import SCHEDULES, schedule_problems  # noqa: E402
+from moe_plugins.plugins import default_registry  # noqa: E402
 from moe_plugins.tools.verify_megatron import MegatronVerifySpec, collect  # noqa: E402
 from tests.workers import megatron as jobs                                            # noqa: E402
 
@@ -105,8 +105,8 @@ def test_megatron_tokens_are_one_block_per_rank():
     facts = facts_from_args(megatron_args(tensor_model_parallel_size=2, expert_tensor_parallel_size=2))
     layout = token_layout(facts, WORLD, RPN)
     assert (layout.mp, layout.ep, layout.esp, layout.dp) == (1, 2, 2, WORLD)
-    assert schedule_problems("baseline", layout) == []
-    assert schedule_problems("baseline-tp", layout) != []
+    assert default_registry().schedule_problems("baseline", layout) == []
+    assert default_registry().schedule_problems("baseline-tp", layout) != []
 
 
 def _snapshot():
@@ -254,8 +254,8 @@ def test_other_schedules_and_pipeline_degree_match_stock(world):
         args = megatron_args(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                              expert_tensor_parallel_size=etp)
         layout = token_layout(facts_from_args(args), WORLD, RPN)
-        specs += [spec(tp, ep, etp, k=2, drop=False, schedule=name) for name in sorted(SCHEDULES)
-                  if name != "baseline" and not schedule_problems(name, layout)]
+        specs += [spec(tp, ep, etp, k=2, drop=False, schedule=name) for name in default_registry().schedule_names()
+                  if name != "baseline" and not default_registry().schedule_problems(name, layout)]
         specs.append(spec(tp, ep, etp, k=2, drop=True, capacity_factor=1.25, pipeline_degree=2))
     assert any(s.schedule == "baseline-tp" for s in specs)
     _check([r for rank in run(world, jobs.equivalence_job, specs) for r in rank], 1e-9)

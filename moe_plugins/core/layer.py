@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Type, Union
+from typing import Any, Optional, Type, Union
 
 import torch
 from torch import nn
 
+from moe_plugins.core.baseline import BaselineSchedule
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.engine import CommEngine
@@ -20,24 +21,24 @@ from moe_plugins.core.experts import ExpertWeights, shard_weights, sharded_exper
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.router import route_token_block, route_tokens
-from moe_plugins.pipemoe.degree import AutoDegree, Degree
-from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, schedule_problems
+from moe_plugins.core.registry import Registry
+from moe_plugins.core.schedule import LayerParams, Schedule
 
 ScheduleLike = Union[str, Type[Schedule]]     # a registered name, or a registered schedule's configured subclass
+Degree = Any          # an int >= 1, or a paper's per-call degree policy carried by the executor
 
 
-def schedule_class(schedule: ScheduleLike) -> Type[Schedule]:
-    """The class behind a schedule name; a class is taken as is when it derives from the registered class of
-    its ``name`` (e.g. ``ParmAutoSchedule.with_costs(...)``, parm-auto with measured costs)."""
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule ({schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
-        return SCHEDULES[schedule]
-    name = getattr(schedule, "name", None)
-    if not (isinstance(schedule, type) and name in SCHEDULES and issubclass(schedule, SCHEDULES[name])):
-        raise ValueError(f"schedule ({schedule!r}) must be a name in {', '.join(sorted(SCHEDULES))} or a subclass "
-                         "of the registered class of its name")
-    return schedule
+def resolve_schedule(schedule: ScheduleLike, registry: Optional[Registry]) -> Type[Schedule]:
+    """A schedule class as is; a name through ``registry`` (moe_plugins.plugins.default_registry() has every
+    paper's schedules; the core knows none by name itself)."""
+    if isinstance(schedule, str) and registry is None:
+        raise ValueError(f"schedule ({schedule!r}) is a name: pass registry= (e.g. "
+                         "moe_plugins.plugins.default_registry()) or the schedule class")
+    if registry is None:
+        if not (isinstance(schedule, type) and issubclass(schedule, Schedule)):
+            raise ValueError(f"schedule ({schedule!r}) must be a Schedule subclass or a registered name")
+        return schedule
+    return registry.schedule_class(schedule)
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,18 @@ class MoEOutput:
 
 
 def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: ScheduleLike,
-                     pipeline_degree: Degree, executor: Optional[Executor] = None) -> None:
+                     pipeline_degree: Degree, executor: Optional[Executor] = None,
+                     registry: Optional[Registry] = None) -> None:
     """Raise one ValueError listing every problem, before anything is built."""
-    name = schedule if isinstance(schedule, str) else getattr(schedule, "name", repr(schedule))
-    problems = moe_config_problems(config, groups.layout) + schedule_problems(name, groups.layout)
-    fixed_ok = isinstance(pipeline_degree, int) and pipeline_degree >= 1
-    if not (fixed_ok or isinstance(pipeline_degree, AutoDegree)):
-        problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer or an AutoDegree")
+    problems = moe_config_problems(config, groups.layout)
+    try:
+        problems += resolve_schedule(schedule, registry).layout_problems(groups.layout)
+    except ValueError as exc:
+        problems.append(str(exc))
+    fixed_ok = isinstance(pipeline_degree, int) and not isinstance(pipeline_degree, bool) and pipeline_degree >= 1
+    if not fixed_ok and executor is None:
+        problems.append(f"pipeline_degree ({pipeline_degree!r}) must be a positive integer, or come with the "
+                        "executor that carries it")
     elif executor is None and pipeline_degree != 1:
         problems.append(f"pipeline_degree ({pipeline_degree!r}) needs executor= (the layer builds no process "
                         "groups): build_executor(pipeline_degree, profile, build_engine(groups, pipeline=True)) "
@@ -74,17 +80,17 @@ class MoELayer(nn.Module):
     degree is not 1); ``engine`` issues its collectives (default: the executor's, else an inline one). Both
     are built by the caller: the layer builds no process groups."""
 
-    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: ScheduleLike = "baseline",
+    def __init__(self, config: MoEConfig, groups: MoEProcessGroups, *, schedule: ScheduleLike = BaselineSchedule,
                  pipeline_degree: Degree = 1, ledger: Optional[CommLedger] = None, name: str = "moe",
                  dtype: torch.dtype = torch.float32, executor: Optional[Executor] = None,
-                 engine: Optional[CommEngine] = None):
+                 engine: Optional[CommEngine] = None, registry: Optional[Registry] = None):
         super().__init__()
-        check_layer_args(config, groups, schedule, pipeline_degree, executor)
+        check_layer_args(config, groups, schedule, pipeline_degree, executor, registry)
         self.executor = executor if executor is not None else Sequential()
         self.config, self.groups, self.pipeline_degree, self.name = config, groups, self.executor.degree, name
         self.ledger = ledger
         self.rec = Recorder(ledger, name, engine if engine is not None else getattr(self.executor, "engine", None))
-        self.schedule = schedule_class(schedule)(config, groups, self.rec)
+        self.schedule = resolve_schedule(schedule, registry)(config, groups, self.rec)
         e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
         self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
         self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))

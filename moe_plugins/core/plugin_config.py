@@ -5,7 +5,7 @@ Schema (documented for users in ``docs/config.md``)::
 
     "moe_plugins": {
         "enabled": true,            # false keeps the section but runs the host's stock MoE layers
-        "schedule": "baseline",     # a name in moe_plugins.schedules.SCHEDULES
+        "schedule": "baseline",     # a registered schedule (moe_plugins.plugins.default_registry())
         "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1, "auto" or "tune"
         "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
                                     # another value is a layout the host cannot express (docs/config.md)
@@ -25,16 +25,12 @@ import difflib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 SECTION = "moe_plugins"
 # pipeline_degree values whose degree comes from the cost profile: the model's pick ("auto"), or that pick
 # checked by timing the layer ("tune", moe_plugins/pipemoe/tune.py).
 PROFILED_DEGREES = ("auto", "tune")
-
-
-# schedules that decide from the cost profile (Algorithm 1), the second checking by timing the layer
-PROFILED_SCHEDULES = ("parm-auto", "parm-tune")
 
 
 def degree_needs_profile(value: Any) -> bool:
@@ -75,11 +71,13 @@ class PluginConfig:
             raise ValueError(f"invalid {SECTION} section: " + "; ".join(problems))
 
     @classmethod
-    def from_dict(cls, section: Any, path: str = SECTION) -> "PluginConfig":
-        """Build from a parsed JSON object. Raises one ValueError listing every problem, each with its path."""
+    def from_dict(cls, section: Any, path: str = SECTION, *,
+                  schedules: Optional[Sequence[str]] = None) -> "PluginConfig":
+        """Build from a parsed JSON object. Raises one ValueError listing every problem, each with its path.
+        ``schedules``: the registered schedule names (the registry's; the core knows none itself)."""
         if not isinstance(section, Mapping):
             raise ValueError(f"{path} ({section!r}) must be a JSON object (dict), got {type(section).__name__}")
-        problems = plugin_config_problems(section, path)
+        problems = plugin_config_problems(section, path, schedules=schedules)
         if problems:
             raise ValueError(f"invalid {path} section: " + "; ".join(problems))
         return cls(**dict(section))
@@ -96,11 +94,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION) -> List[str]:
+def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
+                           schedules: Optional[Sequence[str]] = None) -> List[str]:
     """Every unknown key and bad value of a section, each naming ``path.key``, the value and what is allowed
-    (empty when valid). Pure: no host, no process group."""
-    from moe_plugins.schedules import SCHEDULES  # lazy: the schedules import torch
-
+    (empty when valid). Pure: no host, no process group. ``schedules``: the registered names to check
+    ``schedule`` against (None: only its type; hosts pass the registry's and check the layout too)."""
     allowed = _names()
     problems = []
     for key in section:
@@ -114,8 +112,10 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION) -> L
 
     if "enabled" in section and not isinstance(section["enabled"], bool):
         bad("enabled", "must be true or false")
-    if "schedule" in section and section["schedule"] not in SCHEDULES:
-        bad("schedule", f"must be one of {', '.join(sorted(SCHEDULES))}")
+    if "schedule" in section and not (isinstance(section["schedule"], str) and section["schedule"]):
+        bad("schedule", "must be a schedule name (a non-empty string)")
+    elif "schedule" in section and schedules is not None and section["schedule"] not in schedules:
+        bad("schedule", f"must be one of {', '.join(sorted(schedules))}")
     if "pipeline_degree" in section:
         value = section["pipeline_degree"]
         if not (value in PROFILED_DEGREES if isinstance(value, str) else _is_int(value) and value >= 1):
@@ -145,14 +145,16 @@ def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[s
     return loaded
 
 
-def section_of(ds_config: Mapping[str, Any]) -> Optional[PluginConfig]:
+def section_of(ds_config: Mapping[str, Any], *, schedules: Optional[Sequence[str]] = None
+               ) -> Optional[PluginConfig]:
     """The validated ``moe_plugins`` section of a ds_config, or None when it has none."""
     if SECTION not in ds_config:
         return None
-    return PluginConfig.from_dict(ds_config[SECTION], SECTION)
+    return PluginConfig.from_dict(ds_config[SECTION], SECTION, schedules=schedules)
 
 
-def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]]) -> Optional[PluginConfig]:
+def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]], *,
+            schedules: Optional[Sequence[str]] = None) -> Optional[PluginConfig]:
     """What ``moe_plugins.enable(...)`` accepts, as a PluginConfig (None: decide per engine from its ds_config).
 
     - a PluginConfig;
@@ -163,7 +165,7 @@ def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any
         return config
     if isinstance(config, (str, os.PathLike)):
         ds_config = load_ds_config(config)
-        found = section_of(ds_config)
+        found = section_of(ds_config, schedules=schedules)
         if found is None:
             raise ValueError(f"ds_config {os.fspath(config)!r} has no {SECTION!r} section")
         return found
@@ -171,8 +173,8 @@ def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any
         raise ValueError(f"moe_plugins.enable expects a ds_config (dict or path), its {SECTION!r} section or a "
                          f"PluginConfig, got {type(config).__name__}")
     if SECTION in config:
-        return section_of(config)
+        return section_of(config, schedules=schedules)
     host_keys = sorted(set(config) & _DS_CONFIG_KEYS)
     if host_keys:
         raise ValueError(f"the ds_config given (keys {', '.join(host_keys)}, ...) has no {SECTION!r} section")
-    return PluginConfig.from_dict(config, SECTION)
+    return PluginConfig.from_dict(config, SECTION, schedules=schedules)

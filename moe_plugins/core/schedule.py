@@ -71,6 +71,9 @@ class LayerParams:
 
 class Schedule(ABC):
     name: ClassVar[str]
+    # the expert step needs the experts' partial (un-reduced) ESP sums, so a host's expert modules that
+    # all-reduce inside themselves cannot serve it (Parm's local combine)
+    needs_expert_partials: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, groups: MoEProcessGroups, rec: Recorder):
         self.config, self.groups, self.rec = config, groups, rec

@@ -190,6 +190,7 @@ class _ParmSchedule(Schedule):
     """Steps 2-4, shared by S1 and S2 (so parm-auto's pipeline twin needs no state)."""
 
     saa: ClassVar[bool] = False
+    needs_expert_partials: ClassVar[bool] = True     # the local combine sums partial ESP outputs itself
 
     def exchange(self, d: torch.Tensor) -> Exchange:
         # S1 (d_EcM): the dump copies each row to the N_ESP shards; S2 (d_EPcM): MP-split first, then the dump

@@ -1,0 +1,27 @@
+"""PipeMoE: pipelined dispatch, experts and combine, with the degree chosen from fitted cost models.
+docs/pipemoe.md explains the design.
+
+- :mod:`.model`: the time model (Eq. 9-12 as a recurrence, Theorem 1) and the degree search;
+- :mod:`.degree`: ``pipeline_degree="auto"`` per layer call; :mod:`.tune`: ``"tune"``;
+- :mod:`.runner`: the ``Pipelined`` executor on the engine's pipeline lane, and ``build_executor``;
+- :mod:`.plan`: ``moe-plugins plan pipemoe``; :mod:`.profile_ops`: the ``chunk`` op of ``moe-plugins profile``.
+"""
+
+from __future__ import annotations
+
+
+def _planner(subparsers) -> None:
+    from moe_plugins.pipemoe import plan       # imported when `moe-plugins plan pipemoe` is asked for
+    plan.register(subparsers)
+
+
+def _chunk_op(spec, groups, device, stack):
+    from moe_plugins.pipemoe import profile_ops   # imported when a profile runs
+    return profile_ops.CHUNK_OP(spec, groups, device, stack)
+
+
+def register(registry) -> None:
+    """Add PipeMoE's planner and its profile op to ``registry`` (its executor is built by
+    :func:`moe_plugins.pipemoe.runner.build_executor` from the ``pipeline_degree`` flag)."""
+    registry.add_planner("pipemoe", _planner)
+    registry.add_profile_op("chunk", _chunk_op)

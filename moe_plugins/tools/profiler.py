@@ -15,7 +15,7 @@ What is timed (every rank at once, as in training; each sample is the slowest ra
   so the fit carries its per-slice costs; x = bytes into the all-to-all (the all-gather is mp / esp times
   that, as in S2);
 - ``chunk`` (opt-in): what PipeMoE's runner costs per chunk. A tiny MoE layer (so that the per-byte and
-  per-mac terms vanish) runs forward + backward at the degrees in :data:`CHUNK_DEGREES` on the layout's
+  per-mac terms vanish) runs forward + backward at the degrees in :data:`moe_plugins.pipemoe.profile_ops.CHUNK_DEGREES` on the layout's
   groups; x = the degree. r = 1 runs the sequential loop and r >= 2 the pipeline, so the line is fitted to
   the degrees >= 2 (:func:`~moe_plugins.core.costmodel.runner_chunk_terms`): its slope is the per-chunk start-up
   (thread hand-offs, autograd, waiting for the slowest rank at each collective) that the bare ops above do
@@ -38,9 +38,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from moe_plugins.core.costmodel import UNITS, CostProfile, LinearModel, Measurement, ProfileKey, fit_linear, runner_chunk_terms
+from moe_plugins.core.costmodel import UNITS, CostProfile, LinearModel, Measurement, fit_linear, runner_chunk_terms
 from moe_plugins.core.groups import Group, MoEProcessGroups, process_groups
 from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.profile_ops import ProfileBench, elements as _elements, profile_key
+from moe_plugins.core.registry import Registry
+from moe_plugins.plugins import default_registry
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 COLLECTIVES = ("all_to_all", "all_to_all_stream", "all_gather", "all_reduce")
@@ -60,6 +63,10 @@ class ProfileSpec:
     warmup: int = 2
     repeats: int = 5
     dtype: str = "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     def problems(self) -> List[str]:
         out = []
@@ -88,15 +95,6 @@ class ProfileSpec:
         return self
 
 
-@dataclass(frozen=True)
-class _Bench:
-    key: str                          # model key, e.g. "all_to_all@ep"
-    x: Callable[[int], float]         # size index -> x of the model
-    setup: Callable[[int], Callable[[], None]]    # size index -> the op to time
-    aliases: List[str]                # other keys whose groups hold the same ranks (measured once)
-    per_op: Callable[[int], int] = lambda i: 1     # size index -> ops one timed run holds (its time is divided)
-
-
 def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -117,11 +115,6 @@ def _time(op: Callable[[], None], warmup: int, repeats: int, device: torch.devic
         sync()
         samples.append(_slowest(time.perf_counter() - t0))
     return statistics.median(samples)
-
-
-def _elements(nbytes: int, dtype: torch.dtype, multiple: int) -> int:
-    per = torch.tensor([], dtype=dtype).element_size()
-    return max(multiple, nbytes // per // multiple * multiple)
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (as in comm.py)
@@ -151,28 +144,11 @@ def _collective(op: str, group: Group, numel: int, dtype: torch.dtype, device: t
     return lambda: dist.all_reduce(x, group=group.pg)
 
 
-SAA_ROW = 64       # elements per slot row of the profiled SAA tensor (w: G x 1 x 1 x c x SAA_ROW)
-
-
-def _saa(groups: MoEProcessGroups, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
-    """The layer's own SAA (:func:`moe_plugins.parm.saa.saa_raw`: p2p slices on EP&ESP, each peer block summed and
-    all-gathered on MP as it lands) on ``numel`` all-to-all elements per rank, so the fitted term carries its
-    per-slice costs; the all-gather is mp / esp times the all-to-all, as in S2."""
-    from moe_plugins.core.comm import Recorder
-    from moe_plugins.parm.saa import block_order, saa_raw
-    g = groups.ep_esp.size
-    w = torch.randn(g, 1, 1, numel // (g * SAA_ROW), SAA_ROW, device=device).to(dtype)
-    order = block_order(groups.layout, groups.mp, groups.esp.size)
-    rec = Recorder(None, "profile")
-    return lambda: saa_raw(w, ep_esp=groups.ep_esp, mp=groups.mp, esp=groups.esp.size, order=order, rec=rec,
-                           phase="forward")
-
-
-def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) -> List[_Bench]:
+def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) -> List[ProfileBench]:
     dtype = DTYPES[spec.dtype]
     elsize = torch.tensor([], dtype=dtype).element_size()
     sizes = sorted(set(spec.sizes_bytes))
-    out: List[_Bench] = []
+    out: List[ProfileBench] = []
     if "gemm" in spec.ops:
         e_l, m, h = spec.gemm_shape
         rows = sorted(set(spec.gemm_rows))
@@ -181,8 +157,8 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
             a = torch.randn(e_l, rows[i], m, device=device).to(dtype)
             b = torch.randn(e_l, m, h, device=device).to(dtype)
             return lambda: torch.bmm(a, b)
-        out.append(_Bench("gemm", lambda i: float(e_l * rows[i] * m * h), gemm_setup, []))
-    first: Dict[Tuple[str, Tuple[int, ...]], _Bench] = {}
+        out.append(ProfileBench("gemm", lambda i: float(e_l * rows[i] * m * h), gemm_setup, []))
+    first: Dict[Tuple[str, Tuple[int, ...]], ProfileBench] = {}
     for kind in spec.groups:
         group = getattr(groups, kind)
         if group.size == 1:
@@ -196,70 +172,38 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
             numels = [_elements(s, dtype, group.size) for s in sizes]
             per_op = ((lambda i, n=numels: stream_count(n[i] * elsize)) if op == "all_to_all_stream"
                       else (lambda i: 1))
-            bench = _Bench(f"{op}@{kind}", lambda i, n=numels: float(n[i] * elsize),
+            bench = ProfileBench(f"{op}@{kind}", lambda i, n=numels: float(n[i] * elsize),
                            lambda i, op=op, g=group, n=numels: _collective(op, g, n[i], dtype, device), [], per_op)
             first[op, group.ranks] = bench
             out.append(bench)
-    if "saa" in spec.ops and groups.ep_esp.size > 1 and groups.mp.size > 1:
-        numels = [_elements(s, dtype, groups.ep_esp.size * SAA_ROW) for s in sizes]
-        out.append(_Bench("saa@ep_esp+mp", lambda i: float(numels[i] * elsize),
-                          lambda i: _saa(groups, numels[i], dtype, device), []))
     return out
 
 
-CHUNK_DEGREES = (1, 2, 3, 4, 6, 8)
-
-
-def _chunk_bench(groups: MoEProcessGroups, dtype: torch.dtype, device: torch.device, stack: ExitStack) -> _Bench:
-    """The runner's per-chunk cost: fwd+bwd of a tiny baseline MoE layer at each degree in CHUNK_DEGREES,
-    all degrees on one engine's lane (collective to build: every rank builds it in the same order)."""
-    from moe_plugins.core.config import MoEConfig
-    from moe_plugins.core.engine import build_engine
-    from moe_plugins.core.layer import MoELayer
-    from moe_plugins.pipemoe.runner import build_executor
-    layout = groups.layout
-    config = MoEConfig(hidden=32, ffn=32 * layout.esp, num_experts=2 * layout.ep, k=1, capacity_factor=1.0,
-                       min_capacity=max(CHUNK_DEGREES))
-    engine = build_engine(groups, pipeline=True)
-    stack.callback(engine.close)
-    layers = [MoELayer(config, groups, schedule="baseline", dtype=dtype, executor=build_executor(r, None, engine),
-                       engine=engine).to(device) for r in CHUNK_DEGREES]
-    gen = torch.Generator().manual_seed(0)
-    x_SM = torch.randn(16 * config.num_experts, config.hidden, generator=gen).to(device=device, dtype=dtype)
-    for layer in layers:
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen).to(p))
-
-    def setup(i: int) -> Callable[[], None]:
-        def run() -> None:
-            out = layers[i](x_SM.detach().requires_grad_(True))
-            (out.y.sum() + out.aux_loss).backward()
-        return run
-    return _Bench("chunk", lambda i: float(CHUNK_DEGREES[i]), setup, [])
-
-
-def _count(bench: _Bench, spec: ProfileSpec) -> int:
-    if bench.key == "chunk":
-        return len(CHUNK_DEGREES)
+def _count(bench: ProfileBench, spec: ProfileSpec) -> int:
+    if bench.points is not None:
+        return bench.points
     return len(set(spec.gemm_rows)) if bench.key == "gemm" else len(set(spec.sizes_bytes))
 
 
 def profile_rank(spec: ProfileSpec, *, source: str = "", progress: bool = True,
-                 groups: Optional[MoEProcessGroups] = None) -> Optional[CostProfile]:
+                 groups: Optional[MoEProcessGroups] = None, registry: Optional[Registry] = None
+                 ) -> Optional[CostProfile]:
     """Collective over the default group: measure every op and fit it. Rank 0 returns the profile.
     Without ``groups`` it builds the layout's groups and destroys them afterwards."""
     spec.check()
+    registry = default_registry() if registry is None else registry
     if groups is None:
         with process_groups(spec.layout) as made:
-            return profile_rank(spec, source=source, progress=progress, groups=made)
+            return profile_rank(spec, source=source, progress=progress, groups=made, registry=registry)
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     measured: Dict[str, Measurement] = {}
     with ExitStack() as stack:
         benches = _benches(spec, groups, device)
-        if "chunk" in spec.ops:
-            benches.append(_chunk_bench(groups, DTYPES[spec.dtype], device, stack))
+        for op in registry.profile_ops().values():        # the papers' ops (Parm's SAA, PipeMoE's chunk)
+            bench = op(spec, groups, device, stack)
+            if bench is not None:
+                benches.append(bench)
         total = sum(_count(b, spec) for b in benches)
         bar = _progress(total, progress and dist.get_rank() == 0)
         stack.callback(bar.close)
@@ -283,12 +227,6 @@ def _fit(key: str, m: Measurement) -> LinearModel:
     if key == "chunk":
         return runner_chunk_terms(m)[0]
     return fit_linear(m.x, m.seconds, UNITS[key.split("@")[0]])
-
-
-def profile_key(layout: ParallelLayout, backend: str, device: torch.device) -> ProfileKey:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return ProfileKey(world=layout.world, ranks_per_node=layout.ranks_per_node, mp=layout.mp, ep=layout.ep,
-                      esp=layout.esp, backend=backend, device=name)
 
 
 class _NoBar:

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from moe_plugins.core.registry import Registry
+from moe_plugins.plugins import default_registry
 from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.engine import build_engine
 from moe_plugins.core.experts import ExpertWeights, init_full_weights, shard_weights
@@ -28,7 +30,6 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.reference import reference_moe
 from moe_plugins.core.timeline import chrome_trace
 from moe_plugins.pipemoe.runner import build_executor, needs_lane
-from moe_plugins.schedules import schedule_problems
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -67,13 +68,14 @@ class VerifySpec:
                          drop_tokens=self.drop)
 
 
-def spec_problems(spec: VerifySpec) -> List[str]:
+def spec_problems(spec: VerifySpec, registry: Optional[Registry] = None) -> List[str]:
     """Every problem with the spec, each naming the flag and its value."""
+    registry = default_registry() if registry is None else registry
     problems = layout_problems(spec.world, spec.ranks_per_node, spec.mp, spec.ep, spec.esp)
     if problems:
         return problems
     layout = spec.layout()
-    problems += moe_config_problems(spec.moe_config(), layout) + schedule_problems(spec.schedule, layout)
+    problems += moe_config_problems(spec.moe_config(), layout) + registry.schedule_problems(spec.schedule, layout)
     if spec.tokens < 1:
         problems.append(f"tokens ({spec.tokens}) must be >= 1")
     if spec.dtype not in DTYPES:
@@ -106,10 +108,10 @@ def make_problem(spec: VerifySpec) -> _Problem:
     return _Problem(wg, full, x, g)
 
 
-def run_rank(spec: VerifySpec) -> Optional[Dict[str, Any]]:
+def run_rank(spec: VerifySpec, registry: Optional[Registry] = None) -> Optional[Dict[str, Any]]:
     """Collective over the default group: run the layer, gather to rank 0, return the report there (with
     ``spec.timeline``, its "timeline" is the Chrome trace of every rank's collectives)."""
-    gathered = collect_rank(spec)
+    gathered = collect_rank(spec, registry)
     if gathered is None:
         return None
     report = compare(spec, gathered)
@@ -118,21 +120,23 @@ def run_rank(spec: VerifySpec) -> Optional[Dict[str, Any]]:
     return report
 
 
-def collect_rank(spec: VerifySpec) -> Optional[List[Dict[str, Any]]]:
-    """Collective: run forward and backward on this rank; rank 0 gets every rank's results."""
+def collect_rank(spec: VerifySpec, registry: Optional[Registry] = None) -> Optional[List[Dict[str, Any]]]:
+    """Collective: run forward and backward on this rank; rank 0 gets every rank's results. ``registry``
+    resolves ``spec.schedule`` (default: every paper's schedules)."""
     layout = spec.layout()
     with process_groups(layout) as groups:
-        mine = _run_layer(spec, layout, groups)
+        mine = _run_layer(spec, layout, groups, default_registry() if registry is None else registry)
     gathered: List[Any] = [None] * layout.world
     dist.all_gather_object(gathered, mine)
     return gathered if dist.get_rank() == 0 else None
 
 
-def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups) -> Dict[str, Any]:
+def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups, registry: Registry) -> Dict[str, Any]:
     ledger = CommLedger()
     engine = build_engine(groups, pipeline=needs_lane(spec.pipeline_degree))     # collective
     try:
-        layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, ledger=ledger, dtype=DTYPES[spec.dtype],
+        layer = MoELayer(spec.moe_config(), groups, registry=registry, schedule=spec.schedule,
+                         ledger=ledger, dtype=DTYPES[spec.dtype],
                          executor=build_executor(spec.pipeline_degree, None, engine), engine=engine)
         prob = make_problem(spec)
         layer.load_full(prob.wg_EM, prob.full)

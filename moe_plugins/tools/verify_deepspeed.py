@@ -34,7 +34,7 @@ from moe_plugins.core.groups import Group
 from moe_plugins.core.layout import ParallelLayout, dp_groups, layout_problems, mp_groups
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.plugin_config import PluginConfig
-from moe_plugins.schedules import SCHEDULES
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import AUX_COEF, DTYPES, TOLERANCE, VerifySpec, make_problem
 
 
@@ -61,9 +61,10 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
         problems.append(f"esp ({spec.esp}) must be 1 or mp ({spec.mp}) when mp > 1: esp = mp compares DeepSpeed's "
                         "expert tensor parallelism; esp > 1 with mp = 1 compares the plugin slicing DeepSpeed's "
                         "experts against stock DeepSpeed without ESP")
-    if spec.schedule not in SCHEDULES:
-        problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
-    elif spec.mp > 1 and spec.esp > 1 and spec.schedule.startswith("parm"):
+    registry = default_registry()
+    if spec.schedule not in registry.schedule_names():
+        problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: {', '.join(registry.schedule_names())}")
+    elif spec.mp > 1 and spec.esp > 1 and registry.schedule_class(spec.schedule).needs_expert_partials:
         problems.append(f"schedule ({spec.schedule!r}) with esp ({spec.esp}) = mp: DeepSpeed's tensor-parallel "
                         "experts all-reduce inside themselves and Parm needs their partial sums (the plugin "
                         "refuses this layout; docs/parm.md, Limits)")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.plugin_config import PluginConfig
-from moe_plugins.schedules import SCHEDULES
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import DTYPES, TOLERANCE, VerifySpec
 
 AUX_COEF, Z_COEF = 0.01, 1e-3
@@ -46,8 +46,9 @@ def host_spec_problems(spec: MegatronVerifySpec) -> List[str]:
     """Every reason this spec cannot run stock Megatron and the plugin side by side (the plugin's own checks run
     when its layer is built)."""
     problems = layout_problems(spec.world, spec.ranks_per_node, spec.mp, spec.ep, spec.esp)
-    if spec.schedule not in SCHEDULES:
-        problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: {', '.join(sorted(SCHEDULES))}")
+    if spec.schedule not in default_registry().schedule_names():
+        problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: "
+                        f"{', '.join(default_registry().schedule_names())}")
     if spec.experts % spec.ep:
         problems.append(f"experts ({spec.experts}) must be divisible by ep ({spec.ep})")
     if spec.ffn % spec.esp:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
-from typing import Iterator, List, Optional, Tuple, Type
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,8 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.router import route_token_block, route_tokens
 from moe_plugins.parm.saa import block_order, saa_adjoint_raw, saa_raw
 from moe_plugins.parm.cost import ParmCosts
-from moe_plugins.schedules import SCHEDULES, LayerParams, Schedule, run_schedule
+from moe_plugins.core.schedule import LayerParams, Schedule, run_schedule
+from moe_plugins.plugins import build_registry, default_registry
 from moe_plugins.parm.schedules import ParmAutoSchedule
 from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.tools.verify import VerifySpec, make_problem, run_rank
@@ -32,22 +32,11 @@ def verify_many(specs: List[VerifySpec]):
     return [run_rank(spec) for spec in specs]
 
 
-@contextmanager
-def registered(name: str, cls: Type[Schedule]) -> Iterator[None]:
-    """Make ``cls`` reachable by ``name`` for this job only (verify builds layers by name)."""
-    if name in SCHEDULES:
-        raise ValueError(f"schedule name {name!r} is taken")
-    SCHEDULES[name] = cls
-    try:
-        yield
-    finally:
-        del SCHEDULES[name]
-
-
 def verify_auto_with_costs(name: str, costs: ParmCosts, specs: List[VerifySpec]):
-    """verify_many for parm-auto with the given costs, registered as ``name`` for this job."""
-    with registered(name, ParmAutoSchedule.with_costs(costs, f"test costs ({name})")):
-        return verify_many(specs)
+    """verify_many for parm-auto with the given costs, registered as ``name`` in this job's own registry."""
+    cls = ParmAutoSchedule.with_costs(costs, f"test costs ({name})")
+    registry = build_registry(lambda r: r.add_schedule(cls, paper="test", name=name))
+    return [run_rank(spec, registry) for spec in specs]
 
 
 def balanced_ledgers(layout: Tuple[int, int, int], k: int, schedules: List[str], tokens: int = 16):
@@ -70,7 +59,8 @@ def balanced_ledgers(layout: Tuple[int, int, int], k: int, schedules: List[str],
     out = {}
     for name in schedules:
         ledger = CommLedger()
-        layer = MoELayer(cfg, groups, schedule=name, ledger=ledger, name=name, dtype=torch.float64)
+        layer = MoELayer(cfg, groups, registry=default_registry(), schedule=name, ledger=ledger, name=name,
+                         dtype=torch.float64)
         layer.load_full(wg_EM, full)
         x = x_SM.clone().requires_grad_(True)
         result = layer(x)
@@ -91,7 +81,7 @@ def chunked_equals_whole(layout: Tuple[int, int, int], schedule: str, degrees: L
     full = init_full_weights(cfg.num_experts, cfg.hidden, cfg.ffn, gen, torch.float64)
     wg_EM = torch.randn(cfg.num_experts, cfg.hidden, generator=gen, dtype=torch.float64)
     x_SM = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
-    layer = MoELayer(cfg, groups, schedule=schedule, dtype=torch.float64)
+    layer = MoELayer(cfg, groups, registry=default_registry(), schedule=schedule, dtype=torch.float64)
     layer.load_full(wg_EM, full)
     rec = Recorder(None, "chunks")
     params = LayerParams(
@@ -145,7 +135,7 @@ def fallback_equals_block_router(layout: Tuple[int, int, int], drop: bool, token
     wg_EM = torch.randn(cfg.num_experts, cfg.hidden, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     x_SM = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
     g_SM = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float64)
-    layer = MoELayer(cfg, groups, schedule="parm-s1", dtype=torch.float64)
+    layer = MoELayer(cfg, groups, registry=default_registry(), schedule="parm-s1", dtype=torch.float64)
     layer.load_full(wg_EM, full)
     rec = Recorder(None, "fallback")
     router = partial(route_tokens, wg_EM=layer.wg_EM, config=cfg, groups=groups, rec=rec)
@@ -178,7 +168,8 @@ def _tuned_parm(spec: VerifySpec, degree: int, steps: int, groups) -> dict:
     prob = make_problem(spec)
     dp = spec.layout().coords(groups.global_rank)["dp"]
     engine = build_engine(groups, pipeline=True)
-    layers = {name: MoELayer(spec.moe_config(), groups, schedule=name, dtype=torch.float64, engine=engine,
+    layers = {name: MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=name,
+                             dtype=torch.float64, engine=engine,
                              executor=build_executor(r, None, engine))
               for name, r in (("parm-tune", degree), ("parm-s1", 1))}
     for layer in layers.values():
@@ -228,7 +219,8 @@ def auto_watches_s1_buffer(costs: ParmCosts, layout: Tuple[int, int, int], calls
 
     def run(schedule):
         ledger = CommLedger()
-        layer = MoELayer(cfg, groups, schedule=schedule, ledger=ledger, name="moe", dtype=torch.float64)
+        layer = MoELayer(cfg, groups, registry=default_registry(), schedule=schedule, ledger=ledger, name="moe",
+                         dtype=torch.float64)
         layer.load_full(wg_EM, full)
         return layer, ledger
 

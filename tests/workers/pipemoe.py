@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from moe_plugins.plugins import default_registry
 from moe_plugins.core.costmodel import PipeCosts
 from moe_plugins.core.groups import process_groups
 from moe_plugins.core.layer import MoELayer
@@ -17,7 +18,7 @@ from moe_plugins.pipemoe.degree import AutoDegree
 from moe_plugins.core.engine import build_engine
 from moe_plugins.pipemoe.runner import Pipelined, build_executor, run_pipelined
 from moe_plugins.tools.profiler import ProfileSpec, profile_rank
-from moe_plugins.schedules import LayerParams, run_schedule
+from moe_plugins.core.schedule import LayerParams, run_schedule
 from moe_plugins.core.baseline import BaselineSchedule
 from moe_plugins.tools.verify import DTYPES, VerifySpec, make_problem, run_rank
 
@@ -171,7 +172,8 @@ def _auto_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], groups) -> dict:
     engine = build_engine(groups, pipeline=True)
     for label, degree in (("auto", _Recording(costs=costs)), ("one", 1)):
         ledger = CommLedger()
-        layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, ledger=ledger, dtype=DTYPES[spec.dtype],
+        layer = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=spec.schedule,
+                         ledger=ledger, dtype=DTYPES[spec.dtype],
                          executor=build_executor(degree, None, engine), engine=engine)
         layer.load_full(prob.wg_EM, prob.full)
         x = x0.clone().requires_grad_(True)
@@ -211,7 +213,8 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
     layers = {}
     engine = build_engine(groups, pipeline=True)
     for label, degree in (("tune", tuned), ("one", 1)):
-        layers[label] = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, ledger=CommLedger(),
+        layers[label] = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=spec.schedule,
+                                 ledger=CommLedger(),
                                  dtype=DTYPES[spec.dtype], executor=build_executor(degree, None, engine))
         layers[label].load_full(prob.wg_EM, prob.full)
     out = {"degrees": [], "eval_degrees": [], "max_diff": 0.0}
@@ -265,7 +268,8 @@ def _live_stages_after(spec: VerifySpec, steps: int, groups) -> Dict[str, int]:
     prob = make_problem(spec)
     x0 = prob.x_DSM[spec.layout().coords(groups.global_rank)["dp"]]
     engine = build_engine(groups, pipeline=True)
-    layer = MoELayer(spec.moe_config(), groups, schedule=spec.schedule, dtype=DTYPES[spec.dtype],
+    layer = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=spec.schedule,
+                     dtype=DTYPES[spec.dtype],
                      executor=build_executor(spec.pipeline_degree, None, engine))
     out = {}
     try:

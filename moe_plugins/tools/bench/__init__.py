@@ -4,7 +4,7 @@
 - :mod:`.cluster`: network namespaces joined by tbf-shaped links (bring-up, rate changes, teardown);
 - :mod:`.launch`: the rank processes, one per (node, local rank), bounded in time (:mod:`.rank_main` is
   their entry point);
-- :mod:`.rows`: what a row is and how one is built: every schedule in ``moe_plugins.schedules.SCHEDULES``
+- :mod:`.rows`: what a row is and how one is built: every schedule in the registry (``moe_plugins.plugins.default_registry()``)
   is a row, and so are the stock layers (:mod:`.stock_deepspeed`, :mod:`.stock_megatron` with the
   test/bench-only CPU shims of :mod:`.megatron_cpu_shims`);
 - :mod:`.traffic`: inter-node bytes (ledger, counted collectives of stock layers, the NIC's counter);

@@ -78,7 +78,7 @@ def _versions() -> Dict[str, str]:
 
 def _git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[3]     # the repository
         return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):

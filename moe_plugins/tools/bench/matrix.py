@@ -2,7 +2,7 @@
 
 A *case* is one MoE layer and its parallel layout, in the papers' letters: S tokens per rank, M model dim,
 H FFN hidden, E experts, k routes per token, f capacity factor, and the MP / EP / ESP degrees.
-A *row* is one implementation of that layer: a schedule name from ``moe_plugins.schedules.SCHEDULES``
+A *row* is one implementation of that layer: a schedule name from the registry (``moe_plugins.plugins.default_registry()``)
 (with options such as the pipeline degree ``r``) or a stock layer (``deepspeed``, ``megatron``).
 A *rate* is a tc rate for the inter-node link (``200mbit``, ``1gbit``) or ``unshaped``.
 

@@ -32,7 +32,8 @@ from moe_plugins.core.costmodel import CostProfile
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.gating import capacity
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, degree_needs_profile
+from moe_plugins.core.plugin_config import degree_needs_profile
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.profiler import ProfileSpec, profile_rank
 from moe_plugins.tools.bench.matrix import CaseConfig, RowSpec
 
@@ -68,7 +69,7 @@ def link_spec_for(cases: Sequence[CaseConfig], layout: ParallelLayout, specs: Se
     if not cases:
         raise ValueError("link_spec_for needs at least one case")
     top = max(dispatch_bytes(case, layout, dtype) for case in cases)
-    parm = any(s.name in PROFILED_SCHEDULES for s in specs)
+    parm = any(default_registry().is_profiled(s.name) for s in specs)
     pipe = any(degree_needs_profile(s.option("r", "1")) for s in specs)
     return ProfileSpec(layout=layout, sizes_bytes=_powers_of_two(4096, min(max(2 * top, MIN_TOP_BYTES), MAX_TOP_BYTES)),
                        ops=("all_to_all",) + (("all_gather", "saa") if parm else ())

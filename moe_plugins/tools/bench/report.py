@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from moe_plugins.core.plugin_config import PROFILED_DEGREES, PROFILED_SCHEDULES
+from moe_plugins.core.plugin_config import PROFILED_DEGREES
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.matrix import BenchPlan, parse_rate
 from moe_plugins.tools.bench.rows import STOCK_ROWS
 
@@ -92,8 +93,8 @@ def auto_peers(label: str, labels: Sequence[str]) -> List[str]:
     ``parm-s2-saa`` (Algorithm 1 picks S1 or S2 with SAA); ``X@r=auto`` and ``X@r=tune``: every ``X@r=<int>``
     (and plain ``X``, r = 1). Other rows have none."""
     name, _, opts = label.partition("@")
-    if label in PROFILED_SCHEDULES:
-        return [p for p in ("parm-s1", "parm-s2", "parm-s2-saa") if p in labels]
+    if default_registry().is_profiled(label):
+        return [p for p in default_registry().candidates_of(label) if p in labels]
     if opts in {f"r={value}" for value in PROFILED_DEGREES}:
         return [p for p in labels if p == name or (p.startswith(name + "@r=") and p[len(name) + 3:].isdigit())]
     return []

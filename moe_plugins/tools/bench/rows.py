@@ -1,6 +1,6 @@
 """Rows of the benchmark matrix: what one implementation of an MoE case looks like to the runner.
 
-Every schedule registered in ``moe_plugins.schedules.SCHEDULES`` is a row of kind *plugin* (the project's
+Every schedule in the registry (``moe_plugins.plugins.default_registry()``) is a row of kind *plugin* (the project's
 ``MoELayer``), with option ``r`` (the pipeline degree). A later issue adds rows by registering a schedule
 (``parm-s1``, ``parm-s2``, ...) or, for something that is not a schedule, one entry in :data:`ROW_KINDS`.
 The stock layers are rows too: ``deepspeed`` (:mod:`.stock_deepspeed`) and ``megatron``
@@ -30,9 +30,9 @@ from moe_plugins.core.executor import Executor
 from moe_plugins.pipemoe.degree import AutoDegree
 from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.pipemoe.tune import TunedDegree
-from moe_plugins.core.plugin_config import PROFILED_SCHEDULES, degree_needs_profile
+from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.core.ledger import CommLedger
-from moe_plugins.schedules import SCHEDULES, host_schedule_class
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.matrix import CaseConfig, RowSpec, moe_config
 from moe_plugins.tools.bench.traffic import LedgerMeter
 
@@ -108,7 +108,9 @@ LANE = "engine"              # CaseData.extras key: the layout's one CommEngine 
 def needs_profile(spec: RowSpec) -> bool:
     """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` / ``@r=tune``
     (PipeMoE). The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
-    return spec.name in SCHEDULES and (spec.name in PROFILED_SCHEDULES or degree_needs_profile(spec.option("r", "1")))
+    registry = default_registry()
+    return spec.name in registry.schedule_names() and (registry.is_profiled(spec.name)
+                                                       or degree_needs_profile(spec.option("r", "1")))
 
 
 def _profile(spec: RowSpec, data: CaseData):
@@ -126,9 +128,10 @@ def _executor(spec: RowSpec, data: CaseData) -> Executor:
 
 
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
-    profile = _profile(spec, data) if spec.name in PROFILED_SCHEDULES else None
-    return host_schedule_class(spec.name, profile, torch.empty((), dtype=data.dtype).element_size(),
-                               data.groups.layout.mp, logger)
+    registry = default_registry()
+    profile = _profile(spec, data) if registry.is_profiled(spec.name) else None
+    return registry.host_schedule_class(spec.name, profile, torch.empty((), dtype=data.dtype).element_size(),
+                                        data.groups.layout.mp, logger)
 
 
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
@@ -171,7 +174,7 @@ def fixed_twin(spec: RowSpec, schedules: Set[str], degrees: Set[int]) -> Optiona
     (``Schedule.ran``: S2's form included) and the training degrees PipeMoE's auto or tune chose; None when
     ``spec`` is not an auto row or it ran more than one configuration."""
     name, options = spec.name, dict(spec.options)
-    auto_schedule, auto_degree = name in PROFILED_SCHEDULES, degree_needs_profile(options.get("r"))
+    auto_schedule, auto_degree = default_registry().is_profiled(name), degree_needs_profile(options.get("r"))
     if not (auto_schedule or auto_degree):
         return None
     if auto_schedule:
@@ -218,7 +221,7 @@ STOCK_ROWS = tuple(ROW_KINDS)
 def row_kind(name: str) -> Optional[RowKind]:
     if name in ROW_KINDS:
         return ROW_KINDS[name]
-    if name in SCHEDULES:
+    if name in default_registry().schedule_names():
         return RowKind(build_plugin_row, PLUGIN_OPTIONS, kind="plugin")
     return None
 
@@ -226,9 +229,9 @@ def row_kind(name: str) -> Optional[RowKind]:
 def row_problems(spec: RowSpec) -> List[str]:
     kind = row_kind(spec.name)
     if kind is None:
-        known = sorted(ROW_KINDS) + sorted(SCHEDULES)
+        known = sorted(ROW_KINDS) + default_registry().schedule_names()
         return [f"row ({spec.name!r}) is unknown; allowed: {', '.join(known)} (schedules from "
-                f"moe_plugins.schedules.SCHEDULES, plus the stock layers)"]
+                f"the registry, plus the stock layers)"]
     problems = []
     for key, value in spec.options:
         if key not in kind.options:

@@ -25,6 +25,7 @@ import os
 import sys
 from typing import List
 
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.launch_shim import CONFIG_ENV, MEGATRON_ENV, SHIM_DIR, config_path_from_argv
 from moe_plugins.core.plugin_config import SECTION, load_ds_config, section_of
 from moe_plugins.tools.cli import launch_megatron
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{CONFIG_ENV}; for Megatron-core pass --megatron")
     if not os.path.isfile(config):
         raise ValueError(f"ds_config ({config!r}) is not a file")
-    section = section_of(load_ds_config(config))
+    section = section_of(load_ds_config(config), schedules=default_registry().schedule_names())
     if section is None:
         raise ValueError(f"ds_config {config!r} has no {SECTION!r} section: add one to turn the plugin on")
     env = launch_env(cmd, config, os.environ)

@@ -1,0 +1,40 @@
+"""What a profiler op is: the protocol between ``moe-plugins profile`` (tools/profiler.py) and the ops a
+paper package registers (``Registry.add_profile_op``). Pure helpers only; the timing loop is the tool's.
+
+A registered op is a callable ``op(spec, groups, device, stack) -> Optional[ProfileBench]``: None when the
+spec does not ask for it (``spec.ops``) or the layout has nothing to measure. ``stack`` (an ExitStack) takes
+whatever the bench must release afterwards (an engine, process groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from moe_plugins.core.costmodel import ProfileKey
+from moe_plugins.core.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class ProfileBench:
+    key: str                          # model key, e.g. "all_to_all@ep"
+    x: Callable[[int], float]         # point index -> x of the model
+    setup: Callable[[int], Callable[[], None]]    # point index -> the op to time
+    aliases: List[str] = field(default_factory=list)   # other keys whose groups hold the same ranks
+    per_op: Callable[[int], int] = lambda i: 1     # point index -> ops one timed run holds (its time is divided)
+    points: Optional[int] = None      # how many points; None: one per size of the spec
+
+
+def elements(nbytes: int, dtype: torch.dtype, multiple: int) -> int:
+    """Elements of ``dtype`` in about ``nbytes``, a positive multiple of ``multiple`` (pure)."""
+    per = torch.tensor([], dtype=dtype).element_size()
+    return max(multiple, nbytes // per // multiple * multiple)
+
+
+def profile_key(layout: ParallelLayout, backend: str, device: torch.device) -> ProfileKey:
+    """What a cached profile is keyed by: the layout, the backend and the device's name."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return ProfileKey(world=layout.world, ranks_per_node=layout.ranks_per_node, mp=layout.mp, ep=layout.ep,
+                      esp=layout.esp, backend=backend, device=name)
