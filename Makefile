@@ -22,6 +22,7 @@ demo: $(STAMP)
 		--model gpt2-moe --size tiny --ds-config recipes/configs/gpt2_moe_demo.json --steps 60 --out runs/demo
 
 test: $(STAMP)
+	$(BIN)/python .ci/lint_imports.py   # the import contract in .importlinter
 	$(BIN)/python -m pytest -q tests
 
 clean:

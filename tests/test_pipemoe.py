@@ -12,7 +12,8 @@ from moe_plugins.core.costmodel import PAPER_TESTBED, ExchangeCurve, PipeCosts
 from moe_plugins.pipemoe.model import (TIE_TOLERANCE, choose_degree, f1, f3, f4, fewest_chunks_near, moe_time,
                                       objective_time, optimal_degree, optimal_training_degree, pipeline_time,
                                       plan_workload, searched_degree, training_time)
-from moe_plugins.pipemoe.degree import AutoDegree, degree_from_flag
+from moe_plugins.pipemoe.degree import AutoDegree
+from moe_plugins.pipemoe.flag import degree_from_flag
 from moe_plugins.tools.verify import VerifySpec
 from tests.workers.pipemoe import auto_layer, live_stages_after, overlap_probe, verify_many
 

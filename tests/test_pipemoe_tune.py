@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from moe_plugins.core.costmodel import PipeCosts
 from moe_plugins.pipemoe.model import choose_degree
-from moe_plugins.pipemoe.degree import degree_from_flag
+from moe_plugins.pipemoe.flag import degree_from_flag
 from moe_plugins.pipemoe.tune import TunedDegree, best_probe, ladder, next_probe
 from moe_plugins.tools.verify import VerifySpec
 from tests.workers.pipemoe import tuned_layer

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, Mapping, Optional, Tuple, Union
 
-from moe_plugins.core.costmodel import CostProfile, PipeCosts
-from moe_plugins.core.plugin_config import degree_needs_profile
+from moe_plugins.core.costmodel import PipeCosts
 from moe_plugins.core.schedule import Dispatched, Schedule
 from moe_plugins.pipemoe.model import R_MAX, DegreeChoice, choose_degree
 
@@ -74,28 +73,3 @@ def _cached_choice(costs: PipeCosts, n_d: float, n_e: float, objective: str, r_m
 
 
 Degree = Union[int, AutoDegree]
-
-
-def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, r_max: int = R_MAX) -> Degree:
-    """A host flag's value (an int, a digit string, "auto" or "tune") to what MoELayer takes. "auto" and
-    "tune" need a profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its
-    boundary."""
-    if degree_needs_profile(value):
-        word = value.strip().lower()
-        if profile is None:
-            raise ValueError(f"pipeline_degree ({word!r}) needs a cost profile: run `moe-plugins profile` on "
-                             "this cluster, or pass an int degree")
-        kinds = [g for g in ("ep", "ep_esp") if f"all_to_all@{g}" in profile.models]
-        costs = {g: PipeCosts.from_profile(profile, g) for g in kinds}
-        source = f"profile {profile.key.slug()}"
-        if word == "tune":
-            from moe_plugins.pipemoe.tune import TunedDegree  # it builds on AutoDegree, defined above
-            return TunedDegree(costs=costs, r_max=r_max, source=source)
-        return AutoDegree(costs=costs, r_max=r_max, source=source)
-    try:
-        degree = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer, 'auto' or 'tune'") from None
-    if degree < 1 or (isinstance(value, float) and value != degree):
-        raise ValueError(f"pipeline_degree ({value!r}) must be a positive integer, 'auto' or 'tune'")
-    return degree

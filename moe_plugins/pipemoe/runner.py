@@ -25,7 +25,8 @@ from moe_plugins.core.engine import PIPELINE, CommEngine, Handle
 from moe_plugins.core.executor import Executor, Sequential
 from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.core.schedule import LayerParams, Schedule, chunk_bounds
-from moe_plugins.pipemoe.degree import AutoDegree, Degree, degree_from_flag
+from moe_plugins.pipemoe.degree import AutoDegree, Degree
+from moe_plugins.pipemoe.flag import degree_from_flag
 from moe_plugins.pipemoe.model import R_MAX
 
 class _Streams:

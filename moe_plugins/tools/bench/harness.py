@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional
 from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason
 from moe_plugins.tools.bench.launch import RankFailure, run_ranks, signals_raise
 from moe_plugins.tools.bench.matrix import UNSHAPED, BenchPlan, plan_problems
+from moe_plugins.tools.bench.rows import row_problems
 from moe_plugins.tools.bench.report import summarize, write_outputs
 from moe_plugins.tools.bench.runner import RankJob
 
@@ -135,7 +136,7 @@ class _Progress:
 
 def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
     """Run the plan and write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``opts.out_dir``."""
-    problems = plan_problems(plan)
+    problems = plan_problems(plan, row_problems)
     if problems:
         raise ValueError("invalid bench plan: " + "; ".join(problems))
     decision = choose_mode(opts.mode, None if opts.mode == "loopback" else netns_unavailable_reason())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 DTYPES = ("float32", "bfloat16")
 UNSHAPED = "unshaped"
@@ -176,9 +176,9 @@ def moe_config(case: CaseConfig):
                      drop_tokens=case.drop_tokens)
 
 
-def plan_problems(plan: BenchPlan) -> List[str]:
-    """Every problem with the plan at once, each naming the field and its value."""
-    from moe_plugins.tools.bench.rows import row_problems
+def plan_problems(plan: BenchPlan, row_problems: Callable[["RowSpec"], List[str]] = lambda spec: []) -> List[str]:
+    """Every problem with the plan at once, each naming the field and its value; ``row_problems`` checks each
+    row (:func:`moe_plugins.tools.bench.rows.row_problems`, which builds on this module)."""
     problems = []
     for name in ("nodes", "ranks_per_node", "iters"):
         value = getattr(plan, name)

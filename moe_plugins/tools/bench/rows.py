@@ -14,89 +14,27 @@ Shapes: S tokens per rank, M model dim, E experts, H FFN hidden.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from dataclasses import dataclass
 from functools import partial
-from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch import nn
 
-from moe_plugins.core.experts import ExpertWeights, init_full_weights
-from moe_plugins.core.groups import MoEProcessGroups
-from moe_plugins.core.layer import MoELayer, ScheduleLike
 from moe_plugins.core.executor import Executor
+from moe_plugins.core.experts import ExpertWeights
+from moe_plugins.core.layer import MoELayer, ScheduleLike
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.pipemoe.degree import AutoDegree
 from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.pipemoe.tune import TunedDegree
-from moe_plugins.core.plugin_config import degree_needs_profile
-from moe_plugins.core.ledger import CommLedger
 from moe_plugins.plugins import default_registry
-from moe_plugins.tools.bench.matrix import CaseConfig, RowSpec, moe_config
+from moe_plugins.tools.bench.case import CaseData, Row
+from moe_plugins.tools.bench.matrix import RowSpec, moe_config
 from moe_plugins.tools.bench.traffic import LedgerMeter
 
 logger = logging.getLogger("moe_plugins.tools.bench")
-AUX_COEF = 0.01
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class CaseData:
-    """What every row of a case is built from and fed with (this rank's share)."""
-
-    case: CaseConfig
-    groups: MoEProcessGroups
-    wg_EM: torch.Tensor
-    full: ExpertWeights          # all E experts, unsharded; each row takes its own shard
-    x_SM: torch.Tensor           # this rank's tokens (the same on the MP ranks of one DP block)
-    g_SM: torch.Tensor           # upstream gradient for those tokens
-    dtype: torch.dtype
-    extras: Dict[str, object] = field(default_factory=dict)   # per-case host objects, e.g. singleton groups
-
-
-def make_case_data(case: CaseConfig, groups: MoEProcessGroups, seed: int, dtype: str) -> CaseData:
-    """Weights from ``seed`` (same on every rank); tokens from ``seed`` and this rank's DP block."""
-    gen = torch.Generator().manual_seed(seed)
-    full = init_full_weights(case.experts, case.hidden, case.ffn, gen, torch.float32)
-    wg_EM = torch.randn(case.experts, case.hidden, generator=gen) / case.hidden ** 0.5
-    block = groups.layout.coords(groups.global_rank)["dp"]
-    gen_x = torch.Generator().manual_seed(seed * 100_003 + 1 + block)
-    x_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
-    g_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
-    td = TORCH_DTYPES[dtype]
-    return CaseData(case=case, groups=groups, wg_EM=wg_EM, full=full, x_SM=x_SM.to(td), g_SM=g_SM.to(td), dtype=td)
-
-
-@dataclass
-class Row:
-    """A built row: ``forward(x_SM) -> (y_SM, aux_loss)``; ``scope()`` is entered around construction-free
-    work (forward and backward), for hosts that need shims or scoped settings; ``meter`` measures the
-    inter-node bytes of one step."""
-
-    label: str
-    kind: str                     # plugin | stock
-    module: nn.Module
-    forward: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
-    meter: object                 # LedgerMeter or traffic.CollectiveCounter (start() / stop() -> bytes)
-    scope: Callable[[], ContextManager] = contextlib.nullcontext
-    tokens: Optional[slice] = None    # the rows of x_SM this rank feeds (sequence parallelism); None: all
-    notes: Tuple[str, ...] = ()
-    describe: Callable[[], Tuple[str, ...]] = tuple   # after the timed rounds: what an auto row chose
-    ran_as: Callable[[], Optional[str]] = lambda: None  # after the timed rounds: the fixed row an auto row ran as
-
-
-def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
-    """One forward and backward of ``row`` on this rank's tokens; returns the output (detached)."""
-    row.module.zero_grad(set_to_none=True)
-    part = row.tokens if row.tokens is not None else slice(None)
-    x_SM = data.x_SM[part].detach().clone().requires_grad_(True)
-    with row.scope():
-        y_SM, aux = row.forward(x_SM)
-        ((y_SM * data.g_SM[part]).float().sum() + AUX_COEF * aux.float()).backward()
-    return y_SM.detach()
-
-
 # ---- plugin rows: the project's MoELayer with a registered schedule -------------------------------------
 
 PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'auto': PipeMoE's choice from the "

@@ -35,7 +35,8 @@ from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
 from moe_plugins.tools.bench.profiles import (gemm_spec_for, link_spec_for, measure_profile, merge_profiles, profile_measurements,
                        profile_summary)
 from moe_plugins.core.engine import CommEngine, build_engine
-from moe_plugins.tools.bench.rows import LANE, PROFILE, CaseData, Row, build_row, fwd_bwd, make_case_data, needs_profile
+from moe_plugins.tools.bench.case import CaseData, Row, fwd_bwd, make_case_data
+from moe_plugins.tools.bench.rows import LANE, PROFILE, build_row, needs_profile
 from moe_plugins.tools.bench.traffic import nic_tx_bytes
 
 

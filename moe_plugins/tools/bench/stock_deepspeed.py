@@ -33,7 +33,7 @@ from moe_plugins.core.comm import Recorder
 from moe_plugins.core.experts import ffn_shard, local_experts
 from moe_plugins.core.groups import Group
 from moe_plugins.tools.bench.matrix import RowSpec
-from moe_plugins.tools.bench.rows import CaseData, Row
+from moe_plugins.tools.bench.case import CaseData, Row
 from moe_plugins.tools.bench.traffic import CollectiveCounter
 
 

@@ -32,7 +32,7 @@ from moe_plugins.core.experts import ffn_shard, local_experts
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.tools.bench.matrix import RowSpec
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu
-from moe_plugins.tools.bench.rows import AUX_COEF, CaseData, Row
+from moe_plugins.tools.bench.case import AUX_COEF, CaseData, Row
 from moe_plugins.tools.bench.traffic import CollectiveCounter
 
 
