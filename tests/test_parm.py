@@ -20,7 +20,8 @@ from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout
 from moe_plugins.parm.cost import AlphaBeta, ParmCosts, ParmShape, op_volumes, s1_gate_ops, schedule_ops
 from moe_plugins.parm.saa import block_order
 from moe_plugins.core.schedule import LayerParams
-from moe_plugins.parm.schedules import ParmAutoSchedule, block_counts, expert_partials, local_slots
+from moe_plugins.parm.auto import ParmAutoSchedule
+from moe_plugins.parm.schedules import block_counts, expert_partials, local_slots
 from moe_plugins.tools.verify import VerifySpec, make_problem
 from tests.workers import parm as jobs
 

@@ -1,8 +1,8 @@
 """Parm: S1/S2 schedules that pause tensor parallelism inside the MoE layer, a fused EP&ESP all-to-all,
 SAA, and the automatic choice (Algorithm 1, extended). docs/parm.md explains the design.
 
-- :mod:`.schedules`: parm-s1, parm-s2, parm-s2-saa, parm-auto; :mod:`.tune`: parm-tune;
-- :mod:`.cost`: the cost model and Algorithm 1; :mod:`.saa`: the overlapped all-to-all + all-gather;
+- :mod:`.schedules`: parm-s1, parm-s2, parm-s2-saa; :mod:`.auto`: parm-auto; :mod:`.tune`: parm-tune;
+- :mod:`.volumes` and :mod:`.cost`: what each schedule sends, its price, Algorithm 1; :mod:`.saa`: the overlapped all-to-all + all-gather;
 - :mod:`.plan`: ``moe-plugins plan parm``; :mod:`.profile_ops`: the SAA op of ``moe-plugins profile``.
 """
 
@@ -14,7 +14,7 @@ from typing import Type
 
 def _host_class(profile, element_bytes: int, mp: int, base: Type, log: logging.Logger) -> Type:
     from moe_plugins.parm.cost import DEFAULT_COSTS_SOURCE
-    from moe_plugins.parm.schedules import parm_auto_for
+    from moe_plugins.parm.auto import parm_auto_for
     if profile is None:
         log.info("moe_plugins: %s has no cached profile for this layout; it uses %s", base.name,
                  DEFAULT_COSTS_SOURCE)
@@ -33,8 +33,8 @@ def _saa_op(spec, groups, device, stack):
 
 def register(registry) -> None:
     """Add Parm's schedules, its planner and its profile op to ``registry``."""
-    from moe_plugins.parm.schedules import (ParmAutoSchedule, ParmS1Schedule, ParmS2SAASchedule,
-                                            ParmS2Schedule)
+    from moe_plugins.parm.auto import ParmAutoSchedule
+    from moe_plugins.parm.schedules import ParmS1Schedule, ParmS2SAASchedule, ParmS2Schedule
     from moe_plugins.parm.tune import ParmTuneSchedule
     fixed = (ParmS1Schedule, ParmS2Schedule, ParmS2SAASchedule)
     for cls in fixed:

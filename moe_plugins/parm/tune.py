@@ -29,7 +29,8 @@ import torch
 from moe_plugins.parm.cost import SCHEDULE_S1, SCHEDULE_S2
 from moe_plugins.core.tuning import TIE_TOLERANCE, Sample, Search
 from moe_plugins.core.schedule import Dispatched, LayerParams
-from moe_plugins.parm.schedules import ParmAutoSchedule, ParmS2SAASchedule, S2Form
+from moe_plugins.parm.auto import ParmAutoSchedule
+from moe_plugins.parm.schedules import ParmS2SAASchedule, S2Form
 
 SCHEDULE_S2_SAA = ParmS2SAASchedule.name
 

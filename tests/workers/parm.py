@@ -22,7 +22,7 @@ from moe_plugins.parm.saa import block_order, saa_adjoint_raw, saa_raw
 from moe_plugins.parm.cost import ParmCosts
 from moe_plugins.core.schedule import LayerParams, run_schedule
 from moe_plugins.plugins import build_registry, default_registry
-from moe_plugins.parm.schedules import ParmAutoSchedule
+from moe_plugins.parm.auto import ParmAutoSchedule
 from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.tools.verify import VerifySpec, make_problem, run_rank
 
