@@ -7,15 +7,15 @@ Shapes: S tokens, M model dim, E experts.
 from __future__ import annotations
 
 import logging
-from typing import ClassVar, Dict, List, Optional, Set, Tuple, Type
+from typing import ClassVar, Dict, List, Optional, Set, Type
 
 import torch
 
 from moe_plugins.core import comm
-from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
+from moe_plugins.core.schedule import Dispatched, LayerParams
 from moe_plugins.parm.cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, SCHEDULE_S1, ParmChoice, ParmCosts, ParmShape,
                                    choose_schedule)
-from moe_plugins.parm.schedules import (ParmS1Schedule, ParmS2SAASchedule, ParmS2Schedule, S2Form, _ParmSchedule,
+from moe_plugins.parm.schedules import (ParmS2SAASchedule, ParmS2Schedule, S2Form, _ParmSchedule,
                                         _S1Watch, mp_block_slots)
 
 log = logging.getLogger("moe_plugins.parm.schedules")
