@@ -26,273 +26,32 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
-from moe_plugins.core.config import MoEConfig, moe_config_problems
-from moe_plugins.core.experts import ExpertWeights, ffn_shard, partial_ffn
-from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups
-from moe_plugins.core.layout import ParallelLayout, layout_problems
+from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, resolve
 from moe_plugins.core.profile_ops import profile_key
-from moe_plugins.core.schedule import LayerParams, Schedule, run_schedule
 from moe_plugins.plugins import default_registry
+from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
+                                                default_ranks_per_node, import_deepspeed)
+from moe_plugins.patches.deepspeed_layer import (HostGroups, HostLayerFacts, SwappedLayer, common_value,
+                                                 expert_ffn_width, ffn_activation, layer_problems, moe_config,
+                                                 replica_groups, routing_from_gate)
+
+# what callers of the adapter import from it (the pure parts live in deepspeed_layer / deepspeed_host)
+__all__ = ["DeepSpeedPlugin", "HOOKS", "SUPPORTED_VERSION", "HostLayerFacts", "active", "disable", "enable",
+           "expert_ffn_width", "ffn_activation", "layer_problems", "replica_groups", "routing_from_gate"]
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
-SUPPORTED_VERSION = "0.19.8"
-
-# Every function the adapter replaces: (module, class, attribute) -> the DeepSpeedPlugin method that builds the
-# replacement from the original. Lina's micro-op gradient reduction adds its entries here
-# (DeepSpeedEngine._reduce_non_expert_gradients, DeepSpeedZeroOptimizer.average_tensor; docs/deepspeed.md).
-HOOKS: Dict[Tuple[str, str, str], str] = {
-    ("deepspeed.moe.layer", "MoE", "_create_process_groups"): "_patched_create_process_groups",
-    ("deepspeed.moe.sharded_moe", "MOELayer", "forward"): "_patched_forward",
-    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model"): "_patched_configure",
-}
-
-# DeepSpeed's name-keyed registry of expert groups (deepspeed.utils.groups), restored on disable.
-_REGISTRY = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-             "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
-
 _ACTIVE: Optional["DeepSpeedPlugin"] = None   # the one enabled plugin, so that disable() can restore DeepSpeed
-
-
-# ---- pure translation of DeepSpeed's objects into the core's -------------------------------------------
-
-def routing_from_gate(gate_out: Tuple[Any, ...]) -> Routing:
-    """DeepSpeed's sparse gate output ``(l_aux, C, E, indices_KS, locations_KS, gates_KS, exp_counts_E)``
-    (``TopKGate.forward(x, used_token, sparse_routes=True)``; a dropped route has index -1) as a Routing."""
-    l_aux, cap, _num_experts, indices_KS, locations_KS, gates_KS, exp_counts_E = gate_out
-    kept_KS = indices_KS >= 0
-    expert_SK = indices_KS.clamp(min=0).long().t()
-    slot_SK = torch.where(kept_KS, locations_KS.long(), torch.full_like(locations_KS, -1, dtype=torch.long)).t()
-    return Routing(expert_SK=expert_SK, slot_SK=slot_SK, weight_SK=gates_KS.t(), capacity=int(cap),
-                   aux_loss=l_aux, exp_counts_E=exp_counts_E)
-
-
-def gate_router(gate: torch.nn.Module, used_token: Optional[torch.Tensor], x_SM: torch.Tensor) -> Routing:
-    """The core's router contract met by DeepSpeed's own TopKGate (its RNG draws, capacity and dropless
-    all-reduce over the EP group included)."""
-    return routing_from_gate(gate(x_SM, used_token, True, False))
-
-
-class GateReplay:
-    """DeepSpeed's gate, called once per token block of one forward, every call from the same RNG state.
-
-    A schedule may gate several blocks (the baseline gates its ESP group's blocks). Each call starts from the
-    state the first call saw, so a block is routed with the random numbers (RTS, jitter, top-2 sampling) the
-    stock layer would draw for it, and the generator ends where one stock gate call leaves it."""
-
-    def __init__(self, gate: torch.nn.Module, used_token: Optional[torch.Tensor]):
-        self.gate, self.used_token, self.state = gate, used_token, None
-
-    def __call__(self, x_SM: torch.Tensor) -> Routing:
-        rng = torch if x_SM.device.type == "cpu" else getattr(torch, x_SM.device.type)
-        args = () if x_SM.device.type == "cpu" else (x_SM.device,)
-        if self.state is None:
-            self.state = rng.get_rng_state(*args)
-        else:
-            rng.set_rng_state(self.state, *args)
-        return gate_router(self.gate, self.used_token, x_SM)
-
-
-def host_experts(experts: torch.nn.Module, ep: int, x_ElRM: torch.Tensor) -> torch.Tensor:
-    """The core's experts contract met by DeepSpeed's ``Experts`` module. Rows arrive per local expert,
-    source-major (R = P * C); DeepSpeed's experts take (P, E_l, C, M), so they see the shapes they see in
-    stock DeepSpeed. Their own tensor parallelism (the ESP reduction) happens inside the user's modules."""
-    e_l, rows, model_dim = x_ElRM.shape
-    x_PElCM = x_ElRM.reshape(e_l, ep, rows // ep, model_dim).transpose(0, 1).contiguous()
-    y_PElCM = experts(x_PElCM)
-    return y_PElCM.transpose(0, 1).reshape(e_l, rows, model_dim)
-
-
-_FFN_ACTIVATIONS = {torch.nn.GELU: "gelu", torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
-
-
-def ffn_activation(expert: torch.nn.Module, hidden: int) -> Optional[str]:
-    """The activation's name when ``expert`` is ``nn.Sequential(nn.Linear(M, H), GELU|ReLU|SiLU, nn.Linear(H, M))``,
-    the form the plugin can slice along H itself (esp > 1 without DeepSpeed's expert tensor parallelism)."""
-    if not isinstance(expert, torch.nn.Sequential) or len(expert) != 3:
-        return None
-    fc1, act, fc2 = expert
-    if type(fc1) is not torch.nn.Linear or type(fc2) is not torch.nn.Linear:
-        return None
-    if fc1.in_features != hidden or fc2.out_features != hidden or fc1.out_features != fc2.in_features:
-        return None
-    if isinstance(act, torch.nn.GELU) and act.approximate != "none":
-        return None
-    return _FFN_ACTIVATIONS.get(type(act))
-
-
-def sliced_experts(experts: torch.nn.ModuleList, esp: Group, rec: Recorder, activation: str,
-                   x_ElRM: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's full FFN experts computed H-sliced over the ESP group: this member computes its slice H_s of
-    every local expert from the full parameters (views, so gradients land in the slice), the partial sums are
-    all-reduced, b2 is added with its gradient divided by N_ESP. The members see the same rows, so DeepSpeed's
-    sum over the replicas (ESP x expert-DP, the group registered as expert-DP) is the full gradient."""
-    fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
-    h = ffn_shard(esp.rank, fc1s[0].out_features, esp.size)
-    w = ExpertWeights(w1_EMH=torch.stack([f.weight[h].t() for f in fc1s]),
-                      b1_EH=torch.stack([_bias(f)[h] for f in fc1s]),
-                      w2_EHM=torch.stack([f.weight[:, h].t() for f in fc2s]),
-                      b2_EM=torch.stack([_bias(f) for f in fc2s]))
-    x_ElRM = comm.copy_to(x_ElRM, esp, rec)
-    y_ElRM = comm.all_reduce(partial_ffn(x_ElRM, w, activation), esp, rec)
-    return y_ElRM + comm.grad_scale(w.b2_EM, 1.0 / esp.size).unsqueeze(1)
-
-
-def _bias(linear: torch.nn.Linear) -> torch.Tensor:
-    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
-
-
-def replica_groups(layout: ParallelLayout) -> List[Tuple[int, ...]]:
-    """The ranks that hold the same local experts (the same EP index): the ESP group times the expert-DP group."""
-    return [tuple(r for r in range(layout.world) if layout.coords(r)["ep"] == e) for e in range(layout.ep)]
-
-
-def expert_ffn_width(expert: torch.nn.Module, hidden: int, esp_sharded: int) -> int:
-    """H of one expert, read from its first 2-D weight that takes M inputs (nn.Linear stores (H, M)), times the
-    tensor-parallel degree the expert is already sharded by. Raises when no such weight exists."""
-    for p in expert.parameters():
-        if p.dim() == 2 and p.shape[1] == hidden:
-            return int(p.shape[0]) * esp_sharded
-    raise ValueError(f"cannot read the expert FFN width H: no 2-D weight of the expert takes M={hidden} inputs")
-
-
-def _common(values: List[Optional[str]]) -> Optional[str]:
-    return values[0] if values and all(v == values[0] for v in values) else None
-
-
-@dataclass(frozen=True)
-class HostLayerFacts:
-    """What the adapter reads from one DeepSpeed MoE layer and the host's mpu, once, at setup."""
-
-    name: str
-    hidden: int
-    num_experts: int
-    ep: int
-    k: int
-    capacity_factor: float
-    min_capacity: int
-    drop_tokens: bool
-    expert_tp: bool          # enable_expert_tensor_parallelism under an mpu
-    tp: int                  # mpu's tensor-parallel degree (1 without mpu)
-    pp: int                  # mpu's pipeline degree
-    tp_ranks: Tuple[int, ...]
-    use_tutel: bool
-    ffn: int
-    ffn_activation: Optional[str] = None   # set when every local expert is a plain FFN the plugin can slice
-
-    @property
-    def host_esp(self) -> int:
-        """The degree DeepSpeed itself shards the experts by (its expert tensor parallelism)."""
-        return self.tp if self.expert_tp else 1
-
-
-def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: int, ranks_per_node: int,
-                   use_data_before_expert_parallel: bool) -> List[str]:
-    """Every reason the plugin cannot run this layer, each naming the setting and its value (empty when fine)."""
-    host_esp = facts.host_esp
-    esp = cfg.esp if cfg.esp is not None else host_esp
-    problems = []
-    if use_data_before_expert_parallel:
-        problems.append("ds_config use_data_before_expert_parallel_ (true) is not supported: the plugin's layout "
-                        "places EP inside the expert-DP blocks")
-    if facts.use_tutel:
-        problems.append("use_tutel (true) is not supported: the schedules replace Tutel's dispatcher")
-    if facts.pp > 1:
-        problems.append(f"pipeline parallel degree ({facts.pp}) must be 1: the plugin's layout has no PP axis")
-    if esp != host_esp and host_esp > 1:
-        problems.append(f"{SECTION}.esp ({esp}) must equal the tensor-parallel degree ({host_esp}) that "
-                        "enable_expert_tensor_parallelism shards this layer's expert modules by")
-    elif esp != host_esp and facts.ffn_activation is None:
-        problems.append(f"{SECTION}.esp ({esp}) > 1 without DeepSpeed's expert tensor parallelism needs every "
-                        "expert to be nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M)), "
-                        "which the plugin slices along H; this layer's experts are not")
-    registry = default_registry()
-    needs_partials = cfg.schedule in registry.schedule_names() and \
-        registry.schedule_class(cfg.schedule).needs_expert_partials
-    if host_esp > 1 and esp == host_esp and needs_partials:
-        allowed = [n for n in registry.schedule_names() if not registry.schedule_class(n).needs_expert_partials]
-        problems.append(f"{SECTION}.schedule ({cfg.schedule!r}) cannot run with DeepSpeed's expert tensor "
-                        f"parallelism (esp {host_esp}): its local combine needs the experts' partial sums, and "
-                        "enable_expert_tensor_parallelism's expert modules all-reduce inside themselves; allowed "
-                        f"here: {', '.join(repr(n) for n in allowed)}")
-    problems += layout_problems(world, ranks_per_node, facts.tp, facts.ep, esp)
-    if problems:
-        return problems
-    layout = ParallelLayout(world=world, ranks_per_node=ranks_per_node, mp=facts.tp, ep=facts.ep, esp=esp)
-    if facts.tp > 1 and facts.tp_ranks != layout.group_of("mp", rank):
-        problems.append(f"the mpu's tensor-parallel group of rank {rank} {list(facts.tp_ranks)} must be the "
-                        f"contiguous block {list(layout.group_of('mp', rank))} (Megatron's rank order)")
-    problems += moe_config_problems(moe_config(facts), layout) + registry.schedule_problems(cfg.schedule, layout)
-    return problems
-
-
-def moe_config(facts: HostLayerFacts) -> MoEConfig:
-    return MoEConfig(hidden=facts.hidden, ffn=facts.ffn, num_experts=facts.num_experts, k=facts.k,
-                     capacity_factor=facts.capacity_factor, min_capacity=facts.min_capacity,
-                     drop_tokens=facts.drop_tokens)
-
-
-# ---- one swapped layer ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SwappedLayer:
-    """A DeepSpeed MOELayer that runs a schedule: what it runs and on which groups."""
-
-    name: str
-    schedule: Schedule
-    groups: MoEProcessGroups
-    pipeline_degree: Any            # 1, an int > 1 or a pipemoe.AutoDegree
-    lane: Any = None                # the pipemoe.runner.Pipelined executor when pipeline_degree != 1
-    slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
-
-    def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        if self.slice_activation is None:
-            return partial(host_experts, layer.experts, self.groups.ep.size)
-        return partial(sliced_experts, layer.experts.deepspeed_experts, self.groups.esp, self.schedule.rec,
-                       self.slice_activation)
-
-    def forward(self, layer: torch.nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
-        if used_token is not None and self.groups.esp.size > 1:
-            raise ValueError(f"MoE layer {self.name}: used_token is not supported with esp ({self.groups.esp.size})"
-                             " > 1, where a schedule may gate other ranks' token blocks")
-        timed = getattr(layer, "wall_clock_breakdown", False)
-        if timed:
-            layer.timers("moe").start()
-        x_SM = x.reshape(-1, x.shape[-1])
-        params = LayerParams(router=GateReplay(layer.gate, used_token), experts=self.experts(layer))
-        if self.pipeline_degree == 1:
-            y_SM, dispatched = run_schedule(self.schedule, x_SM, params)
-        else:
-            from moe_plugins.pipemoe.runner import run_pipelined
-            y_SM, dispatched = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.lane)
-        layer.l_aux, layer.exp_counts = dispatched.aux_loss, dispatched.exp_counts_E
-        if timed:
-            layer.timers("moe").stop()
-            layer.time_moe = layer.timers("moe").elapsed(reset=False)
-        return y_SM.reshape(x.shape)
-
-
-@dataclass(frozen=True)
-class _HostGroups:
-    """The project's groups of one layout, plus the process groups DeepSpeed's registry gets for EP and
-    expert-DP (real groups even of size 1: DeepSpeed asks them for ranks)."""
-
-    groups: MoEProcessGroups
-    ep_pg: Any
-    expert_dp_pg: Any
-    expert_dp_ranks: Tuple[int, ...]
 
 
 # ---- the plugin ----------------------------------------------------------------------------------------
@@ -306,9 +65,9 @@ class DeepSpeedPlugin:
         self.config, self.ledger, self.ranks_per_node, self.profile_dir = config, ledger, ranks_per_node, profile_dir
         self.swaps: List[Dict[str, Any]] = []                    # one record per swapped layer, in setup order
         self._layers: "weakref.WeakKeyDictionary[torch.nn.Module, SwappedLayer]" = weakref.WeakKeyDictionary()
-        self._originals: Dict[Tuple[type, str], Tuple[bool, Any]] = {}
+        self._patcher: Optional[Patcher] = None
         self._built: Dict[ParallelLayout, MoEProcessGroups] = {}
-        self._groups: Dict[Tuple[ParallelLayout, bool], _HostGroups] = {}
+        self._groups: Dict[Tuple[ParallelLayout, bool], HostGroups] = {}
         self._lanes: Dict[ParallelLayout, Any] = {}
         self._singletons: Optional[List[Any]] = None
         self._own_pgs: List[Any] = []                           # process groups built here that this rank is in
@@ -321,33 +80,24 @@ class DeepSpeedPlugin:
     # -- patching --------------------------------------------------------------------------------------
 
     def _install(self, ds) -> None:
-        """Replace every hook; if one fails, put back those already replaced."""
+        """Replace every hook (the table in HOOKS) at once; if one fails, none stays replaced."""
+        patches = []
+        for hook, factory in HOOKS.items():
+            cls, original = ds.owner(hook)
+            patches.append(Patch(cls, hook[2], getattr(self, factory)(original)))
+        self._patcher = Patcher(patches, logger=logger).apply()
         self._ds = ds
-        try:
-            for hook, factory in HOOKS.items():
-                cls, original = ds.owner(hook)
-                self._originals[(cls, hook[2])] = (hook[2] in cls.__dict__, original)
-                setattr(cls, hook[2], getattr(self, factory)(original))
-        except BaseException:
-            self._restore_functions()
-            self._ds = None
-            raise
 
     def _restore_functions(self) -> None:
-        try:
-            for (cls, name), (owned, value) in self._originals.items():
-                if owned:
-                    setattr(cls, name, value)
-                else:
-                    delattr(cls, name)
-        finally:
-            self._originals.clear()
+        patcher, self._patcher = self._patcher, None
+        if patcher is not None:
+            patcher.restore()
 
     def _restore_registry(self) -> None:
         groups = self._ds.groups
         try:
             for name in self._registered:
-                for attr in _REGISTRY:
+                for attr in GROUP_REGISTRY:
                     getattr(groups, attr).pop(name, None)
             if self._etp_before is not None:
                 groups.expert_tensor_parallel_world_size = self._etp_before
@@ -480,7 +230,7 @@ class DeepSpeedPlugin:
             pp=int(ds.bwc.bwc_pipeline_parallel_world_size(mpu)), tp_ranks=tp_ranks,
             use_tutel=bool(layer.use_tutel),
             ffn=expert_ffn_width(layer.experts.deepspeed_experts[0], hidden, tp if expert_tp else 1),
-            ffn_activation=_common([ffn_activation(e, hidden) for e in layer.experts.deepspeed_experts]))
+            ffn_activation=common_value([ffn_activation(e, hidden) for e in layer.experts.deepspeed_experts]))
 
     def _swap(self, moe, cfg: PluginConfig, use_data_before_expert_parallel: bool) -> None:
         """Validate, build (or reuse) the layout's groups, register them with DeepSpeed, swap the layer."""
@@ -543,7 +293,7 @@ class DeepSpeedPlugin:
         executor = build_executor(value, profile, self._lanes[layout])
         return executor.degree, executor
 
-    def _host_groups(self, layout: ParallelLayout, sliced: bool) -> _HostGroups:
+    def _host_groups(self, layout: ParallelLayout, sliced: bool) -> HostGroups:
         """Collective the first time a layout is seen: every rank sets up the same layers in the same order.
         DeepSpeed's expert-DP group is the ranks holding the same expert parameters: the layout's expert-DP
         group when each rank holds its own shard, the ESP x expert-DP replicas when the plugin slices full
@@ -561,7 +311,7 @@ class DeepSpeedPlugin:
                 self._own_pgs.append(edp_pg)
             else:
                 edp_pg, edp_ranks = self._real_pg(groups.expert_dp), groups.expert_dp.ranks
-            self._groups[(layout, sliced)] = _HostGroups(groups=groups, ep_pg=self._real_pg(groups.ep),
+            self._groups[(layout, sliced)] = HostGroups(groups=groups, ep_pg=self._real_pg(groups.ep),
                                                          expert_dp_pg=edp_pg, expert_dp_ranks=tuple(edp_ranks))
         return self._groups[(layout, sliced)]
 
@@ -573,7 +323,7 @@ class DeepSpeedPlugin:
             self._own_pgs.append(self._singletons[dist.get_rank()])
         return self._singletons[dist.get_rank()]
 
-    def _register(self, name: str, host: _HostGroups):
+    def _register(self, name: str, host: HostGroups):
         """Put the layout's EP and expert-DP groups in DeepSpeed's registry under ``name``; an entry already
         there must hold the same ranks (it is then kept: the engine may hold it)."""
         groups = self._ds.groups
@@ -593,58 +343,6 @@ class DeepSpeedPlugin:
         return host.ep_pg
 
 
-# ---- the host's modules, imported once at enable -------------------------------------------------------
-
-@dataclass(frozen=True)
-class _DeepSpeed:
-    version: str
-    modules: Dict[str, Any]
-    groups: Any
-    bwc: Any
-
-    def owner(self, hook: Tuple[str, str, str]):
-        cls = getattr(self.modules[hook[0]], hook[1])
-        return cls, cls.__dict__.get(hook[2])
-
-
-def _import_deepspeed() -> _DeepSpeed:
-    import importlib
-    try:
-        import deepspeed
-        modules = {name: importlib.import_module(name) for name, _, _ in HOOKS}
-        groups = importlib.import_module("deepspeed.utils.groups")
-        bwc = importlib.import_module("deepspeed.utils.bwc")
-    except ImportError as exc:
-        raise ValueError(f"moe_plugins' DeepSpeed adapter needs deepspeed=={SUPPORTED_VERSION} "
-                         f"(pip install 'moe_plugins[deepspeed]'): {exc}") from exc
-    ds = _DeepSpeed(version=deepspeed.__version__, modules=modules, groups=groups, bwc=bwc)
-    missing = [f"{m}.{c}.{a}" for (m, c, a) in HOOKS if not callable(ds.owner((m, c, a))[1])]
-    missing += [f"deepspeed.utils.groups.{attr}" for attr in _REGISTRY
-                if not isinstance(getattr(groups, attr, None), dict)]
-    if missing:
-        raise ValueError(f"DeepSpeed {ds.version} lacks the hook points {', '.join(missing)}; moe_plugins' "
-                         f"adapter was written against {SUPPORTED_VERSION}")
-    if ds.version != SUPPORTED_VERSION:
-        logger.warning("moe_plugins: DeepSpeed %s found; the adapter was checked against %s", ds.version,
-                       SUPPORTED_VERSION)
-    return ds
-
-
-def _default_ranks_per_node() -> Optional[int]:
-    """LOCAL_WORLD_SIZE as torchrun and DeepSpeed's launcher set it, read once at enable (the boundary)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value and value.isdigit() and int(value) > 0 else None
-
-
-def _profile_dir() -> Optional[str]:
-    """Where ``moe-plugins profile`` caches cost profiles (pipeline_degree "auto" or "tune"), read once at enable."""
-    try:
-        from moe_plugins.core.costmodel import default_cache_dir
-    except ImportError:
-        return None
-    return str(default_cache_dir())
-
-
 def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]] = None, *,
            ledger: Optional[CommLedger] = None) -> DeepSpeedPlugin:
     """Patch DeepSpeed so that its MoE layers run the project's schedules; returns the handle (a context
@@ -655,9 +353,9 @@ def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]
     resolved = resolve(config, schedules=default_registry().schedule_names())
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for DeepSpeed; call moe_plugins.disable() first")
-    ds = _import_deepspeed()
-    plugin = DeepSpeedPlugin(resolved, ledger=ledger, ranks_per_node=_default_ranks_per_node(),
-                             profile_dir=_profile_dir())
+    ds = import_deepspeed()
+    plugin = DeepSpeedPlugin(resolved, ledger=ledger, ranks_per_node=default_ranks_per_node(),
+                             profile_dir=cached_profile_dir())
     plugin._install(ds)
     _ACTIVE = plugin
     logger.info("moe_plugins: DeepSpeed %s patched (%s)", ds.version,

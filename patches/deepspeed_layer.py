@@ -1,0 +1,255 @@
+"""The DeepSpeed adapter's pure half: DeepSpeed's MoE layer read into the core's terms (its gate's routing,
+its expert modules, the facts a plugin section is checked against), every problem found at once, and the
+swapped layer's forward. Nothing here patches anything (patches/deepspeed.py does).
+
+Shapes: S tokens, M model dim, E experts (E_l local), K routes per token, C capacity, P = N_EP sources.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.experts import ExpertWeights, ffn_shard, partial_ffn
+from moe_plugins.core.gating import Routing
+from moe_plugins.core.groups import Group, MoEProcessGroups
+from moe_plugins.core.layout import ParallelLayout, layout_problems
+from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.core.schedule import LayerParams, Schedule, run_schedule
+from moe_plugins.plugins import default_registry
+
+
+# ---- pure translation of DeepSpeed's objects into the core's -------------------------------------------
+
+def routing_from_gate(gate_out: Tuple[Any, ...]) -> Routing:
+    """DeepSpeed's sparse gate output ``(l_aux, C, E, indices_KS, locations_KS, gates_KS, exp_counts_E)``
+    (``TopKGate.forward(x, used_token, sparse_routes=True)``; a dropped route has index -1) as a Routing."""
+    l_aux, cap, _num_experts, indices_KS, locations_KS, gates_KS, exp_counts_E = gate_out
+    kept_KS = indices_KS >= 0
+    expert_SK = indices_KS.clamp(min=0).long().t()
+    slot_SK = torch.where(kept_KS, locations_KS.long(), torch.full_like(locations_KS, -1, dtype=torch.long)).t()
+    return Routing(expert_SK=expert_SK, slot_SK=slot_SK, weight_SK=gates_KS.t(), capacity=int(cap),
+                   aux_loss=l_aux, exp_counts_E=exp_counts_E)
+
+
+def gate_router(gate: torch.nn.Module, used_token: Optional[torch.Tensor], x_SM: torch.Tensor) -> Routing:
+    """The core's router contract met by DeepSpeed's own TopKGate (its RNG draws, capacity and dropless
+    all-reduce over the EP group included)."""
+    return routing_from_gate(gate(x_SM, used_token, True, False))
+
+
+class GateReplay:
+    """DeepSpeed's gate, called once per token block of one forward, every call from the same RNG state.
+
+    A schedule may gate several blocks (the baseline gates its ESP group's blocks). Each call starts from the
+    state the first call saw, so a block is routed with the random numbers (RTS, jitter, top-2 sampling) the
+    stock layer would draw for it, and the generator ends where one stock gate call leaves it."""
+
+    def __init__(self, gate: torch.nn.Module, used_token: Optional[torch.Tensor]):
+        self.gate, self.used_token, self.state = gate, used_token, None
+
+    def __call__(self, x_SM: torch.Tensor) -> Routing:
+        rng = torch if x_SM.device.type == "cpu" else getattr(torch, x_SM.device.type)
+        args = () if x_SM.device.type == "cpu" else (x_SM.device,)
+        if self.state is None:
+            self.state = rng.get_rng_state(*args)
+        else:
+            rng.set_rng_state(self.state, *args)
+        return gate_router(self.gate, self.used_token, x_SM)
+
+
+def host_experts(experts: torch.nn.Module, ep: int, x_ElRM: torch.Tensor) -> torch.Tensor:
+    """The core's experts contract met by DeepSpeed's ``Experts`` module. Rows arrive per local expert,
+    source-major (R = P * C); DeepSpeed's experts take (P, E_l, C, M), so they see the shapes they see in
+    stock DeepSpeed. Their own tensor parallelism (the ESP reduction) happens inside the user's modules."""
+    e_l, rows, model_dim = x_ElRM.shape
+    x_PElCM = x_ElRM.reshape(e_l, ep, rows // ep, model_dim).transpose(0, 1).contiguous()
+    y_PElCM = experts(x_PElCM)
+    return y_PElCM.transpose(0, 1).reshape(e_l, rows, model_dim)
+
+
+_FFN_ACTIVATIONS = {torch.nn.GELU: "gelu", torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+
+
+def ffn_activation(expert: torch.nn.Module, hidden: int) -> Optional[str]:
+    """The activation's name when ``expert`` is ``nn.Sequential(nn.Linear(M, H), GELU|ReLU|SiLU, nn.Linear(H, M))``,
+    the form the plugin can slice along H itself (esp > 1 without DeepSpeed's expert tensor parallelism)."""
+    if not isinstance(expert, torch.nn.Sequential) or len(expert) != 3:
+        return None
+    fc1, act, fc2 = expert
+    if type(fc1) is not torch.nn.Linear or type(fc2) is not torch.nn.Linear:
+        return None
+    if fc1.in_features != hidden or fc2.out_features != hidden or fc1.out_features != fc2.in_features:
+        return None
+    if isinstance(act, torch.nn.GELU) and act.approximate != "none":
+        return None
+    return _FFN_ACTIVATIONS.get(type(act))
+
+
+def sliced_experts(experts: torch.nn.ModuleList, esp: Group, rec: Recorder, activation: str,
+                   x_ElRM: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's full FFN experts computed H-sliced over the ESP group: this member computes its slice H_s of
+    every local expert from the full parameters (views, so gradients land in the slice), the partial sums are
+    all-reduced, b2 is added with its gradient divided by N_ESP. The members see the same rows, so DeepSpeed's
+    sum over the replicas (ESP x expert-DP, the group registered as expert-DP) is the full gradient."""
+    fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
+    h = ffn_shard(esp.rank, fc1s[0].out_features, esp.size)
+    w = ExpertWeights(w1_EMH=torch.stack([f.weight[h].t() for f in fc1s]),
+                      b1_EH=torch.stack([_bias(f)[h] for f in fc1s]),
+                      w2_EHM=torch.stack([f.weight[:, h].t() for f in fc2s]),
+                      b2_EM=torch.stack([_bias(f) for f in fc2s]))
+    x_ElRM = comm.copy_to(x_ElRM, esp, rec)
+    y_ElRM = comm.all_reduce(partial_ffn(x_ElRM, w, activation), esp, rec)
+    return y_ElRM + comm.grad_scale(w.b2_EM, 1.0 / esp.size).unsqueeze(1)
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+
+
+def replica_groups(layout: ParallelLayout) -> List[Tuple[int, ...]]:
+    """The ranks that hold the same local experts (the same EP index): the ESP group times the expert-DP group."""
+    return [tuple(r for r in range(layout.world) if layout.coords(r)["ep"] == e) for e in range(layout.ep)]
+
+
+def expert_ffn_width(expert: torch.nn.Module, hidden: int, esp_sharded: int) -> int:
+    """H of one expert, read from its first 2-D weight that takes M inputs (nn.Linear stores (H, M)), times the
+    tensor-parallel degree the expert is already sharded by. Raises when no such weight exists."""
+    for p in expert.parameters():
+        if p.dim() == 2 and p.shape[1] == hidden:
+            return int(p.shape[0]) * esp_sharded
+    raise ValueError(f"cannot read the expert FFN width H: no 2-D weight of the expert takes M={hidden} inputs")
+
+
+def common_value(values: List[Optional[str]]) -> Optional[str]:
+    return values[0] if values and all(v == values[0] for v in values) else None
+
+
+@dataclass(frozen=True)
+class HostLayerFacts:
+    """What the adapter reads from one DeepSpeed MoE layer and the host's mpu, once, at setup."""
+
+    name: str
+    hidden: int
+    num_experts: int
+    ep: int
+    k: int
+    capacity_factor: float
+    min_capacity: int
+    drop_tokens: bool
+    expert_tp: bool          # enable_expert_tensor_parallelism under an mpu
+    tp: int                  # mpu's tensor-parallel degree (1 without mpu)
+    pp: int                  # mpu's pipeline degree
+    tp_ranks: Tuple[int, ...]
+    use_tutel: bool
+    ffn: int
+    ffn_activation: Optional[str] = None   # set when every local expert is a plain FFN the plugin can slice
+
+    @property
+    def host_esp(self) -> int:
+        """The degree DeepSpeed itself shards the experts by (its expert tensor parallelism)."""
+        return self.tp if self.expert_tp else 1
+
+
+def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: int, ranks_per_node: int,
+                   use_data_before_expert_parallel: bool) -> List[str]:
+    """Every reason the plugin cannot run this layer, each naming the setting and its value (empty when fine)."""
+    host_esp = facts.host_esp
+    esp = cfg.esp if cfg.esp is not None else host_esp
+    problems = []
+    if use_data_before_expert_parallel:
+        problems.append("ds_config use_data_before_expert_parallel_ (true) is not supported: the plugin's layout "
+                        "places EP inside the expert-DP blocks")
+    if facts.use_tutel:
+        problems.append("use_tutel (true) is not supported: the schedules replace Tutel's dispatcher")
+    if facts.pp > 1:
+        problems.append(f"pipeline parallel degree ({facts.pp}) must be 1: the plugin's layout has no PP axis")
+    if esp != host_esp and host_esp > 1:
+        problems.append(f"{SECTION}.esp ({esp}) must equal the tensor-parallel degree ({host_esp}) that "
+                        "enable_expert_tensor_parallelism shards this layer's expert modules by")
+    elif esp != host_esp and facts.ffn_activation is None:
+        problems.append(f"{SECTION}.esp ({esp}) > 1 without DeepSpeed's expert tensor parallelism needs every "
+                        "expert to be nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M)), "
+                        "which the plugin slices along H; this layer's experts are not")
+    registry = default_registry()
+    needs_partials = cfg.schedule in registry.schedule_names() and \
+        registry.schedule_class(cfg.schedule).needs_expert_partials
+    if host_esp > 1 and esp == host_esp and needs_partials:
+        allowed = [n for n in registry.schedule_names() if not registry.schedule_class(n).needs_expert_partials]
+        problems.append(f"{SECTION}.schedule ({cfg.schedule!r}) cannot run with DeepSpeed's expert tensor "
+                        f"parallelism (esp {host_esp}): its local combine needs the experts' partial sums, and "
+                        "enable_expert_tensor_parallelism's expert modules all-reduce inside themselves; allowed "
+                        f"here: {', '.join(repr(n) for n in allowed)}")
+    problems += layout_problems(world, ranks_per_node, facts.tp, facts.ep, esp)
+    if problems:
+        return problems
+    layout = ParallelLayout(world=world, ranks_per_node=ranks_per_node, mp=facts.tp, ep=facts.ep, esp=esp)
+    if facts.tp > 1 and facts.tp_ranks != layout.group_of("mp", rank):
+        problems.append(f"the mpu's tensor-parallel group of rank {rank} {list(facts.tp_ranks)} must be the "
+                        f"contiguous block {list(layout.group_of('mp', rank))} (Megatron's rank order)")
+    problems += moe_config_problems(moe_config(facts), layout) + registry.schedule_problems(cfg.schedule, layout)
+    return problems
+
+
+def moe_config(facts: HostLayerFacts) -> MoEConfig:
+    return MoEConfig(hidden=facts.hidden, ffn=facts.ffn, num_experts=facts.num_experts, k=facts.k,
+                     capacity_factor=facts.capacity_factor, min_capacity=facts.min_capacity,
+                     drop_tokens=facts.drop_tokens)
+
+
+# ---- one swapped layer ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SwappedLayer:
+    """A DeepSpeed MOELayer that runs a schedule: what it runs and on which groups."""
+
+    name: str
+    schedule: Schedule
+    groups: MoEProcessGroups
+    pipeline_degree: Any            # 1, an int > 1 or a pipemoe.AutoDegree
+    lane: Any = None                # the pipemoe.runner.Pipelined executor when pipeline_degree != 1
+    slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
+
+    def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.slice_activation is None:
+            return partial(host_experts, layer.experts, self.groups.ep.size)
+        return partial(sliced_experts, layer.experts.deepspeed_experts, self.groups.esp, self.schedule.rec,
+                       self.slice_activation)
+
+    def forward(self, layer: torch.nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
+        if used_token is not None and self.groups.esp.size > 1:
+            raise ValueError(f"MoE layer {self.name}: used_token is not supported with esp ({self.groups.esp.size})"
+                             " > 1, where a schedule may gate other ranks' token blocks")
+        timed = getattr(layer, "wall_clock_breakdown", False)
+        if timed:
+            layer.timers("moe").start()
+        x_SM = x.reshape(-1, x.shape[-1])
+        params = LayerParams(router=GateReplay(layer.gate, used_token), experts=self.experts(layer))
+        if self.pipeline_degree == 1:
+            y_SM, dispatched = run_schedule(self.schedule, x_SM, params)
+        else:
+            from moe_plugins.pipemoe.runner import run_pipelined
+            y_SM, dispatched = run_pipelined(self.schedule, x_SM, params, self.pipeline_degree, self.lane)
+        layer.l_aux, layer.exp_counts = dispatched.aux_loss, dispatched.exp_counts_E
+        if timed:
+            layer.timers("moe").stop()
+            layer.time_moe = layer.timers("moe").elapsed(reset=False)
+        return y_SM.reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """The project's groups of one layout, plus the process groups DeepSpeed's registry gets for EP and
+    expert-DP (real groups even of size 1: DeepSpeed asks them for ranks)."""
+
+    groups: MoEProcessGroups
+    ep_pg: Any
+    expert_dp_pg: Any
+    expert_dp_ranks: Tuple[int, ...]
