@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from moe_plugins.plugins import default_registry
 from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems
@@ -161,19 +162,13 @@ class MegatronPlugin:
                  ledger: Optional[CommLedger]):
         self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
         self.specs_built = 0
-        self._originals: Dict[Tuple[Any, str], Any] = {}
+        self._patcher: Optional[Patcher] = None
 
     def _install(self, modules: Dict[str, Any]) -> None:
-        original = getattr(modules[HOOKS[0][0]], HOOKS[0][1])
-        replacement = self._wrap(original)
-        try:
-            for module_name, attr in HOOKS:
-                module = modules[module_name]
-                self._originals[(module, attr)] = module.__dict__[attr]
-                setattr(module, attr, replacement)
-        except BaseException:
-            self._restore()
-            raise
+        """Replace the spec builder wherever Megatron's modules hold it (HOOKS), all or none."""
+        replacement = self._wrap(getattr(modules[HOOKS[0][0]], HOOKS[0][1]))
+        self._patcher = Patcher([Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS],
+                                logger=logger).apply()
 
     def _wrap(self, original: Callable) -> Callable:
         plugin = self
@@ -187,20 +182,18 @@ class MegatronPlugin:
         return get_moe_module_spec_for_backend
 
     def _restore(self) -> None:
-        try:
-            for (module, attr), value in self._originals.items():
-                setattr(module, attr, value)
-        finally:
-            self._originals.clear()
+        patcher, self._patcher = self._patcher, None
+        if patcher is not None:
+            patcher.restore()
 
     @property
     def active(self) -> bool:
-        return bool(self._originals)
+        return self._patcher is not None
 
     def disable(self) -> None:
         """Put Megatron's spec builders back (the identical function objects)."""
         global _ACTIVE
-        if not self._originals:
+        if self._patcher is None:
             return
         try:
             self._restore()

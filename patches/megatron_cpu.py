@@ -33,11 +33,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
+
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-_MISSING = object()
+from moe_plugins.core.patcher import Patch, Patcher
+
 
 
 class _CpuStream:
@@ -128,18 +130,8 @@ def _patches() -> List[Tuple[Any, str, Any]]:
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Apply the six shims; restore every original (or remove what did not exist) on exit."""
-    saved: List[Tuple[Any, str, Any]] = []
-    try:
-        for obj, name, replacement in _patches():
-            saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
-            setattr(obj, name, replacement)
+    with Patcher([Patch(obj, name, replacement) for obj, name, replacement in _patches()]):
         yield
-    finally:
-        for obj, name, original in reversed(saved):
-            if original is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, original)
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
 from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.groups import Group
@@ -201,20 +203,6 @@ def _tp_dim(expert: nn.Module, p: torch.Tensor) -> Optional[int]:
 
 # ---- DeepSpeed process state ---------------------------------------------------------------------------
 
-def init_deepspeed_comm() -> None:
-    """``deepspeed.init_distributed`` over the existing gloo group, without JIT-building DeepSpeed's shm
-    all-reduce op (about 60 s; an optimisation of DeepSpeed's own all-reduce that nothing here needs). The
-    builder is replaced only while DeepSpeed's backend is created."""
-    import deepspeed
-    ds_torch = importlib.import_module("deepspeed.comm.torch")   # `import deepspeed.comm.torch` gives torch
-    original = ds_torch.build_shm_op
-    ds_torch.build_shm_op = lambda: None
-    try:
-        deepspeed.init_distributed(dist_backend="gloo")
-    finally:
-        ds_torch.build_shm_op = original
-
-
 @contextmanager
 def gloo_compat() -> Iterator[None]:
     """Let stock DeepSpeed's tensor-parallel MoE path run on gloo. ``moe.mappings._gather_tokens`` passes an
@@ -229,11 +217,8 @@ def gloo_compat() -> Iterator[None]:
             tensor = tensor.contiguous().reshape(-1)
         return original(output_tensor, tensor, *args, **kwargs)
 
-    ds_comm.all_gather_into_tensor = all_gather_into_tensor
-    try:
+    with Patcher([Patch(ds_comm, "all_gather_into_tensor", all_gather_into_tensor)]):
         yield
-    finally:
-        ds_comm.all_gather_into_tensor = original
 
 
 @contextmanager
@@ -243,18 +228,10 @@ def deepspeed_groups(mpu: Optional[GroupsMPU]) -> Iterator[Any]:
     groups = importlib.import_module("deepspeed.utils.groups")
     names = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
              "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
-    saved = {n: dict(getattr(groups, n)) for n in names}
-    saved_mpu, saved_etp = groups.mpu, groups.expert_tensor_parallel_world_size
-    for n in names:
-        getattr(groups, n).clear()
-    groups.mpu, groups.expert_tensor_parallel_world_size = mpu, 1
-    try:
+    # fresh, empty registries for this model; DeepSpeed's own dicts (and their contents) are put back on exit
+    patches = [Patch(groups, n, {}) for n in names]
+    with Patcher(patches + [Patch(groups, "mpu", mpu), Patch(groups, "expert_tensor_parallel_world_size", 1)]):
         yield groups
-    finally:
-        for n in names:
-            getattr(groups, n).clear()
-            getattr(groups, n).update(saved[n])
-        groups.mpu, groups.expert_tensor_parallel_world_size = saved_mpu, saved_etp
 
 
 # ---- one side of the comparison ------------------------------------------------------------------------

@@ -21,13 +21,14 @@ parallel; :class:`TensorParallelExpert` is that module (column-parallel fc1, row
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
 from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.experts import ffn_shard, local_experts
@@ -35,22 +36,6 @@ from moe_plugins.core.groups import Group
 from moe_plugins.tools.bench.matrix import RowSpec
 from moe_plugins.tools.bench.case import CaseData, Row
 from moe_plugins.tools.bench.traffic import CollectiveCounter
-
-
-def init_deepspeed_comm() -> None:
-    """``deepspeed.init_distributed`` over the existing gloo group, without JIT-building the shm op
-    (that build takes about a minute and is not used by gloo on one CPU host)."""
-    import deepspeed
-    from deepspeed import comm as ds_comm
-    if getattr(ds_comm.comm, "cdb", None) is not None and ds_comm.comm.cdb.is_initialized():
-        return
-    torch_backend = importlib.import_module("deepspeed.comm.torch")   # not `import ... as`: name shadowing
-    original = torch_backend.build_shm_op
-    torch_backend.build_shm_op = lambda: None
-    try:
-        deepspeed.init_distributed(dist_backend="gloo")
-    finally:
-        torch_backend.build_shm_op = original
 
 
 class _Mpu:
@@ -94,17 +79,11 @@ def tensor_parallel_scope(mpu, expert_tp: int) -> Iterator[None]:
     with MP > 1, make its token all-gather gloo-compatible; restore everything on exit."""
     from deepspeed.comm import comm as ds_comm
     from deepspeed.utils import groups
-    saved = groups.mpu, groups.expert_tensor_parallel_world_size
-    cdb = ds_comm.cdb
-    saved_gather = cdb.all_gather_function
-    groups.mpu, groups.expert_tensor_parallel_world_size = mpu, expert_tp
+    patches = [Patch(groups, "mpu", mpu), Patch(groups, "expert_tensor_parallel_world_size", expert_tp)]
     if mpu is not None:
-        cdb.all_gather_function = _gloo_all_gather(saved_gather)
-    try:
+        patches.append(Patch(ds_comm.cdb, "all_gather_function", _gloo_all_gather(ds_comm.cdb.all_gather_function)))
+    with Patcher(patches):
         yield
-    finally:
-        cdb.all_gather_function = saved_gather
-        groups.mpu, groups.expert_tensor_parallel_world_size = saved
 
 
 class TensorParallelExpert(nn.Module):

@@ -18,13 +18,14 @@ The link lower bound uses the first two (the model's bytes); the third is report
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.ledger import CommLedger
 
 
@@ -58,7 +59,7 @@ class CollectiveCounter:
     rank: int
     inter_node_bytes: int = 0
     calls: int = 0
-    _saved: List[Tuple[Any, str, Any]] = field(default_factory=list)
+    _patcher: Optional[Patcher] = None
 
     source = "counter"
 
@@ -127,21 +128,15 @@ class CollectiveCounter:
 
     def start(self) -> None:
         self.inter_node_bytes, self.calls = 0, 0
-        if self._saved:
+        if self._patcher is not None:
             raise RuntimeError("CollectiveCounter is already active")
-        try:
-            for obj, name, rule in self._targets():
-                original = getattr(obj, name)
-                self._saved.append((obj, name, original))
-                setattr(obj, name, self._wrap(original, rule))
-        except BaseException:
-            self._restore()
-            raise
+        self._patcher = Patcher([Patch(obj, name, self._wrap(getattr(obj, name), rule))
+                                 for obj, name, rule in self._targets()]).apply()
 
     def _restore(self) -> None:
-        for obj, name, original in reversed(self._saved):
-            setattr(obj, name, original)
-        self._saved.clear()
+        patcher, self._patcher = self._patcher, None
+        if patcher is not None:
+            patcher.restore()
 
     def stop(self) -> int:
         self._restore()
