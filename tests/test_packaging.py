@@ -35,7 +35,7 @@ def test_deepspeed_extra_is_enough_for_enable_and_initialize(deepspeed_venv, tmp
     python = deepspeed_venv / "bin" / "python"
     have = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('matplotlib') is None, "
                            "u.find_spec('transformers') is None, u.find_spec('moe_plugins').origin)"],
-                          capture_output=True, text=True, check=True).stdout.split()
+                          capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
     assert have[:2] == ["True", "True"], have                       # only the [deepspeed] extra is there
     assert str(ROOT) not in have[2], have                           # the installed copy, not the checkout
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
