@@ -62,11 +62,48 @@ def test_refuses_double_apply_and_duplicate_entries():
         Patcher([Patch(target, "a", 2), Patch(target, "a", 3)])
 
 
+def test_nested_patchers_over_one_attribute_restore_in_lifo_order():
+    target = types.SimpleNamespace(a=len)
+    with Patcher([Patch(target, "a", max)]):
+        with Patcher([Patch(target, "a", min)]):
+            assert target.a is min
+        assert target.a is max
+    assert target.a is len
+
+
+def test_the_original_goes_back_even_when_the_host_reassigned_it():
+    target = types.SimpleNamespace(a=len)
+    with Patcher([Patch(target, "a", max), Patch(target, "new", 1)]):
+        target.a, target.new = min, 2            # e.g. DeepSpeed writing a module global it owns
+    assert target.a is len and not hasattr(target, "new")
+
+
+class _Freezes:
+    frozen = False
+
+    def __setattr__(self, name, value):
+        if self.frozen:
+            raise AttributeError(f"{name} is frozen")
+        object.__setattr__(self, name, value)
+
+
+def test_a_failing_restore_still_restores_the_others_and_raises_the_first_error():
+    first, freezes = types.SimpleNamespace(a=1), _Freezes()
+    freezes.b = 0
+    patcher = Patcher([Patch(first, "a", 2), Patch(freezes, "b", 3)]).apply()
+    object.__setattr__(freezes, "frozen", True)
+    with pytest.raises(AttributeError, match="b is frozen"):
+        patcher.restore()                       # newest first: b fails, a is still put back
+    assert first.a == 1 and not patcher.active
+
+
 def test_one_log_line_per_patch_and_restore(caplog):
     target = types.SimpleNamespace(a=1)
     with caplog.at_level(logging.DEBUG, logger="moe_plugins"):
-        with Patcher([Patch(Child, "own", None), Patch(target, "a", 2)]):
+        with Patcher([Patch(Child, "own", Base.hook), Patch(target, "a", 2)]):
             pass
     lines = [r.getMessage() for r in caplog.records]
-    assert lines.count(f"moe_plugins: patched {__name__}.Child.own") == 1
-    assert sum(m.startswith("moe_plugins: restored") for m in lines) == 2
+    assert lines == [f"moe_plugins: patched {__name__}.Child.own -> {__name__}.Base.hook",
+                     "moe_plugins: patched SimpleNamespace.a -> 2",
+                     "moe_plugins: restored SimpleNamespace.a",
+                     f"moe_plugins: restored {__name__}.Child.own"]
