@@ -167,7 +167,7 @@ class DeepSpeedPlugin:
         def _configure_distributed_model(engine, model):
             section = getattr(engine._config, "_param_dict", {}).get(SECTION)
             found = None if section is None else PluginConfig.from_dict(section, SECTION,
-                                                                            schedules=default_registry().schedule_names())
+                                                                            **default_registry().config_choices())
             if plugin.config is not None and found is not None and found != plugin.config:
                 raise ValueError(f"the ds_config {SECTION!r} section {found.to_dict()} conflicts with the config "
                                  f"given to moe_plugins.enable {plugin.config.to_dict()}")
@@ -350,7 +350,7 @@ def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]
     a PluginConfig, or None to let each engine's ds_config section decide. Everything is validated before
     anything is patched; a failed enable leaves DeepSpeed untouched."""
     global _ACTIVE
-    resolved = resolve(config, schedules=default_registry().schedule_names())
+    resolved = resolve(config, **default_registry().config_choices())
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for DeepSpeed; call moe_plugins.disable() first")
     ds = import_deepspeed()

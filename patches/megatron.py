@@ -72,8 +72,8 @@ def resolve_plugin(plugin: PluginLike, path: str = SECTION) -> PluginConfig:
             raise ValueError(f"{path} ({text!r}) must be a JSON object or the path of a JSON file")
     if isinstance(plugin, Mapping) and SECTION in plugin:
         return PluginConfig.from_dict(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION,
-                                      schedules=default_registry().schedule_names())
-    return PluginConfig.from_dict(plugin, path, schedules=default_registry().schedule_names())
+                                      **default_registry().config_choices())
+    return PluginConfig.from_dict(plugin, path, **default_registry().config_choices())
 
 
 def _json(text: str, path: str) -> Any:

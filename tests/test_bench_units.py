@@ -82,6 +82,18 @@ def test_statistics_and_link_lower_bound():
     assert report.link_lower_bound_ms([1, 2], None) is None
 
 
+def test_paired_ratio_cancels_shared_drift():
+    # both rows slow down together round by round; the row is 10% slower in every round
+    ref = [0.100, 0.200, 0.120, 0.300, 0.110, 0.250]
+    row = [1.1 * t for t in ref]
+    paired = report.paired_ratio(row, ref)
+    assert paired["median"] == pytest.approx(1.1)
+    assert paired["ci90"][0] == pytest.approx(1.1) and paired["ci90"][1] == pytest.approx(1.1)
+    noisy = report.paired_ratio([0.11, 0.19, 0.13, 0.31, 0.10, 0.27], ref)
+    assert noisy["ci90"][0] <= noisy["median"] <= noisy["ci90"][1] and noisy["ci90"][0] < noisy["ci90"][1]
+    assert report.paired_ratio(row[:3], ref) is None and report.paired_ratio([0.1], [0.1]) is None
+
+
 def _record():
     def row(kind, times, bytes_per_rank, source):
         return {"kind": kind, "times_s": times, "traffic_source": source, "model_bytes_per_rank": bytes_per_rank,

@@ -29,7 +29,7 @@ def test_every_problem_in_one_error():
     bad = {"schedul": "baseline", "schedule": "fastest", "pipeline_degree": 0, "esp": True, "ranks_per_node": "8",
            "enabled": "yes", "a2a_priority": True, "fssdp": 1, "overlap": True}
     with pytest.raises(ValueError) as info:
-        PluginConfig.from_dict(bad, path="ds.moe_plugins", schedules=default_registry().schedule_names())
+        PluginConfig.from_dict(bad, path="ds.moe_plugins", **default_registry().config_choices())
     msg = str(info.value)
     for part in ("ds.moe_plugins.schedul: unknown key (did you mean 'schedule'?)",
                  "ds.moe_plugins.schedule ('fastest') must be one of", "baseline-tp",
@@ -41,19 +41,29 @@ def test_every_problem_in_one_error():
                  "ds.moe_plugins.fssdp (1) must be true or false",
                  "ds.moe_plugins.overlap (True) is reserved for Lancet"):
         assert part in msg, part
-    assert len(plugin_config_problems(bad, "x", schedules=default_registry().schedule_names())) == 9
+    assert len(plugin_config_problems(bad, "x", **default_registry().config_choices())) == 9
 
 
 @pytest.mark.parametrize("value", ["2", 1.5, -1, "AUTO", "tuned", None, False])
 def test_pipeline_degree_rejects(value):
     with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree .* must be an integer >= 1, \"auto\" "
                                          r"\(the cost model's pick\) or \"tune\""):
-        PluginConfig.from_dict({"pipeline_degree": value})
+        PluginConfig.from_dict({"pipeline_degree": value}, **default_registry().config_choices())
 
 
 @pytest.mark.parametrize("value", [1, 8, "auto", "tune"])
 def test_pipeline_degree_accepts(value):
-    assert PluginConfig.from_dict({"pipeline_degree": value}).pipeline_degree == value
+    assert PluginConfig.from_dict({"pipeline_degree": value},
+                                  **default_registry().config_choices()).pipeline_degree == value
+
+
+@pytest.mark.parametrize("value", ["2", " auto", "", 1.5, 0, None])
+def test_pipeline_degree_without_registry_checks_the_type(value):
+    """The core knows no degree words: without the registry's, any word passes and only the type is checked."""
+    assert PluginConfig.from_dict({"pipeline_degree": "tuned"}).pipeline_degree == "tuned"
+    with pytest.raises(ValueError, match=r"pipeline_degree .* must be an integer >= 1 or a registered degree "
+                                         r"policy's word"):
+        PluginConfig.from_dict({"pipeline_degree": value})
 
 
 def test_section_must_be_an_object():

@@ -6,7 +6,8 @@ Schema (documented for users in ``docs/config.md``)::
     "moe_plugins": {
         "enabled": true,            # false keeps the section but runs the host's stock MoE layers
         "schedule": "baseline",     # a registered schedule (moe_plugins.plugins.default_registry())
-        "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1, "auto" or "tune"
+        "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1 or a registered degree
+                                    # policy's word (Registry.degree_policies(); docs/config.md)
         "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
                                     # another value is a layout the host cannot express (docs/config.md)
         "ranks_per_node": null,     # ranks per node for the node-aware layout; null: LOCAL_WORLD_SIZE
@@ -28,14 +29,18 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 SECTION = "moe_plugins"
-# pipeline_degree values whose degree comes from the cost profile: the model's pick ("auto"), or that pick
-# checked by timing the layer ("tune", moe_plugins/pipemoe/tune.py).
-PROFILED_DEGREES = ("auto", "tune")
 
 
 def degree_needs_profile(value: Any) -> bool:
-    """Whether a pipeline_degree value is one of :data:`PROFILED_DEGREES` (case and spaces ignored)."""
-    return isinstance(value, str) and value.strip().lower() in PROFILED_DEGREES
+    """Whether a pipeline_degree value names a degree policy (a word, not a number), which decides from the
+    cost profile. The words themselves are the registry's (``Registry.degree_policies``)."""
+    return isinstance(value, str) and bool(value.strip()) and not value.strip().isdigit()
+
+
+def alternatives(items: Sequence[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c`` (pure)."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
 # Keys a later issue implements: accepted with their "off" value only, so configs can be written ahead.
@@ -71,13 +76,14 @@ class PluginConfig:
             raise ValueError(f"invalid {SECTION} section: " + "; ".join(problems))
 
     @classmethod
-    def from_dict(cls, section: Any, path: str = SECTION, *,
-                  schedules: Optional[Sequence[str]] = None) -> "PluginConfig":
+    def from_dict(cls, section: Any, path: str = SECTION, *, schedules: Optional[Sequence[str]] = None,
+                  degrees: Optional[Mapping[str, str]] = None) -> "PluginConfig":
         """Build from a parsed JSON object. Raises one ValueError listing every problem, each with its path.
-        ``schedules``: the registered schedule names (the registry's; the core knows none itself)."""
+        ``schedules`` and ``degrees``: the registry's schedule names and pipeline_degree words (with what each
+        picks); the core knows none itself."""
         if not isinstance(section, Mapping):
             raise ValueError(f"{path} ({section!r}) must be a JSON object (dict), got {type(section).__name__}")
-        problems = plugin_config_problems(section, path, schedules=schedules)
+        problems = plugin_config_problems(section, path, schedules=schedules, degrees=degrees)
         if problems:
             raise ValueError(f"invalid {path} section: " + "; ".join(problems))
         return cls(**dict(section))
@@ -95,10 +101,13 @@ def _is_int(value: Any) -> bool:
 
 
 def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
-                           schedules: Optional[Sequence[str]] = None) -> List[str]:
+                           schedules: Optional[Sequence[str]] = None,
+                           degrees: Optional[Mapping[str, str]] = None) -> List[str]:
     """Every unknown key and bad value of a section, each naming ``path.key``, the value and what is allowed
     (empty when valid). Pure: no host, no process group. ``schedules``: the registered names to check
-    ``schedule`` against (None: only its type; hosts pass the registry's and check the layout too)."""
+    ``schedule`` against; ``degrees``: the registered pipeline_degree words, each with what it picks
+    (``Registry.degree_policies()``). None: only the value's type (hosts pass the registry's and check the
+    layout too)."""
     allowed = _names()
     problems = []
     for key in section:
@@ -118,9 +127,14 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
         bad("schedule", f"must be one of {', '.join(sorted(schedules))}")
     if "pipeline_degree" in section:
         value = section["pipeline_degree"]
-        if not (value in PROFILED_DEGREES if isinstance(value, str) else _is_int(value) and value >= 1):
-            bad("pipeline_degree", "must be an integer >= 1, \"auto\" (the cost model's pick) or \"tune\" (that "
-                "pick checked by timing the layer)")
+        if isinstance(value, str):
+            ok = value in degrees if degrees is not None else degree_needs_profile(value) and value == value.strip()
+        else:
+            ok = _is_int(value) and value >= 1
+        if not ok:
+            words = ([f'"{word}" ({summary})' for word, summary in sorted(degrees.items())] if degrees is not None
+                     else ["a registered degree policy's word"])
+            bad("pipeline_degree", "must be " + alternatives(["an integer >= 1"] + words))
     for key in ("esp", "ranks_per_node"):
         if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
             bad(key, "must be an integer >= 1, or null to derive it")
@@ -145,16 +159,17 @@ def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[s
     return loaded
 
 
-def section_of(ds_config: Mapping[str, Any], *, schedules: Optional[Sequence[str]] = None
-               ) -> Optional[PluginConfig]:
+def section_of(ds_config: Mapping[str, Any], *, schedules: Optional[Sequence[str]] = None,
+               degrees: Optional[Mapping[str, str]] = None) -> Optional[PluginConfig]:
     """The validated ``moe_plugins`` section of a ds_config, or None when it has none."""
     if SECTION not in ds_config:
         return None
-    return PluginConfig.from_dict(ds_config[SECTION], SECTION, schedules=schedules)
+    return PluginConfig.from_dict(ds_config[SECTION], SECTION, schedules=schedules, degrees=degrees)
 
 
 def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]], *,
-            schedules: Optional[Sequence[str]] = None) -> Optional[PluginConfig]:
+            schedules: Optional[Sequence[str]] = None,
+            degrees: Optional[Mapping[str, str]] = None) -> Optional[PluginConfig]:
     """What ``moe_plugins.enable(...)`` accepts, as a PluginConfig (None: decide per engine from its ds_config).
 
     - a PluginConfig;
@@ -165,7 +180,7 @@ def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any
         return config
     if isinstance(config, (str, os.PathLike)):
         ds_config = load_ds_config(config)
-        found = section_of(ds_config, schedules=schedules)
+        found = section_of(ds_config, schedules=schedules, degrees=degrees)
         if found is None:
             raise ValueError(f"ds_config {os.fspath(config)!r} has no {SECTION!r} section")
         return found
@@ -173,8 +188,8 @@ def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any
         raise ValueError(f"moe_plugins.enable expects a ds_config (dict or path), its {SECTION!r} section or a "
                          f"PluginConfig, got {type(config).__name__}")
     if SECTION in config:
-        return section_of(config, schedules=schedules)
+        return section_of(config, schedules=schedules, degrees=degrees)
     host_keys = sorted(set(config) & _DS_CONFIG_KEYS)
     if host_keys:
         raise ValueError(f"the ds_config given (keys {', '.join(host_keys)}, ...) has no {SECTION!r} section")
-    return PluginConfig.from_dict(config, SECTION, schedules=schedules)
+    return PluginConfig.from_dict(config, SECTION, schedules=schedules, degrees=degrees)

@@ -1,5 +1,5 @@
-"""Timing a layer's own calls, for the choices that check a cost model by measurement (PipeMoE's
-``pipeline_degree="tune"`` in pipemoe_tune.py, Parm's ``parm-tune`` in schedules/parm.py).
+"""Timing a layer's own calls, for the choices that check a cost model by measurement (a paper's tuned
+degree policy or schedule, e.g. in moe_plugins/pipemoe/tune.py and moe_plugins/parm/tune.py).
 
 A :class:`Sample` is one call's clock: started when the choice is made, ended in forward by
 :meth:`Sample.wrap_output`, and, when autograd records, timed again in backward from the gradient of the

@@ -4,21 +4,23 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from moe_plugins.core.costmodel import CostProfile, PipeCosts
-from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.pipemoe.degree import AutoDegree, Degree
 from moe_plugins.pipemoe.model import R_MAX
 from moe_plugins.pipemoe.tune import TunedDegree
+
+# PipeMoE's pipeline_degree words (registered by moe_plugins.pipemoe.register) and what each picks
+WORDS: Dict[str, str] = {"auto": "the cost model's pick", "tune": "that pick checked by timing the layer"}
 
 
 def degree_from_flag(value: Union[int, str], profile: Optional[CostProfile], *, r_max: int = R_MAX) -> Degree:
     """A host flag's value (an int, a digit string, "auto" or "tune") to what MoELayer takes. "auto" and
     "tune" need a profile (``moe-plugins profile``); the caller (a host adapter, the CLI) loads it at its
     boundary."""
-    if degree_needs_profile(value):
-        word = value.strip().lower()
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in WORDS:
         if profile is None:
             raise ValueError(f"pipeline_degree ({word!r}) needs a cost profile: run `moe-plugins profile` on "
                              "this cluster, or pass an int degree")

@@ -29,7 +29,6 @@ from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.reference import reference_moe
 from moe_plugins.core.timeline import chrome_trace
-from moe_plugins.pipemoe.runner import build_executor, needs_lane
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -133,11 +132,11 @@ def collect_rank(spec: VerifySpec, registry: Optional[Registry] = None) -> Optio
 
 def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups, registry: Registry) -> Dict[str, Any]:
     ledger = CommLedger()
-    engine = build_engine(groups, pipeline=needs_lane(spec.pipeline_degree))     # collective
+    engine = build_engine(groups, pipeline=registry.needs_lane(spec.pipeline_degree))     # collective
     try:
         layer = MoELayer(spec.moe_config(), groups, registry=registry, schedule=spec.schedule,
                          ledger=ledger, dtype=DTYPES[spec.dtype],
-                         executor=build_executor(spec.pipeline_degree, None, engine), engine=engine)
+                         executor=registry.build_executor(spec.pipeline_degree, None, engine), engine=engine)
         prob = make_problem(spec)
         layer.load_full(prob.wg_EM, prob.full)
         coords = layout.coords(groups.global_rank)

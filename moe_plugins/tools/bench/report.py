@@ -23,7 +23,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from moe_plugins.core.plugin_config import PROFILED_DEGREES
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.matrix import BenchPlan, parse_rate
 from moe_plugins.tools.bench.rows import STOCK_ROWS
@@ -35,6 +34,19 @@ def time_stats(times_s: Sequence[float]) -> Dict[str, float]:
         raise ValueError("time_stats needs at least one time")
     return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
             "p90_ms": float(np.percentile(a, 90)), "n": int(a.size)}
+
+
+def paired_ratio(times_s: Sequence[float], ref_s: Sequence[float], *, draws: int = 2000,
+                 seed: int = 0) -> Optional[Dict[str, Any]]:
+    """Pure, seeded. Rows are interleaved per round, so round i of every row of a group ran side by side: the
+    median of the per-round ratios ``times_s[i] / ref_s[i]`` cancels the drift a shared 2-core machine adds to
+    both, and its bootstrap 90% interval says how far noise can move it. None when the rounds do not pair."""
+    a, b = np.asarray(times_s, dtype=float), np.asarray(ref_s, dtype=float)
+    if a.size != b.size or a.size < 2:
+        return None
+    ratio = a / b
+    meds = np.median(ratio[np.random.default_rng(seed).integers(0, ratio.size, (draws, ratio.size))], axis=1)
+    return {"median": float(np.median(ratio)), "ci90": [float(np.percentile(meds, 5)), float(np.percentile(meds, 95))]}
 
 
 def per_node(values: Sequence[Optional[int]], ranks_per_node: int, mode: str) -> Optional[List[int]]:
@@ -72,6 +84,8 @@ def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
         for stock in STOCK_ROWS:
             ref = rows.get(stock)
             row[f"vs_{stock}"] = row["median_ms"] / ref["median_ms"] if ref else None
+            if ref and label != stock:
+                row[f"paired_vs_{stock}"] = paired_ratio(row["times_s"], ref["times_s"])
         peers = [p for p in auto_peers(label, list(rows)) if p in rows]
         if peers:
             best = min(peers, key=lambda p: rows[p]["median_ms"])
@@ -89,13 +103,13 @@ def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
 
 
 def auto_peers(label: str, labels: Sequence[str]) -> List[str]:
-    """Pure: the fixed choices an auto row is judged against. ``parm-auto``: ``parm-s1``, ``parm-s2`` and
-    ``parm-s2-saa`` (Algorithm 1 picks S1 or S2 with SAA); ``X@r=auto`` and ``X@r=tune``: every ``X@r=<int>``
-    (and plain ``X``, r = 1). Other rows have none."""
+    """Pure: the fixed choices an auto row is judged against. A profiled schedule (``parm-auto``): the
+    registered schedules it chooses among (``Registry.candidates_of``); ``X@r=<word>`` for a registered degree
+    policy (``auto``, ``tune``): every ``X@r=<int>`` (and plain ``X``, r = 1). Other rows have none."""
     name, _, opts = label.partition("@")
     if default_registry().is_profiled(label):
         return [p for p in default_registry().candidates_of(label) if p in labels]
-    if opts in {f"r={value}" for value in PROFILED_DEGREES}:
+    if opts in {f"r={word}" for word in default_registry().degree_policies()}:
         return [p for p in labels if p == name or (p.startswith(name + "@r=") and p[len(name) + 3:].isdigit())]
     return []
 
@@ -162,7 +176,23 @@ def markdown(report: Dict[str, Any]) -> str:
         for label, reason in g["skipped"].items():
             out.append(f"| {g['case_label']} | {g['rate']} | {label} | skipped: {reason} |"
                        + " |" * (len(head) - 4))
-    return "\n".join(out + _auto_lines(report) + _profile_lines(report)) + "\n"
+    return "\n".join(out + _paired_lines(report, stock_cols) + _auto_lines(report) + _profile_lines(report)) + "\n"
+
+
+def _paired_lines(report: Dict[str, Any], stock_cols: Sequence[str]) -> List[str]:
+    cells = [(g, label, [r.get(f"paired_vs_{s}") for s in stock_cols]) for g in report["groups"]
+             for label, r in g["rows"].items() if any(r.get(f"paired_vs_{s}") for s in stock_cols)]
+    if not cells:
+        return []
+    out = ["", "## Paired ratios", "", "Rounds are interleaved, so each round times every row of a group side by "
+           "side: the median of the per-round ratios t_row / t_X, with its bootstrap 90% interval, separates a "
+           "row's speed from the machine's drift better than the ratio of medians above.", "",
+           "| case | rate | row | " + " | ".join(f"paired t/t_{s} (90% CI)" for s in stock_cols) + " |",
+           "|" + "---|" * (3 + len(stock_cols))]
+    for g, label, pairs in cells:
+        out.append(f"| {g['case_label']} | {g['rate']} | {label} | " + " | ".join(
+            "–" if p is None else f"{p['median']:.3f} ({p['ci90'][0]:.3f}–{p['ci90'][1]:.3f})" for p in pairs) + " |")
+    return out
 
 
 def _auto_lines(report: Dict[str, Any]) -> List[str]:

@@ -27,7 +27,6 @@ from moe_plugins.core.layer import MoELayer, ScheduleLike
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.pipemoe.degree import AutoDegree
-from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.pipemoe.tune import TunedDegree
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.case import CaseData, Row
@@ -61,8 +60,9 @@ def _profile(spec: RowSpec, data: CaseData):
 
 def _executor(spec: RowSpec, data: CaseData) -> Executor:
     r = spec.option("r", "1")
-    return build_executor(int(r) if r.isdigit() else r, _profile(spec, data) if degree_needs_profile(r) else None,
-                          data.extras.get(LANE))
+    return default_registry().build_executor(int(r) if r.isdigit() else r,
+                                             _profile(spec, data) if degree_needs_profile(r) else None,
+                                             data.extras.get(LANE))
 
 
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from moe_plugins.core.costmodel import CostProfile
 from moe_plugins.core.groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.cluster import Cluster, set_rate
 from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
 from moe_plugins.tools.bench.profiles import (gemm_spec_for, link_spec_for, measure_profile, merge_profiles, profile_measurements,
@@ -51,6 +52,11 @@ def _emit(job: RankJob, event: Dict[str, Any]) -> None:
     if job.progress_path and dist.get_rank() == 0:
         with open(job.progress_path, "a") as f:
             f.write(json.dumps(event) + "\n")
+
+
+def _pipelines(spec: RowSpec) -> bool:
+    """Whether a row runs a pipeline degree other than 1 (a plugin row's ``@r=``; stock rows never)."""
+    return spec.option("r") is not None and default_registry().needs_lane(spec.option("r"))
 
 
 def _layout_key(case: CaseConfig) -> Tuple[int, int, int]:
@@ -219,7 +225,9 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
         if key not in layouts:
             layouts[key] = build_process_groups(ParallelLayout(world=world, ranks_per_node=plan.ranks_per_node,
                                                                mp=case.mp, ep=case.ep, esp=case.esp))
-            lanes[key] = build_engine(layouts[key], pipeline=True)   # one per layout: per row would leak gloo threads
+            # one per layout (per row would leak gloo threads); a pipeline lane only when a row pipelines, so
+            # rows that do not run on a layout without twin groups and a lane thread, as a user's would
+            lanes[key] = build_engine(layouts[key], pipeline=any(map(_pipelines, plan.rows)))
         data = make_case_data(case, layouts[key], plan.seed, plan.dtype)
         data.extras["singleton"] = singleton
         data.extras[LANE] = lanes[key]

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{CONFIG_ENV}; for Megatron-core pass --megatron")
     if not os.path.isfile(config):
         raise ValueError(f"ds_config ({config!r}) is not a file")
-    section = section_of(load_ds_config(config), schedules=default_registry().schedule_names())
+    section = section_of(load_ds_config(config), **default_registry().config_choices())
     if section is None:
         raise ValueError(f"ds_config {config!r} has no {SECTION!r} section: add one to turn the plugin on")
     env = launch_env(cmd, config, os.environ)
