@@ -232,7 +232,8 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         st, self._pass = self._pass, None
-        y_SM = hidden_states if self._pipelined else self.schedule.finish(hidden_states, st.dispatched)
+        y_SM = hidden_states if self._pipelined else self.schedule.mark_combine(
+            self.schedule.finish(hidden_states, st.dispatched))
         return y_SM.view(st.hidden_shape)
 
     def dispatch_postprocess(self, hidden_states, probs):

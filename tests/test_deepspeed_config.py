@@ -21,13 +21,13 @@ def test_defaults_and_round_trip():
     cfg = PluginConfig.from_dict({})
     assert cfg == PluginConfig() and cfg.enabled and cfg.schedule == "baseline" and cfg.pipeline_degree == 1
     full = {"enabled": True, "schedule": "baseline-tp", "pipeline_degree": "auto", "esp": 2, "ranks_per_node": 8,
-            "a2a_priority": False, "fssdp": False, "overlap": False}
-    assert PluginConfig.from_dict(full).to_dict() == full
+            "lina": {"priority": True, "micro_op_mb": 0.5, "packing": 1}, "fssdp": False, "overlap": False}
+    assert PluginConfig.from_dict(full, **default_registry().config_choices()).to_dict() == full
 
 
 def test_every_problem_in_one_error():
     bad = {"schedul": "baseline", "schedule": "fastest", "pipeline_degree": 0, "esp": True, "ranks_per_node": "8",
-           "enabled": "yes", "a2a_priority": True, "fssdp": 1, "overlap": True}
+           "enabled": "yes", "lina": {"micro_op_mb": 0}, "fssdp": 1, "overlap": True}
     with pytest.raises(ValueError) as info:
         PluginConfig.from_dict(bad, path="ds.moe_plugins", **default_registry().config_choices())
     msg = str(info.value)
@@ -37,7 +37,7 @@ def test_every_problem_in_one_error():
                  "ds.moe_plugins.esp (True) must be an integer >= 1",
                  "ds.moe_plugins.ranks_per_node ('8') must be an integer >= 1",
                  "ds.moe_plugins.enabled ('yes') must be true or false",
-                 "ds.moe_plugins.a2a_priority (True) is reserved for Lina",
+                 "ds.moe_plugins.lina.micro_op_mb (0) must be a number of MB > 0",
                  "ds.moe_plugins.fssdp (1) must be true or false",
                  "ds.moe_plugins.overlap (True) is reserved for Lancet"):
         assert part in msg, part

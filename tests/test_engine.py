@@ -56,6 +56,60 @@ def test_hold_keeps_background_back_and_refuses_waiting_inside_it():
         engine.close()
 
 
+def test_expect_urgent_holds_background_until_the_next_urgent_op_and_yields_false_does_not_wait():
+    groups = one_rank_groups()
+    engine = CommEngine({BACKGROUND: groups}, record_timeline=True)
+    try:
+        engine.expect_urgent()
+        held = engine.issue("all_reduce", groups.dp, torch.ones(3), priority=BACKGROUND, layer="held")
+        time.sleep(0.05)
+        assert not held.done()                      # the expectation holds it back...
+        with engine.hold():                         # ...and so does a hold, but a non-yielding op goes anyway
+            fifo = engine.issue("all_reduce", groups.dp, torch.ones(2), priority=BACKGROUND, yields=False)
+            time.sleep(0.05)
+            assert not held.done()                  # FIFO: the non-yielding op queues behind the held one
+        urgent = engine.issue("all_to_all", groups.ep, torch.ones(4), layer="exchange")    # ends the expectation
+        assert torch.equal(held.wait(timeout_s=10), torch.ones(3)) and torch.equal(fifo.wait(timeout_s=10), torch.ones(2))
+        assert urgent.done()
+        # an expectation that no urgent op follows ends when its thread waits for background work: no hang
+        engine.expect_urgent()
+        late = engine.issue("all_reduce", groups.dp, torch.ones(1), priority=BACKGROUND)
+        assert torch.equal(late.wait(timeout_s=10), torch.ones(1))
+        with engine.hold():
+            go = engine.issue("all_reduce", groups.dp, torch.ones(1), priority=BACKGROUND, yields=False)
+            for _ in range(200):                    # it runs beside the hold, in its FIFO turn
+                if go.done():
+                    break
+                time.sleep(0.01)
+            assert go.done()
+        assert torch.equal(go.wait(timeout_s=10), torch.ones(1))
+    finally:
+        engine.close()
+
+
+def test_a_layer_output_marks_its_backward_exchange():
+    groups = one_rank_groups()
+    engine = CommEngine({BACKGROUND: groups})
+    try:
+        x = torch.ones(3, requires_grad=True)
+        y = x * 2                                   # the layer's output; x stands for its backward's inside
+        engine.mark_backward_exchange(y)
+        bg = []
+
+        def backward_hook(grad):                    # x's gradient comes after y's: the expectation is in place
+            bg.append(engine.issue("all_reduce", groups.dp, torch.ones(1), priority=BACKGROUND))
+            time.sleep(0.05)
+            bg.append(bg[0].done())
+            engine.issue("all_to_all", groups.ep, torch.ones(2))      # the exchange: the expectation ends
+            return grad
+        x.register_hook(backward_hook)
+        y.sum().backward()
+        assert bg[1] is False and torch.equal(bg[0].wait(timeout_s=10), torch.ones(1))
+        CommEngine().mark_backward_exchange(torch.ones(2, requires_grad=True))     # no background lane: nothing
+    finally:
+        engine.close()
+
+
 def test_a_failure_poisons_the_engine():
     groups = one_rank_groups()
     engine = CommEngine({BACKGROUND: groups})

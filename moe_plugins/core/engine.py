@@ -11,7 +11,10 @@ lane (PipeMoE's runner). Two priority classes:
 - ``BACKGROUND``: work that may wait (gradient reductions; Lina's DDP buckets). The ``background`` lane's
   thread issues them in FIFO order on its twin groups and never *starts* one while an urgent op is pending or
   in flight on this rank: a condition variable on the count of pending + in-flight urgent ops. A layer that
-  knows an urgent op is imminent adds to that count with :meth:`CommEngine.hold`.
+  knows an urgent op is imminent adds to that count with :meth:`CommEngine.hold`, or with
+  :meth:`CommEngine.expect_urgent` until its thread's next urgent op: a layer's output is marked so
+  (:meth:`CommEngine.mark_backward_exchange`), and backward holds background ops from its combine on.
+  ``yields=False`` background ops start in their FIFO turn regardless (a no-priority reference).
 
 Lanes and twins. :func:`build_engine` is collective: each lane asked for gets a full set of the layout's
 process groups of its own (its *twins*: separate communicators, with ``timeout_s``). An engine without a
@@ -55,34 +58,10 @@ import torch.distributed as dist
 
 from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups, destroy_process_groups
 from moe_plugins.core.ledger import CommLedger, CommRecord
-from moe_plugins.core.ops import (BACKGROUND, MAIN, PIPELINE, URGENT, CommError, Handle, Job, Lane, check_op,
-                                  now_ns, run_op, volume)
+from moe_plugins.core.ops import (BACKGROUND, MAIN, PIPELINE, URGENT, CommError, Handle, Hold, Job, Lane,
+                                  check_op, now_ns, run_op, volume)
 
 _LANE_FLAGS = {PIPELINE: "pipeline=True", BACKGROUND: "background=True"}
-
-
-class Hold:
-    """An urgent op is imminent: no background op starts until :meth:`release` (or the ``with`` block's end)."""
-
-    def __init__(self, engine: "CommEngine"):
-        self._engine, self._held, self._thread = engine, True, threading.get_ident()
-        with engine._cv:
-            engine._urgent += 1
-            engine._holds[self._thread] = engine._holds.get(self._thread, 0) + 1
-
-    def release(self) -> None:
-        """Let background ops start again (once no other urgent op is pending); idempotent."""
-        if self._held:
-            self._held = False
-            with self._engine._cv:
-                self._engine._holds[self._thread] -= 1
-            self._engine._urgent_end()
-
-    def __enter__(self) -> "Hold":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 class CommEngine:
@@ -99,6 +78,7 @@ class CommEngine:
         self._stopping = self._closed = False
         self._local = threading.local()              # .lane: the lane whose thread this is
         self._holds: Dict[int, int] = {}             # thread id -> holds it made and has not released
+        self._expected: Dict[int, List[Hold]] = {}   # thread id -> its until_urgent holds (expect_urgent)
         self._rank: Optional[int] = None
         self._deferred: Deque[Job] = deque()        # CUDA: background ops held back on the host
         self._twins: Dict[str, "weakref.WeakKeyDictionary[Any, Any]"] = {}
@@ -113,7 +93,7 @@ class CommEngine:
                                                daemon=True)
                 lane.thread.start()
 
-    def __deepcopy__(self, memo) -> "CommEngine":    # a communication resource, shared like a process group
+    def __deepcopy__(self, memo) -> "CommEngine":    # shared like a process group
         return self
 
     # ---- public API ---------------------------------------------------------------------------------------
@@ -138,17 +118,32 @@ class CommEngine:
             return twin
 
     def hold(self) -> Hold:
-        """Mark an urgent op as imminent (or an urgent composite as in flight): background ops wait until the
-        returned :class:`Hold` is released. Use as ``with engine.hold(): ...``."""
+        """An urgent op is imminent or in flight: background ops wait until ``with engine.hold(): ...`` ends."""
         with self._cv:
             self._raise_if_unusable()
         return Hold(self)
 
+    def expect_urgent(self) -> Hold:
+        """An urgent op of this thread is imminent (Lina: backward reached a layer's combine): no background op
+        starts until this thread issues its next urgent op, waits on a background handle, or releases it."""
+        with self._cv:
+            self._raise_if_unusable()
+        return Hold(self, until_urgent=True)
+
+    def mark_backward_exchange(self, y: torch.Tensor) -> None:
+        """When backward reaches ``y`` (a layer's output), its exchange is next: hold background ops back from
+        then (:meth:`expect_urgent`). Does nothing without a background lane or when ``y`` needs no gradient."""
+        def expect(grad: torch.Tensor) -> None:
+            self.expect_urgent()
+        if BACKGROUND in self._lanes and y.requires_grad:
+            y.register_hook(expect)
+
     def issue(self, op: str, group: Group, x: torch.Tensor, *, priority: str = URGENT, lane: Optional[str] = None,
               reduce: str = "sum", layer: str = "", phase: str = "forward",
-              ledger: Optional[CommLedger] = None) -> Handle:
+              ledger: Optional[CommLedger] = None, yields: bool = True) -> Handle:
         """Issue ``op`` of ``x`` on ``group`` (a group of the layout; a lane maps it to its twin). Urgent ops
-        without ``lane`` run inline before this returns; others are queued on their lane."""
+        without ``lane`` run inline before this returns; others are queued on their lane. ``yields=False``: a
+        background op that starts in its FIFO turn even while urgent ops run (a no-priority reference)."""
         check_op(op, group, x, priority, reduce)
         name = "all_reduce_max" if op == "all_reduce" and reduce == "max" else op
         what = f"{name}@{group.kind} ({priority}, layer {layer!r}, {phase})"
@@ -163,7 +158,7 @@ class CommEngine:
                                                      priority, run_lane), what, priority)
         twin = self._twin_group(target, group)
         return self._enqueue(target, lambda job: self._op(job, name, op, group, twin, x, reduce, layer, phase,
-                                                          ledger, priority, target.name), what)
+                                                          ledger, priority, target.name), what, yields)
 
     def submit(self, fn: Callable[..., Any], *args: Any, lane: str = PIPELINE) -> Handle:
         """Run ``fn(*args)`` on ``lane``'s thread (its collectives go on ``lane_groups(lane)``), after the lane's
@@ -294,6 +289,8 @@ class CommEngine:
             self._raise_if_unusable()
             self._urgent += urgent
             job = Job(run, Handle(what), now_ns())
+        if urgent:
+            self._end_expectations()
         try:
             job.start_ns = now_ns()
             job.handle._finish(run(job))
@@ -305,26 +302,37 @@ class CommEngine:
                 self._urgent_end()
         return job.handle
 
-    def _enqueue(self, lane: Lane, run: Callable[[Job], Any], what: str) -> Handle:
+    def _enqueue(self, lane: Lane, run: Callable[[Job], Any], what: str, yields: bool = True) -> Handle:
         if self.cuda and lane.priority == URGENT:    # CUDA: no lane thread; the runner's side stream orders it
             return self._inline(run, what, URGENT)
         guard = self._refuse_wait_in_hold if lane.priority == BACKGROUND else None
         with self._cv:
             self._raise_if_unusable()
-            job = Job(run, Handle(what, guard), now_ns())
+            job = Job(run, Handle(what, guard), now_ns(), yields=yields)
             if self.cuda:                            # background on CUDA: now, or when the urgent count drains
                 self._deferred.append(job)
-                flush = self._urgent == 0
+                flush = self._urgent == 0 or not yields
             else:
                 self._urgent += lane.priority == URGENT
                 lane.jobs.append(job)
                 self._cv.notify_all()
                 flush = False
+        if lane.priority == URGENT:
+            self._end_expectations()
         if flush:
             self._flush_cuda()
         return job.handle
 
+    def _end_expectations(self) -> None:
+        """This thread's expect_urgent() holds end: its urgent op now counts itself (or it waits for background
+        work, which must not wait on them)."""
+        with self._cv:
+            expected = self._expected.pop(threading.get_ident(), [])
+        for hold in expected:
+            hold.release()
+
     def _refuse_wait_in_hold(self, handle: Handle) -> None:
+        self._end_expectations()
         if self._holds.get(threading.get_ident(), 0):
             raise CommError(f"wait() on {handle.what} inside this thread's hold() would wait forever: release "
                             "the hold first")
@@ -334,7 +342,8 @@ class CommEngine:
         urgent = lane.priority == URGENT
         while True:
             with self._cv:
-                while not (lane.jobs and (urgent or self._urgent == 0 or self._error is not None)):
+                while not (lane.jobs and (urgent or self._urgent == 0 or not lane.jobs[0].yields
+                                          or self._error is not None)):
                     if self._stopping and not lane.jobs:
                         return
                     self._cv.wait()
@@ -359,7 +368,7 @@ class CommEngine:
             lane.stream = torch.cuda.Stream(priority=0)          # lowest priority; exchanges keep the current
         while True:
             with self._cv:
-                if self._urgent or not self._deferred:
+                if not self._deferred or (self._urgent and self._deferred[0].yields):
                     return
                 job = self._deferred.popleft()
             lane.stream.wait_stream(torch.cuda.current_stream())

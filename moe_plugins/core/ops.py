@@ -74,6 +74,7 @@ class Job:
     handle: Handle
     issue_ns: int
     start_ns: int = 0
+    yields: bool = True                              # background: waits while urgent ops are pending
 
 
 @dataclass
@@ -134,3 +135,35 @@ def run_op(op: str, pg: Optional[dist.ProcessGroup], size: int, x: torch.Tensor,
         out = x.clone()
         dist.all_reduce(out, op=REDUCE_OPS[reduce], group=pg)
     return out
+
+
+class Hold:
+    """An urgent op is imminent: no background op starts until :meth:`release` (or the ``with`` block's end;
+    or, ``until_urgent``, until this thread issues its next urgent op). ``engine``: a CommEngine."""
+
+    def __init__(self, engine: Any, *, until_urgent: bool = False):
+        self._engine, self._held, self._thread = engine, True, threading.get_ident()
+        self.until_urgent = until_urgent      # released by this thread's next urgent op (or background wait)
+        with engine._cv:
+            engine._urgent += 1
+            if until_urgent:
+                engine._expected.setdefault(self._thread, []).append(self)
+            else:
+                engine._holds[self._thread] = engine._holds.get(self._thread, 0) + 1
+
+    def release(self) -> None:
+        """Let background ops start again (once no other urgent op is pending); idempotent."""
+        if self._held:
+            self._held = False
+            with self._engine._cv:
+                if not self.until_urgent:
+                    self._engine._holds[self._thread] -= 1
+                elif self in self._engine._expected.get(self._thread, []):    # the engine may have taken it off
+                    self._engine._expected[self._thread].remove(self)
+            self._engine._urgent_end()
+
+    def __enter__(self) -> "Hold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

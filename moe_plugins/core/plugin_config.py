@@ -11,7 +11,8 @@ Schema (documented for users in ``docs/config.md``)::
         "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
                                     # another value is a layout the host cannot express (docs/config.md)
         "ranks_per_node": null,     # ranks per node for the node-aware layout; null: LOCAL_WORLD_SIZE
-        "a2a_priority": false,      # reserved (Lina)
+        "lina": null,               # Lina's gradient micro-ops behind the all-to-all: {"priority": true,
+                                    # "micro_op_mb": "auto", "packing": 1} (a registered section; docs/lina.md)
         "fssdp": false,             # reserved (Hecate)
         "overlap": false            # reserved (Lancet)
     }
@@ -25,8 +26,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 SECTION = "moe_plugins"
 
@@ -45,7 +46,6 @@ def alternatives(items: Sequence[str]) -> str:
 
 # Keys a later issue implements: accepted with their "off" value only, so configs can be written ahead.
 RESERVED: Dict[str, str] = {
-    "a2a_priority": "Lina's all-to-all priority over the gradient all-reduce (micro-op scheduling)",
     "fssdp": "Hecate's fully sharded sparse data parallelism (FSSDP)",
     "overlap": "Lancet's overlap of the all-to-all with non-MoE computation",
 }
@@ -66,7 +66,7 @@ class PluginConfig:
     pipeline_degree: Union[int, str] = 1
     esp: Optional[int] = None
     ranks_per_node: Optional[int] = None
-    a2a_priority: bool = False
+    lina: Optional[Dict[str, Any]] = field(default=None, hash=False)    # validated by the lina package
     fssdp: bool = False
     overlap: bool = False
 
@@ -77,19 +77,25 @@ class PluginConfig:
 
     @classmethod
     def from_dict(cls, section: Any, path: str = SECTION, *, schedules: Optional[Sequence[str]] = None,
-                  degrees: Optional[Mapping[str, str]] = None) -> "PluginConfig":
+                  degrees: Optional[Mapping[str, str]] = None,
+                  sections: Optional[Mapping[str, SectionCheck]] = None) -> "PluginConfig":
         """Build from a parsed JSON object. Raises one ValueError listing every problem, each with its path.
         ``schedules`` and ``degrees``: the registry's schedule names and pipeline_degree words (with what each
         picks); the core knows none itself."""
         if not isinstance(section, Mapping):
             raise ValueError(f"{path} ({section!r}) must be a JSON object (dict), got {type(section).__name__}")
-        problems = plugin_config_problems(section, path, schedules=schedules, degrees=degrees)
+        problems = plugin_config_problems(section, path, schedules=schedules, degrees=degrees, sections=sections)
         if problems:
             raise ValueError(f"invalid {path} section: " + "; ".join(problems))
         return cls(**dict(section))
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+# A registered sub-section (``Registry.add_section``): problems(value, path) -> every problem, each naming
+# path.key, the value and what is allowed.
+SectionCheck = Callable[[Any, str], List[str]]
 
 
 def _names() -> List[str]:
@@ -102,7 +108,8 @@ def _is_int(value: Any) -> bool:
 
 def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
                            schedules: Optional[Sequence[str]] = None,
-                           degrees: Optional[Mapping[str, str]] = None) -> List[str]:
+                           degrees: Optional[Mapping[str, str]] = None,
+                           sections: Optional[Mapping[str, SectionCheck]] = None) -> List[str]:
     """Every unknown key and bad value of a section, each naming ``path.key``, the value and what is allowed
     (empty when valid). Pure: no host, no process group. ``schedules``: the registered names to check
     ``schedule`` against; ``degrees``: the registered pipeline_degree words, each with what it picks
@@ -138,6 +145,12 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
     for key in ("esp", "ranks_per_node"):
         if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
             bad(key, "must be an integer >= 1, or null to derive it")
+    if section.get("lina") is not None:
+        check = (sections or {}).get("lina")
+        if not isinstance(section["lina"], Mapping):
+            bad("lina", "must be a JSON object (see docs/lina.md) or null")
+        elif check is not None:
+            problems += check(section["lina"], f"{path}.lina")
     for key, technique in RESERVED.items():
         if key not in section:
             continue
@@ -160,16 +173,19 @@ def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[s
 
 
 def section_of(ds_config: Mapping[str, Any], *, schedules: Optional[Sequence[str]] = None,
-               degrees: Optional[Mapping[str, str]] = None) -> Optional[PluginConfig]:
+               degrees: Optional[Mapping[str, str]] = None,
+               sections: Optional[Mapping[str, SectionCheck]] = None) -> Optional[PluginConfig]:
     """The validated ``moe_plugins`` section of a ds_config, or None when it has none."""
     if SECTION not in ds_config:
         return None
-    return PluginConfig.from_dict(ds_config[SECTION], SECTION, schedules=schedules, degrees=degrees)
+    return PluginConfig.from_dict(ds_config[SECTION], SECTION, schedules=schedules, degrees=degrees,
+                                  sections=sections)
 
 
 def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]], *,
             schedules: Optional[Sequence[str]] = None,
-            degrees: Optional[Mapping[str, str]] = None) -> Optional[PluginConfig]:
+            degrees: Optional[Mapping[str, str]] = None,
+            sections: Optional[Mapping[str, SectionCheck]] = None) -> Optional[PluginConfig]:
     """What ``moe_plugins.enable(...)`` accepts, as a PluginConfig (None: decide per engine from its ds_config).
 
     - a PluginConfig;
@@ -180,7 +196,7 @@ def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any
         return config
     if isinstance(config, (str, os.PathLike)):
         ds_config = load_ds_config(config)
-        found = section_of(ds_config, schedules=schedules, degrees=degrees)
+        found = section_of(ds_config, schedules=schedules, degrees=degrees, sections=sections)
         if found is None:
             raise ValueError(f"ds_config {os.fspath(config)!r} has no {SECTION!r} section")
         return found
@@ -188,8 +204,8 @@ def resolve(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any
         raise ValueError(f"moe_plugins.enable expects a ds_config (dict or path), its {SECTION!r} section or a "
                          f"PluginConfig, got {type(config).__name__}")
     if SECTION in config:
-        return section_of(config, schedules=schedules, degrees=degrees)
+        return section_of(config, schedules=schedules, degrees=degrees, sections=sections)
     host_keys = sorted(set(config) & _DS_CONFIG_KEYS)
     if host_keys:
         raise ValueError(f"the ds_config given (keys {', '.join(host_keys)}, ...) has no {SECTION!r} section")
-    return PluginConfig.from_dict(config, SECTION, schedules=schedules, degrees=degrees)
+    return PluginConfig.from_dict(config, SECTION, schedules=schedules, degrees=degrees, sections=sections)

@@ -68,6 +68,7 @@ class Registry:
         self._profile_ops: Dict[str, Any] = {}
         self._degree_policies: Dict[str, DegreePolicyEntry] = {}
         self._executors: Dict[str, ExecutorEntry] = {}
+        self._sections: Dict[str, Callable[[Any, str], List[str]]] = {}
         self._frozen = False
 
     # ---- registration --------------------------------------------------------------------------------
@@ -119,6 +120,13 @@ class Registry:
         self._check_open("executor", name, self._executors)
         self._executors[name] = ExecutorEntry(build, paper)
         log.debug("moe_plugins registry: executor %s -> %s (%s)", name, getattr(build, "__qualname__", build), paper)
+
+    def add_section(self, key: str, check: Callable[[Any, str], List[str]], *, paper: str) -> None:
+        """A sub-section of the ``moe_plugins`` config that a paper reads (Lina's ``"lina": {...}``):
+        ``check(value, path)`` lists every problem of a value, each naming ``path.key``."""
+        self._check_open("config section", key, self._sections)
+        self._sections[key] = check
+        log.debug("moe_plugins registry: config section %s (%s)", key, paper)
 
     def freeze(self) -> "Registry":
         self._frozen = True
@@ -174,7 +182,8 @@ class Registry:
     def config_choices(self) -> Dict[str, Any]:
         """What a ``moe_plugins`` section may name, as plugin_config's keywords:
         ``PluginConfig.from_dict(section, **registry.config_choices())``."""
-        return {"schedules": self.schedule_names(), "degrees": self.degree_policies()}
+        return {"schedules": self.schedule_names(), "degrees": self.degree_policies(),
+                "sections": dict(self._sections)}
 
     def degree(self, pipeline_degree: Union[int, str], profile: Any = None, **options: Any) -> Any:
         """A pipeline_degree value (an int, a digit string or a registered word, case and spaces ignored) to

@@ -120,6 +120,12 @@ class Schedule(ABC):
 
     # -- helpers shared by schedules -------------------------------------------------------------------
 
+    def mark_combine(self, y_SM: torch.Tensor) -> torch.Tensor:
+        """The layer's output: when backward reaches it, this layer's backward exchanges come next, so the
+        engine holds background work (Lina's gradient micro-ops) back from then on. Returns ``y_SM``."""
+        self.rec.engine.mark_backward_exchange(y_SM)
+        return y_SM
+
     def run_experts(self, e_XM: torch.Tensor, params: LayerParams, replicas: int = 1) -> torch.Tensor:
         """Local experts on a received chunk laid out (EP sources, E_l, ..., M): regroup rows per local
         expert, compute, and restore the layout. ``replicas`` > 1 means every row arrives that many times
@@ -156,7 +162,7 @@ def run_schedule(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, de
     outs = [schedule.exchange_out(schedule.expert(schedule.exchange_in(d.narrow(dim, a, b - a)), params))
             for a, b in chunk_bounds(d.shape[dim], degree)]
     r = outs[0] if len(outs) == 1 else torch.cat(outs, dim=dim)
-    return schedule.finish(r, dispatched), dispatched
+    return schedule.mark_combine(schedule.finish(r, dispatched)), dispatched
 
 
 def routing_stats(routings: List[Routing]) -> Tuple[torch.Tensor, int]:

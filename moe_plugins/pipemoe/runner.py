@@ -204,6 +204,11 @@ class _Join(torch.autograd.Function):
         return g.new_zeros(()).expand(stage.shape), None
 
 
+def _finish(schedule: Schedule, y, sample, dispatched):
+    """The combine on the caller's thread, its output marked for the engine (Schedule.mark_combine)."""
+    return schedule.mark_combine(schedule.finish(y if sample is None else sample.wrap_output(y), dispatched)), dispatched
+
+
 def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, degree: Degree,
                   lane: Optional[Pipelined] = None):
     """Drop-in for ``run_schedule``: steps 2-4 over ``degree`` capacity chunks, pipelined on ``lane`` (a
@@ -215,7 +220,7 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     d = d if sample is None else sample.wrap_input(d)
     if r == 1:
         y = schedule.exchange_out(schedule.expert(schedule.exchange_in(d), params))
-        return schedule.finish(y if sample is None else sample.wrap_output(y), dispatched), dispatched
+        return _finish(schedule, y, sample, dispatched)
     if lane is None:
         raise ValueError(f"pipeline degree {r} needs a Pipelined executor (build_executor(..., engine))")
     twin, streams = lane.twin(schedule), _Streams(d.device)
@@ -224,4 +229,4 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     ins = [_Stage(lane, streams, twin.exchange_in).start(c) for c in chunks]
     outs = [_Stage(lane, streams, twin.exchange_out).start(schedule.expert(s.join(), params)) for s in ins]
     y = torch.cat([s.join() for s in outs], dim=dim)
-    return schedule.finish(y if sample is None else sample.wrap_output(y), dispatched), dispatched
+    return _finish(schedule, y, sample, dispatched)

@@ -1,0 +1,16 @@
+"""Lina (Li et al., ATC '23): the MoE all-to-all before the gradient all-reduce. docs/lina.md explains it.
+
+- :mod:`.config`: the ``"lina": {...}`` section of the ``moe_plugins`` config;
+- :mod:`.microops`: tensor partitioning and the "auto" micro-op size (pure);
+- :mod:`.reducer`: the scheduler: gradient buffers as background micro-ops on the communication engine.
+
+The hosts' gradient hooks live with their adapters (``patches/``); they call :class:`.reducer.GradReducer`.
+"""
+
+from __future__ import annotations
+
+
+def register(registry) -> None:
+    """Add Lina's config section to ``registry``."""
+    from moe_plugins.lina.config import lina_problems
+    registry.add_section("lina", lina_problems, paper="lina")
