@@ -41,6 +41,7 @@ from moe_plugins.core.profile_ops import profile_key
 from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
+from moe_plugins.patches.deepspeed_lina import LinaHooks
 from moe_plugins.patches.deepspeed_layer import (HostGroups, HostLayerFacts, SwappedLayer, common_value,
                                                  expert_ffn_width, ffn_activation, layer_problems, moe_config,
                                                  replica_groups, routing_from_gate)
@@ -68,7 +69,7 @@ class DeepSpeedPlugin:
         self._patcher: Optional[Patcher] = None
         self._built: Dict[ParallelLayout, MoEProcessGroups] = {}
         self._groups: Dict[Tuple[ParallelLayout, bool], HostGroups] = {}
-        self._lanes: Dict[ParallelLayout, Any] = {}
+        self._lanes: Dict[Tuple[ParallelLayout, bool, bool], Any] = {}   # (layout, pipeline, background) -> engine
         self._singletons: Optional[List[Any]] = None
         self._own_pgs: List[Any] = []                           # process groups built here that this rank is in
         self._registered: List[str] = []
@@ -76,6 +77,7 @@ class DeepSpeedPlugin:
         self._engine_config: Optional[PluginConfig] = None
         self._names: Dict[int, str] = {}
         self._ds: Any = None
+        self.lina = LinaHooks()                                  # Lina's gradient micro-ops, per DeepSpeed engine
 
     # -- patching --------------------------------------------------------------------------------------
 
@@ -113,7 +115,10 @@ class DeepSpeedPlugin:
         if self._ds is None:
             return
         try:
-            self._restore_functions()
+            try:
+                self.lina.remove()
+            finally:
+                self._restore_functions()
         finally:
             try:
                 self._restore_registry()
@@ -172,12 +177,15 @@ class DeepSpeedPlugin:
                 raise ValueError(f"the ds_config {SECTION!r} section {found.to_dict()} conflicts with the config "
                                  f"given to moe_plugins.enable {plugin.config.to_dict()}")
             names = {id(m): n or "<root>" for n, m in model.named_modules()}
-            previous = (plugin._engine_config, plugin._names)
-            plugin._engine_config, plugin._names = found, names
+            previous = (plugin._engine_config, plugin._names, plugin.lina.current)
+            lina = plugin.lina.begin(engine, model, plugin.config if plugin.config is not None else found)
+            plugin._engine_config, plugin._names, plugin.lina.current = found, names, lina
             try:
-                return original(engine, model)
+                result = original(engine, model)
+                plugin.lina.install(lina, engine, model)
+                return result
             finally:
-                plugin._engine_config, plugin._names = previous
+                plugin._engine_config, plugin._names, plugin.lina.current = previous
 
         _configure_distributed_model.__wrapped__ = original
         return _configure_distributed_model
@@ -244,7 +252,7 @@ class DeepSpeedPlugin:
         sliced = esp != facts.host_esp
         layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
         host = self._host_groups(layout, sliced)
-        degree, lane = self._pipeline(cfg.pipeline_degree, layout, host.groups, moe)
+        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, moe)
         ep_pg = self._register(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:
@@ -252,8 +260,7 @@ class DeepSpeedPlugin:
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
         schedule = self._schedule_class(cfg.schedule, layout, moe)(moe_config(facts), host.groups,
-                                                                  Recorder(self.ledger, facts.name,
-                                                                           self._lanes.get(layout)))
+                                                                  Recorder(self.ledger, facts.name, comm))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None)
@@ -281,17 +288,26 @@ class DeepSpeedPlugin:
         return registry.host_schedule_class(name, profile, next(moe.parameters()).element_size(), layout.mp, logger)
 
     def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
-        """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device)
-        and its executor, on one communication engine with a pipeline lane per layout (collective to build)."""
-        if value == 1:
-            return 1, None
+        """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device),
+        its executor and the layer's communication engine: one per layout and lanes (collective to build), with
+        a pipeline lane when the degree needs it and a background lane for Lina, shared with Lina's reducer."""
+        background = self.lina.current is not None
+        if value == 1 and not background:
+            return 1, None, None
         from moe_plugins.core.engine import build_engine
         from moe_plugins.pipemoe.runner import build_executor
+        key = (layout, value != 1, background)
+        if key not in self._lanes:
+            self._lanes[key] = build_engine(groups, pipeline=value != 1, background=background,
+                                            ledger=self.ledger if background else None)
+        comm = self._lanes[key]
+        if background:
+            self.lina.layer(layout, groups, comm, lambda: self._cached_profile(layout, moe))
+        if value == 1:
+            return 1, None, comm
         profile = self._cached_profile(layout, moe) if degree_needs_profile(value) else None
-        if layout not in self._lanes:
-            self._lanes[layout] = build_engine(groups, pipeline=True)
-        executor = build_executor(value, profile, self._lanes[layout])
-        return executor.degree, executor
+        executor = build_executor(value, profile, comm)
+        return executor.degree, executor, comm
 
     def _host_groups(self, layout: ParallelLayout, sliced: bool) -> HostGroups:
         """Collective the first time a layout is seen: every rank sets up the same layers in the same order.

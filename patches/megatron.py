@@ -86,15 +86,21 @@ def _json(text: str, path: str) -> Any:
 # ---- 1. the spec provider ----------------------------------------------------------------------------------
 
 def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[MegatronGroups] = None,
-                ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None) -> Any:
+                ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None, lina: Any = None) -> Any:
     """Megatron's MoE ``ModuleSpec`` with the layer class swapped for PluginMoELayer (same submodules, so the
-    same router, experts and shared experts). A disabled config returns the stock spec unchanged."""
+    same router, experts and shared experts). A disabled config returns the stock spec unchanged. ``lina``: the
+    enabled plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP)."""
     if not plugin.enabled:
         return stock_spec
+    if plugin.lina is not None and lina is None:
+        raise ValueError(f"{SECTION}.lina needs the plugin enabled (enable(), the {FLAG} flag or moe-plugins "
+                         "launch), which hooks Megatron's DistributedDataParallel; the spec provider alone does not")
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     params = dict(stock_spec.params, plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+    if lina is not None:
+        params["lina"] = lina
     return ModuleSpec(module=PluginMoELayer, params=params, submodules=stock_spec.submodules,
                       metainfo=dict(stock_spec.metainfo))
 
@@ -146,6 +152,9 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
     rpn = plugin.ranks_per_node or _local_world_size()
     problems = plugin_problems(facts_from_args(args), plugin, world=getattr(args, "world_size", None),
                                ranks_per_node=rpn)
+    if plugin.enabled and plugin.lina is not None:
+        from moe_plugins.patches.megatron_lina import ddp_problems
+        problems += ddp_problems(args, args=True)
     if problems:
         raise ValueError(f"{FLAG} cannot run this Megatron model: " + "; ".join(problems))
     if not plugin.enabled:
@@ -156,18 +165,22 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
 
 class MegatronPlugin:
     """One :func:`enable`: the replaced spec builders and their originals. A context manager, or call
-    :meth:`disable`. Layers built while it was enabled keep running the plugin after it is disabled."""
+    :meth:`disable`. Layers built while it was enabled keep running the plugin after it is disabled, except with
+    Lina (``lina``: its state, :mod:`~moe_plugins.patches.megatron_lina`), whose engines ``disable()`` closes."""
 
     def __init__(self, plugin: PluginConfig, *, groups: Optional[MegatronGroups], ranks_per_node: Optional[int],
-                 ledger: Optional[CommLedger]):
+                 ledger: Optional[CommLedger], lina: Any = None):
         self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
+        self.lina = lina
         self.specs_built = 0
         self._patcher: Optional[Patcher] = None
 
     def _install(self, modules: Dict[str, Any]) -> None:
-        """Replace the spec builder wherever Megatron's modules hold it (HOOKS), all or none."""
+        """Replace the spec builder wherever Megatron's modules hold it (HOOKS), and with Lina its DDP hooks,
+        all or none."""
         replacement = self._wrap(getattr(modules[HOOKS[0][0]], HOOKS[0][1]))
-        self._patcher = Patcher([Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS],
+        patches = [Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS]
+        self._patcher = Patcher(patches + (self.lina.patches() if self.lina is not None else []),
                                 logger=logger).apply()
 
     def _wrap(self, original: Callable) -> Callable:
@@ -176,15 +189,19 @@ class MegatronPlugin:
         def get_moe_module_spec_for_backend(*args, **kwargs):
             plugin.specs_built += 1
             return plugin_spec(original(*args, **kwargs), plugin.plugin, groups=plugin.groups,
-                               ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger)
+                               ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger, lina=plugin.lina)
 
         get_moe_module_spec_for_backend.__wrapped__ = original
         return get_moe_module_spec_for_backend
 
     def _restore(self) -> None:
         patcher, self._patcher = self._patcher, None
-        if patcher is not None:
-            patcher.restore()
+        try:
+            if patcher is not None:
+                patcher.restore()
+        finally:
+            if self.lina is not None:
+                self.lina.close()
 
     @property
     def active(self) -> bool:
@@ -216,15 +233,25 @@ class MegatronPlugin:
 
 
 def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks_per_node: Optional[int] = None,
-           ledger: Optional[CommLedger] = None) -> MegatronPlugin:
+           ledger: Optional[CommLedger] = None, record_timeline: bool = False) -> MegatronPlugin:
     """Make Megatron's GPT layer specs build PluginMoELayer for every MoE layer. The config is validated before
-    anything is patched; the layer checks it against its TransformerConfig when it is built."""
+    anything is patched; the layer checks it against its TransformerConfig when it is built. With a ``lina``
+    section, Megatron's DDP reduces the gradients of models over these layers as Lina's micro-ops
+    (:mod:`~moe_plugins.patches.megatron_lina`; ``record_timeline``: its engines keep every op, read by
+    ``handle.lina.timeline()``)."""
     global _ACTIVE
     config = resolve_plugin(plugin)
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for Megatron; call disable() first")
-    handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
-    handle._install(_import_megatron(check_hooks=True))
+    modules = _import_megatron(check_hooks=True)
+    lina = None
+    if config.enabled and config.lina is not None:
+        from megatron.core import package_info
+
+        from moe_plugins.patches.megatron_lina import LinaState
+        lina = LinaState.create(config, package_info.__version__, ledger=ledger, record_timeline=record_timeline)
+    handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina)
+    handle._install(modules)
     _ACTIVE = handle
     logger.info("moe_plugins: Megatron-core spec builders patched (config %s)", config.to_dict())
     return handle

@@ -251,20 +251,25 @@ class PluginMoELayer(MoELayer):
 
     Process groups: ``pg_collection`` when given (Megatron 0.16.1's TransformerLayer passes it only to the exact
     MoELayer class, so the spec carries it in ``groups``), else ``groups.pg_collection``, else Megatron's
-    ``parallel_state`` groups, as the stock layer does. Everything is validated before anything is built."""
+    ``parallel_state`` groups, as the stock layer does. Everything is validated before anything is built.
+    ``lina``: the enabled plugin's :class:`~moe_plugins.patches.megatron_lina.LinaState`, whose engine (one per
+    layout, shared with the gradient reducer) the layer's exchanges then go through."""
 
     def __init__(self, config: Any, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
-                 profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None):
+                 profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None):
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
         lookup = partial(find_profile, profile_dir)
         layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup)
+        layout_groups = groups_from_pg_collection(pg_collection, layout)
+        if lina is not None and engine is None:      # Lina (patches/megatron_lina.py): the layout's shared engine
+            engine = lina.engine_for(layout_groups, token_view(layout_groups), lookup)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.plugin = plugin
-        self.moe_groups = token_view(groups_from_pg_collection(pg_collection, layout))
+        self.moe_groups = token_view(layout_groups)
         self.token_dispatcher = ScheduleTokenDispatcher(
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
             ledger=ledger, name=self._ledger_name(layer_number), engine=engine,

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.layout import layout_problems
+from moe_plugins.core.plugin_config import PluginConfig
 from moe_plugins.patches.megatron import FLAG, extra_args_provider, resolve_plugin
 
 from moe_plugins.recipes import data, models, report
@@ -54,6 +55,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help=f"gradient-norm clipping (default {DEFAULT_CLIP}; 0 with --cpu-shims, where Megatron's "
                         "clipping needs CUDA tensors)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron DDP reduces gradient buckets during backward (on whenever the plugin's lina "
+                        "section is set: Lina reorders those reductions behind the all-to-alls)")
     data.add_corpus_args(p)
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--save-every", type=int, default=0)
@@ -248,24 +252,34 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
                                              create_gloo_process_groups=False)
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin, ranks_per_node=rpn,
+        if plugin is None or not plugin.enabled or plugin.lina is None:
+            settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin, ranks_per_node=rpn,
+                                           seed=args.seed)
+            return _run(args, size, settings, pgc, optimizer_shims, plugin)
+        # Lina patches Megatron's DDP too: build the model (Megatron's own spec, replaced by the plugin's) and
+        # train inside enable(), which closes Lina's engines when training ends
+        from moe_plugins.patches.megatron import enable
+        settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=None, ranks_per_node=rpn,
                                        seed=args.seed)
-        return _run(args, size, settings, pgc, optimizer_shims)
+        with enable(plugin, ranks_per_node=rpn):
+            return _run(args, size, settings, pgc, optimizer_shims, plugin)
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, optimizer_shims) -> Dict[str, Any]:
+def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, optimizer_shims,
+         plugin: Optional[PluginConfig]) -> Dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
     tokenizer, blocks = load_text(args, size)
     module, moe_layers = build_model(args, size, len(tokenizer), settings, pgc)
     module.to(device)
-    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(), module, pg_collection=pgc)
+    overlap = args.overlap_grad_reduce or (plugin is not None and plugin.enabled and plugin.lina is not None)
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap), module,
+                                    pg_collection=pgc)
     with optimizer_shims():
         optimizer = make_optimizer(args, model, pgc)
-    plugin = settings.plugin
     meta = {"model": args.model, "size": models.describe(size), "world": dist.get_world_size(), "tp": args.tp,
             "ep": args.ep, "etp": args.etp, "host": "megatron-core", "clip_grad": clip_grad(args),
             "moe_plugins": plugin.to_dict() if plugin else None, "plugin": plugin_summary(moe_layers)}

@@ -100,3 +100,19 @@ def test_resume_reproduces_losses(world, tmp_path):
         assert resumed[step] == pytest.approx(first[step], rel=1e-6, abs=0), step
     with pytest.raises(WorkerError, match=r"saved by another run: ep \(2 in the checkpoint, 4 now\); etp \(2"):
         train(world, argv(4, 1, "--resume", "--out", str(tmp_path / "other")))
+
+
+def test_lina_in_the_recipe_equals_the_plugin_without_it(world, tmp_path):
+    """The recipe's flag with a lina section: Megatron's DDP (overlap_grad_reduce, which lina turns on) reduces
+    the dense and expert buckets as Lina's micro-ops; 12 fp32 steps match the plugin without lina on the same
+    overlapped DDP within 1e-5 relative."""
+    argv = ["--model", "gpt2-moe", "--steps", "12", "--tp", "1", "--ep", "2", "--etp", "1"]
+    lina = train(world, argv + ["--moe-plugins", '{"schedule": "baseline", "lina": {"micro_op_mb": 0.02}}',
+                                "--out", str(tmp_path / "lina")])
+    plain = train(world, argv + PLUGIN + ["--overlap-grad-reduce", "--out", str(tmp_path / "plain")])
+    a, b = losses(lina), losses(plain)
+    assert sorted(a) == list(range(12)) == sorted(b)
+    for step in range(12):
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    assert lina["moe_plugins"]["lina"] == {"micro_op_mb": 0.02}
+    assert [r["schedule"] for r in lina["plugin"]] == ["baseline"] * 2

@@ -12,6 +12,7 @@ from moe_plugins.core.executor import Sequential
 from moe_plugins.core.layer import resolve_schedule
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.registry import Registry
+from moe_plugins.lina.config import lina_problems
 from moe_plugins.plugins import build_registry, default_registry
 
 
@@ -40,7 +41,8 @@ def test_catalogue_names_and_roles():
     assert {"saa", "chunk"} <= set(reg.profile_ops())
     assert reg.degree_policies() == {"auto": "the cost model's pick", "tune": "that pick checked by timing the layer"}
     assert reg.executor_names() == ["pipelined"]
-    assert reg.config_choices() == {"schedules": reg.schedule_names(), "degrees": reg.degree_policies()}
+    assert reg.config_choices() == {"schedules": reg.schedule_names(), "degrees": reg.degree_policies(),
+                                    "sections": {"lina": lina_problems}}
 
 
 def test_frozen_and_duplicates_refused():
@@ -121,4 +123,4 @@ def test_pipeline_degree_and_executors():
         own.build_executor(2, None, "engine")
     assert own.build_executor("half", "profile", "engine", executor="b", k=1) == "B"
     assert built == [("b", ("half", "profile", {"k": 1}), "engine")]
-    assert own.freeze().config_choices() == {"schedules": [], "degrees": {"half": "x"}}
+    assert own.freeze().config_choices() == {"schedules": [], "degrees": {"half": "x"}, "sections": {}}

@@ -2,7 +2,9 @@
 
 - :mod:`.config`: the ``"lina": {...}`` section of the ``moe_plugins`` config;
 - :mod:`.microops`: tensor partitioning and the "auto" micro-op size (pure);
-- :mod:`.reducer`: the scheduler: gradient buffers as background micro-ops on the communication engine.
+- :mod:`.reducer`: the scheduler: gradient buffers as background micro-ops on the communication engine;
+- :mod:`.packing` (pure rule, layouts, move plan, checkpoint conversion), :mod:`.probe` (micro-op timings),
+  :mod:`.regroup` (moving experts and their optimizer state), :mod:`.packer` (the packing coordinator).
 
 The hosts' gradient hooks live with their adapters (``patches/``); they call :class:`.reducer.GradReducer`.
 """

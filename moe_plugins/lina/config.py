@@ -5,7 +5,7 @@
     "lina": {
         "priority": true,        # gradient micro-ops yield to the MoE exchanges; false: one op per bucket, FIFO
         "micro_op_mb": "auto",   # micro-op size in MB (10^6 bytes), > 0; "auto": about 2.5 ms on the DP link
-        "packing": 1             # experts per device packed together: an integer >= 1 or "auto" (docs/lina.md)
+        "packing": 1             # pack p times the experts per device (ep / p): an integer >= 1 or "auto"
     }
 """
 
@@ -54,12 +54,5 @@ def lina_problems(section: Any, path: str = "moe_plugins.lina") -> List[str]:
     if "packing" in section:
         value = section["packing"]
         if not (value == AUTO or (_number(value) and int(value) == value and value >= 1)):
-            bad("packing", 'must be an integer >= 1 (experts per device), or "auto"')
+            bad("packing", 'must be an integer >= 1 (the experts per device multiplied by it), or "auto"')
     return problems
-
-
-def packing_problems(packing: Union[int, str], local_experts: int, path: str = "moe_plugins.lina") -> List[str]:
-    """A fixed packing must divide the local experts of every MoE layer (pure)."""
-    if packing == AUTO or local_experts % int(packing) == 0:
-        return []
-    return [f"{path}.packing ({packing!r}) must divide the local experts per device ({local_experts})"]

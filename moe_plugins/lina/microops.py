@@ -28,12 +28,14 @@ def micro_op_elements(micro_op_bytes: int, element_size: int) -> int:
 
 
 def auto_micro_op_bytes(alpha_s: float, beta_s_per_byte: float, target_s: float = AUTO_TARGET_S) -> int:
-    """The size whose all-reduce takes ``target_s`` by the fitted model t(b) = alpha + beta b: b = (target -
-    alpha) / beta, clamped to [64 KiB, 64 MB] (a latency above the target gives the smallest size)."""
+    """The size that keeps the link busy for ``target_s`` by the fitted model t(b) = alpha + beta b: b = target /
+    beta, clamped to [64 KiB, 64 MB]. The fixed cost alpha is left out on purpose: on gloo it is milliseconds of
+    software per op, and sizing the whole op to the target would make micro-ops tiny and all overhead (the step
+    bench's size sweep, docs/lina.md)."""
+    del alpha_s                      # see the docstring
     if beta_s_per_byte <= 0:
         return MAX_BYTES
-    size = (target_s - alpha_s) / beta_s_per_byte
-    return int(min(MAX_BYTES, max(MIN_BYTES, size)))
+    return int(min(MAX_BYTES, max(MIN_BYTES, target_s / beta_s_per_byte)))
 
 
 def micro_op_bytes(micro_op_mb, profile=None, group: str = "dp") -> int:

@@ -10,7 +10,10 @@
 - :mod:`.traffic`: inter-node bytes (ledger, counted collectives of stock layers, the NIC's counter);
 - :mod:`.runner`: the rank side (interleaved timing, traffic, output agreement);
 - :mod:`.report`: statistics, ratios, link lower bound, JSON, Markdown and PNG;
-- :mod:`.harness`: the parent side that ties them together.
+- :mod:`.harness`: the parent side that ties them together;
+- the training-step contention bench (Lina, ``--preset lina``): :mod:`.lina_plan` (plan, rows, presets),
+  :mod:`.lina_step` (rank side), :mod:`.lina_stats` (per-op all-to-all times, slowdowns, targets),
+  :mod:`.lina_report` and :mod:`.lina_plots` (parent side and outputs).
 
 Nothing in the training path imports this package.
 """

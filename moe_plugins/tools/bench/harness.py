@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason
 from moe_plugins.tools.bench.launch import RankFailure, run_ranks, signals_raise
@@ -139,6 +139,20 @@ def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
     problems = plan_problems(plan, row_problems)
     if problems:
         raise ValueError("invalid bench plan: " + "; ".join(problems))
+    records, plan, meta = run_jobs(plan, lambda p, cluster, progress_path: RankJob(
+        plan=p, cluster=cluster, progress_path=progress_path), len(plan.cases) * len(plan.rates), opts)
+    report = summarize(records, plan, meta)
+    report["files"] = [str(p) for p in write_outputs(report, opts.out_dir, opts.stem)]
+    return report
+
+
+def run_jobs(plan, make_job: Callable[[Any, Any, str], Any], groups: int, opts: RunOptions
+             ) -> Tuple[List[Dict[str, Any]], Any, Dict[str, Any]]:
+    """Bring up the emulated cluster (or fall back to loopback, labelled), run ``make_job(plan, cluster,
+    progress_path)`` on every rank, always tear down. ``plan``: a dataclass with ``nodes``,
+    ``ranks_per_node``, ``world``, ``rates``, ``iters``, ``warmup`` and ``notes`` (a :class:`BenchPlan` or the
+    step bench's plan); ``groups``: how many progress events the ranks emit. Returns rank 0's records, the plan
+    as run (rates ``unshaped`` on loopback) and the report's meta."""
     decision = choose_mode(opts.mode, None if opts.mode == "loopback" else netns_unavailable_reason())
     if not decision.use_netns:
         print(f"moe-plugins bench: LOOPBACK ONLY ({decision.reason}); no link is shaped, so timings do not "
@@ -147,29 +161,26 @@ def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
     load_before, t0 = tuple(round(x, 2) for x in os.getloadavg()), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp, signals_raise():
         work = Path(tmp)
-        progress = _Progress(work / "progress.jsonl", len(plan.cases) * len(plan.rates), opts.progress)
+        progress = _Progress(work / "progress.jsonl", groups, opts.progress)
         try:
             if decision.use_netns:
                 spec = ClusterSpec(nodes=plan.nodes, congestion_control=opts.congestion_control, burst=opts.tbf_burst)
                 with emulated_cluster(spec) as cluster:
-                    _launch(plan, cluster, work, opts, progress)
+                    _launch(plan, make_job(plan, cluster, str(work / "progress.jsonl")), work, opts, progress)
             else:
-                _launch(plan, None, work, opts, progress)
+                _launch(plan, make_job(plan, None, str(work / "progress.jsonl")), work, opts, progress)
         finally:
             progress.close()
         records = json.loads((work / "result.json").read_text())
     load_after = tuple(round(x, 2) for x in os.getloadavg())
-    report = summarize(records, plan, _meta(plan, opts, decision, load_before, load_after, time.monotonic() - t0))
-    report["files"] = [str(p) for p in write_outputs(report, opts.out_dir, opts.stem)]
-    return report
+    return records, plan, _meta(plan, opts, decision, load_before, load_after, time.monotonic() - t0)
 
 
-def _launch(plan: BenchPlan, cluster, work: Path, opts: RunOptions, progress: _Progress) -> None:
+def _launch(plan, job, work: Path, opts: RunOptions, progress: _Progress) -> None:
     job_path = work / "job.pkl"
-    job = RankJob(plan=plan, cluster=cluster, progress_path=str(work / "progress.jsonl"))
     job_path.write_bytes(pickle.dumps(job))
     try:
-        run_ranks(world=plan.world, ranks_per_node=plan.ranks_per_node, cluster=cluster, job_path=job_path,
+        run_ranks(world=plan.world, ranks_per_node=plan.ranks_per_node, cluster=job.cluster, job_path=job_path,
                   workdir=work, timeout_s=opts.timeout_s, on_poll=progress.poll)
     except RankFailure as exc:      # keep every rank's log: the work directory is about to be deleted
         logs = opts.out_dir / f"{opts.stem}-logs"

@@ -1,6 +1,7 @@
 """Entry point of one benchmark rank: ``python -m moe_plugins.tools.bench.rank_main JOB.pkl``.
 
-Reads the pickled :class:`~moe_plugins.tools.bench.runner.RankJob`, joins the gloo group from the torchrun-style
+Reads the pickled :class:`~moe_plugins.tools.bench.runner.RankJob` (or the step bench's
+:class:`~moe_plugins.tools.bench.lina_step.StepJob`), joins the gloo group from the torchrun-style
 variables set by :mod:`.launch`, runs the plan, and on rank 0 writes ``result.json`` next to the job file
 (atomically). Exit code 0 on success, 1 on an error (traceback on stderr).
 """
@@ -22,6 +23,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from moe_plugins.tools.bench.lina_step import StepJob, run_step_plan
     from moe_plugins.tools.bench.runner import run_plan
     with open(job_path, "rb") as f:
         job = pickle.load(f)
@@ -29,7 +31,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method="env://",
                             timeout=timedelta(seconds=job.plan.collective_timeout_s))
     try:
-        records = run_plan(job)
+        records = run_step_plan(job) if isinstance(job, StepJob) else run_plan(job)
         if records is not None:
             tmp = job_path.with_name("result.json.tmp")
             tmp.write_text(json.dumps(records))

@@ -55,8 +55,12 @@ def _emit(job: RankJob, event: Dict[str, Any]) -> None:
 
 
 def _pipelines(spec: RowSpec) -> bool:
-    """Whether a row runs a pipeline degree other than 1 (a plugin row's ``@r=``; stock rows never)."""
-    return spec.option("r") is not None and default_registry().needs_lane(spec.option("r"))
+    """Whether a row runs a pipeline degree other than 1 (a plugin row's ``@r=``; stock rows never). A bad
+    degree needs no lane: building that row fails, and the row is skipped with the reason."""
+    try:
+        return spec.option("r") is not None and default_registry().needs_lane(spec.option("r"))
+    except ValueError:
+        return False
 
 
 def _layout_key(case: CaseConfig) -> Tuple[int, int, int]:

@@ -6,6 +6,13 @@ Examples::
     moe-plugins bench --case S=512/1024,M=256,H=512,E=8,k=2,f=1,ep=4 --rows baseline deepspeed --rates 1gbit
     moe-plugins bench --remove-stale          # delete namespaces left by a run that was SIGKILLed
 
+The training-step contention bench (Lina, issue #23; docs/benchmarks.md, "Training step"): a step of L MoE
+blocks between dense layers, its dense gradients reduced four ways (sync, fifo, lina@kib=N, noreduce)::
+
+    moe-plugins bench --preset lina --out /tmp/lina --stem lina-step
+    moe-plugins bench --step-model L=4,S=128,M=256,H=2048,E=4,k=2,F=384 --rows sync fifo lina@kib=128 noreduce \
+        --rates 200mbit
+
 Exit code 0 on success, 1 when a rank failed or the time limit passed, 2 on bad flags.
 """
 
@@ -24,7 +31,12 @@ from moe_plugins.tools.bench.cluster import ClusterSpec
 def register(sub) -> None:
     p = sub.add_parser("bench", help="time MoE layers side by side on an emulated multi-node cluster",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default=None, help="a named plan (committed, smoke); other flags override it")
+    p.add_argument("--preset", default=None,
+                   help="a named plan (committed, smoke; the training-step bench: lina, lina-smoke); other flags "
+                        "override it")
+    p.add_argument("--step-model", default=None, metavar="SPEC",
+                   help="the training-step bench's network: L=,S=,M=,H=,E=,k=,f=,F= (F: dense width); with rows "
+                        "sync, fifo, lina@kib=N (or @mb=X), noreduce")
     p.add_argument("--case", action="append", default=None, metavar="SPEC",
                    help="S=,M=,H=,E=,k=,f=,min_capacity=,drop=,mp=,ep=,esp= (a/b/c expands); repeatable")
     p.add_argument("--rows", nargs="+", default=None, metavar="ROW",
@@ -54,10 +66,38 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+def is_step_bench(args: argparse.Namespace) -> bool:
+    from moe_plugins.tools.bench.lina_plan import STEP_PRESETS
+    return args.step_model is not None or args.preset in STEP_PRESETS
+
+
+def step_plan_from_args(args: argparse.Namespace):
+    """The training-step bench's plan from the flags (a step preset, overridden by explicit flags)."""
+    from moe_plugins.tools.bench.lina_plan import STEP_PRESETS, StepPlan, parse_model, parse_step_row
+    problems = [f"{flag} does not apply to the training-step bench" for flag, given in
+                (("--case", args.case), ("--dtype " + args.dtype, args.dtype != "float32")) if given]
+    if args.preset is not None and args.preset not in STEP_PRESETS:
+        problems.append(f"preset ({args.preset!r}) is not a training-step preset ({', '.join(STEP_PRESETS)})")
+    if problems:
+        raise ValueError("; ".join(problems))
+    base = dict(STEP_PRESETS[args.preset]) if args.preset else {}
+    model_text = args.step_model or base.get("model")
+    rows = args.rows or base.get("rows")
+    rates = args.rates or base.get("rates")
+    missing = [flag for flag, v in (("--step-model", model_text), ("--rows", rows), ("--rates", rates)) if not v]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} needed (or a step --preset)")
+    pick = lambda name, default: getattr(args, name) if getattr(args, name) is not None else base.get(name, default)
+    return StepPlan(nodes=pick("nodes", 2), ranks_per_node=pick("ranks_per_node", 2), model=parse_model(model_text),
+                    rows=tuple(parse_step_row(r) for r in rows), rates=tuple(rates), iters=pick("iters", 10),
+                    warmup=pick("warmup", 2), seed=args.seed)
+
+
 def plan_from_args(args: argparse.Namespace):
+    from moe_plugins.tools.bench.lina_plan import STEP_PRESETS
     from moe_plugins.tools.bench.matrix import PRESETS, BenchPlan, parse_cases, parse_row
     if args.preset is not None and args.preset not in PRESETS:
-        raise ValueError(f"preset ({args.preset!r}) is unknown; allowed: {', '.join(PRESETS)}")
+        raise ValueError(f"preset ({args.preset!r}) is unknown; allowed: {', '.join(list(PRESETS) + list(STEP_PRESETS))}")
     base = dict(PRESETS[args.preset]) if args.preset else {}
     cases_text = args.case or ([base["cases"]] if "cases" in base else None)
     rows = args.rows or base.get("rows")
@@ -80,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from moe_plugins.tools.bench.harness import RunOptions, run_bench
     from moe_plugins.tools.bench.launch import RankFailure
-    plan = plan_from_args(args)
+    step = is_step_bench(args)
+    plan = step_plan_from_args(args) if step else plan_from_args(args)
     if not re.fullmatch(r"[a-z0-9_]+", args.tcp_cc):
         raise ValueError(f"--tcp-cc ({args.tcp_cc!r}) must be a kernel congestion-control name, such as reno or bbr")
     if not re.fullmatch(r"[1-9][0-9]*(b|kb|k|mb|m)", args.tbf_burst):
@@ -92,7 +133,11 @@ def run(args: argparse.Namespace) -> int:
                       stem=args.stem, congestion_control=args.tcp_cc,
                       tbf_burst=args.tbf_burst)
     try:
-        report = run_bench(plan, opts)
+        if step:
+            from moe_plugins.tools.bench.lina_report import run_step_bench
+            report = run_step_bench(plan, opts)
+        else:
+            report = run_bench(plan, opts)
     except RankFailure as exc:
         print(f"moe-plugins bench: {exc}", file=sys.stderr)
         return 1
@@ -101,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if args.json:
         print(json.dumps(report))
+    elif step:
+        from moe_plugins.tools.bench.lina_report import markdown_step
+        print(markdown_step(report))
     else:
         from moe_plugins.tools.bench.report import markdown
         print(markdown(report))

@@ -1,0 +1,214 @@
+"""Does Lina's expert packing pay on a compute-light MoE layer, and does ``"auto"`` pick it?
+
+    python benchmarks/lina_packing.py --rates 1gbit --out /tmp/lina_packing          # emulated cluster
+    python benchmarks/lina_packing.py --mode loopback --out /tmp/lina_packing         # no namespaces
+
+Two nodes of two ranks (network namespaces joined by a tbf-shaped link, moe_plugins/tools/bench/cluster.py),
+one core ``MoELayer`` (baseline schedule, E = 8 experts, fp32) with a small FFN (H = 32: little compute per
+row) and many tokens (S per rank), unpacked layout ep = 4 (2 experts per device). A training step is
+forward + backward + the synchronous gradient sums: expert weights over expert-DP (which packing grows: p
+times more expert parameters per device, reduced over p replicas), the gate over DP. No optimizer.
+
+Rows, in interleaved rounds on the same processes (the layer is regrouped between rows by
+``PackingController.set_packing``; barrier, time ``--iters`` steps, max over ranks; medians reported):
+``p=1``, ``p=2``, ``p=4`` (ep 4, 2, 1). Also: the regroup's own time, and what ``packing: "auto"`` decides
+from p = 1 with checks after steps 2, 4, ... (``--auto-steps`` steps), with the agreed mean micro-op times
+behind each decision. Timings on a shared 2-core machine are noisy: read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+PACKINGS = (1, 2, 4)
+
+
+def rank_main(cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moe_plugins.core.config import MoEConfig
+    from moe_plugins.core.experts import init_full_weights
+    from moe_plugins.core.groups import build_process_groups
+    from moe_plugins.core.layer import MoELayer
+    from moe_plugins.core.layout import ParallelLayout
+    from moe_plugins.lina.packer import PackingController
+    from moe_plugins.lina.packing import EXPERT_KEYS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = ParallelLayout(world=world, ranks_per_node=cfg["ranks_per_node"], ep=world)
+    groups = build_process_groups(layout)
+    m, h, e, s = cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["tokens"]
+    config = MoEConfig(hidden=m, ffn=h, num_experts=e, k=2, capacity_factor=1.0)
+
+    def build():
+        layer = MoELayer(config, groups, name="moe")
+        g = torch.Generator().manual_seed(0)
+        layer.load_full(torch.randn(e, m, generator=g) * 0.1, init_full_weights(e, m, h, g))
+        return layer
+
+    x = torch.randn(s, m, generator=torch.Generator().manual_seed(rank))
+
+    def step(layer):
+        for p in layer.parameters():
+            p.grad = None
+        layer(x).y.pow(2).mean().backward()
+        g = layer.groups
+        for name, p in layer.named_parameters():
+            pg = g.expert_dp.pg if name in EXPERT_KEYS else g.dp.pg
+            if pg is not None:
+                dist.all_reduce(p.grad, group=pg)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    # "auto" from p = 1: its own layer, checks after steps 2, 4, ...
+    auto_layer = build()
+    auto = PackingController([auto_layer], groups, packing="auto", start=2, every=2)
+    auto_packing = []
+    for _ in range(cfg["auto_steps"]):
+        step(auto_layer)
+        auto.step_end()
+        auto_packing.append(auto.packing)
+    decisions = [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a, "to": b}
+                 for st, t, a, b in auto.decisions]
+    auto.set_packing(1)
+    auto.close()
+
+    layer = build()
+    ctl = PackingController([layer], groups, packing=1)
+    times = {p: [] for p in PACKINGS}
+    regroup = {p: [] for p in PACKINGS}
+    for _ in range(cfg["warmup"]):
+        for p in PACKINGS:
+            ctl.set_packing(p)
+            step(layer)
+    for _ in range(cfg["rounds"]):
+        for p in PACKINGS:
+            regroup[p].append(timed(lambda: ctl.set_packing(p)))
+            times[p].append(timed(lambda: [step(layer) for _ in range(cfg["iters"])]) / cfg["iters"])
+    ctl.set_packing(1)
+    ctl.close()
+    if rank == 0:
+        Path(cfg["result"]).write_text(json.dumps({
+            "step_s": {p: statistics.median(v) for p, v in times.items()},
+            "step_all_s": times, "regroup_s": {p: statistics.median(v) for p, v in regroup.items()},
+            "auto_packing": auto_packing, "auto_decisions": decisions}))
+    dist.destroy_process_group()
+
+
+def launch(cfg: dict, cluster, workdir: Path) -> dict:
+    """Start the ranks (inside the nodes' namespaces when ``cluster`` is given) and wait for them."""
+    from moe_plugins.tools.bench.launch import MASTER_PORT_IN_NAMESPACE, rank_env
+    from moe_plugins.tools.pool import free_port
+    world, per_node = cfg["world"], cfg["ranks_per_node"]
+    addr, port, ifname = ("127.0.0.1", free_port(), "lo") if cluster is None else \
+        (cluster.addresses[0], MASTER_PORT_IN_NAMESPACE, cluster.ifname)
+    cfg_path = workdir / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    procs = []
+    try:
+        for r in range(world):
+            cmd = [sys.executable, __file__, "--rank-config", str(cfg_path)]
+            if cluster is not None:
+                cmd = ["ip", "netns", "exec", cluster.nodes[r // per_node]] + cmd
+            env = {**os.environ, **rank_env(r, world, per_node, addr, port, ifname)}
+            with open(workdir / f"rank{r}.log", "w") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + cfg["timeout_s"]
+        for r, p in enumerate(procs):
+            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"rank {r} failed:\n{(workdir / f'rank{r}.log').read_text()[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return json.loads(Path(cfg["result"]).read_text())
+
+
+def table(rate: str, data: dict) -> str:
+    step = {int(p): v * 1e3 for p, v in data["step_s"].items()}
+    best = min(step, key=step.get)
+    lines = [f"### link {rate}", "", "| packing | ep | step ms (median) | vs p=1 | regroup to it, ms |",
+             "|---|---|---|---|---|"]
+    for p, ms in step.items():
+        lines.append(f"| p={p} | {4 // p} | {ms:.1f} | {step[1] / ms:.2f}x | {data['regroup_s'][str(p)] * 1e3:.1f} |")
+    lines += ["", f"fastest: p={best}; auto, per step: {data['auto_packing']}"]
+    for d in data["auto_decisions"]:
+        lines.append(f"- auto at step {d['step']}: expert micro-op {d['expert_ms']:.2f} ms, all-to-all micro-op "
+                     f"{d['a2a_ms']:.2f} ms (means over ranks): p {d['from']} -> {d['to']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rank-config", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rates", nargs="+", default=["1gbit"])
+    p.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=32)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--auto-steps", type=int, default=6)
+    p.add_argument("--out", type=Path, default=None, help="write lina_packing.json / .md here")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    args = p.parse_args()
+    if args.rank_config:
+        rank_main(json.loads(Path(args.rank_config).read_text()))
+        return 0
+    from moe_plugins.tools.bench.launch import signals_raise
+    with signals_raise():            # SIGTERM/SIGHUP unwind, so the ranks are stopped and the namespaces removed
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason, set_rate
+    reason = None if args.mode == "loopback" else netns_unavailable_reason()
+    if args.mode == "netns" and reason:
+        raise SystemExit(f"lina_packing: the emulated cluster is unavailable: {reason}")
+    out, md = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = {"world": 4, "ranks_per_node": 2, "experts": 8, "tokens": args.tokens, "hidden": args.hidden,
+                "ffn": args.ffn, "iters": args.iters, "rounds": args.rounds, "warmup": args.warmup,
+                "auto_steps": args.auto_steps, "timeout_s": args.timeout_s, "result": str(Path(tmp) / "result.json")}
+        if args.mode != "loopback" and reason is None:
+            with emulated_cluster(ClusterSpec(nodes=2)) as cluster:
+                for rate in args.rates:
+                    set_rate(cluster, rate)
+                    out[rate] = launch(base, cluster, Path(tmp))
+                    md.append(table(rate, out[rate]))
+                    print(md[-1], flush=True)
+        else:
+            out["unshaped (loopback)"] = launch(base, None, Path(tmp))
+            md.append(table("unshaped (loopback: " + (reason or "requested") + ")", out["unshaped (loopback)"]))
+            print(md[-1], flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "lina_packing.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
+                                                                 "runs": out}, indent=1, default=str))
+        (args.out / "lina_packing.md").write_text("\n\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

