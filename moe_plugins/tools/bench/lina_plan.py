@@ -252,7 +252,7 @@ SWEEP_KIB = (64, 128, 256, 512, 1024, 2048, 4096)      # the micro-op sizes the 
 # all-to-all small enough to wait behind the all-reduce's queued bytes, see docs/benchmarks.md); ``lina-smoke``:
 # the whole path in well under a minute.
 STEP_PRESETS: Dict[str, Dict[str, object]] = {
-    "lina": dict(nodes=2, ranks_per_node=2, rates=("200mbit", "1gbit"), iters=10, warmup=2,
+    "lina": dict(nodes=2, ranks_per_node=2, rates=("200mbit", "1gbit"), iters=20, warmup=3,
                  model="L=4,S=128,M=256,H=2048,E=4,k=2,f=1,F=384",
                  rows=("sync", "fifo", "lina@kib=128", "noreduce")
                  + tuple(f"lina@kib={n}" for n in SWEEP_KIB if n != 128)),
