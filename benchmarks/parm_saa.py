@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,33 +120,8 @@ def rank_main(cfg: dict) -> None:
 
 def launch(cfg: dict, cluster, workdir: Path) -> dict:
     """Start the ranks (inside the nodes' namespaces when ``cluster`` is given) and wait for them."""
-    from moe_plugins.tools.bench.launch import MASTER_PORT_IN_NAMESPACE, rank_env
-    from moe_plugins.tools.pool import free_port
-    world, per_node = cfg["world"], cfg["ranks_per_node"]
-    addr, port, ifname = ("127.0.0.1", free_port(), "lo") if cluster is None else \
-        (cluster.addresses[0], MASTER_PORT_IN_NAMESPACE, cluster.ifname)
-    cfg_path = workdir / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    procs = []
-    try:
-        for r in range(world):
-            cmd = [sys.executable, __file__, "--rank-config", str(cfg_path)]
-            if cluster is not None:
-                cmd = ["ip", "netns", "exec", cluster.nodes[r // per_node]] + cmd
-            env = {**os.environ, **rank_env(r, world, per_node, addr, port, ifname)}
-            with open(workdir / f"rank{r}.log", "w") as log:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-        deadline = time.monotonic() + cfg["timeout_s"]
-        for r, p in enumerate(procs):
-            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(f"rank {r} failed:\n{(workdir / f'rank{r}.log').read_text()[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return json.loads(Path(cfg["result"]).read_text())
+    from moe_plugins.tools.bench.launch import run_script_ranks
+    return run_script_ranks(__file__, cfg, cluster, workdir)
 
 
 def table(rate: str, data: dict) -> str:

@@ -11,6 +11,7 @@ from moe_plugins.core.plugin_config import PluginConfig
 from moe_plugins.lina.config import LinaConfig, lina_problems
 from moe_plugins.lina.microops import MAX_BYTES, MIN_BYTES, auto_micro_op_bytes, micro_op_bytes, micro_op_slices
 from moe_plugins.plugins import default_registry
+from tests.lina_checks import micro_op_order as _order
 from tests.workers.lina import lina_steps
 
 
@@ -58,22 +59,6 @@ def test_auto_size_takes_about_the_target_on_the_fitted_link():
 
 
 # ---- gloo ranks --------------------------------------------------------------------------------------------
-
-def _order(records):
-    """No micro-op starts inside an MoE exchange's [issue, end]; at most one overlaps each all-to-all. Returns
-    how many micro-ops waited for an exchange."""
-    urgent = [r for r in records if r["priority"] == "urgent"]
-    micro = [r for r in records if r["priority"] == "background"]
-    waited = 0
-    for b in micro:
-        inside = [u["layer"] for u in urgent if u["issue_ns"] <= b["start_ns"] <= u["end_ns"]]
-        assert not inside, f"micro-op started while exchange(s) of {inside} were pending or in flight"
-        waited += any(b["issue_ns"] < u["end_ns"] <= b["start_ns"] for u in urgent)
-    for u in (r for r in urgent if r["op"] == "all_to_all"):
-        overlapping = [b for b in micro if b["start_ns"] < u["end_ns"] and b["end_ns"] > u["start_ns"]]
-        assert len(overlapping) <= 1, f"{len(overlapping)} micro-ops overlap an all-to-all of {u['layer']}"
-    return waited
-
 
 @pytest.mark.parametrize("size,tolerance", [(2, 0.0), (4, 1e-12)])
 def test_micro_op_reduction_equals_the_synchronous_one_and_yields_to_exchanges(world, size, tolerance):

@@ -13,27 +13,12 @@ import pytest
 import torch
 
 from moe_plugins.lina.config import LinaConfig
+from tests.lina_checks import micro_op_order as _order
 from tests.workers import lina_deepspeed as jobs
 
 pytest.importorskip("deepspeed")
 
 LINA = {"micro_op_mb": 0.0002}          # 200 bytes: every dense gradient is cut into several micro-ops
-
-
-def _order(records):
-    """No micro-op starts inside an MoE exchange's [issue, end]; at most one overlaps each all-to-all. Returns
-    how many micro-ops waited for an exchange (tests/test_lina.py's check, on the DeepSpeed ledger)."""
-    urgent = [r for r in records if r["priority"] == "urgent"]
-    micro = [r for r in records if r["priority"] == "background"]
-    waited = 0
-    for b in micro:
-        inside = [u["layer"] for u in urgent if u["issue_ns"] <= b["start_ns"] <= u["end_ns"]]
-        assert not inside, f"micro-op started while exchange(s) of {inside} were pending or in flight"
-        waited += any(b["issue_ns"] < u["end_ns"] <= b["start_ns"] for u in urgent)
-    for u in (r for r in urgent if r["op"] == "all_to_all"):
-        overlapping = [b for b in micro if b["start_ns"] < u["end_ns"] and b["end_ns"] > u["start_ns"]]
-        assert len(overlapping) <= 1, f"{len(overlapping)} micro-ops overlap an all-to-all of {u['layer']}"
-    return waited
 
 
 def _check(results, tolerance: float, bitwise: bool, steps: int, hooked: bool):

@@ -27,7 +27,7 @@ from moe_plugins.core.plugin_config import PluginConfig  # noqa: E402
 from moe_plugins.patches import megatron as mp  # noqa: E402
 from moe_plugins.patches.megatron_lina import LinaState, ddp_problems, version_problems  # noqa: E402
 from moe_plugins.plugins import default_registry  # noqa: E402
-from tests.test_lina import _order  # noqa: E402
+from tests.lina_checks import micro_op_order as _order  # noqa: E402
 from tests.workers import lina_megatron as jobs  # noqa: E402
 
 TIMEOUT_S = 900

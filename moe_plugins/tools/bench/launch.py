@@ -11,6 +11,7 @@ fails stops the run at once; so does the deadline.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from moe_plugins.tools.pool import free_port
 from moe_plugins.tools.bench.cluster import Cluster
@@ -121,3 +122,34 @@ def run_ranks(*, world: int, ranks_per_node: int, cluster: Optional[Cluster], jo
             time.sleep(0.25)
     finally:
         _stop(procs)
+
+
+def run_script_ranks(script: str, cfg: Dict[str, Any], cluster: Any, workdir: Path) -> Dict[str, Any]:
+    """For the scripts in benchmarks/: run ``python script --rank-config CFG`` once per rank (inside the nodes'
+    namespaces when ``cluster`` is given, else on loopback), wait within ``cfg["timeout_s"]``, and return the
+    JSON that rank 0 wrote to ``cfg["result"]``. A failed rank raises with the end of its log."""
+    world, per_node = cfg["world"], cfg["ranks_per_node"]
+    addr, port, ifname = ("127.0.0.1", free_port(), "lo") if cluster is None else \
+        (cluster.addresses[0], MASTER_PORT_IN_NAMESPACE, cluster.ifname)
+    cfg_path = workdir / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    procs = []
+    try:
+        for r in range(world):
+            cmd = [sys.executable, script, "--rank-config", str(cfg_path)]
+            if cluster is not None:
+                cmd = ["ip", "netns", "exec", cluster.nodes[r // per_node]] + cmd
+            env = {**os.environ, **rank_env(r, world, per_node, addr, port, ifname)}
+            with open(workdir / f"rank{r}.log", "w") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + cfg["timeout_s"]
+        for r, p in enumerate(procs):
+            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"rank {r} failed:\n{(workdir / f'rank{r}.log').read_text()[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return json.loads(Path(cfg["result"]).read_text())
