@@ -4,6 +4,7 @@ are unavailable (not root, no iproute2, no netns support)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,8 +61,19 @@ def test_tiny_bench_on_two_emulated_nodes(tmp_path):
     plan = BenchPlan(nodes=2, ranks_per_node=2, rates=("100mbit",), iters=2, warmup=1,
                      cases=(CaseConfig(tokens=64, hidden=16, ffn=32, experts=4, k=2, ep=4),),
                      rows=(RowSpec(name="baseline"),), collective_timeout_s=120)
-    rep = run_bench(plan, RunOptions(out_dir=tmp_path, mode="netns", timeout_s=300, progress=False))
+    rep = run_bench(plan, RunOptions(out_dir=tmp_path, mode="netns", timeout_s=300, progress=False,
+                                     timeline=tmp_path / "trace.json"))
     assert _mine() == []
+    # the timeline: every rank's engine ops of the plugin row, each with a start and a duration; the baseline
+    # exchanges are all-to-alls on the EP group, forward and backward, once per round (check, warm-up, timed)
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
+    a2a = [e for e in events if e["name"] == "all_to_all@ep"]
+    assert {e["args"]["phase"] for e in a2a} == {"forward", "backward"}
+    assert all(e["args"]["group_ranks"] == [0, 1, 2, 3] and e["cat"] == "urgent" for e in a2a)
+    per_rank = {pid: sum(e["pid"] == pid for e in a2a) for pid in range(4)}
+    assert len(set(per_rank.values())) == 1 and per_rank[0] >= 4 * 3
     assert rep["meta"]["netns"] is True and "emulated cluster" in rep["meta"]["header_lines"][0]
     row = rep["groups"][0]["rows"]["baseline"]
     assert row["n"] == 2 and row["median_ms"] > 0
@@ -71,3 +83,4 @@ def test_tiny_bench_on_two_emulated_nodes(tmp_path):
     assert row["nic_MB_per_node"] >= model_mb
     assert row["link_lb_ms"] == pytest.approx(model_mb * 8 / 100 * 1e3)      # Mbit / (Mbit/s), in ms
     assert {p.rsplit(".", 1)[-1] for p in rep["files"]} == {"json", "md", "png"}
+    assert str(tmp_path / "trace.json") in rep["files"]

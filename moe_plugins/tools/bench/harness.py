@@ -29,6 +29,7 @@ from moe_plugins.tools.bench.launch import RankFailure, run_ranks, signals_raise
 from moe_plugins.tools.bench.matrix import UNSHAPED, BenchPlan, plan_problems
 from moe_plugins.tools.bench.rows import row_problems
 from moe_plugins.tools.bench.report import summarize, write_outputs
+from moe_plugins.core.timeline import write_chrome_trace
 from moe_plugins.tools.bench.runner import RankJob
 
 MODES = ("auto", "netns", "loopback")
@@ -45,6 +46,7 @@ class RunOptions:
     stem: str = "bench"
     congestion_control: str = ClusterSpec.congestion_control   # TCP congestion control in the node namespaces
     tbf_burst: str = ClusterSpec.burst     # tbf bucket on every node link (tc units)
+    timeline: Optional[Path] = None        # layer bench: write the plugin rows' engine ops here (Chrome trace)
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,16 @@ def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
     problems = plan_problems(plan, row_problems)
     if problems:
         raise ValueError("invalid bench plan: " + "; ".join(problems))
-    records, plan, meta = run_jobs(plan, lambda p, cluster, progress_path: RankJob(
-        plan=p, cluster=cluster, progress_path=progress_path), len(plan.cases) * len(plan.rates), opts)
-    report = summarize(records, plan, meta)
-    report["files"] = [str(p) for p in write_outputs(report, opts.out_dir, opts.stem)]
+    with tempfile.TemporaryDirectory(prefix="moe-bench-timeline-") as tmp:
+        prefix = str(Path(tmp) / "timeline") if opts.timeline is not None else None
+        records, plan, meta = run_jobs(plan, lambda p, cluster, progress_path: RankJob(
+            plan=p, cluster=cluster, progress_path=progress_path, timeline_prefix=prefix),
+            len(plan.cases) * len(plan.rates), opts)
+        report = summarize(records, plan, meta)
+        report["files"] = [str(p) for p in write_outputs(report, opts.out_dir, opts.stem)]
+        if prefix is not None:
+            per_rank = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(plan.world)]
+            report["files"].append(str(write_chrome_trace(opts.timeline, per_rank)))
     return report
 
 

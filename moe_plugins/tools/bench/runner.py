@@ -46,6 +46,7 @@ class RankJob:
     plan: BenchPlan
     cluster: Optional[Cluster]          # None: loopback run, rates cannot be applied
     progress_path: Optional[str] = None
+    timeline_prefix: Optional[str] = None   # each rank writes its engine ops to <prefix>.rank<r>.json
 
 
 def _emit(job: RankJob, event: Dict[str, Any]) -> None:
@@ -231,7 +232,8 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
                                                                mp=case.mp, ep=case.ep, esp=case.esp))
             # one per layout (per row would leak gloo threads); a pipeline lane only when a row pipelines, so
             # rows that do not run on a layout without twin groups and a lane thread, as a user's would
-            lanes[key] = build_engine(layouts[key], pipeline=any(map(_pipelines, plan.rows)))
+            lanes[key] = build_engine(layouts[key], pipeline=any(map(_pipelines, plan.rows)),
+                                      record_timeline=job.timeline_prefix is not None)
         data = make_case_data(case, layouts[key], plan.seed, plan.dtype)
         data.extras["singleton"] = singleton
         data.extras[LANE] = lanes[key]
@@ -272,6 +274,10 @@ def run_plan(job: RankJob) -> Optional[List[Dict[str, Any]]]:
     records: List[Dict[str, Any]] = []
     try:
         _run_cases(job, layouts, lanes, singleton, ifname, records)
+        if job.timeline_prefix is not None:
+            ops = [asdict(r) for lane in lanes.values() for r in lane.timeline]
+            with open(f"{job.timeline_prefix}.rank{rank}.json", "w") as f:
+                json.dump(ops, f)
     finally:      # gloo keeps threads per group: free them (a reused worker pool would leak them)
         for lane in lanes.values():
             lane.close()

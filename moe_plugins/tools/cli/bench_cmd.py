@@ -59,6 +59,9 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     p.add_argument("--stem", default="bench", help="output file names: STEM.json, STEM.md, STEM.png")
     p.add_argument("--note", default="", help="a line recorded in the report")
+    p.add_argument("--timeline", type=Path, default=None, metavar="FILE",
+                   help="also write every engine op of the plugin rows, per rank, as Chrome trace JSON "
+                        "(Perfetto, chrome://tracing); the step bench always writes STEM-timeline.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--remove-stale", action="store_true",
@@ -131,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                       command="moe-plugins bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
                       if len(sys.argv) > 1 and sys.argv[1] == "bench" else "", progress=not args.no_progress,
                       stem=args.stem, congestion_control=args.tcp_cc,
-                      tbf_burst=args.tbf_burst)
+                      tbf_burst=args.tbf_burst, timeline=args.timeline)
     try:
         if step:
             from moe_plugins.tools.bench.lina_report import run_step_bench
