@@ -10,11 +10,13 @@ import json
 
 import pytest
 
+from moe_plugins.lina.microops import micro_op_bytes
 from moe_plugins.tools.bench import cluster
 from moe_plugins.tools.bench.harness import RunOptions
 from moe_plugins.tools.bench.lina_plan import (STEP_PRESETS, STEP_ROW_KINDS, StepModel, StepPlan, bucket_bytes_of,
                                                dense_bytes, exchange_bytes, micro_op_bytes_of, parse_model,
-                                               parse_step_row, step_plan_problems)
+                                               parse_step_row, step_plan_problems, step_row_problems)
+from moe_plugins.tools.bench.lina_hosts import lina_section
 from moe_plugins.tools.bench.lina_plots import timeline_bars
 from moe_plugins.tools.bench.lina_report import markdown_step, run_step_bench, sweep_lines
 from moe_plugins.tools.bench.lina_stats import (cdf, node_bytes, op_times_ms, per_op_median, slowdowns,
@@ -45,6 +47,10 @@ def test_rows_parse_and_sizes():
     assert micro_op_bytes_of(parse_step_row("lina@mb=0.25")) == 250_000
     host = parse_step_row("megatron@lina")
     assert host.options == (("lina", "on"),) and host.label == "megatron@lina"
+    assert step_row_problems(host) == ["row 'megatron@lina': give the micro-op size as exactly one of kib=N or mb=X"]
+    assert step_row_problems(parse_step_row("deepspeed@lina,kib=128")) == []
+    assert micro_op_bytes(lina_section(parse_step_row("deepspeed@lina,kib=249"))["micro_op_mb"]) == 249 * 1024
+    assert lina_section(parse_step_row("megatron@bucket_mb=1")) is None
     assert bucket_bytes_of(parse_step_row("fifo")) == 0
     assert bucket_bytes_of(parse_step_row("fifo@bucket_mb=2")) == 2_000_000
     for text, message in (("lina", "exactly one of kib=N or mb=X"), ("lina@kib=1,mb=1", "exactly one"),
@@ -57,13 +63,15 @@ def test_rows_parse_and_sizes():
 
 def test_plan_problems_are_listed_together():
     plan = StepPlan(nodes=2, ranks_per_node=2, model=StepModel(experts=6),
-                    rows=tuple(map(parse_step_row, ("sync", "sync", "fifo@kib=4", "deepspeed", "lina"))),
+                    rows=tuple(map(parse_step_row, ("sync", "sync", "fifo@kib=4", "horovod", "lina", "deepspeed@kib=8",
+                                                    "megatron@lina,kib=1", "megatron@lina,kib=2"))),
                     rates=("fast",))
     text = "; ".join(step_plan_problems(plan))
     for part in ("model.experts (6) must be divisible by the world size (4)", "row 'sync' is listed twice",
                  "rows must include 'noreduce'", "row 'fifo@kib=4': option(s) kib not among ['bucket_mb']",
-                 "row 'deepspeed': unknown; known rows: sync, fifo, lina, noreduce", "exactly one of kib=N",
-                 "rate ('fast')"):
+                 "row 'horovod': unknown; known rows: sync, fifo, lina, noreduce, deepspeed, megatron",
+                 "exactly one of kib=N", "row 'deepspeed@kib=8': kib / mb size Lina's micro-ops: add lina",
+                 "at most one megatron@lina row per run", "rate ('fast')"):
         assert part in text
     good = StepPlan(nodes=2, ranks_per_node=2, model=parse_model(STEP_PRESETS["lina"]["model"]),
                     rows=tuple(map(parse_step_row, STEP_PRESETS["lina"]["rows"])), rates=("200mbit", "1gbit"))
@@ -249,3 +257,38 @@ def test_tiny_step_bench_end_to_end(tmp_path):
     assert split["reduce_slowdown"] == pytest.approx(rows["fifo"]["reduce_ms_median"] / rows["sync"]["reduce_ms_median"])
     assert split["noise_floor"] == rows["sync"]["a2a_slowdown_median"]
     assert "where fifo's contention landed" in (tmp_path / "tiny.md").read_text()
+
+
+def test_host_rows_run_the_step_through_deepspeed_and_megatron(tmp_path):
+    """The host rows on a tiny model next to sync and noreduce (about 15 s): every row timed with its backward
+    all-to-alls, DeepSpeed's reduced gradients equal to sync's, megatron@lina's to megatron's, and bytes metered."""
+    netns = cluster.netns_unavailable_reason() is None
+    rows = ("sync", "deepspeed", "deepspeed@lina,kib=1", "megatron@lina,kib=1", "megatron", "noreduce")
+    plan = StepPlan(nodes=2, ranks_per_node=2, model=parse_model("L=2,S=16,M=16,H=32,E=4,k=2,F=32"),
+                    rows=tuple(map(parse_step_row, rows)), rates=("100mbit",), iters=2, warmup=1,
+                    collective_timeout_s=120)
+    rep = run_step_bench(plan, RunOptions(out_dir=tmp_path, mode="netns" if netns else "loopback", timeout_s=300,
+                                          progress=False, stem="hosts"))
+    got = rep["groups"][0]["rows"]
+    assert list(got) == list(rows)
+    for label, r in got.items():
+        assert r["n"] == 2 and r["median_ms"] > 0, label
+        assert r["a2a_ops"] == 4, label                      # the plugin's exchanges, read from each host's ledger
+        assert r["model_MB_per_node"] >= got["noreduce"]["model_MB_per_node"] > 0, label
+        if netns:
+            assert r["nic_MB_per_node"] > 0, label
+    assert got["deepspeed"]["grad_max_abs_diff_vs_sync"] < 1e-5             # DeepSpeed's average x DP = the sum
+    assert got["deepspeed@lina,kib=1"]["grad_max_abs_diff_vs_sync"] < 1e-5
+    assert got["megatron@lina,kib=1"]["grad_max_abs_diff_vs_sync"] < 1e-5   # against the megatron row
+    assert got["megatron"]["grad_max_abs_diff_vs_sync"] is None
+    # Lina's micro-ops are engine ops (in the ledger, timed); the stock hosts' own all-reduce is not
+    for label in ("deepspeed@lina,kib=1", "megatron@lina,kib=1"):
+        assert got[label]["reduce_ms_median"] > 0
+        assert got[label]["model_MB_per_node"] == pytest.approx(got["sync"]["model_MB_per_node"])
+    for label in ("deepspeed", "megatron"):
+        assert got[label]["reduce_ms_median"] is None
+    if netns:                                                   # the stock hosts' reductions did cross the link
+        for label in ("deepspeed", "megatron"):
+            assert got[label]["nic_MB_per_node"] > 1.5 * got["noreduce"]["nic_MB_per_node"], label
+    md = (tmp_path / "hosts.md").read_text()
+    assert "megatron rows: the same shapes" in md and "- `deepspeed@lina,kib=1`: deepspeed.initialize" in md

@@ -14,8 +14,8 @@ A *row* is one way of reducing those gradients in the same step (:data:`STEP_ROW
 - ``lina@kib=N`` / ``lina@mb=X``: Lina's micro-ops of N KiB (or X MB = 10^6 B), yielding to exchanges;
 - ``noreduce``: a timing reference that skips the reduction.
 
-Host rows (stock DeepSpeed / Megatron training steps, with and without Lina) are added as entries of
-:data:`STEP_ROW_KINDS` whose ``build`` names their builder; nothing else changes.
+- host rows (:mod:`.lina_hosts`): ``deepspeed`` and ``megatron`` (the host's stock reduction), and
+  ``deepspeed@lina,kib=N`` / ``megatron@lina,kib=N`` (the host with the plugin's Lina section).
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class StepRowKind:
     about: str
 
 
-# The row kinds. Host rows (``deepspeed``, ``deepspeed@lina``, ``megatron``, ``megatron@lina``) go here as
-# entries whose builder runs that host's training step: see moe_plugins.tools.bench.lina_step.StepRow.
+# The row kinds. Host rows (``deepspeed``, ``deepspeed@lina,kib=N``, ``megatron``, ``megatron@lina,kib=N``) run
+# the same network through the real host: moe_plugins.tools.bench.lina_hosts.
 STEP_ROW_KINDS: Dict[str, StepRowKind] = {
     "sync": StepRowKind(options=(), build="moe_plugins.tools.bench.lina_step:build_sync",
                         about="all-reduce after backward, one flat buffer (stock DeepSpeed on CPU)"),
@@ -109,7 +109,15 @@ STEP_ROW_KINDS: Dict[str, StepRowKind] = {
                         about="Lina's micro-ops (kib=N KiB or mb=X MB), yielding to exchanges"),
     "noreduce": StepRowKind(options=(), build="moe_plugins.tools.bench.lina_step:build_noreduce",
                             about="timing reference: no reduction"),
+    "deepspeed": StepRowKind(options=("lina", "kib", "mb"), build="moe_plugins.tools.bench.lina_hosts:build_deepspeed",
+                             about="deepspeed.initialize (ZeRO 0) over DeepSpeed MoE layers with the plugin; "
+                                   "@lina,kib=N: its Lina section"),
+    "megatron": StepRowKind(options=("lina", "kib", "mb", "bucket_mb"),
+                            build="moe_plugins.tools.bench.lina_hosts:build_megatron",
+                            about="Megatron-core DDP (overlap_grad_reduce) over the plugin's MoE layers; "
+                                  "@lina,kib=N: its Lina section"),
 }
+HOSTS = ("deepspeed", "megatron")
 REFERENCE, NO_PRIORITY, LINA = "noreduce", "fifo", "lina"
 
 
@@ -179,8 +187,11 @@ def step_row_problems(spec: StepRowSpec) -> List[str]:
     bad = [k for k, _ in spec.options if k not in kind.options]
     if bad:
         return [f"row {spec.label!r}: option(s) {', '.join(bad)} not among {list(kind.options) or 'none'}"]
-    checks = [bucket_bytes_of] + ([micro_op_bytes_of] if spec.name == LINA else [])
     out = []
+    if spec.name in HOSTS and spec.option("lina") is None and (spec.option("kib") or spec.option("mb")):
+        out.append(f"row {spec.label!r}: kib / mb size Lina's micro-ops: add lina (e.g. {spec.name}@lina,kib=128)")
+    lina = spec.name == LINA or (spec.name in HOSTS and spec.option("lina") is not None)
+    checks = [bucket_bytes_of] + ([micro_op_bytes_of] if lina else [])
     for check in checks:
         try:
             check(spec)
@@ -236,6 +247,10 @@ def step_plan_problems(plan: StepPlan) -> List[str]:
         problems.append(f"rows must include {REFERENCE!r}: the all-to-all slowdowns are relative to it")
     for row in plan.rows:
         problems += step_row_problems(row)
+    megatron_lina = [r.label for r in plan.rows if r.name == "megatron" and r.option("lina") is not None]
+    if len(megatron_lina) > 1:
+        problems.append(f"rows {', '.join(megatron_lina)}: at most one megatron@lina row per run (one Megatron plugin "
+                        f"is enabled at a time, and a Lina one stays enabled)")
     if not plan.rates:
         problems.append("rates is empty")
     for rate in plan.rates:

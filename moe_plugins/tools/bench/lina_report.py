@@ -13,11 +13,20 @@ from typing import Any, Dict, List, Optional
 
 from moe_plugins.core.timeline import chrome_trace
 from moe_plugins.tools.bench.harness import RunOptions, run_jobs
-from moe_plugins.tools.bench.lina_plan import (LINA, NO_PRIORITY, REFERENCE, StepPlan, dense_bytes, exchange_bytes,
-                                               micro_op_bytes_of, parse_step_row, step_plan_problems)
+from moe_plugins.tools.bench.lina_plan import (HOSTS, LINA, NO_PRIORITY, REFERENCE, StepPlan, dense_bytes,
+                                               exchange_bytes, micro_op_bytes_of, parse_step_row, step_plan_problems)
 from moe_plugins.tools.bench.lina_stats import headline, summarize_rate
 
 TRACE_KINDS = ("sync", NO_PRIORITY, LINA, REFERENCE)     # the rows whose kept step goes into the trace file
+HOST_MODEL_LINES = {
+    "deepspeed": "deepspeed rows: the same network, weights and tokens, its MoE layers DeepSpeed's own (deterministic "
+                 "gate: no RTS, no second-expert sampling; swapped by the plugin), ZeRO 0; gradients averaged by "
+                 "DeepSpeed, multiplied by DP to compare with sync's sums",
+    "megatron": "megatron rows: the same shapes, weights and tokens in Megatron's [s, 1, M] layout, routed by "
+                "Megatron's router (the same experts and weights; over capacity it drops by probability, not by "
+                "position; its switch aux loss x 0.01 via its auto-scaler), so the closest Megatron network, not the "
+                "same: megatron@lina's gradients are compared with megatron's, not sync's",
+}
 
 
 def model_lines(plan: StepPlan) -> List[str]:
@@ -27,7 +36,8 @@ def model_lines(plan: StepPlan) -> List[str]:
             f"between {m.blocks + 1} dense pairs; dense parameters {dense_bytes(m) / 1e6:.2f} MB (fp32), "
             f"reduced over DP {plan.world}; each all-to-all moves a {a2a / 1e3:.0f} kB dispatch buffer per rank; "
             f"{2 * m.blocks} backward all-to-alls per step",
-            "step: forward + backward + the row's reduction finished (no optimizer), slowest rank"]
+            "step: forward + backward + the row's reduction finished (no optimizer), slowest rank"] + [
+        line for name, line in HOST_MODEL_LINES.items() if any(r.name == name for r in plan.rows)]
 
 
 def summarize_step(records: List[Dict[str, Any]], plan: StepPlan, meta: Dict[str, Any]) -> Dict[str, Any]:
@@ -80,7 +90,12 @@ def markdown_step(report: Dict[str, Any]) -> str:
             "time of the same op (median, p90); NIC MB/node = bytes that left the busiest node's NIC in one step "
             "(median over steps); reduce ms = time the step's gradient all-reduces ran, slowest rank (median); "
             "model MB/node = the engine's inter-node bytes of the step; max|Δgrad| = "
-            "reduced dense gradients against sync's after the first step.", ""]
+            "reduced dense gradients against sync's after the first step (megatron@lina: against megatron's).", ""]
+    hosts = {label: r["notes"] for g in report["groups"][:1] for label, r in g["rows"].items()
+             if r["kind"] in HOSTS}
+    if hosts:
+        out += ["Host rows (the same network through the real host):", ""]
+        out += [f"- `{label}`: " + "; ".join(notes) for label, notes in hosts.items()] + [""]
     head = ["row", "step ms (p10–p90)", "t/t_noreduce", "speed-up vs fifo", "paired t/t_fifo (90% CI)",
             "bwd a2a ms (p10–p90)", "slowdown median (p90)", "reduce ms", "NIC MB/node", "model MB/node", "max|Δgrad|"]
     for g in report["groups"]:

@@ -25,7 +25,8 @@ import gc
 import importlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -98,6 +99,9 @@ class StepContext:
     g_SM: torch.Tensor
     dense: List[nn.Parameter]
     on_grad: Optional[Callable[[nn.Parameter], None]] = None
+    # host rows (:mod:`.lina_hosts`): what they share (a plugin handle, a ledger), and what undoes it, in order
+    hosts: Dict[str, Any] = field(default_factory=dict)
+    host_stack: ExitStack = field(default_factory=ExitStack)
 
     def __post_init__(self) -> None:
         for p in self.dense:
@@ -119,12 +123,19 @@ class StepContext:
 
 @dataclass(frozen=True)
 class StepRow:
-    """A built row: ``step()`` runs one training step's forward, backward and gradient reduction (finished)."""
+    """A built row: ``step()`` runs one training step's forward, backward and gradient reduction (finished).
+    Rows on their own network (the host rows) also give ``grads`` (its reduced dense gradients as summed over
+    DP, flat in :meth:`StepNet.dense_parameters`' order) and ``timeline`` (the list their ops are recorded in,
+    cleared before each timed step; None: the context's engine's). ``compare_with``: the check round compares the
+    row's gradients with the first other row of that kind (``sync`` with itself)."""
 
     label: str
     kind: str
     step: Callable[[], None]
     notes: Tuple[str, ...] = ()
+    grads: Optional[Callable[[], Optional[torch.Tensor]]] = None
+    timeline: Optional[list] = None
+    compare_with: Optional[str] = "sync"     # the kind of the row its gradients are checked against (None: none)
 
 
 def build_sync(spec: StepRowSpec, ctx: StepContext) -> StepRow:
@@ -219,17 +230,19 @@ def _grads(ctx: StepContext) -> torch.Tensor:
 
 
 def _check_round(rows: List[StepRow], ctx: StepContext) -> Dict[str, Optional[float]]:
-    """Round 0: each row's reduced dense gradients against the ``sync`` row's (None: no reference or not
-    reduced), max |difference| over ranks."""
-    reduced: Dict[str, torch.Tensor] = {}
+    """Round 0: each row's reduced dense gradients against the ``sync`` row's (a row's ``compare_with``; None:
+    no reference or not reduced), max |difference| over ranks."""
+    reduced: Dict[str, Optional[torch.Tensor]] = {}
     for row in rows:
         dist.barrier()
         row.step()
-        reduced[row.label] = _grads(ctx)
-    ref = next((g for row, g in zip(rows, reduced.values()) if row.kind == "sync"), None)
+        reduced[row.label] = row.grads() if row.grads is not None else _grads(ctx)
     out: Dict[str, Optional[float]] = {}
     for row in rows:
-        diff = float((reduced[row.label] - ref).abs().max()) if ref is not None and row.kind != "noreduce" else -1.0
+        other = next((r for r in rows if r.kind == row.compare_with and (r is not row or r.kind == "sync")), None)
+        mine, ref = reduced[row.label], None if other is None else reduced[other.label]
+        comparable = ref is not None and mine is not None and row.kind != "noreduce"
+        diff = float((mine - ref).abs().max()) if comparable else -1.0
         diff = _max_over_ranks(diff)
         out[row.label] = None if diff < 0 else diff
     return out
@@ -260,9 +273,9 @@ def measure_rate(rows: List[StepRow], ctx: StepContext, plan: StepPlan, ifname: 
     times: Dict[str, List[float]] = {row.label: [] for row in rows}
     mine: Dict[str, Dict[str, list]] = {row.label: {"a2a": [], "nic": [], "traces": [], "model": [], "reduce": []}
                                         for row in rows}
-    timeline = ctx.engine.timeline
     for i in range(plan.iters):
         for row in round_order(rows, plan.seed, plan.warmup + i):
+            timeline = row.timeline if row.timeline is not None else ctx.engine.timeline
             dist.barrier()
             timeline.clear()
             tx0 = nic_tx_bytes(ifname)
@@ -282,7 +295,8 @@ def measure_rate(rows: List[StepRow], ctx: StepContext, plan: StepPlan, ifname: 
         keep = sorted(range(len(t)), key=lambda j: (abs(t[j] - sorted(t)[len(t) // 2]), j))[0]
         mine[row.label]["trace_round"] = keep
         mine[row.label]["traces"] = mine[row.label]["traces"][keep]
-    timeline.clear()
+    for row in rows:
+        (row.timeline if row.timeline is not None else ctx.engine.timeline).clear()
     per_rank: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
     return {row.label: {"kind": row.kind, "notes": list(row.notes), "times_s": times[row.label],
@@ -323,8 +337,10 @@ def run_step_plan(job: StepJob) -> Optional[List[Dict[str, Any]]]:
                                                  ep=plan.world))
     engine = build_engine(groups, background=True, record_timeline=True, timeout_s=plan.collective_timeout_s)
     records: List[Dict[str, Any]] = []
+    hosts = ExitStack()
     try:
         ctx = make_context(plan, groups, engine)
+        hosts.enter_context(ctx.host_stack)            # host rows' engines and plugins, undone before the engine
         rows = [build_step_row(spec, ctx) for spec in plan.rows]
         for done, rate in enumerate(plan.rates, 1):
             if job.cluster is not None and dist.get_rank() == 0:
@@ -334,7 +350,10 @@ def run_step_plan(job: StepJob) -> Optional[List[Dict[str, Any]]]:
             _emit(job, {"done": done, "total": len(plan.rates), "case": plan.model.label, "rate": rate})
         ctx = rows = None
     finally:
-        engine.close()
+        try:
+            hosts.close()
+        finally:
+            engine.close()
         destroy_process_groups(groups)
         gc.collect()
     return records if dist.get_rank() == 0 else None
