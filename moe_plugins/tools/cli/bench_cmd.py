@@ -7,7 +7,7 @@ Examples::
     moe-plugins bench --remove-stale          # delete namespaces left by a run that was SIGKILLed
 
 The training-step contention bench (Lina, issue #23; docs/benchmarks.md, "Training step"): a step of L MoE
-blocks between dense layers, its dense gradients reduced four ways (sync, fifo, lina@kib=N, noreduce)::
+blocks between dense layers, its dense gradients reduced four ways (sync, fifo, lina@kib=N, noreduce; and through the hosts)::
 
     moe-plugins bench --preset lina --out /tmp/lina --stem lina-step
     moe-plugins bench --step-model L=4,S=128,M=256,H=2048,E=4,k=2,F=384 --rows sync fifo lina@kib=128 noreduce \
@@ -36,7 +36,8 @@ def register(sub) -> None:
                         "override it")
     p.add_argument("--step-model", default=None, metavar="SPEC",
                    help="the training-step bench's network: L=,S=,M=,H=,E=,k=,f=,F= (F: dense width); with rows "
-                        "sync, fifo, lina@kib=N (or @mb=X), noreduce")
+                        "sync, fifo, lina@kib=N (or @mb=X), noreduce, and the hosts deepspeed, deepspeed@lina,kib=N, "
+                        "megatron, megatron@lina,kib=N")
     p.add_argument("--case", action="append", default=None, metavar="SPEC",
                    help="S=,M=,H=,E=,k=,f=,min_capacity=,drop=,mp=,ep=,esp= (a/b/c expands); repeatable")
     p.add_argument("--rows", nargs="+", default=None, metavar="ROW",
