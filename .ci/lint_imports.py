@@ -25,6 +25,11 @@ def main() -> int:
         shutil.copytree(ROOT / "moe_plugins", pkg, ignore=ignore)
         shutil.copytree(ROOT / "patches", pkg / "patches", ignore=ignore)
         shutil.copytree(ROOT / "recipes", pkg / "recipes", ignore=ignore)
+        # .importlinter marks these two layers optional (for a plain `lint-imports` in the checkout); here they
+        # must be present, or their part of the contract would pass unchecked
+        for layer in ("patches", "recipes"):
+            if not (pkg / layer / "__init__.py").is_file():
+                raise SystemExit(f"lint_imports: the assembled layout lacks moe_plugins.{layer}")
         # drop the editable install's finders so that `moe_plugins` resolves to the assembled tree
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", "")).lower()]
         sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in str(getattr(h, "__module__", "")).lower()]
