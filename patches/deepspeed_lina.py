@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from moe_plugins.core.groups import Group
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.core.patcher import Patch, Patcher, undo_all
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.microops import micro_op_bytes
@@ -235,15 +235,10 @@ class LinaEngine:
         for handle in handles:
             handle.remove()
         patchers, self.patchers = self.patchers, []
-        first: Optional[BaseException] = None
-        for patcher in reversed(patchers):
-            try:
-                patcher.restore()
-            except Exception as exc:     # restore the others; raise the first at the end
-                first = first or exc
-        self.pending.clear()
-        if first is not None:
-            raise first
+        try:
+            undo_all(patcher.restore for patcher in reversed(patchers))
+        finally:
+            self.pending.clear()
 
 
 class LinaHooks:
@@ -341,11 +336,4 @@ class LinaHooks:
     def remove(self) -> None:
         """Undo every engine's hooks and patches (the first error is raised after all were tried)."""
         engines, self.engines = self.engines, []
-        first: Optional[BaseException] = None
-        for state in reversed(engines):
-            try:
-                state.remove()
-            except Exception as exc:     # restore the others; raise the first at the end
-                first = first or exc
-        if first is not None:
-            raise first
+        undo_all(state.remove for state in reversed(engines))

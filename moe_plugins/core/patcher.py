@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 _MISSING = object()
 
@@ -56,6 +56,18 @@ def _own_value(target: Any, name: str) -> Any:
     if own is not None:
         return own.get(name, _MISSING)
     return getattr(target, name, _MISSING)
+
+
+def undo_all(undos: Iterable[Callable[[], None]]) -> None:
+    """Call every undo in turn even when one fails; raise the first error (an Exception) after all ran."""
+    first: Optional[BaseException] = None
+    for undo in undos:
+        try:
+            undo()
+        except Exception as exc:         # undo the others; raise the first at the end
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 class Patcher:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, List, Set
+from typing import Any, Callable, List, Set
 
 import torch
 
@@ -91,23 +91,20 @@ class TimedSchedule(Schedule):
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         return self.inner.prepare(x_SM, params)
 
-    def exchange_in(self, d: torch.Tensor) -> torch.Tensor:
+    def _timed(self, kind: str, step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         t0 = time.perf_counter_ns()
-        out = self.inner.exchange_in(d)
-        self.probe.add("a2a", (time.perf_counter_ns() - t0) * 1e-9)
+        out = step(*args)
+        self.probe.add(kind, (time.perf_counter_ns() - t0) * 1e-9)
         return out
+
+    def exchange_in(self, d: torch.Tensor) -> torch.Tensor:
+        return self._timed("a2a", self.inner.exchange_in, d)
 
     def expert(self, e: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        t0 = time.perf_counter_ns()
-        out = self.inner.expert(e, params)
-        self.probe.add("expert", (time.perf_counter_ns() - t0) * 1e-9)
-        return out
+        return self._timed("expert", self.inner.expert, e, params)
 
     def exchange_out(self, o: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter_ns()
-        out = self.inner.exchange_out(o)
-        self.probe.add("a2a", (time.perf_counter_ns() - t0) * 1e-9)
-        return out
+        return self._timed("a2a", self.inner.exchange_out, o)
 
     def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         return self.inner.finish(r, dispatched)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
 from moe_plugins.tools.verify_megatron import MegatronVerifySpec, transformer_config
+from tests.workers.megatron import adam_steps
 
 M, FFN, E, S = 16, 32, 4, 8
 RANKS_PER_NODE = 2
@@ -139,25 +140,7 @@ def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64",
 # ---- training, and checkpoints both ways ------------------------------------------------------------------------
 
 def _train(config, model, pgc, data) -> List[float]:
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    with megatron_optimizer_on_cpu():
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
-                                                     clip_grad=0.0), [model], use_gloo_process_groups=False,
-                                     pg_collection=pgc)
-    losses = []
-    for x, t in data:
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), t)
-        loss.backward()
-        finalize_model_grads([model], pg_collection=pgc)
-        with megatron_optimizer_on_cpu():
-            ok, _, _ = opt.step()
-        if not ok:
-            raise RuntimeError("Megatron's optimizer skipped a step")
-        losses.append(float(loss.detach()))
-    return losses
+    return adam_steps(model, pgc, data, megatron_optimizer_on_cpu)
 
 
 def _saved(module) -> Dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ Shapes: s tokens per rank (Megatron's [s, b=1, M] layout; sequence parallel: dis
 from __future__ import annotations
 
 import io
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -120,12 +120,22 @@ def _net(config, moe):
 
 def _train(config, moe, pgc, data, overlap: bool) -> Tuple[List[float], int]:
     """Losses of every step, and how many parameters DDP put in its expert-parallel buffers."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=64 if overlap else None)
     model = DistributedDataParallel(config, ddp_config, _net(config, moe), pg_collection=pgc)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32, clip_grad=0.0),
-                                 [model], use_gloo_process_groups=False, pg_collection=pgc)
+    return adam_steps(model, pgc, data), sum(len(buffer.params) for buffer in model.expert_parallel_buffers)
+
+
+def adam_steps(model, pgc, data, optimizer_context=nullcontext) -> List[float]:
+    """fp32 Adam steps of a Megatron DDP model on ``data`` ((x, target) pairs, MSE): zero the grad buffer,
+    backward, ``finalize_model_grads``, Megatron's optimizer (built and stepped inside ``optimizer_context``).
+    Returns every step's loss."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    with optimizer_context():
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
+                                                     clip_grad=0.0), [model], use_gloo_process_groups=False,
+                                     pg_collection=pgc)
     losses = []
     for x, t in data:
         model.zero_grad_buffer()
@@ -133,11 +143,12 @@ def _train(config, moe, pgc, data, overlap: bool) -> Tuple[List[float], int]:
         loss = F.mse_loss(model(x), t)
         loss.backward()
         finalize_model_grads([model], pg_collection=pgc)
-        ok, _, _ = opt.step()
+        with optimizer_context():
+            ok, _, _ = opt.step()
         if not ok:
             raise RuntimeError("Megatron's optimizer skipped a step")
         losses.append(float(loss.detach()))
-    return losses, sum(len(buffer.params) for buffer in model.expert_parallel_buffers)
+    return losses
 
 
 def training_job(spec: MegatronVerifySpec, steps: int, overlap: bool) -> Dict[str, Any]:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
-from moe_plugins.tools.bench.matrix import parse_rate
+from moe_plugins.tools.bench.matrix import RowSpec, parse_rate
 
 KIB = 1024
 MB = 1_000_000
@@ -122,20 +122,14 @@ REFERENCE, NO_PRIORITY, LINA = "noreduce", "fifo", "lina"
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepRowSpec:
-    """``name`` or ``name@key=value,...`` (a bare ``@word`` is the option ``word=on``)."""
-
-    name: str
-    options: Tuple[Tuple[str, str], ...] = ()
+class StepRowSpec(RowSpec):
+    """The layer bench's row spec, where a bare ``@word`` is also allowed: the option ``word=on``."""
 
     @property
     def label(self) -> str:
         if not self.options:
             return self.name
         return self.name + "@" + ",".join(k if v == "on" else f"{k}={v}" for k, v in self.options)
-
-    def option(self, key: str, default: Optional[str] = None) -> Optional[str]:
-        return dict(self.options).get(key, default)
 
 
 def parse_step_row(text: str) -> StepRowSpec:

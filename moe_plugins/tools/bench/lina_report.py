@@ -7,15 +7,15 @@ those rows and of ``sync`` and ``noreduce`` as a Chrome trace, for Perfetto)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from moe_plugins.core.timeline import chrome_trace
 from moe_plugins.tools.bench.harness import RunOptions, run_jobs
 from moe_plugins.tools.bench.lina_plan import (HOSTS, LINA, NO_PRIORITY, REFERENCE, StepPlan, dense_bytes,
                                                exchange_bytes, micro_op_bytes_of, parse_step_row, step_plan_problems)
 from moe_plugins.tools.bench.lina_stats import headline, summarize_rate
+from moe_plugins.tools.bench.report import fmt_paired, fmt_value, header
 
 TRACE_KINDS = ("sync", NO_PRIORITY, LINA, REFERENCE)     # the rows whose kept step goes into the trace file
 HOST_MODEL_LINES = {
@@ -58,12 +58,6 @@ def run_step_bench(plan: StepPlan, opts: RunOptions) -> Dict[str, Any]:
     return report
 
 
-def _fmt(v: Optional[float], digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    return f"{v:.{digits}f}"
-
-
 def _range(r: Dict[str, Any], key: str, digits: int = 1) -> str:
     """``median (p10–p90)`` of the step time (``key`` "step") or of the backward all-to-all times ("a2a")."""
     med, lo, hi = (("median_ms", "p10_ms", "p90_ms") if key == "step" else
@@ -74,14 +68,11 @@ def _range(r: Dict[str, Any], key: str, digits: int = 1) -> str:
 
 
 def _paired(r: Dict[str, Any]) -> str:
-    p = r.get("paired_vs_fifo")
-    return "–" if p is None else f"{p['median']:.3f} ({p['ci90'][0]:.3f}–{p['ci90'][1]:.3f})"
+    return fmt_paired(r.get("paired_vs_fifo"))
 
 
 def markdown_step(report: Dict[str, Any]) -> str:
-    meta = report["meta"]
-    out = [f"# moe-plugins bench, training step (Lina): {meta['title']}", ""]
-    out += [f"- {line}" for line in meta["header_lines"]]
+    out = header(report, "moe-plugins bench, training step (Lina)")
     out += ["", "Columns: step = forward + backward + reduction of the slowest rank (median, p10–p90 over the "
             "timed rounds); t/t_noreduce = step median over noreduce's; speed-up vs fifo = fifo's step median "
             "over this row's; paired t/t_fifo = median of the per-round ratios with its bootstrap 90% interval; "
@@ -103,10 +94,10 @@ def markdown_step(report: Dict[str, Any]) -> str:
         for label, r in g["rows"].items():
             diff = r["grad_max_abs_diff_vs_sync"]
             out.append("| " + " | ".join([
-                label, _range(r, "step"), _fmt(r.get("step_vs_noreduce")), _fmt(r.get("step_speedup_vs_fifo")),
+                label, _range(r, "step"), fmt_value(r.get("step_vs_noreduce")), fmt_value(r.get("step_speedup_vs_fifo")),
                 _paired(r), _range(r, "a2a"),
-                f"{_fmt(r['a2a_slowdown_median'])} ({_fmt(r['a2a_slowdown_p90'])})", _fmt(r["reduce_ms_median"], 1),
-                _fmt(r["nic_MB_per_node"], 3), _fmt(r["model_MB_per_node"], 3),
+                f"{fmt_value(r['a2a_slowdown_median'])} ({fmt_value(r['a2a_slowdown_p90'])})", fmt_value(r["reduce_ms_median"], 1),
+                fmt_value(r["nic_MB_per_node"], 3), fmt_value(r["model_MB_per_node"], 3),
                 "–" if diff is None else f"{diff:.1e}"]) + " |")
         out += ["", "Targets (issue #23):", ""]
         out += [f"- {'met' if t['met'] else '**MISSED**'}: {t['name']}: {t['value']:.3f} (target {t['target']})"
@@ -117,7 +108,7 @@ def markdown_step(report: Dict[str, Any]) -> str:
                        f"noreduce's (median per op), its all-reduces {split['reduce_slowdown']:.2f}x as long as "
                        f"sync's, which moved the same bytes alone")
             out.append(f"- noise floor: sync's backward all-to-alls, with no reduction beside them, ran "
-                       f"{_fmt(split['noise_floor'])}x noreduce's (median per op)")
+                       f"{fmt_value(split['noise_floor'])}x noreduce's (median per op)")
         wire = g["wire"]
         if wire["reference"] is None:
             out.append("- bytes on the wire: no NIC counter (loopback)")
@@ -145,8 +136,8 @@ def sweep_lines(report: Dict[str, Any]) -> List[str]:
            "bwd a2a slowdown median (p90) | NIC MB/node |", "|---|---|---|---|---|---|"]
     for rate, size, label, r in sorted(entries, key=lambda e: (e[0], e[1])):
         out.append(f"| {rate} | {size / 1024:g} KiB ({label}) | {_range(r, 'step')} | "
-                   f"{_fmt(r.get('step_speedup_vs_fifo'))} | {_fmt(r['a2a_slowdown_median'])} "
-                   f"({_fmt(r['a2a_slowdown_p90'])}) | {_fmt(r['nic_MB_per_node'], 3)} |")
+                   f"{fmt_value(r.get('step_speedup_vs_fifo'))} | {fmt_value(r['a2a_slowdown_median'])} "
+                   f"({fmt_value(r['a2a_slowdown_p90'])}) | {fmt_value(r['nic_MB_per_node'], 3)} |")
     return out + [""]
 
 

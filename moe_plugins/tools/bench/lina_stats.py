@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from moe_plugins.tools.bench.lina_plan import LINA, NO_PRIORITY, REFERENCE
-from moe_plugins.tools.bench.report import paired_ratio, time_stats
+from moe_plugins.tools.bench.report import paired_ratio, per_node, time_stats
 
 CONTENTION_MIN = 1.5        # fifo's backward all-to-all slowdown that counts as contention reproduced
 LINA_A2A_MAX = 1.15         # lina's backward all-to-all slowdown at most
@@ -80,9 +80,8 @@ def node_bytes(per_rank_steps: Sequence[Sequence[Optional[int]]], ranks_per_node
         raise ValueError(f"mode ({mode!r}) must be 'first' or 'sum'")
     if not per_rank_steps or any(v is None for r in per_rank_steps for v in r):
         return None
-    nodes = [per_rank_steps[i:i + ranks_per_node] for i in range(0, len(per_rank_steps), ranks_per_node)]
-    per_node = [[n[0][s] if mode == "first" else sum(r[s] for r in n) for s in range(len(n[0]))] for n in nodes]
-    return max(float(np.median(steps)) for steps in per_node)
+    totals = [per_node([r[s] for r in per_rank_steps], ranks_per_node, mode) for s in range(len(per_rank_steps[0]))]
+    return max(float(np.median([t[n] for t in totals])) for n in range(-(-len(per_rank_steps) // ranks_per_node)))
 
 
 def wire_check(nic_mb: Dict[str, Optional[float]], kinds: Dict[str, str],

@@ -146,16 +146,24 @@ def summarize(records: List[Dict[str, Any]], plan: BenchPlan, meta: Dict[str, An
 
 # ---- output ---------------------------------------------------------------------------------------------
 
-def _fmt(v: Optional[float], digits: int = 2) -> str:
+def fmt_value(v: Optional[float], digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     return f"{v:.{digits}f}"
 
 
+def fmt_paired(p: Optional[Dict[str, Any]]) -> str:
+    """A :func:`paired_ratio` as ``median (lo–hi)``; ``–`` when there is none."""
+    return "–" if p is None else f"{p['median']:.3f} ({p['ci90'][0]:.3f}–{p['ci90'][1]:.3f})"
+
+
+def header(report: Dict[str, Any], title: str) -> List[str]:
+    """A report's Markdown title and its header lines (transport, timing, machine, versions, reproduce)."""
+    return [f"# {title}: {report['meta']['title']}", ""] + [f"- {line}" for line in report["meta"]["header_lines"]]
+
+
 def markdown(report: Dict[str, Any]) -> str:
-    meta = report["meta"]
-    out = [f"# moe-plugins bench: {meta['title']}", ""]
-    out += [f"- {line}" for line in meta["header_lines"]]
+    out = header(report, "moe-plugins bench")
     out += ["", "Columns: time = forward+backward of the slowest rank (median, p10–p90 over the timed rounds); "
             "t/t_X = median over stock layer X's median in the same group; model MB/node = inter-node bytes "
             "of the busiest node in one forward+backward (ledger, or counted collectives for stock layers); "
@@ -169,9 +177,9 @@ def markdown(report: Dict[str, Any]) -> str:
         for label, r in g["rows"].items():
             cells = [g["case_label"], g["rate"], label,
                      f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}–{r['p90_ms']:.1f})"]
-            cells += [_fmt(r.get(f"vs_{s}")) for s in stock_cols]
-            cells += [_fmt(r["model_MB_per_node"], 3), _fmt(r["nic_MB_per_node"], 3), _fmt(r["link_lb_ms"], 1),
-                      _fmt(r["vs_link_lb"]), f"{r['max_abs_diff_vs_first']:.1e}"]
+            cells += [fmt_value(r.get(f"vs_{s}")) for s in stock_cols]
+            cells += [fmt_value(r["model_MB_per_node"], 3), fmt_value(r["nic_MB_per_node"], 3), fmt_value(r["link_lb_ms"], 1),
+                      fmt_value(r["vs_link_lb"]), f"{r['max_abs_diff_vs_first']:.1e}"]
             out.append("| " + " | ".join(cells) + " |")
         for label, reason in g["skipped"].items():
             out.append(f"| {g['case_label']} | {g['rate']} | {label} | skipped: {reason} |"
@@ -191,7 +199,7 @@ def _paired_lines(report: Dict[str, Any], stock_cols: Sequence[str]) -> List[str
            "|" + "---|" * (3 + len(stock_cols))]
     for g, label, pairs in cells:
         out.append(f"| {g['case_label']} | {g['rate']} | {label} | " + " | ".join(
-            "–" if p is None else f"{p['median']:.3f} ({p['ci90'][0]:.3f}–{p['ci90'][1]:.3f})" for p in pairs) + " |")
+            map(fmt_paired, pairs)) + " |")
     return out
 
 
@@ -214,7 +222,7 @@ def _auto_lines(report: Dict[str, Any]) -> List[str]:
                 chose = "; ".join(r.get("notes", [])) or "–"
                 out.append(f"| {g['case_label']} | {g['rate']} | {label} | {chose} | {judged['best']} | "
                            f"{judged['ratio']:.3f} | {judged.get('twin') or '–'} | "
-                           f"{_fmt(judged.get('choice_ratio'), 3)} | {_fmt(judged.get('twin_ratio'), 3)} |")
+                           f"{fmt_value(judged.get('choice_ratio'), 3)} | {fmt_value(judged.get('twin_ratio'), 3)} |")
     out.append("")
     for label, s in report["auto"].items():
         out.append(f"- **{label}**: within 5% of the best fixed choice in {s['within']} of {s['groups']} groups "
@@ -251,7 +259,7 @@ def _profile_lines(report: Dict[str, Any]) -> List[str]:
         used = (f"all {len(every_case)}" if len(every_case) > 1 and set(entry["cases"]) == every_case
                 else ", ".join(entry["cases"]))
         out.append(f"| {', '.join(entry['rates'])} | {' = '.join(entry['keys'])} | {used} | {alpha:.3g} | "
-                   f"{beta:.3g} | {_fmt(r2, 4)} |")
+                   f"{beta:.3g} | {fmt_value(r2, 4)} |")
     r2s = [key[3] for key in distinct if key[3] is not None]
     if r2s:
         out += ["", f"- R² over the {len(r2s)} distinct fits: min {min(r2s):.4f}, median "
