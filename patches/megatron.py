@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from moe_plugins.plugins import default_registry
 from moe_plugins.core.ledger import CommLedger
-from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.core.patcher import Patch, Patcher, undo_all
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems
@@ -86,10 +86,12 @@ def _json(text: str, path: str) -> Any:
 # ---- 1. the spec provider ----------------------------------------------------------------------------------
 
 def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[MegatronGroups] = None,
-                ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None, lina: Any = None) -> Any:
+                ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None, lina: Any = None,
+                engines: Any = None) -> Any:
     """Megatron's MoE ``ModuleSpec`` with the layer class swapped for PluginMoELayer (same submodules, so the
     same router, experts and shared experts). A disabled config returns the stock spec unchanged. ``lina``: the
-    enabled plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP)."""
+    enabled plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP).
+    ``engines``: the :class:`~moe_plugins.patches.megatron_engines.LayoutEngines` pipelined layers run on."""
     if not plugin.enabled:
         return stock_spec
     if plugin.lina is not None and lina is None:
@@ -101,6 +103,8 @@ def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[Megat
     params = dict(stock_spec.params, plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
     if lina is not None:
         params["lina"] = lina
+    if engines is not None:
+        params["engines"] = engines
     return ModuleSpec(module=PluginMoELayer, params=params, submodules=stock_spec.submodules,
                       metainfo=dict(stock_spec.metainfo))
 
@@ -108,16 +112,19 @@ def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[Megat
 def get_moe_module_spec(use_te: Optional[bool] = True, num_experts: Optional[int] = None,
                         moe_grouped_gemm: Optional[bool] = False, moe_use_legacy_grouped_gemm: Optional[bool] = False,
                         *, plugin: PluginLike, groups: Optional[MegatronGroups] = None,
-                        ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None) -> Any:
+                        ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
+                        engines: Any = None) -> Any:
     """Drop-in for ``megatron.core.models.gpt.moe_module_specs.get_moe_module_spec`` (same positional
     arguments) plus the plugin: its ``moe_plugins`` section, the node-aware ``groups`` (else the layer uses the
-    ``pg_collection`` it is given or Megatron's ``parallel_state``), ``ranks_per_node`` and a ledger."""
+    ``pg_collection`` it is given or Megatron's ``parallel_state``), ``ranks_per_node``, a ledger, and for a
+    pipeline degree other than 1 the caller's ``engines``
+    (:class:`~moe_plugins.patches.megatron_engines.LayoutEngines`, which the caller closes)."""
     config = resolve_plugin(plugin)
     megatron = _import_megatron(check_hooks=False)
     stock = megatron["megatron.core.models.gpt.moe_module_specs"].get_moe_module_spec(
         use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
         moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
-    return plugin_spec(stock, config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+    return plugin_spec(stock, config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, engines=engines)
 
 
 # ---- 2. the Megatron-LM flag --------------------------------------------------------------------------------
@@ -165,13 +172,15 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
 
 class MegatronPlugin:
     """One :func:`enable`: the replaced spec builders and their originals. A context manager, or call
-    :meth:`disable`. Layers built while it was enabled keep running the plugin after it is disabled, except with
-    Lina (``lina``: its state, :mod:`~moe_plugins.patches.megatron_lina`), whose engines ``disable()`` closes."""
+    :meth:`disable`. Layers built while it was enabled keep running the plugin after it is disabled, except
+    those on its engines, which ``disable()`` closes: pipelined layers (``engines``:
+    :class:`~moe_plugins.patches.megatron_engines.LayoutEngines`) and Lina's (``lina``: its state,
+    :mod:`~moe_plugins.patches.megatron_lina`). Build and train such models inside the ``with``."""
 
     def __init__(self, plugin: PluginConfig, *, groups: Optional[MegatronGroups], ranks_per_node: Optional[int],
-                 ledger: Optional[CommLedger], lina: Any = None):
+                 ledger: Optional[CommLedger], lina: Any = None, engines: Any = None):
         self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
-        self.lina = lina
+        self.lina, self.engines = lina, engines
         self.specs_built = 0
         self._patcher: Optional[Patcher] = None
 
@@ -189,7 +198,8 @@ class MegatronPlugin:
         def get_moe_module_spec_for_backend(*args, **kwargs):
             plugin.specs_built += 1
             return plugin_spec(original(*args, **kwargs), plugin.plugin, groups=plugin.groups,
-                               ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger, lina=plugin.lina)
+                               ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger, lina=plugin.lina,
+                               engines=plugin.engines)
 
         get_moe_module_spec_for_backend.__wrapped__ = original
         return get_moe_module_spec_for_backend
@@ -200,8 +210,7 @@ class MegatronPlugin:
             if patcher is not None:
                 patcher.restore()
         finally:
-            if self.lina is not None:
-                self.lina.close()
+            undo_all([owner.close for owner in (self.lina, self.engines) if owner is not None])
 
     @property
     def active(self) -> bool:
@@ -250,7 +259,12 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
 
         from moe_plugins.patches.megatron_lina import LinaState
         lina = LinaState.create(config, package_info.__version__, ledger=ledger, record_timeline=record_timeline)
-    handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina)
+    engines = None
+    if config.enabled and lina is None and default_registry().needs_lane(config.pipeline_degree):
+        from moe_plugins.patches.megatron_engines import LayoutEngines
+        engines = LayoutEngines(ledger=ledger, record_timeline=record_timeline)
+    handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
+                            engines=engines)
     handle._install(modules)
     _ACTIVE = handle
     logger.info("moe_plugins: Megatron-core spec builders patched (config %s)", config.to_dict())

@@ -45,7 +45,7 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ledger import CommLedger
-from moe_plugins.core.engine import CommEngine, build_engine
+from moe_plugins.core.engine import CommEngine
 from moe_plugins.pipemoe.runner import build_executor, needs_lane, run_pipelined
 from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile
 from moe_plugins.core.profile_ops import profile_key
@@ -174,10 +174,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.groups, self.plugin, self.ledger = groups, plugin, ledger
         self.router, self.experts = router, experts
         self.moe_config = moe_config(facts_from_config(config))
-        # no engine given and pipelined: one of its own, as the lane was (collective: layers build in order)
-        self.own_engine = (build_engine(groups, pipeline=True)
-                           if engine is None and needs_lane(plugin.pipeline_degree) else None)
-        self.engine = engine if engine is not None else self.own_engine
+        self.engine = engine               # pipelined: the caller's (PluginMoELayer checked there is one)
         self.lane = build_executor(plugin.pipeline_degree, profile, self.engine)
         self.degree = self.lane.degree
         self.rec = Recorder(ledger, name, self.engine)
@@ -252,21 +249,28 @@ class PluginMoELayer(MoELayer):
     Process groups: ``pg_collection`` when given (Megatron 0.16.1's TransformerLayer passes it only to the exact
     MoELayer class, so the spec carries it in ``groups``), else ``groups.pg_collection``, else Megatron's
     ``parallel_state`` groups, as the stock layer does. Everything is validated before anything is built.
-    ``lina``: the enabled plugin's :class:`~moe_plugins.patches.megatron_lina.LinaState`, whose engine (one per
-    layout, shared with the gradient reducer) the layer's exchanges then go through."""
+    Engines: the layer never builds process groups. A pipeline degree other than 1 needs an engine with a
+    pipeline lane: ``engine``, or ``engines`` (:class:`~moe_plugins.patches.megatron_engines.LayoutEngines`, one
+    per layout, which :func:`~moe_plugins.patches.megatron.enable` owns), or ``lina``: the enabled plugin's
+    :class:`~moe_plugins.patches.megatron_lina.LinaState`, whose engine (one per layout, shared with the gradient
+    reducer) the layer's exchanges then go through."""
 
     def __init__(self, config: Any, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
-                 profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None):
+                 profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None,
+                 engines: Any = None):
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
         lookup = partial(find_profile, profile_dir)
-        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup)
+        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup,
+                             has_engine=engine is not None or engines is not None or lina is not None)
         layout_groups = groups_from_pg_collection(pg_collection, layout)
         if lina is not None and engine is None:      # Lina (patches/megatron_lina.py): the layout's shared engine
             engine = lina.engine_for(layout_groups, token_view(layout_groups), lookup)
+        elif engines is not None and engine is None and needs_lane(plugin.pipeline_degree):
+            engine = engines.engine_for(token_view(layout_groups))
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.plugin = plugin
         self.moe_groups = token_view(layout_groups)
@@ -283,12 +287,17 @@ class PluginMoELayer(MoELayer):
 
     @staticmethod
     def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],
-               ranks_per_node: Optional[int], profile: ProfileLookup) -> ParallelLayout:
+               ranks_per_node: Optional[int], profile: ProfileLookup, *, has_engine: bool) -> ParallelLayout:
         world, rank = dist.get_world_size(), dist.get_rank()
         rpn = plugin.ranks_per_node or (groups.layout.ranks_per_node if groups is not None else None) \
             or ranks_per_node or world
         facts = facts_from_config(config)
         problems = plugin_problems(facts, plugin, world=world, ranks_per_node=rpn, profile=profile)
+        if not has_engine and needs_lane(plugin.pipeline_degree):
+            problems.append(f"pipeline_degree ({plugin.pipeline_degree!r}) runs on an engine's pipeline lane, which "
+                            "the layer does not build: pass engines=LayoutEngines() (patches.megatron_engines) to "
+                            "get_moe_module_spec, or engine=build_engine(token_view(groups), pipeline=True), or "
+                            "build the model under enable()")
         if not problems:
             layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=facts.etp)
             problems = pg_collection_problems(pg_collection, layout, rank)
@@ -303,13 +312,6 @@ class PluginMoELayer(MoELayer):
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
         self.token_dispatcher.rename(self._ledger_name(layer_number))
-
-    def close(self) -> None:
-        """Free the PipeMoE lane's twin groups of the engine the layer built, if any (collective; the layer must
-        not run afterwards). An engine passed in is its builder's to close."""
-        if self.token_dispatcher.own_engine is not None:
-            self.token_dispatcher.own_engine.close()
-            self.token_dispatcher.own_engine = None
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Megatron's stage between dispatch and combine: the schedule's expert step (Megatron's experts, ESP

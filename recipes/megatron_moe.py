@@ -37,6 +37,7 @@ class MegatronMoESettings:
     plugin: Optional[PluginConfig] = None
     ranks_per_node: Optional[int] = None
     seed: int = 1234
+    engines: Any = None          # the plugin's LayoutEngines (patches.megatron_engines), for pipelined layers
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ def moe_spec(size: ModelSize, settings: MegatronMoESettings) -> Any:
     if settings.plugin is not None and settings.plugin.enabled:
         from moe_plugins.patches.megatron import get_moe_module_spec
         return get_moe_module_spec(use_te=False, num_experts=size.experts, plugin=settings.plugin,
-                                   ranks_per_node=settings.ranks_per_node)
+                                   ranks_per_node=settings.ranks_per_node, engines=settings.engines)
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock
     return stock(use_te=False, num_experts=size.experts)
 

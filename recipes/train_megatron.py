@@ -253,9 +253,11 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
         if plugin is None or not plugin.enabled or plugin.lina is None:
-            settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin, ranks_per_node=rpn,
-                                           seed=args.seed)
-            return _run(args, size, settings, pgc, optimizer_shims, plugin)
+            from moe_plugins.patches.megatron_engines import LayoutEngines
+            with LayoutEngines() as engines:               # pipelined layers' lanes, freed when training ends
+                settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin,
+                                               ranks_per_node=rpn, seed=args.seed, engines=engines)
+                return _run(args, size, settings, pgc, optimizer_shims, plugin)
         # Lina patches Megatron's DDP too: build the model (Megatron's own spec, replaced by the plugin's) and
         # train inside enable(), which closes Lina's engines when training ends
         from moe_plugins.patches.megatron import enable

@@ -289,6 +289,7 @@ def test_bad_layer_config_lists_every_problem_before_building(world):
         for text in ("moe_token_dispatcher_type ('flex')", "overlap_moe_expert_parallel_comm (True) must be False",
                      "moe_plugins.esp (1) must equal expert_tensor_parallel_size (2)",
                      "moe_plugins.pipeline_degree ('auto')", "moe_input_jitter_eps must be off",
+                     "runs on an engine's pipeline lane, which the layer does not build",
                      "schedule 'baseline-tp' needs esp (2)"):
             assert text in message, (text, message)
         assert r["rng_untouched"]
@@ -315,6 +316,15 @@ def test_flag_path_builds_the_plugin_inside_megatron_transformer_layer(world):
         assert (r["stock_class"], r["class"], r["specs_built"]) == ("MoELayer", "PluginMoELayer", 1)
         assert (r["ep_ranks"], r["esp_ranks"]) == (r["layout_ep"], r["layout_esp"])
         assert r["grad_names_equal"] and r["err"] <= 1e-9 and not r["active_after"]
+        assert r["degree"] == 1 and not r["has_engines"]          # unpipelined: no engine, no twin groups
+
+
+def test_flag_path_pipelined_layers_run_on_the_plugins_engines(world):
+    """A pipeline degree through the flag: the layer builds no process groups of its own; it runs on the engine
+    enable() owns for its layout, which disable() closes."""
+    for r in run(world, jobs.flag_path_job, '{"schedule": "baseline", "pipeline_degree": 2}'):
+        assert (r["class"], r["degree"], r["has_engines"], r["on_handles_engine"]) == ("PluginMoELayer", 2, True, True)
+        assert r["grad_names_equal"] and r["err"] <= 1e-9 and r["engines_closed"] and not r["active_after"]
 
 
 def _fake_cluster_profile(tmp_path, ep: int, esp: int) -> str:

@@ -105,8 +105,10 @@ def transformer_config(spec: MegatronVerifySpec, **overrides: Any):
     return TransformerConfig(**fields)
 
 
-def build_pair(spec: MegatronVerifySpec, config: Any, megatron_groups: Any, ledger: Optional[CommLedger] = None):
-    """Megatron's stock MoELayer and the plugin's layer (from the spec provider) holding the stock weights."""
+def build_pair(spec: MegatronVerifySpec, config: Any, megatron_groups: Any, ledger: Optional[CommLedger] = None,
+               engines: Any = None):
+    """Megatron's stock MoELayer and the plugin's layer (from the spec provider) holding the stock weights.
+    ``engines``: the caller's LayoutEngines, for a pipeline degree other than 1."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import build_module
@@ -119,7 +121,8 @@ def build_pair(spec: MegatronVerifySpec, config: Any, megatron_groups: Any, ledg
         stock = MoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
                          pg_collection=megatron_groups.pg_collection)
         plugin = build_module(get_moe_module_spec(use_te=False, num_experts=spec.experts, plugin=plugin_config,
-                                                  groups=megatron_groups, ledger=ledger), config=config)
+                                                  groups=megatron_groups, ledger=ledger, engines=engines),
+                              config=config)
     plugin.load_state_dict(stock.state_dict())
     for layer in (stock, plugin):
         layer.set_layer_number(1)                     # Megatron tracks aux losses of numbered layers only
@@ -150,14 +153,15 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Dict[str, 
 
 def compare_on_rank(spec: MegatronVerifySpec, megatron_groups: Any) -> Dict[str, Any]:
     """One spec on this rank (collective): stock vs plugin errors, this rank's view."""
+    from moe_plugins.patches.megatron_engines import LayoutEngines
     ledger = CommLedger()
-    stock, plugin = build_pair(spec, transformer_config(spec), megatron_groups, ledger)
-    dtype, rank = DTYPES[spec.dtype], dist.get_rank()
-    gen = torch.Generator().manual_seed(10_000 * spec.seed + rank)
-    x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64).to(dtype)
-    g = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64).to(dtype)
-    a, b = _run(stock, x, g), _run(plugin, x, g)
-    plugin.close()
+    with LayoutEngines(ledger=ledger) as engines:             # pipelined: the plugin layer's lane (collective)
+        stock, plugin = build_pair(spec, transformer_config(spec), megatron_groups, ledger, engines)
+        dtype, rank = DTYPES[spec.dtype], dist.get_rank()
+        gen = torch.Generator().manual_seed(10_000 * spec.seed + rank)
+        x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64).to(dtype)
+        g = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64).to(dtype)
+        a, b = _run(stock, x, g), _run(plugin, x, g)
     shared = sorted(set(a["grads"]) & set(b["grads"]))
     kept = a["map"] & (a["probs"] != 0)
     return {"rank": rank, "max_err_out": _maxerr(a["y"], b["y"]), "max_err_grad_in": _maxerr(a["grad_x"], b["grad_x"]),

@@ -238,28 +238,34 @@ def flag_path_job(flag: str) -> Dict[str, Any]:
     with megatron_on_cpu(), _groups(spec) as groups:
         config = transformer_config(spec, num_attention_heads=2)
         layers = []
-        for use_flag in (False, True):
-            handle = mp.enable_from_args(args, groups=groups) if use_flag else None
-            try:
+        handle = None
+        try:
+            for use_flag in (False, True):         # stock first; the plugin's layer built and run under enable
+                handle = mp.enable_from_args(args, groups=groups) if use_flag else None
                 layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts)
-            finally:
-                mp.disable()
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(3)
-                layers.append(TransformerLayer(config, submodules=layer_spec.submodules, layer_number=1,
-                                               pg_collection=groups.pg_collection))
-        stock, ours = layers
-        ours.load_state_dict(stock.state_dict())
-        gen = torch.Generator().manual_seed(dist.get_rank())
-        x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
-        g = torch.randn_like(x)
-        (ys, gxs, gws), (yp, gxp, gwp) = [_forward_backward(layer.mlp, x, g) for layer in layers]
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(3)
+                    layers.append(TransformerLayer(config, submodules=layer_spec.submodules, layer_number=1,
+                                                   pg_collection=groups.pg_collection))
+            stock, ours = layers
+            ours.load_state_dict(stock.state_dict())
+            gen = torch.Generator().manual_seed(dist.get_rank())
+            x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
+            g = torch.randn_like(x)
+            (ys, gxs, gws), (yp, gxp, gwp) = [_forward_backward(layer.mlp, x, g) for layer in layers]
+            moe = ours.mlp
+            engines = handle.engines
+            on_handles_engine = engines is not None and moe.token_dispatcher.engine in engines.engines.values()
+        finally:
+            mp.disable()
     err = max(_maxerr(ys, yp), _maxerr(gxs, gxp), max(_maxerr(gws[n], gwp[n]) for n in gws))
-    moe = ours.mlp
     return {"stock_class": type(stock.mlp).__name__, "class": type(moe).__name__, "specs_built": handle.specs_built,
             "ep_ranks": list(moe.moe_groups.ep.ranks), "esp_ranks": list(moe.moe_groups.esp.ranks),
             "layout_ep": list(groups.groups.ep.ranks), "layout_esp": list(groups.groups.esp.ranks),
-            "grad_names_equal": sorted(gws) == sorted(gwp), "err": err, "active_after": mp.active() is not None}
+            "grad_names_equal": sorted(gws) == sorted(gwp), "err": err, "active_after": mp.active() is not None,
+            "degree": moe.token_dispatcher.degree, "has_engines": engines is not None,
+            "on_handles_engine": on_handles_engine, "engines_closed": engines is not None and engines.closed
+            and not engines.engines}
 
 
 def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[str, Any]:
@@ -268,9 +274,10 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from moe_plugins.patches.megatron_engines import LayoutEngines
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     from moe_plugins.tools.verify_megatron import _run
-    with megatron_on_cpu(), _groups(spec) as groups:
+    with megatron_on_cpu(), _groups(spec) as groups, LayoutEngines() as engines:
         config = transformer_config(spec)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1000 + spec.seed)
@@ -278,7 +285,7 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
                              pg_collection=groups.pg_collection)
             plugin = PluginMoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
                                     plugin=PluginConfig(schedule=schedule, pipeline_degree="auto"), groups=groups,
-                                    profile_dir=profile_dir)
+                                    profile_dir=profile_dir, engines=engines)
         plugin.load_state_dict(stock.state_dict())
         for layer in (stock, plugin):
             layer.set_layer_number(1)
@@ -288,7 +295,6 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
         a, b = _run(stock, x, g), _run(plugin, x, g)
         decisions = sorted(set(plugin.token_dispatcher.degree.decisions.values()))
         source = plugin.token_dispatcher.degree.source
-        plugin.close()
     shared = sorted(set(a["grads"]) & set(b["grads"]))
     return {"err_out": _maxerr(a["y"], b["y"]), "err_grad_in": _maxerr(a["grad_x"], b["grad_x"]),
             "err_grad_w": max(_maxerr(a["grads"][n], b["grads"][n]) for n in shared), "decisions": decisions,
