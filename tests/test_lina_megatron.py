@@ -147,6 +147,14 @@ def test_pipemoe_degree_2_shares_the_engine_and_stays_exact(world):
     assert all({"pipeline"} <= {x["lane"] for x in r["timeline"] if x["priority"] == "urgent"} for r in results)
 
 
+def test_tied_weights_bitwise_at_dp2(world):
+    """One dense weight used at both ends (a tied embedding): DDP holds it once, its gradient (both uses
+    summed) goes through Lina's micro-ops once, bitwise equal to stock's."""
+    tied, untied = (world(4).run(jobs.grads_job, 2, 2, LINA, tied=t, timeout_s=TIMEOUT_S) for t in (True, False))
+    _check_grads(tied, 0.0)
+    assert all(a["params"] == b["params"] - 1 for a, b in zip(tied, untied))      # the tied weight counted once
+
+
 def test_dp2_on_2_ranks_bitwise_with_and_without_overlap(world):
     """EP 2 on 2 ranks: expert DP is 1 (nothing to reduce), dense DP 2; without overlap_grad_reduce stock calls
     start_grad_sync from finish_grad_sync and Lina waits at once."""

@@ -33,9 +33,10 @@ def _spec(tp: int, ep: int, dtype: str) -> MegatronVerifySpec:
                               ffn=FFN, experts=E, k=2, drop=True, capacity_factor=1.25, dtype=dtype, tokens=S)
 
 
-def _net(config, seed: int):
+def _net(config, seed: int, tied: bool = False):
     """Three dense linears around two MoE layers, built while the plugin is enabled (the MoE spec comes from
-    Megatron's own get_moe_module_spec, which the plugin hooks). Same seed, same weights."""
+    Megatron's own get_moe_module_spec, which the plugin hooks). Same seed, same weights. ``tied``: the last
+    linear's weight is the first's (as GPT ties its output layer to the embedding): one parameter used twice."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import build_module
@@ -48,6 +49,8 @@ def _net(config, seed: int):
                 p.sequence_parallel = config.sequence_parallel
             self.moe = torch.nn.ModuleList(build_module(get_moe_module_spec(use_te=False, num_experts=E),
                                                         config=config) for _ in range(2))
+            if tied:
+                self.dense[2].weight = self.dense[0].weight
 
         def forward(self, x):
             for i in range(2):
@@ -95,11 +98,12 @@ def _records(handle) -> List[Dict[str, Any]]:
 
 def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64", steps: int = 2,
               accumulate: int = 2, overlap: bool = True, bucket_size: int = 200,
-              pipeline_degree: int = 1) -> Dict[str, Any]:
+              pipeline_degree: int = 1, tied: bool = False) -> Dict[str, Any]:
     """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last), each ended by DDP's
     ``finish_grad_sync``; the largest difference of every ``main_grad`` between the two runs, per step and per
     kind (dense / expert), the Lina run's timeline and step bounds, and how many bucket groups Lina routed.
-    ``pipeline_degree`` > 1: PipeMoE's runner, its exchanges on the shared engine's pipeline lane."""
+    ``pipeline_degree`` > 1: PipeMoE's runner, its exchanges on the shared engine's pipeline lane. ``tied``: one
+    dense weight used at both ends of the model."""
     from moe_plugins.patches import megatron as mp
     spec = _spec(tp, ep, dtype)
     runs, timeline, bounds, routed = [], [], [], 0
@@ -111,7 +115,7 @@ def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64",
         data = _batches(config.params_dtype, steps * accumulate, seed=11)
         for section in (None, lina):
             with mp.enable(_plugin(section, pipeline_degree), groups=groups, record_timeline=True) as handle:
-                model = _ddp(config, _net(config, seed=5), groups.pg_collection, bucket_size=bucket_size,
+                model = _ddp(config, _net(config, seed=5, tied=tied), groups.pg_collection, bucket_size=bucket_size,
                              overlap=overlap)
                 per_step = []
                 for step in range(steps):
@@ -134,6 +138,7 @@ def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64",
                         if dense == (kind == "dense"))
               for kind in ("dense", "expert")} for off_step, on_step in zip(off, on)]
     return {"diffs": diffs, "timeline": timeline, "bounds": bounds, "routed": routed,
+            "params": len(on[0]),
             "nonzero": all(float(g.abs().max()) > 0 for step in on for g, _ in step.values())}
 
 
