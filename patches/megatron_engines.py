@@ -25,11 +25,12 @@ logger = logging.getLogger("moe_plugins.megatron")
 
 class LayoutEngines:
     """One engine with a pipeline lane per token layout, built on first use and freed by :meth:`close`
-    (collective; a context manager). Shared, not copied, when Megatron deep-copies a layer spec."""
+    (collective; a context manager). Shared, not copied, when Megatron deep-copies a layer spec. ``timeout_s``:
+    how long the lanes' collectives wait for a peer (None: the default group's timeout)."""
 
-    def __init__(self, *, ledger: Optional[CommLedger] = None, timeout_s: float = 300.0,
+    def __init__(self, *, ledger: Optional[CommLedger] = None, timeout_s: Optional[float] = None,
                  record_timeline: bool = False):
-        if not timeout_s > 0:
+        if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s ({timeout_s!r}) must be > 0 seconds")
         self.ledger, self.timeout_s, self.record_timeline = ledger, timeout_s, record_timeline
         self.engines: Dict[ParallelLayout, CommEngine] = {}

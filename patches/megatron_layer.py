@@ -177,9 +177,9 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.engine = engine               # pipelined: the caller's (PluginMoELayer checked there is one)
         self.lane = build_executor(plugin.pipeline_degree, profile, self.engine)
         self.degree = self.lane.degree
-        self.rec = Recorder(ledger, name, self.engine)
-        self.schedule: Schedule = schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size)(
-            self.moe_config, groups, self.rec)
+        cls = schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size)
+        self.rec = Recorder(ledger, name, self.engine, schedule=cls.name)
+        self.schedule: Schedule = cls(self.moe_config, groups, self.rec)
         self._pass: Optional[_Pass] = None
 
     @property
@@ -189,7 +189,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
     def rename(self, name: str) -> None:
         """Ledger name of the layer (Megatron numbers layers after building them). The schedule object stays
         the same: PipeMoE's lane keeps one twin per schedule object."""
-        self.rec = self.schedule.rec = Recorder(self.ledger, name, self.engine)
+        self.rec = self.schedule.rec = Recorder(self.ledger, name, self.engine, schedule=type(self.schedule).name)
 
     def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
         esp = self.groups.esp

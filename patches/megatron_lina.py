@@ -104,11 +104,13 @@ class LinaEngine:
 
 
 def build_lina_engine(groups: MoEProcessGroups, tokens: MoEProcessGroups, *, pipeline: bool,
-                      ledger: Optional[CommLedger], record_timeline: bool, timeout_s: float = 300.0) -> CommEngine:
+                      ledger: Optional[CommLedger], record_timeline: bool,
+                      timeout_s: Optional[float] = None) -> CommEngine:
     """Collective: an engine whose background lane runs on twins of ``groups``' layout (Megatron's DP groups,
     MP = TP) and whose pipeline lane, if asked for, on twins of the token layout (MP = 1) the schedules run on.
-    (``build_engine`` puts every lane on one layout; with TP > 1 the two differ.)"""
-    timeout = timedelta(seconds=timeout_s)
+    (``build_engine`` puts every lane on one layout; with TP > 1 the two differ.) ``timeout_s`` None: the default
+    group's timeout."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     lanes = {}
     if pipeline:
         lanes[PIPELINE] = build_process_groups(tokens.layout, timeout=timeout)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -40,7 +41,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--out", default="runs/gpt2-moe", help="folder for report.json and report.png")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/moe_plugins"))
+    add_dist_timeout(p)
     return p.parse_args(argv)
+
+
+def add_dist_timeout(p: argparse.ArgumentParser) -> None:
+    """``--dist-timeout``: how long any collective waits for a peer (the process group's timeout; the plugin's
+    groups and communication threads take the same)."""
+    p.add_argument("--dist-timeout", type=_seconds, default=1800.0, metavar="SECONDS",
+                   help="seconds a collective waits for a stopped or dead peer before this rank fails "
+                        "(default 1800, torch's)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--dist-timeout ({text!r}) must be a number of seconds > 0")
+    return value
 
 
 def build_model(args, size: models.ModelSize, vocab_size: int):
@@ -75,7 +95,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         plugin = moe_plugins.enable(ds_config)          # validates the section before patching anything
     if args.no_plugins:
         ds_config.pop("moe_plugins", None)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                               timeout=timedelta(seconds=args.dist_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     size = models.SIZES[args.size]

@@ -23,6 +23,7 @@ import contextlib
 import os
 import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -35,7 +36,7 @@ from moe_plugins.patches.megatron import FLAG, extra_args_provider, resolve_plug
 
 from moe_plugins.recipes import data, models, report
 from moe_plugins.recipes.megatron_moe import MegatronMoESettings, megatron_moe_factory, plugin_summary
-from moe_plugins.recipes.train_deepspeed import make_batch
+from moe_plugins.recipes.train_deepspeed import add_dist_timeout, make_batch
 
 DEFAULT_CLIP = 1.0
 
@@ -68,6 +69,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="DEVELOPMENT ONLY: run Megatron-core on CPU with gloo through the test/bench shims of "
                         "moe_plugins.patches.megatron_cpu (never applied otherwise)")
     extra_args_provider(p)                                           # --moe-plugins <json or path>
+    add_dist_timeout(p)
     return p.parse_args(argv)
 
 
@@ -186,13 +188,13 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, meta: Dict[str, Any]) -> i
 
 # ---- the run -------------------------------------------------------------------------------------------------
 
-def _init_distributed(cpu_shims: bool) -> bool:
+def _init_distributed(cpu_shims: bool, timeout_s: float) -> bool:
     """Join the job torchrun started (gloo with the CPU shims, NCCL on GPUs); False when already joined."""
     if dist.is_initialized():
         return False
     if not cpu_shims:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("gloo" if cpu_shims else "nccl")
+    dist.init_process_group("gloo" if cpu_shims else "nccl", timeout=timedelta(seconds=timeout_s))
     return True
 
 
@@ -221,7 +223,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if problems:
         raise ValueError("train_megatron: " + "; ".join(problems))
     model_shims, optimizer_shims = _shims(args.cpu_shims)
-    owns_dist = _init_distributed(args.cpu_shims)
+    owns_dist = _init_distributed(args.cpu_shims, args.dist_timeout)
     try:
         with model_shims:
             return _train(args, size, plugin, rpn, optimizer_shims)
@@ -249,6 +251,7 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rpn))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep,
                                              expert_tensor_parallel_size=args.etp,
+                                             distributed_timeout_minutes=args.dist_timeout / 60,
                                              create_gloo_process_groups=False)
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from moe_plugins.core.engine import URGENT, CommEngine
+from moe_plugins.core.ops import CommError
 from moe_plugins.core.groups import Group
 from moe_plugins.core.ledger import CommLedger
 
@@ -35,20 +36,29 @@ from moe_plugins.core.ledger import CommLedger
 @dataclass(frozen=True)
 class Recorder:
     """Where a layer's collectives go: its engine (None: an inline, urgent-only one), the ledger that records
-    them (may be None) and the layer's name."""
+    them (may be None), the layer's name and its schedule's (named, with the op, when a collective fails)."""
 
     ledger: Optional[CommLedger]
     layer: str
     engine: Optional[CommEngine] = field(default=None, compare=False)
+    schedule: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.engine is None:
             object.__setattr__(self, "engine", CommEngine())
 
     def issue(self, op: str, group: Group, x: torch.Tensor, phase: str, reduce: str = "sum") -> torch.Tensor:
-        """Run ``op`` now as an urgent op of this layer (inline, or on the lane whose thread this is)."""
-        return self.engine.issue(op, group, x, priority=URGENT, reduce=reduce, layer=self.layer, phase=phase,
-                                 ledger=self.ledger).wait()
+        """Run ``op`` now as an urgent op of this layer (inline, or on the lane whose thread this is). A failure
+        is a CommError that names the layer, the schedule and the collective."""
+        try:
+            return self.engine.issue(op, group, x, priority=URGENT, reduce=reduce, layer=self.layer, phase=phase,
+                                     ledger=self.ledger).wait()
+        except CommError as exc:
+            raise self.failed(exc) from exc
+
+    def failed(self, exc: BaseException) -> CommError:
+        """``exc`` (a collective of this layer failed) as a CommError that also names the schedule."""
+        return CommError(f"layer {self.layer!r}, schedule {self.schedule or '?'!r}: {exc}")
 
     def record(self, op: str, group: Group, numel: int, elsize: int, remote_elems: float, phase: str, *,
                start_ns: int = 0) -> None:

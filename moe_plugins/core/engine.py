@@ -35,9 +35,8 @@ Why this cannot deadlock on gloo (one op order per communicator):
 
 Failure. An op or closure that raises fails its handle, whose ``wait()`` raises it; the engine is then
 poisoned: queued ops fail, and ``issue``/``submit`` raise at once naming the first error. A peer blocked in
-the same collective fails by its twin groups' timeout, and its ``wait()`` raises too (inline urgent ops use
-the caller's groups, so the caller's timeout). :meth:`CommEngine.close` stops the threads and destroys the
-twins (collective).
+the same collective fails by its group's timeout (twins: the default group's, unless ``timeout_s``) with a
+CommError naming the op, group, layer, phase and lane. :meth:`CommEngine.close` stops threads, frees twins.
 
 CUDA/NCCL: the same API with streams and no threads, untested here (no GPU). Inline urgent ops run on the
 current stream; pipeline closures run inline (the runner moves them to its side stream); background ops are
@@ -253,8 +252,8 @@ class CommEngine:
 
     def _op(self, job: Job, name: str, op: str, group: Group, on: Group, x: torch.Tensor, reduce: str, layer: str,
             phase: str, ledger: Optional[CommLedger], priority: str, lane: str) -> torch.Tensor:
-        x = x.contiguous()
-        out = run_op(op, on.pg, on.size, x, reduce)
+        x, what = x.contiguous(), f"{name}@{group.kind} ({priority}, layer {layer!r}, {phase}, {lane} lane)"
+        out = run_op(op, on.pg, on.size, x, reduce, what)
         if on.pg is not None:
             numel, remote = volume(op, group, x)
             self.record(layer=layer, op=name, group=group, numel=numel, elsize=x.element_size(),
@@ -386,14 +385,15 @@ class CommEngine:
 
 
 def build_engine(groups: MoEProcessGroups, *, ledger: Optional[CommLedger] = None, pipeline: bool = False,
-                 background: bool = False, timeout_s: float = 300.0, record_timeline: bool = False) -> CommEngine:
+                 background: bool = False, timeout_s: Optional[float] = None,
+                 record_timeline: bool = False) -> CommEngine:
     """Collective over the default group: an engine for ``groups``' layout with the lanes asked for, each on
-    its own full set of twin groups whose collectives give up after ``timeout_s``. ``pipeline``: PipeMoE's
-    runner lane (urgent); ``background``: background ops (gradient reductions). Neither: no groups, inline."""
-    if not timeout_s > 0:
+    its own full set of twin groups whose collectives give up after ``timeout_s`` (None: the default group's
+    timeout). ``pipeline``: PipeMoE's runner lane (urgent); ``background``: background ops (gradient
+    reductions). Neither: no groups, inline."""
+    if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s ({timeout_s!r}) must be > 0 seconds")
-    timeout = timedelta(seconds=timeout_s)
-    lanes = {name: build_process_groups(groups.layout, timeout=timeout)
+    lanes = {name: build_process_groups(groups.layout, timeout=timeout_s and timedelta(seconds=timeout_s))
              for name, wanted in ((PIPELINE, pipeline), (BACKGROUND, background)) if wanted}
     cuda = dist.is_initialized() and "nccl" in str(dist.get_backend())
     return CommEngine(lanes, ledger=ledger, record_timeline=record_timeline, cuda=cuda)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout, Ranks
@@ -45,16 +46,30 @@ class MoEProcessGroups:
         return {k: getattr(self, k) for k in GROUP_KINDS}
 
 
+def world_timeout() -> Optional[timedelta]:
+    """The default group's collective timeout (``init_process_group(timeout=...)``, a recipe's
+    ``--dist-timeout``). torch does not pass it on: ``new_group`` without a timeout waits its own default (30
+    minutes on gloo), so every group the plugin builds asks for this one. None if the backend hides it."""
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):       # no backend for this device, or no options on it
+            continue
+    return None
+
+
 def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None,
                          timeout: Optional[timedelta] = None) -> MoEProcessGroups:
     """Create every group of the layout. Collective: all ranks of the default group must call it.
-    ``timeout``: how long a collective on these groups waits for its peers (None: the default group's)."""
+    ``timeout``: how long a collective on these groups waits for its peers (None: the default group's,
+    :func:`world_timeout`)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
     if dist.get_world_size() != layout.world:
         raise ValueError(f"layout.world ({layout.world}) must equal the process group's world size "
                          f"({dist.get_world_size()})")
-    rank = dist.get_rank()
+    rank, timeout = dist.get_rank(), timeout or world_timeout()
     made = {}
     for kind in GROUP_KINDS:
         for ranks in layout.groups(kind):

@@ -89,8 +89,10 @@ class MoELayer(nn.Module):
         self.executor = executor if executor is not None else Sequential()
         self.config, self.groups, self.pipeline_degree, self.name = config, groups, self.executor.degree, name
         self.ledger = ledger
-        self.rec = Recorder(ledger, name, engine if engine is not None else getattr(self.executor, "engine", None))
-        self.schedule = resolve_schedule(schedule, registry)(config, groups, self.rec)
+        cls = resolve_schedule(schedule, registry)
+        self.rec = Recorder(ledger, name, engine if engine is not None else getattr(self.executor, "engine", None),
+                            schedule=cls.name)
+        self.schedule = cls(config, groups, self.rec)
         e_l, h_s, m = config.num_experts // groups.ep.size, config.ffn // groups.esp.size, config.hidden
         self.wg_EM = nn.Parameter(torch.zeros(config.num_experts, m, dtype=dtype))
         self.w1_EMH = nn.Parameter(torch.zeros(e_l, m, h_s, dtype=dtype))

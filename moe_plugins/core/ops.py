@@ -6,6 +6,8 @@ Priority classes and lanes are named here too, so that modules can name them wit
 
 from __future__ import annotations
 
+import logging
+
 import threading
 import time
 from collections import deque
@@ -16,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.groups import Group, MoEProcessGroups
+
+logger = logging.getLogger("moe_plugins.engine")
 
 URGENT, BACKGROUND = "urgent", "background"              # priority classes
 MAIN, PIPELINE = "main", "pipeline"                      # lanes (the background lane is named BACKGROUND)
@@ -118,10 +122,24 @@ def volume(op: str, group: Group, x: torch.Tensor) -> Tuple[int, float]:
     return n, remote * n / size                     # all_to_all, reduce_scatter
 
 
-def run_op(op: str, pg: Optional[dist.ProcessGroup], size: int, x: torch.Tensor, reduce: str) -> torch.Tensor:
-    """The collective itself, out of place: all_to_all keeps x's shape; all_gather, reduce_scatter are flat."""
+def run_op(op: str, pg: Optional[dist.ProcessGroup], size: int, x: torch.Tensor, reduce: str,
+           what: str = "") -> torch.Tensor:
+    """The collective itself, out of place: all_to_all keeps x's shape; all_gather, reduce_scatter are flat.
+    A failure (a peer gone: the group's timeout, or a closed connection) is a CommError naming ``what``, logged
+    as an error: a rank that stops or dies makes its peers fail here, saying where they were."""
     if pg is None:                                    # a group of one: nothing to exchange
         return x.reshape(-1).clone() if op in ("all_gather", "reduce_scatter") else x.clone()
+    try:
+        return _run_collective(op, pg, size, x, reduce)
+    except CommError:
+        raise
+    except RuntimeError as exc:                       # gloo/NCCL errors are RuntimeErrors (DistError among them)
+        message = f"{what or op} failed: {exc}"
+        logger.error("moe_plugins: %s", message)
+        raise CommError(message) from exc
+
+
+def _run_collective(op: str, pg: dist.ProcessGroup, size: int, x: torch.Tensor, reduce: str) -> torch.Tensor:
     if op == "all_to_all":
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=pg)

@@ -21,6 +21,7 @@ chunk, M model dim. Wire tensors are w_GE1cM (the 1 is this rank's MP block), re
 
 from __future__ import annotations
 
+import logging
 from typing import List, Sequence
 
 import torch
@@ -31,6 +32,8 @@ from moe_plugins.core.engine import now_ns
 from moe_plugins.core.groups import Group
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+logger = logging.getLogger("moe_plugins.parm")
 
 
 def block_order(layout, mp: Group, esp: int) -> List[int]:
@@ -53,9 +56,16 @@ def saa_raw(w_GEXM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int, order: 
     """The forward of SAA, without autograd: w (G, E_l, 1, c, M) -> r (E_l*EP, P, c, M). ``overlap=False``
     waits for the whole all-to-all before the first all-gather (same transport, no overlap: the benchmark's
     control). A composite of point-to-point ops and async gathers: it holds the engine (an urgent op in
-    flight) and records its two halves itself."""
+    flight) and records its two halves itself. A failed send, receive or gather (a peer gone) is a CommError
+    naming the layer, the schedule and SAA, logged as an error."""
     with rec.engine.hold():
-        return _saa_raw(w_GEXM, ep_esp=ep_esp, mp=mp, esp=esp, order=order, rec=rec, phase=phase, overlap=overlap)
+        try:
+            return _saa_raw(w_GEXM, ep_esp=ep_esp, mp=mp, esp=esp, order=order, rec=rec, phase=phase,
+                            overlap=overlap)
+        except RuntimeError as exc:                  # gloo/NCCL: the group's timeout, or a connection lost
+            error = rec.failed(f"SAA (all_to_all@{ep_esp.kind} + all_gather@{mp.kind}, {phase}) failed: {exc}")
+            logger.error("moe_plugins: %s", error)
+            raise error from exc
 
 
 def _saa_raw(w_GEXM: torch.Tensor, *, ep_esp: Group, mp: Group, esp: int, order: Sequence[int], rec: Recorder,
