@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from moe_plugins.core.groups import group_timeout
 from moe_plugins.recipes import data, models, report
 
 AUX_COEF = 0.01
@@ -86,6 +87,11 @@ def make_batch(args, blocks, tokenizer, step, batch_size, rank, world):
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
+    with group_timeout(timedelta(seconds=args.dist_timeout)):    # DeepSpeed's own groups wait as long too
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> Dict[str, Any]:
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     ds_config = json.loads(Path(args.ds_config).read_text())

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from moe_plugins.core.groups import group_timeout
 from moe_plugins.core.layout import layout_problems
 from moe_plugins.core.plugin_config import PluginConfig
 from moe_plugins.patches.megatron import FLAG, extra_args_provider, resolve_plugin
@@ -225,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     model_shims, optimizer_shims = _shims(args.cpu_shims)
     owns_dist = _init_distributed(args.cpu_shims, args.dist_timeout)
     try:
-        with model_shims:
+        with model_shims, group_timeout(timedelta(seconds=args.dist_timeout)):
             return _train(args, size, plugin, rpn, optimizer_shims)
     finally:
         if owns_dist:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -35,17 +35,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(point: str, nth: int, out: Path) -> List[subprocess.Popen]:
+def _launch(point: str, nth: int, out: Path, cmd: Optional[List[str]] = None) -> List[subprocess.Popen]:
+    """Four plain processes (two "nodes" of two) of tests/workers/stall.py, or of ``cmd``."""
     port = _free_port()
     procs = []
+    cmd = cmd or ["-m", "tests.workers.stall", "--point", point, "--nth", str(nth), "--victim", str(VICTIM),
+                  "--timeout", str(TIMEOUT_S), "--out", str(out)]
     for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % 2),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.workers.stall", "--point", point, "--nth", str(nth),
-             "--victim", str(VICTIM), "--timeout", str(TIMEOUT_S), "--out", str(out)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
     return procs
 
 
@@ -102,3 +103,76 @@ def test_a_stopped_rank_makes_every_other_rank_fail_within_twice_the_timeout(tmp
 
 def _schedule(point: str) -> str:
     return "parm-s2-saa" if point == "saa" else "baseline"
+
+
+def test_the_deepspeed_recipe_with_dist_timeout_fails_fast_when_a_rank_stops(tmp_path):
+    """The recipe's --dist-timeout (the process group's timeout, which the plugin's groups take): rank 3 stops in
+    a forward all-to-all of the plugin's layer; its EP peer fails there naming the layer and the schedule, the
+    other node's ranks in DeepSpeed's gradient all-reduce; all exit non-zero within twice the timeout."""
+    timeout = 10.0
+    nth = random.Random(f"{SEED}-recipe").randint(3, 12)
+    config = ROOT / "recipes" / "configs" / "gpt2_moe_tiny.json"
+    cmd = ["-m", "tests.workers.stall_recipe", "forward", str(nth), str(tmp_path), "--", "--ds-config",
+           str(config), "--max-chars", "60000", "--steps", "40", "--dist-timeout", str(timeout),
+           "--out", str(tmp_path / "run")]
+    procs = _launch("forward", nth, tmp_path, cmd)
+    try:
+        exits = _watch(procs, tmp_path, 2 * timeout + 5)
+        logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in range(WORLD)}
+        where = f"op {nth} (STALL_SEED={SEED}); logs:\n" + "\n".join(
+            f"--- rank {r}\n{text[-1500:]}" for r, text in logs.items())
+        assert (tmp_path / "stopped").exists(), "the victim never reached its stop point: " + where
+        stopped = float((tmp_path / "stopped").read_text())
+        assert sorted(exits) == [0, 1, 2], "a survivor hung: " + where
+        for rank, at in exits.items():
+            assert procs[rank].returncode != 0 and at - stopped <= 2 * timeout, (rank, at - stopped, where)
+        peer = logs[2].strip().splitlines()[-1].removeprefix("[rank2]: ")      # rank 3's EP peer (EP 2)
+        assert peer.startswith("moe_plugins.core.ops.CommError") and "schedule 'baseline'" in peer, where
+        assert "all_to_all@ep" in peer and "layer 'transformer.h." in peer, where
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_killed_rank_under_two_torchrun_nodes_takes_the_job_down(tmp_path):
+    """Regression: SIGKILL of one worker of two torchrun "nodes" (2 x 2, the DeepSpeed recipe, plugin on):
+    every worker and both agents exit, non-zero, within a few seconds (connections reset; no timeout needed)."""
+    config = ROOT / "recipes" / "configs" / "gpt2_moe_tiny.json"
+    port, out = _free_port(), tmp_path / "run"
+    agents = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "moe_plugins.recipes.train_deepspeed", "--ds-config", str(config), "--max-chars", "60000",
+               "--steps", "200", "--out", str(out)]
+        log = open(tmp_path / f"node{node}.log", "w")
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True))
+    import psutil
+    try:
+        deadline = time.time() + 240
+        steps = out / "steps.jsonl"
+        while time.time() < deadline and not (steps.exists() and len(steps.read_text().splitlines()) >= 3):
+            assert all(a.poll() is None for a in agents), (tmp_path / "node0.log").read_text()[-2000:]
+            time.sleep(0.5)
+        workers = [w for a in agents for w in psutil.Process(a.pid).children(recursive=True)]
+        assert len(workers) >= 4, workers
+        victim = psutil.Process(agents[1].pid).children()[-1]
+        killed = time.time()
+        victim.send_signal(signal.SIGKILL)
+        agent_procs = [psutil.Process(a.pid) for a in agents]
+        _, alive = psutil.wait_procs(workers + agent_procs, timeout=60)       # reaps them: codes from psutil
+        took = time.time() - killed
+        assert not alive, f"still running {took:.0f} s after the kill: {alive}"
+        codes = [p.returncode for p in agent_procs]
+        assert all(code != 0 for code in codes), codes
+        print(f"every process exited {took:.1f} s after the kill")
+        assert took <= 15, took
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                for p in psutil.Process(a.pid).children(recursive=True) + [psutil.Process(a.pid)]:
+                    p.send_signal(signal.SIGKILL)
+                a.wait()

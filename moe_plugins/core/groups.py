@@ -9,8 +9,10 @@ from typing import Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from moe_plugins.core.layout import GROUP_KINDS, ParallelLayout, Ranks
+from moe_plugins.core.patcher import Patch, Patcher
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,17 @@ def process_groups(layout: ParallelLayout, backend: Optional[str] = None) -> Ite
         yield groups
     finally:
         destroy_process_groups(groups)
+
+
+@contextmanager
+def group_timeout(timeout: timedelta) -> Iterator[None]:
+    """Every process group created in the block without a timeout of its own waits ``timeout`` for a peer:
+    DeepSpeed's and Megatron's groups too, which torch's ``new_group`` would otherwise give its backend default
+    (30 min on gloo) whatever ``init_process_group`` was told. The recipes wrap a run in it with their
+    ``--dist-timeout``; torch's two module defaults are put back after."""
+    if not timeout.total_seconds() > 0:
+        raise ValueError(f"timeout ({timeout!r}) must be > 0 seconds")
+    names = [n for n in ("default_pg_timeout", "default_pg_nccl_timeout") if isinstance(getattr(c10d, n, None),
+                                                                                       timedelta)]
+    with Patcher([Patch(c10d, name, timeout) for name in names]):
+        yield
