@@ -189,7 +189,8 @@ class MegatronPlugin:
         all or none."""
         replacement = self._wrap(getattr(modules[HOOKS[0][0]], HOOKS[0][1]))
         patches = [Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS]
-        self._patcher = Patcher(patches + (self.lina.patches() if self.lina is not None else []),
+        from moe_plugins.patches.megatron_compat import compat_patches
+        self._patcher = Patcher(patches + compat_patches() + (self.lina.patches() if self.lina is not None else []),
                                 logger=logger).apply()
 
     def _wrap(self, original: Callable) -> Callable:

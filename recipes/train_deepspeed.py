@@ -16,7 +16,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,8 +125,7 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         batch = make_batch(args, blocks, tokenizer, step, batch_size, rank, world)
-        out = engine(**batch)
-        loss = out.loss + AUX_COEF * models.moe_aux_loss(engine.module)
+        out, loss = forward_loss(engine, batch)
         engine.backward(loss)
         engine.step()
         log.step(step, _mean_over_ranks(out.loss.detach()), time.perf_counter() - t0)
@@ -137,6 +136,13 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
     if plugin is not None:
         plugin.disable()
     return result
+
+
+def forward_loss(engine: Any, batch: Dict[str, torch.Tensor]) -> Tuple[Any, torch.Tensor]:
+    """The model's output and the training loss (LM loss + aux loss) of a batch made on the CPU, moved to the
+    engine's device first (DeepSpeed does not move inputs: on GPU the embedding would get CPU indices)."""
+    out = engine(**{name: t.to(engine.device) for name, t in batch.items()})
+    return out, out.loss + AUX_COEF * models.moe_aux_loss(engine.module)
 
 
 def _resume(engine, ckpt_dir: Optional[str]) -> int:

@@ -34,6 +34,7 @@ from moe_plugins.core.groups import group_timeout
 from moe_plugins.core.layout import layout_problems
 from moe_plugins.core.plugin_config import PluginConfig
 from moe_plugins.patches.megatron import FLAG, extra_args_provider, resolve_plugin
+from moe_plugins.patches.megatron_compat import megatron_compat
 
 from moe_plugins.recipes import data, models, report
 from moe_plugins.recipes.megatron_moe import MegatronMoESettings, megatron_moe_factory, plugin_summary
@@ -226,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     model_shims, optimizer_shims = _shims(args.cpu_shims)
     owns_dist = _init_distributed(args.cpu_shims, args.dist_timeout)
     try:
-        with model_shims, group_timeout(timedelta(seconds=args.dist_timeout)):
+        with model_shims, megatron_compat(), group_timeout(timedelta(seconds=args.dist_timeout)):
             return _train(args, size, plugin, rpn, optimizer_shims)
     finally:
         if owns_dist:

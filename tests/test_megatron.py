@@ -346,3 +346,22 @@ def test_auto_degree_reads_the_cached_profile_and_matches_stock(world, tmp_path,
         assert max(r["err_out"], r["err_grad_in"], r["err_grad_w"]) <= 1e-9, r
         assert r["decisions"] and min(r["decisions"]) > 1, r
         assert "w4-n2-mp1-ep2-esp2-gloo-cpu" in r["source"]
+
+
+def test_router_gemm_runs_without_transformer_engine_under_the_compat_fix():
+    """megatron-core 0.16.1's router GEMM names te_general_gemm, defined only with Transformer Engine (absent
+    here, as on the GPU run of issue #27): NameError without the fix, Megatron's torch GEMM with it, and the
+    module as it was afterwards. enable() applies the same fix for as long as the plugin is on."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from moe_plugins.patches.megatron_compat import compat_patches, megatron_compat
+    assert "te_general_gemm" not in vars(moe_utils) and len(compat_patches()) == 1
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(x, w, None, torch.float32)
+    with megatron_compat():
+        y = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert torch.allclose(y, x @ w.T) and "te_general_gemm" not in vars(moe_utils)
+    with mp.enable({"schedule": "baseline"}):
+        assert moe_utils.router_gating_linear(x, w, None, torch.float32).shape == (4, 3)
+    assert "te_general_gemm" not in vars(moe_utils)
