@@ -259,9 +259,11 @@ def test_block_router_equals_the_whole_gate(tokens, experts, k, f, blocks, drop,
 
 
 def test_block_router_rejects_foreign_counts():
+    """Counts of another shape (here k = 1 against the block's k = 2) are refused; their values are not read
+    (that would be a host synchronisation per step: tests/test_host_reads.py)."""
     cand = block_candidates(torch.zeros(3, 4, dtype=torch.float64), 2, torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"counts_PKE\[1\] must be this block's own counts_KE"):
-        route_block(cand, torch.zeros(2, 2, 4, dtype=torch.long), 1, cand.gate_sum_E, 3, 4)
+        route_block(cand, torch.zeros(2, 1, 4, dtype=torch.long), 1, cand.gate_sum_E, 3, 4)
     with pytest.raises(ValueError, match=r"block \(2\) must be in \[0, 2\)"):
         route_block(cand, torch.stack([cand.counts_KE] * 2), 2, cand.gate_sum_E, 6, 4)
     with pytest.raises(ValueError, match=r"valid_s has shape \(2,\); expected \(3,\)"):

@@ -38,8 +38,9 @@ class Routing:
         return self.expert_SK.shape[0]
 
     @property
-    def dropped(self) -> int:
-        return int((self.slot_SK < 0).sum())
+    def dropped(self) -> torch.Tensor:
+        """Routes dropped by capacity, a 0-dim tensor (no host read: ``int()`` it where a number is needed)."""
+        return (self.slot_SK < 0).sum()
 
 
 def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
@@ -144,7 +145,7 @@ class BlockRouting:
 
     routing: Routing
     kept_PE: torch.Tensor        # kept routes per block and expert
-    dropped: int                 # routes dropped by capacity over all blocks
+    dropped: torch.Tensor        # routes dropped by capacity over all blocks (0-dim)
 
 
 def block_candidates(logits_sE: torch.Tensor, k: int, valid_s: torch.Tensor) -> BlockCandidates:
@@ -186,7 +187,7 @@ def assign_block(cand: BlockCandidates, counts_PKE: torch.Tensor, block: int, ga
     blocks, k, num_experts = counts_PKE.shape
     if not 0 <= block < blocks:
         raise ValueError(f"block ({block}) must be in [0, {blocks}), the number of blocks in counts_PKE")
-    if tuple(cand.counts_KE.shape) != (k, num_experts) or not torch.equal(counts_PKE[block], cand.counts_KE):
+    if tuple(cand.counts_KE.shape) != (k, num_experts):     # (its values, this block's own counts_KE: unread)
         raise ValueError(f"counts_PKE[{block}] must be this block's own counts_KE (shape {(k, num_experts)})")
     if num_tokens < 1:
         raise ValueError(f"num_tokens ({num_tokens}) must be >= 1")
@@ -208,4 +209,4 @@ def route_block(cand: BlockCandidates, counts_PKE: torch.Tensor, block: int, gat
     assign = assign_block(cand, counts_PKE, block, gate_total_E, num_tokens)
     kept_PE = kept_counts_PE(counts_PKE, cap)
     return BlockRouting(routing=apply_capacity(assign, cap), kept_PE=kept_PE,
-                        dropped=int(counts_PKE.sum()) - int(kept_PE.sum()))
+                        dropped=counts_PKE.sum() - kept_PE.sum())

@@ -46,7 +46,7 @@ class MoEOutput:
     y: torch.Tensor              # same shape as the input
     aux_loss: torch.Tensor       # this rank's load-balancing loss (GShard/Switch)
     exp_counts_E: torch.Tensor   # routes per expert before dropping, this rank's tokens
-    dropped: int                 # routes dropped by capacity, this rank's tokens
+    dropped: torch.Tensor        # routes dropped by capacity, this rank's tokens (0-dim; int() it to read)
 
 
 def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: ScheduleLike,

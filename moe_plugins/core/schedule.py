@@ -38,7 +38,7 @@ class Dispatched:
     state: Any
     aux_loss: torch.Tensor
     exp_counts_E: torch.Tensor
-    dropped: int
+    dropped: torch.Tensor        # 0-dim: routes dropped by capacity
 
 
 @dataclass(frozen=True)

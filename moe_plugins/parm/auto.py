@@ -7,7 +7,7 @@ Shapes: S tokens, M model dim, E experts.
 from __future__ import annotations
 
 import logging
-from typing import ClassVar, Dict, List, Optional, Set, Type
+from typing import ClassVar, Dict, List, Optional, Set, Type, Union
 
 import torch
 
@@ -84,15 +84,16 @@ class ParmAutoSchedule(_ParmSchedule):
                      choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
         self.choices[num_tokens] = choice
 
-    def observe(self, num_tokens: int, block_slots: int) -> None:
-        """Note one call's C_l; on the agreement calls, agree with every rank and re-decide (for the next call)."""
+    def observe(self, num_tokens: int, block_slots: Union[int, torch.Tensor]) -> None:
+        """Note one call's C_l (S2 passes a 0-dim tensor: summed on the device, read on the host only on the
+        agreement calls, every ``observe_every``); on those, agree with every rank and re-decide."""
         if self.observe_every <= 0 or self.groups.layout.mp == 1:
             return
         watch = self.watch.setdefault(num_tokens, _S1Watch())
         watch.calls, watch.seen, watch.total = watch.calls + 1, watch.seen + 1, watch.total + block_slots
         if (watch.calls - 1) % self.observe_every:
             return
-        mean = -(-watch.total // watch.seen)
+        mean = -(-int(watch.total) // watch.seen)
         agreed = comm.all_reduce_max(comm.all_reduce_max(mean, self.groups.ep_esp, self.rec), self.groups.mp,
                                      self.rec)
         watch.seen = watch.total = 0

@@ -138,30 +138,32 @@ def block_counts(expert_SK: torch.Tensor, slot_SK: torch.Tensor, num_experts: in
     """counts_PE: kept routes of each token block (rows [p*s, (p+1)*s)) per expert."""
     kept_SK = slot_SK >= 0
     block_SK = (torch.arange(expert_SK.shape[0], device=expert_SK.device) // block_rows).unsqueeze(1).expand_as(kept_SK)
-    flat = (block_SK * num_experts + expert_SK)[kept_SK]
-    return torch.bincount(flat, minlength=blocks * num_experts).view(blocks, num_experts)
+    bins = blocks * num_experts                       # dropped routes count in a scratch bin (no host read)
+    flat = torch.where(kept_SK, block_SK * num_experts + expert_SK, bins).reshape(-1)
+    counts = torch.zeros(bins + 1, dtype=torch.long, device=expert_SK.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))[:bins].view(blocks, num_experts)
 
 
 def local_slots(expert_sK: torch.Tensor, slot_sK: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
     """Slots of a token block's kept routes in its own buffer: the baseline's slot order, compacted per
     expert (route at global slot j of expert e goes to the number of the block's kept routes of e below
     j). Dropped routes stay -1."""
-    kept = slot_sK >= 0
-    occupied_EC = torch.zeros(num_experts, max(cap, 1), dtype=torch.long, device=expert_sK.device)
-    occupied_EC[expert_sK[kept], slot_sK[kept]] = 1
+    kept = slot_sK >= 0                               # no boolean-mask indexing: its size is a host read
+    slot_sK = torch.where(kept, slot_sK, cap)         # dropped routes: a scratch column at index cap
+    occupied_EC = torch.zeros(num_experts, cap + 1, dtype=torch.long, device=expert_sK.device)
+    occupied_EC[expert_sK, slot_sK] = kept.long()     # kept (e, slot) pairs are distinct; scratch writes are 0
     rank_EC = occupied_EC.cumsum(1) - 1
-    out = torch.full_like(slot_sK, -1)
-    out[kept] = rank_EC[expert_sK[kept], slot_sK[kept]]
-    return out
+    rank_EC[:, cap] = -1
+    return rank_EC[expert_sK, slot_sK]
 
 
-def mp_block_slots(routing: Routing, num_experts: int, blocks: int) -> int:
+def mp_block_slots(routing: Routing, num_experts: int, blocks: int) -> torch.Tensor:
     """C_l that S1 would use for this routing of the MP group's whole token block (before the EP&ESP max):
-    the largest per-expert count of kept routes over its ``blocks`` token blocks."""
+    the largest per-expert count of kept routes over its ``blocks`` token blocks (0-dim, not read)."""
     rows = _round_up(routing.num_tokens, blocks)
     counts_PE = block_counts(_pad_rows(routing.expert_SK, rows, 0), _pad_rows(routing.slot_SK, rows, -1),
                              num_experts, blocks, rows // blocks)
-    return int(counts_PE.max())
+    return counts_PE.max()
 
 
 def whole_block_routing(routing: Routing, num_experts: int, mp: Group, rec: comm.Recorder) -> BlockRouting:
