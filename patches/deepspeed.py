@@ -26,17 +26,18 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from moe_plugins.core.comm import Recorder
-from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups
-from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups, world_timeout
+from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher
-from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, resolve
+from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, profile_problems, resolve
 from moe_plugins.core.profile_ops import profile_key
 from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
@@ -246,11 +247,14 @@ class DeepSpeedPlugin:
         world, rank = dist.get_world_size(), dist.get_rank()
         rpn = cfg.ranks_per_node or self.ranks_per_node or world
         problems = layer_problems(facts, cfg, world, rank, rpn, use_data_before_expert_parallel)
-        if problems:
-            raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         esp = cfg.esp if cfg.esp is not None else facts.host_esp
+        if not layout_problems(world, rpn, facts.tp, facts.ep, esp):   # the profile is read before any group
+            layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
+            problems += profile_problems(cfg, layout, partial(self._cached_profile, moe=moe),
+                                         profiled=default_registry().is_profiled(cfg.schedule))
+        if problems:            # layer_problems lists the layout's problems too: past here the layout is set
+            raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced = esp != facts.host_esp
-        layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
         host = self._host_groups(layout, sliced)
         degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, moe)
         ep_pg = self._register(moe.expert_group_name, host)
@@ -259,8 +263,8 @@ class DeepSpeedPlugin:
                 self._etp_before = self._ds.groups.expert_tensor_parallel_world_size
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
-        schedule = self._schedule_class(cfg.schedule, layout, moe)(moe_config(facts), host.groups,
-                                                                  Recorder(self.ledger, facts.name, comm))
+        cls = self._schedule_class(cfg.schedule, layout, moe)
+        schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None)
@@ -321,7 +325,7 @@ class DeepSpeedPlugin:
             if sliced:
                 rank, made = dist.get_rank(), None
                 for ranks in replica_groups(layout):
-                    pg = dist.new_group(list(ranks))      # collective, real even at size 1
+                    pg = dist.new_group(list(ranks), timeout=world_timeout())      # collective, even at size 1
                     made = (pg, ranks) if rank in ranks else made
                 edp_pg, edp_ranks = made
                 self._own_pgs.append(edp_pg)

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.experts import ACTIVATIONS
 from moe_plugins.core.layout import ParallelLayout, layout_problems
-from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile
+from moe_plugins.core.plugin_config import SECTION, PluginConfig, profile_problems
 from moe_plugins.plugins import default_registry
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -115,7 +115,8 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
                     ranks_per_node: Optional[int], profile: Optional[ProfileLookup] = None) -> List[str]:
     """Every reason the plugin cannot run this Megatron MoE layer, each naming the setting and its value (empty
     when fine). ``world`` None skips the checks that need it (argument parsing before launch). ``profile``
-    finds the cost profile cached for a layout (``pipeline_degree: "auto"`` needs one)."""
+    finds the cost profile cached for a layout (``pipeline_degree: "auto"`` needs one; a file there that cannot
+    be used is a problem, named, for parm-auto too); None: none is cached."""
     problems = []
     if facts.num_experts is None:
         return [f"num_moe_experts (None): the {SECTION} flag is set but the model has no MoE layer"]
@@ -143,8 +144,6 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
                  f"per TP rank): {p}" for p in default_registry().schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
-    if degree_needs_profile(plugin.pipeline_degree) and (profile is None or profile(layout) is None):
-        problems.append(f"{SECTION}.pipeline_degree ({plugin.pipeline_degree!r}) needs a cost profile for this "
-                        f"layout, and none is cached: run `moe-plugins profile --world {world} --ranks-per-node "
-                        f"{rpn} --mp 1 --ep {facts.ep} --esp {facts.etp}` on this cluster, or give an integer")
+    problems += profile_problems(plugin, layout, profile if profile is not None else lambda _: None,
+                                 profiled=default_registry().is_profiled(plugin.schedule))
     return problems

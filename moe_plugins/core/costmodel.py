@@ -185,13 +185,16 @@ class CostProfile:
 
     @staticmethod
     def from_json(text: str) -> "CostProfile":
-        raw = json.loads(text)
-        if raw.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile version ({raw.get('version')!r}) is not {PROFILE_VERSION}")
-        return CostProfile(key=ProfileKey(**raw["key"]), dtype=raw["dtype"], source=raw.get("source", ""),
-                           models={k: LinearModel(**m) for k, m in raw["models"].items()},
-                           measurements={k: Measurement(x=tuple(m["x"]), seconds=tuple(m["seconds"]))
-                                         for k, m in raw.get("measurements", {}).items()})
+        try:                                     # a ValueError, never a JSON, key or type error, on a bad text
+            raw = json.loads(text)
+            if raw.get("version") != PROFILE_VERSION:
+                raise ValueError(f"profile version ({raw.get('version')!r}) is not {PROFILE_VERSION}")
+            return CostProfile(key=ProfileKey(**raw["key"]), dtype=raw["dtype"], source=raw.get("source", ""),
+                               models={k: LinearModel(**m) for k, m in raw["models"].items()},
+                               measurements={k: Measurement(x=tuple(m["x"]), seconds=tuple(m["seconds"]))
+                                             for k, m in raw.get("measurements", {}).items()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a cost profile of version {PROFILE_VERSION} ({type(exc).__name__}: {exc})") from None
 
     def save(self, path: Path) -> Path:
         path = Path(path)
@@ -203,7 +206,10 @@ class CostProfile:
 
     @staticmethod
     def load(path: Path) -> "CostProfile":
-        return CostProfile.from_json(Path(path).read_text())
+        try:
+            return CostProfile.from_json(Path(path).read_text())
+        except (OSError, ValueError) as exc:     # unreadable, not JSON, another version: name the file
+            raise ValueError(f"cost profile {os.fspath(path)!r} cannot be used: {exc}") from None
 
 
 def cache_path(cache_dir: Path, key: ProfileKey) -> Path:
@@ -211,9 +217,12 @@ def cache_path(cache_dir: Path, key: ProfileKey) -> Path:
 
 
 def load_cached(cache_dir: Path, key: ProfileKey) -> Optional[CostProfile]:
-    """The cached profile for ``key``, or None when there is none."""
+    """The cached profile for ``key``, or None when there is none; a file there that is not it: ValueError."""
     path = cache_path(cache_dir, key)
-    return CostProfile.load(path) if path.is_file() else None
+    profile = CostProfile.load(path) if path.is_file() else None
+    if profile is not None and profile.key != key:
+        raise ValueError(f"cost profile {str(path)!r} holds the profile of {profile.key.slug()}, not {key.slug()}")
+    return profile
 
 
 def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:

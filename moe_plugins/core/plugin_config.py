@@ -44,6 +44,12 @@ def alternatives(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
+def did_you_mean(word: Any, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a misspelt name, or "" (pure)."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 # Keys a later issue implements: accepted with their "off" value only, so configs can be written ahead.
 RESERVED: Dict[str, str] = {
     "fssdp": "Hecate's fully sharded sparse data parallelism (FSSDP)",
@@ -119,8 +125,7 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
     problems = []
     for key in section:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(key, allowed)
             problems.append(f"{path}.{key}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
 
     def bad(key: str, rule: str) -> None:
@@ -131,7 +136,7 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
     if "schedule" in section and not (isinstance(section["schedule"], str) and section["schedule"]):
         bad("schedule", "must be a schedule name (a non-empty string)")
     elif "schedule" in section and schedules is not None and section["schedule"] not in schedules:
-        bad("schedule", f"must be one of {', '.join(sorted(schedules))}")
+        bad("schedule", f"must be one of {', '.join(sorted(schedules))}{did_you_mean(section['schedule'], schedules)}")
     if "pipeline_degree" in section:
         value = section["pipeline_degree"]
         if isinstance(value, str):
@@ -141,7 +146,8 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
         if not ok:
             words = ([f'"{word}" ({summary})' for word, summary in sorted(degrees.items())] if degrees is not None
                      else ["a registered degree policy's word"])
-            bad("pipeline_degree", "must be " + alternatives(["an integer >= 1"] + words))
+            hint = did_you_mean(value, degrees) if isinstance(value, str) and degrees is not None else ""
+            bad("pipeline_degree", "must be " + alternatives(["an integer >= 1"] + words) + hint)
     for key in ("esp", "ranks_per_node"):
         if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
             bad(key, "must be an integer >= 1, or null to derive it")
@@ -161,12 +167,44 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
     return problems
 
 
+def profile_command(layout: Any) -> str:
+    """The ``moe-plugins profile`` command that caches the cost profile of a layout (anything with world,
+    ranks_per_node, mp, ep and esp)."""
+    return (f"moe-plugins profile --world {layout.world} --ranks-per-node {layout.ranks_per_node} --mp {layout.mp} "
+            f"--ep {layout.ep} --esp {layout.esp}")
+
+
+def profile_problems(plugin: PluginConfig, layout: Any, lookup: Callable[[Any], Any], *,
+                     profiled: bool) -> List[str]:
+    """What a host finds when a section reads the cost profile cached for ``layout`` (``lookup(layout)``: the
+    profile, None when none is cached, a ValueError naming the file when the one there cannot be used). A
+    pipeline_degree word needs a profile; a ``profiled`` schedule (parm-auto) reads one when cached and
+    otherwise runs on documented defaults. Pure: the host passes its lookup; checked before any group is built."""
+    needs = degree_needs_profile(plugin.pipeline_degree)
+    if not (needs or profiled):
+        return []
+    key, value = ("pipeline_degree", plugin.pipeline_degree) if needs else ("schedule", plugin.schedule)
+    try:
+        found = lookup(layout)
+    except ValueError as exc:
+        return [f"{SECTION}.{key} ({value!r}) reads the cost profile cached for this layout, which cannot be used: "
+                f"{exc}; run `{profile_command(layout)}` on this cluster to replace it"]
+    if found is None and needs:
+        return [f"{SECTION}.{key} ({value!r}) needs a cost profile for this layout, and none is cached: run "
+                f"`{profile_command(layout)}` on this cluster, or give an integer"]
+    return []
+
+
 def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any]]) -> Dict[str, Any]:
-    """A ds_config given as a dict or a JSON file path, read once."""
+    """A ds_config given as a dict or a JSON file path, read once (a file that cannot be read as JSON: a
+    ValueError naming it)."""
     if isinstance(config, Mapping):
         return dict(config)
-    with open(config, "r", encoding="utf-8") as fh:
-        loaded = json.load(fh)
+    try:
+        with open(config, "r", encoding="utf-8") as fh:
+            loaded = json.load(fh)
+    except (OSError, ValueError) as exc:          # missing, unreadable, not UTF-8, not JSON
+        raise ValueError(f"ds_config {os.fspath(config)!r} cannot be read as JSON: {exc}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"ds_config {os.fspath(config)!r} must hold a JSON object, got {type(loaded).__name__}")
     return loaded

@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, List, Mapping, Union
+
+from moe_plugins.core.plugin_config import did_you_mean
 
 AUTO = "auto"
 
@@ -32,7 +35,8 @@ class LinaConfig:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (not a bool; NaN and infinities are not sizes)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def lina_problems(section: Any, path: str = "moe_plugins.lina") -> List[str]:
@@ -40,7 +44,8 @@ def lina_problems(section: Any, path: str = "moe_plugins.lina") -> List[str]:
     if not isinstance(section, Mapping):
         return [f"{path} ({section!r}) must be a JSON object"]
     allowed = [f.name for f in fields(LinaConfig)]
-    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}" for key in section if key not in allowed]
+    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
+                for key in section if key not in allowed]
 
     def bad(key: str, rule: str) -> None:
         problems.append(f"{path}.{key} ({section[key]!r}) {rule}")
@@ -53,6 +58,6 @@ def lina_problems(section: Any, path: str = "moe_plugins.lina") -> List[str]:
             bad("micro_op_mb", 'must be a number of MB > 0, or "auto"')
     if "packing" in section:
         value = section["packing"]
-        if not (value == AUTO or (_number(value) and int(value) == value and value >= 1)):
+        if not (value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
             bad("packing", 'must be an integer >= 1 (the experts per device multiplied by it), or "auto"')
     return problems
