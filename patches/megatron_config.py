@@ -116,7 +116,8 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     """Every reason the plugin cannot run this Megatron MoE layer, each naming the setting and its value (empty
     when fine). ``world`` None skips the checks that need it (argument parsing before launch). ``profile``
     finds the cost profile cached for a layout (``pipeline_degree: "auto"`` needs one; a file there that cannot
-    be used is a problem, named, for parm-auto too); None: none is cached."""
+    be used is a problem, named, for parm-auto too); None: not checked here (the Megatron-LM flag is parsed
+    before the backend and device are known; the layer checks it with its lookup before building anything)."""
     problems = []
     if facts.num_experts is None:
         return [f"num_moe_experts (None): the {SECTION} flag is set but the model has no MoE layer"]
@@ -144,6 +145,6 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
                  f"per TP rank): {p}" for p in default_registry().schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
-    problems += profile_problems(plugin, layout, profile if profile is not None else lambda _: None,
-                                 profiled=default_registry().is_profiled(plugin.schedule))
+    if profile is not None:        # None (the flag, parsed before any group): the layer checks when it is built
+        problems += profile_problems(plugin, layout, profile, profiled=default_registry().is_profiled(plugin.schedule))
     return problems

@@ -81,7 +81,8 @@ def test_megatron_settings_report_every_problem_at_once():
                          moe_shared_expert_overlap=True, moe_apply_probs_on_input=True,
                          expert_tensor_parallel_size=2, moe_input_jitter_eps=0.1, moe_ffn_hidden_size=15)
     plugin = PluginConfig(esp=1, pipeline_degree="auto", schedule="baseline-tp")
-    problems = plugin_problems(facts_from_args(args), plugin, world=WORLD, ranks_per_node=RPN)
+    problems = plugin_problems(facts_from_args(args), plugin, world=WORLD, ranks_per_node=RPN,
+                               profile=lambda layout: None)                    # the layer's lookup: none cached
     expected = ["moe_token_dispatcher_type ('flex') must be one of alltoall, allgather",
                 "pipeline_model_parallel_size (2) must be 1", "moe_shared_expert_overlap (True) must be False",
                 "moe_apply_probs_on_input (True) must be False",
@@ -92,6 +93,8 @@ def test_megatron_settings_report_every_problem_at_once():
     for text in expected:
         assert any(text in p for p in problems), (text, problems)
     assert len(problems) == len(expected)
+    flag_time = plugin_problems(facts_from_args(args), plugin, world=WORLD, ranks_per_node=RPN)  # no lookup yet
+    assert not any("cost profile" in p for p in flag_time) and len(flag_time) == len(expected) - 1
     assert plugin_problems(facts_from_args(megatron_args()), PluginConfig(), world=WORLD, ranks_per_node=RPN) == []
     bad_world = plugin_problems(facts_from_args(megatron_args(expert_model_parallel_size=3)), PluginConfig(),
                                 world=WORLD, ranks_per_node=RPN)
