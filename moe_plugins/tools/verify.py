@@ -12,8 +12,10 @@ block's; an expert shard's gradient summed over its expert-DP replicas equals th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,18 +23,21 @@ import torch.distributed as dist
 from moe_plugins.core.registry import Registry
 from moe_plugins.plugins import default_registry
 from moe_plugins.core.config import MoEConfig, moe_config_problems
+from moe_plugins.core.costmodel import CostProfile, ProfileKey, cache_path, load_cached
 from moe_plugins.core.engine import build_engine
 from moe_plugins.core.experts import ExpertWeights, init_full_weights, shard_weights
 from moe_plugins.core.groups import process_groups
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
+from moe_plugins.core.profile_ops import profile_key
 from moe_plugins.core.reference import reference_moe
 from moe_plugins.core.timeline import chrome_trace
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 AUX_COEF = 0.01
+log = logging.getLogger("moe_plugins.verify")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,11 +56,13 @@ class VerifySpec:
     hidden: int = 8
     ffn: int = 16
     schedule: str = "baseline"
-    pipeline_degree: int = 1
+    pipeline_degree: Union[int, str] = 1    # an int >= 1, or a registered word ("auto", "tune"): needs profile_dir
     dtype: str = "float64"
     seed: int = 0
     skew: float = 0.0      # > 0 biases the gate towards expert 0 (forces drops / empty ranks)
     timeline: bool = False  # the report gets "timeline": every rank's collectives as a Chrome trace
+    profile_dir: Optional[str] = None   # cached cost profiles (`moe-plugins profile`): profiled schedules and
+                                        # pipeline_degree words read the layout's; None: no profile (defaults)
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(world=self.world, ranks_per_node=self.ranks_per_node, mp=self.mp, ep=self.ep,
@@ -65,6 +72,14 @@ class VerifySpec:
         return MoEConfig(hidden=self.hidden, ffn=self.ffn, num_experts=self.experts, k=self.k,
                          capacity_factor=self.capacity_factor, min_capacity=self.min_capacity,
                          drop_tokens=self.drop)
+
+    def profile_key(self) -> ProfileKey:
+        """The cached profile this spec reads from ``profile_dir``: verify always runs on CPU gloo ranks."""
+        return profile_key(self.layout(), "gloo", torch.device("cpu"))
+
+    def profile(self) -> Optional[CostProfile]:
+        """The layout's cached profile in ``profile_dir`` (None without a directory or a cached file)."""
+        return None if self.profile_dir is None else load_cached(Path(self.profile_dir), self.profile_key())
 
 
 def spec_problems(spec: VerifySpec, registry: Optional[Registry] = None) -> List[str]:
@@ -79,9 +94,21 @@ def spec_problems(spec: VerifySpec, registry: Optional[Registry] = None) -> List
         problems.append(f"tokens ({spec.tokens}) must be >= 1")
     if spec.dtype not in DTYPES:
         problems.append(f"dtype ({spec.dtype!r}) must be one of {sorted(DTYPES)}")
-    if spec.pipeline_degree < 1:
-        problems.append(f"pipeline_degree ({spec.pipeline_degree}) must be >= 1")
-    return problems
+    return problems + _degree_problems(spec, registry)
+
+
+def _degree_problems(spec: VerifySpec, registry: Registry) -> List[str]:
+    """pipeline_degree: a positive int, or a registered word with the layout's cached profile."""
+    degree, words = spec.pipeline_degree, registry.degree_policies()
+    if isinstance(degree, str) and degree in words:
+        if spec.profile_dir is None:
+            return [f"pipeline_degree ({degree!r}) needs a cost profile: pass profile_dir (--cache-dir), where "
+                    "`moe-plugins profile` cached one for this layout"]
+        path = cache_path(Path(spec.profile_dir), spec.profile_key())
+        return [] if path.is_file() else [f"pipeline_degree ({degree!r}) needs a cost profile: none cached at {path}"]
+    if not (isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1):
+        return [f"pipeline_degree ({degree!r}) must be a positive integer or one of {', '.join(map(repr, words))}"]
+    return []
 
 
 @dataclass(frozen=True)
@@ -131,12 +158,14 @@ def collect_rank(spec: VerifySpec, registry: Optional[Registry] = None) -> Optio
 
 
 def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups, registry: Registry) -> Dict[str, Any]:
-    ledger = CommLedger()
+    ledger, profile, dtype = CommLedger(), spec.profile(), DTYPES[spec.dtype]
+    schedule = registry.host_schedule_class(spec.schedule, profile, torch.tensor([], dtype=dtype).element_size(),
+                                            layout.mp, log)
     engine = build_engine(groups, pipeline=registry.needs_lane(spec.pipeline_degree))     # collective
     try:
-        layer = MoELayer(spec.moe_config(), groups, registry=registry, schedule=spec.schedule,
-                         ledger=ledger, dtype=DTYPES[spec.dtype],
-                         executor=registry.build_executor(spec.pipeline_degree, None, engine), engine=engine)
+        executor = registry.build_executor(spec.pipeline_degree, profile, engine)
+        layer = MoELayer(spec.moe_config(), groups, registry=registry, schedule=schedule,
+                         ledger=ledger, dtype=dtype, executor=executor, engine=engine)
         prob = make_problem(spec)
         layer.load_full(prob.wg_EM, prob.full)
         coords = layout.coords(groups.global_rank)
@@ -147,10 +176,16 @@ def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups, registry: Regis
         engine.close()          # the pipeline lane's groups: free them with the job's
     return {"timeline": list(ledger.records) if spec.timeline else None,
             "rank": groups.global_rank, "coords": coords, "y": out.y.detach(), "grad_x": x.grad,
-            "aux": out.aux_loss.detach(), "counts": out.exp_counts_E, "dropped": out.dropped,
+            "aux": out.aux_loss.detach(), "counts": out.exp_counts_E, "dropped": int(out.dropped),
             "grad_wg": layer.wg_EM.grad,
             "grad_experts": [p.grad for p in (layer.w1_EMH, layer.b1_EH, layer.w2_EHM, layer.b2_EM)],
-            "ledger": ledger.summary()}
+            "ledger": ledger.summary(), "ran": sorted(layer.schedule.ran()), "degrees": _degrees_run(executor)}
+
+
+def _degrees_run(executor) -> List[int]:
+    """The pipeline degrees the layer ran: the executor's int, or what its degree policy decided."""
+    degree = executor.degree
+    return [degree] if isinstance(degree, int) else sorted(set(getattr(degree, "decisions", {}).values()))
 
 
 def _maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -170,7 +205,7 @@ def compare(spec: VerifySpec, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         y, routing = reference_moe(x, wg, ExpertWeights(*ws), cfg)
         ((y * prob.g_DSM[d]).sum() + AUX_COEF * routing.aux_loss).backward()
         refs.append({"y": y.detach(), "grad_x": x.grad, "grad_wg": wg.grad, "aux": routing.aux_loss.detach(),
-                     "counts": routing.exp_counts_E, "dropped": routing.dropped})
+                     "counts": routing.exp_counts_E, "dropped": int(routing.dropped)})
         for acc, w in zip(grad_experts, ws):
             acc += w.grad
     err = {"max_err_out": 0.0, "max_err_grad_in": 0.0, "max_err_grad_w": 0.0, "max_err_aux": 0.0}
@@ -187,7 +222,8 @@ def compare(spec: VerifySpec, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     ok = routing_ok and all(v <= tol for v in err.values())
     return {"ok": ok, **err, "tolerance": tol, "routing_equal": routing_ok,
             "dropped_routes": sum(ref["dropped"] for ref in refs), "spec": asdict(spec),
-            "layout": layout.describe(), "ledger": ranks[0]["ledger"]}
+            "layout": layout.describe(), "ledger": ranks[0]["ledger"], "ran": ranks[0].get("ran", []),
+            "degrees": ranks[0].get("degrees", [])}
 
 
 def _expert_grad_error(ranks: List[Dict[str, Any]], layout: ParallelLayout, grad_full: List[torch.Tensor]) -> float:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import List, Union
 
 from moe_plugins.tools.verify import DTYPES, VerifySpec, run_rank, spec_problems
 
@@ -34,10 +36,15 @@ def register(sub) -> None:
     p.add_argument("--hidden", type=int, default=8, help="M")
     p.add_argument("--ffn", type=int, default=16, help="H")
     p.add_argument("--schedule", default="baseline")
-    p.add_argument("--pipeline-degree", type=int, default=1, help="capacity chunks per layer")
+    p.add_argument("--pipeline-degree", type=_degree, default=1,
+                   help="capacity chunks per layer, or a word ('auto', 'tune': picked from --cache-dir's profile)")
     p.add_argument("--dtype", default="float64", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="bias routing towards expert 0")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="cached cost profiles (`moe-plugins profile --cache-dir`): parm-auto / parm-tune and "
+                        "--pipeline-degree auto / tune read the layout's; without it, no profile is read (the "
+                        "schedules' documented defaults; degree words refused); core host only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeline", default=None, metavar="PATH",
                    help="write every rank's collectives as a Chrome trace (open in ui.perfetto.dev or "
@@ -59,12 +66,40 @@ def spec_from_args(args: argparse.Namespace, world: int) -> VerifySpec:
                       esp=args.esp, experts=args.experts, k=args.k, capacity_factor=args.capacity_factor,
                       min_capacity=args.min_capacity, drop=args.drop, tokens=args.tokens, hidden=args.hidden,
                       ffn=args.ffn, schedule=args.schedule, pipeline_degree=args.pipeline_degree,
-                      dtype=args.dtype, seed=args.seed, skew=args.skew, timeline=args.timeline is not None)
+                      dtype=args.dtype, seed=args.seed, skew=args.skew, timeline=args.timeline is not None,
+                      profile_dir=args.cache_dir)
+
+
+# the VerifySpec fields with a flag of the same name (drop and profile_dir have their own spelling)
+_FLAG_FIELDS = ("world", "ranks_per_node", "mp", "ep", "esp", "experts", "k", "capacity_factor", "min_capacity",
+                "tokens", "hidden", "ffn", "schedule", "pipeline_degree", "dtype", "seed", "skew")
+
+
+def _degree(text: str) -> Union[int, str]:
+    """--pipeline-degree: an int when it is digits, else the word (checked by spec_problems)."""
+    text = text.strip().lower()
+    return int(text) if text.isdigit() else text
+
+
+def verify_argv(spec: VerifySpec) -> List[str]:
+    """The flags of ``moe-plugins verify`` that rebuild ``spec`` on the core host (the inverse of
+    :func:`spec_from_args` under ``--world``; ``timeline`` names no path, so it is left out). A float prints
+    as its repr, which parses back to the same number."""
+    argv = [f"--{name.replace('_', '-')}={getattr(spec, name)}" for name in _FLAG_FIELDS]
+    argv.append("--drop" if spec.drop else "--no-drop")
+    return argv + ([f"--cache-dir={spec.profile_dir}"] if spec.profile_dir is not None else [])
+
+
+def verify_command(spec: VerifySpec) -> str:
+    """The shell command that re-runs ``spec`` (see :func:`verify_argv`)."""
+    return shlex.join(["moe-plugins", "verify", *verify_argv(spec)])
 
 
 def run(args: argparse.Namespace) -> int:
     if args.timeline is not None and args.host != "core":
         raise ValueError(f"--timeline needs --host core (got {args.host!r})")
+    if args.host != "core" and (args.cache_dir is not None or not isinstance(args.pipeline_degree, int)):
+        raise ValueError(f"--cache-dir and a --pipeline-degree word need --host core (got {args.host!r})")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world
     spec, rank_fn = spec_from_args(args, world), run_rank
@@ -118,6 +153,8 @@ def _print(report: dict, as_json: bool) -> None:
     for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
         print(f"  {key:16s} {report[key]:.3e}")
     print(f"  routing equal    {report['routing_equal']}  (dropped routes: {report['dropped_routes']})")
+    if report.get("ran"):
+        print(f"  ran              {', '.join(report['ran'])} at pipeline degree {report['degrees']}")
     if "bitwise_equal" in report:
         print(f"  bitwise equal    {report['bitwise_equal']}  (host {report['host']}; swapped: {report['swaps']})")
     for layer, ops in report["ledger"].items():
