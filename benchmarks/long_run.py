@@ -1,0 +1,137 @@
+"""Long run (issue #28 item 6): the demo's tiny GPT-2-MoE (DeepSpeed recipe, 4 CPU gloo ranks) for 2,000 steps,
+stock, with the plugin at baseline r = 1, and with PipeMoE ``"auto"``; every worker's RSS sampled once a second.
+
+    python benchmarks/long_run.py --steps 2000 --out benchmarks/results      # writes long-run.{json,md,png}
+
+Checks, reported (not asserted): RSS growth per rank between step 200 and the last step (target < 2%); the
+plugin-r=1 losses against stock's at every 100th step (target within 1e-5 relative); ``auto``'s largest
+relative difference (its chunked GEMMs round differently), with the curves overlaid. ``auto`` reads the cost
+profile cached for the layout (``moe-plugins profile`` is run first into a temporary cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 1}}
+RUNS = {"stock": None, "baseline-r1": {"schedule": "baseline", "pipeline_degree": 1},
+        "auto": {"schedule": "baseline", "pipeline_degree": "auto"}}
+
+
+def run(name: str, section: Any, steps: int, work: Path, cache: Path) -> Dict[str, Any]:
+    """One torchrun of the recipe; RSS of every worker once a second, keyed by the step rank 0 last logged."""
+    config = dict(BASE, **({"moe_plugins": section} if section else {}))
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(config))
+    out = work / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+           "moe_plugins.recipes.train_deepspeed", "--ds-config", str(path), "--steps", str(steps),
+           "--out", str(out), "--max-chars", "300000"] + ([] if section else ["--no-plugins"])
+    env = dict(os.environ, MOE_PLUGINS_CACHE=str(cache), OMP_NUM_THREADS="1")
+    started = time.time()
+    with open(work / f"{name}.log", "w") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        samples: List[Dict[str, Any]] = []
+        while agent.poll() is None:
+            time.sleep(1.0)
+            steps_file = out / "steps.jsonl"
+            step = len(steps_file.read_text().splitlines()) if steps_file.exists() else 0
+            try:
+                workers = sorted(psutil.Process(agent.pid).children(), key=lambda p: p.pid)
+                rss = [p.memory_info().rss / 2 ** 20 for p in workers]
+            except psutil.Error:
+                continue
+            if len(rss) == 4:
+                samples.append({"step": step, "rss_mb": rss})
+    if agent.returncode != 0:
+        raise RuntimeError(f"{name} failed: see {work / (name + '.log')}")
+    losses = [json.loads(line)["loss"] for line in (out / "steps.jsonl").read_text().splitlines()]
+    plugin = json.loads((out / "report.json").read_text()).get("plugin")       # each layer's schedule and degree
+    return {"losses": losses, "rss": samples, "seconds": time.time() - started, "plugin": plugin}
+
+
+def growth(samples: List[Dict[str, Any]], start_step: int, steps: int) -> List[float]:
+    """Per rank: RSS at the last sample taken while training (before the last step's line: not in teardown)
+    over RSS at the first sample at or after ``start_step``, minus 1."""
+    training = [s for s in samples if s["step"] < steps]
+    first = next(s for s in training if s["step"] >= start_step)
+    return [b / a - 1.0 for a, b in zip(first["rss_mb"], training[-1]["rss_mb"])]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work, cache = Path(tmp), Path(tmp) / "cache"
+        subprocess.run([sys.executable, "-m", "moe_plugins.tools.cli", "profile", "--world", "4",
+                        "--ranks-per-node", "4", "--ep", "2", "--cache-dir", str(cache), "--no-plot",
+                        "--no-progress"], cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        results = {name: run(name, section, args.steps, work, cache) for name, section in RUNS.items()}
+    report = summarize(results, args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "long-run.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
+    (args.out / "long-run.md").write_text(markdown(report))
+    plot(results, args.out / "long-run.png")
+    print(markdown(report))
+
+
+def summarize(results: Dict[str, Dict[str, Any]], steps: int) -> Dict[str, Any]:
+    stock = results["stock"]["losses"]
+    every = list(range(0, steps, 100)) + [steps - 1]
+    rel = {name: max(abs(r["losses"][i] - stock[i]) / abs(stock[i]) for i in every)
+           for name, r in results.items() if name != "stock"}
+    rss = {name: growth(r["rss"], 200, steps) for name, r in results.items()}
+    return {"steps": steps, "checked_steps": every, "max_rel_loss_diff_vs_stock": rel,
+            "rss_growth_200_to_end": rss, "seconds": {n: r["seconds"] for n, r in results.items()},
+            "final_rss_mb": {n: [s for s in r["rss"] if s["step"] < steps][-1]["rss_mb"] for n, r in results.items()},
+            "plugin": {n: r["plugin"] for n, r in results.items()}}
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    lines = [f"# Long run: {report['steps']} steps, tiny GPT-2-MoE, DeepSpeed recipe, 4 CPU gloo ranks", "",
+             "| run | wall s | RSS growth step 200 -> end, per rank | final RSS MB | max rel. loss diff vs stock "
+             "(every 100th step) |", "|---|---|---|---|---|"]
+    for name in RUNS:
+        g = ", ".join(f"{100 * x:+.2f}%" for x in report["rss_growth_200_to_end"][name])
+        final = ", ".join(f"{x:.0f}" for x in report["final_rss_mb"][name])
+        diff = report["max_rel_loss_diff_vs_stock"].get(name)
+        lines.append(f"| {name} | {report['seconds'][name]:.0f} | {g} | {final} | "
+                     f"{'-' if diff is None else f'{diff:.2e}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Dict[str, Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_loss, ax_rss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in results.items():
+        ax_loss.plot(r["losses"], label=name, lw=0.8)
+        steps = [s["step"] for s in r["rss"]]
+        for rank in range(4):
+            ax_rss.plot(steps, [s["rss_mb"][rank] for s in r["rss"]], lw=0.8,
+                        label=f"{name} rank {rank}" if rank == 0 else None)
+    ax_loss.set(xlabel="step", ylabel="loss", title="losses (overlaid)")
+    ax_rss.set(xlabel="step", ylabel="RSS (MiB)", title="RSS per rank")
+    ax_loss.legend()
+    ax_rss.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
