@@ -1,5 +1,5 @@
 """DeepSpeed host adapter: ``deepspeed.moe.layer.MoE`` layers run the project's schedules, with DeepSpeed's own
-gate (routing stays DeepSpeed's) and DeepSpeed's own expert modules (state_dict keys and the expert parameters'
+gate weights and routing (reproduced exactly by ``core/fastgate.py``) and DeepSpeed's own expert modules (state_dict keys and the expert parameters'
 ``allreduce=False`` / ``group_name`` attributes stay DeepSpeed's).
 
 Shapes: S tokens, M model dim, E experts (E_l local), K routes per token, C capacity, P = N_EP sources.

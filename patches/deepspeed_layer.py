@@ -1,6 +1,6 @@
-"""The DeepSpeed adapter's pure half: DeepSpeed's MoE layer read into the core's terms (its gate's routing,
-its expert modules, the facts a plugin section is checked against), every problem found at once, and the
-swapped layer's forward. Nothing here patches anything (patches/deepspeed.py does).
+"""The DeepSpeed adapter's pure half: DeepSpeed's MoE layer read into the core's terms (its gate's routing, by the
+exact fast gate where it applies, its expert modules, the facts a plugin section is checked against), every
+problem found at once, and the swapped layer's forward. Nothing here patches anything (patches/deepspeed.py does).
 
 Shapes: S tokens, M model dim, E experts (E_l local), K routes per token, C capacity, P = N_EP sources.
 """
@@ -8,8 +8,10 @@ Shapes: S tokens, M model dim, E experts (E_l local), K routes per token, C capa
 
 from __future__ import annotations
 
+import importlib
+import logging
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -18,12 +20,15 @@ from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.experts import ExpertWeights, ffn_shard, partial_ffn
+from moe_plugins.core.fastgate import top1_routing, top2_routing, uniform_sample
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import LayerParams, Schedule, run_schedule
 from moe_plugins.plugins import default_registry
+
+logger = logging.getLogger("moe_plugins.deepspeed")
 
 
 # ---- pure translation of DeepSpeed's objects into the core's -------------------------------------------
@@ -39,10 +44,89 @@ def routing_from_gate(gate_out: Tuple[Any, ...]) -> Routing:
                    aux_loss=l_aux, exp_counts_E=exp_counts_E)
 
 
-def gate_router(gate: torch.nn.Module, used_token: Optional[torch.Tensor], x_SM: torch.Tensor) -> Routing:
-    """The core's router contract met by DeepSpeed's own TopKGate (its RNG draws, capacity and dropless
-    all-reduce over the EP group included)."""
+def gate_router(gate: torch.nn.Module, used_token: Optional[torch.Tensor], x_SM: torch.Tensor,
+                fast: bool = True) -> Routing:
+    """The core's router contract met by DeepSpeed's TopKGate (its RNG draws, capacity and dropless all-reduce
+    over the EP group included): its own ``wg`` and the exact fast gate (core/fastgate.py) where that reproduces
+    the gate's settings, else (one log line per reason) the gate itself."""
+    if fast:
+        reason = fast_gate_refusal(gate, used_token)
+        if reason is None:
+            return fast_gate(gate, used_token, x_SM)
+        _note_fallback(reason)
     return routing_from_gate(gate(x_SM, used_token, True, False))
+
+
+@lru_cache(maxsize=None)
+def _note_fallback(reason: str) -> None:
+    logger.info("moe_plugins: DeepSpeed's own gate function routes this layer (%s)", reason)
+
+
+def fast_gate_refusal(gate: torch.nn.Module, used_token: Optional[torch.Tensor]) -> Optional[str]:
+    """Why the fast gate cannot stand in for this ``TopKGate.forward`` call (None when it can). Checked before
+    any random draw, so a fallback draws exactly what DeepSpeed draws."""
+    sm = importlib.import_module("deepspeed.moe.sharded_moe")
+    if not isinstance(gate, sm.TopKGate) or type(gate).forward is not sm.TopKGate.forward:
+        return f"the gate ({type(gate).__name__}) runs its own forward"
+    if gate.k not in (1, 2):
+        return f"k ({gate.k}) > 2 uses topkgating, which the fast gate does not reproduce"
+    hooks = [getattr(torch.nn.modules.module, n, {}) for n in ("_global_forward_hooks", "_global_forward_pre_hooks")]
+    if gate._forward_hooks or gate._forward_pre_hooks or any(hooks):
+        return "the gate module has forward hooks (ZeRO-3 parameter gathering, user hooks)"
+    if used_token is not None and gate.k == 1:          # top-2 ignores used_token, as TopKGate.forward does
+        if used_token.dtype.is_floating_point or used_token.dtype.is_complex:
+            return f"used_token is {used_token.dtype}, not a bool or integer mask"
+        if bool(((used_token != 0) & (used_token != 1)).any()):
+            return "used_token holds values other than 0 and 1"
+    return None
+
+
+def fast_gate(gate: torch.nn.Module, used_token: Optional[torch.Tensor], x_SM: torch.Tensor) -> Routing:
+    """``TopKGate.forward(x_SM, used_token, sparse_routes=True)`` as a Routing, bit for bit (fast_gate_refusal
+    None): the same fp32 logits from ``wg`` (jitter included), the same draws from DeepSpeed's samplers."""
+    sm = importlib.import_module("deepspeed.moe.sharded_moe")
+    if gate.wall_clock_breakdown:
+        gate.timers(sm.TOPK_GATE_TIMER).start()
+    x_fp32 = x_SM.float()
+    if gate.noisy_gate_policy == "Jitter" and gate.training:
+        x_fp32 = sm.multiplicative_jitter(x_fp32, device=x_SM.device)
+    logits_SE = torch.nn.functional.linear(x_fp32, weight=gate.wg.weight.float(), bias=None)
+    factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+    dropless = partial(ds_dropless_capacity, gate.ep_group)
+    if gate.k == 1:
+        routing = top1_routing(logits_SE, factor, gate.min_capacity, used_token_S=used_token,
+                               noisy_gate_policy=gate.noisy_gate_policy if gate.training else None,
+                               drop_tokens=gate.drop_tokens, use_rts=gate.use_rts, dropless_capacity=dropless,
+                               gumbel=sm.gumbel_rsample, uniform=partial(_rts_uniform, sm))
+    else:
+        routing = top2_routing(logits_SE, factor, gate.min_capacity, drop_tokens=gate.drop_tokens,
+                               top2_2nd_expert_sampling=gate.top2_2nd_expert_sampling, dropless_capacity=dropless,
+                               gumbel=sm.gumbel_rsample)
+    if gate.wall_clock_breakdown:
+        gate.timers(sm.TOPK_GATE_TIMER).stop()
+        gate.gate_time = gate.timers(sm.TOPK_GATE_TIMER).elapsed(reset=False)
+    return routing
+
+
+def _rts_uniform(sm: Any, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Random token selection's U[0, 1) draw: DeepSpeed's cached sampler for the device where it made one."""
+    cached = sm.exp_selection_uniform_map.get(device)
+    return cached(shape) if cached is not None else uniform_sample(shape, device)
+
+
+def ds_dropless_capacity(ep_group: Any, new_cap: torch.Tensor) -> torch.Tensor:
+    """What DeepSpeed's gate does with the largest local count when it drops no token: all-reduce MAX over the
+    EP group (deepspeed.comm, when the group spans ranks), then, without expert tensor parallelism, round up to a
+    multiple of the mpu's tensor-parallel degree."""
+    ds_dist = importlib.import_module("deepspeed.comm")
+    ds_groups = importlib.import_module("deepspeed.utils.groups")
+    if importlib.import_module("deepspeed.comm.pg_utils").is_parallel(ep_group):
+        ds_dist.all_reduce(new_cap, op=ds_dist.ReduceOp.MAX, group=ep_group)
+    if ds_groups._get_expert_model_parallel_world_size() == 1:
+        bwc = importlib.import_module("deepspeed.utils.bwc")
+        tp = 1 if ds_groups.mpu is None else bwc.bwc_tensor_model_parallel_world_size(mpu=ds_groups.mpu)
+        new_cap = torch.ceil(new_cap / tp).mul(tp).to(new_cap.dtype)
+    return new_cap
 
 
 class GateReplay:
@@ -50,10 +134,11 @@ class GateReplay:
 
     A schedule may gate several blocks (the baseline gates its ESP group's blocks). Each call starts from the
     state the first call saw, so a block is routed with the random numbers (RTS, jitter, top-2 sampling) the
-    stock layer would draw for it, and the generator ends where one stock gate call leaves it."""
+    stock layer would draw for it, and the generator ends where one stock gate call leaves it. ``fast``: route
+    with the exact fast gate where it applies (``gate_router``)."""
 
-    def __init__(self, gate: torch.nn.Module, used_token: Optional[torch.Tensor]):
-        self.gate, self.used_token, self.state = gate, used_token, None
+    def __init__(self, gate: torch.nn.Module, used_token: Optional[torch.Tensor], fast: bool = True):
+        self.gate, self.used_token, self.fast, self.state = gate, used_token, fast, None
 
     def __call__(self, x_SM: torch.Tensor) -> Routing:
         rng = torch if x_SM.device.type == "cpu" else getattr(torch, x_SM.device.type)
@@ -62,7 +147,7 @@ class GateReplay:
             self.state = rng.get_rng_state(*args)
         else:
             rng.set_rng_state(self.state, *args)
-        return gate_router(self.gate, self.used_token, x_SM)
+        return gate_router(self.gate, self.used_token, x_SM, self.fast)
 
 
 def host_experts(experts: torch.nn.Module, ep: int, x_ElRM: torch.Tensor) -> torch.Tensor:
