@@ -146,9 +146,12 @@ def forward_loss(engine: Any, batch: Dict[str, torch.Tensor]) -> Tuple[Any, torc
 
 
 def _resume(engine, ckpt_dir: Optional[str]) -> int:
+    """Resume from ``ckpt_dir``'s latest tag, at the saved sizes or another world / ``--ep`` (ZeRO stage 0 fp32
+    reshards per global expert; what cannot reshard is refused with both sizes named, before loading)."""
     if not ckpt_dir or not (Path(ckpt_dir) / "latest").exists():
         return 0
-    _, client = engine.load_checkpoint(ckpt_dir)
+    from moe_plugins.patches import deepspeed_reshard
+    _, client = deepspeed_reshard.load_checkpoint(engine, ckpt_dir)
     torch.set_rng_state(client["rng"])
     return int(client["step"])
 
