@@ -27,6 +27,7 @@ from moe_plugins.patches import megatron as mg_adapter  # noqa: E402
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems, token_layout  # noqa: E402
 from moe_plugins.plugins import default_registry  # noqa: E402
 from moe_plugins.tools.cli import main as cli_main  # noqa: E402
+from tests.test_megatron import megatron_args  # noqa: E402  (Megatron-LM's parsed arguments: one definition)
 from tests.workers import bad_configs as jobs  # noqa: E402
 
 WORLD, RPN = 4, 2                  # the world the pure layer checks run against
@@ -91,16 +92,6 @@ def write_json(path: Path, value: Any) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(value if isinstance(value, str) else json.dumps(value))
     return str(path)
-
-
-def megatron_args(**kw: Any) -> argparse.Namespace:
-    """Megatron-LM's parsed arguments, the fields the adapter reads (its defaults unless given)."""
-    fields = dict(world_size=WORLD, tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                  expert_tensor_parallel_size=None, pipeline_model_parallel_size=1, context_parallel_size=1,
-                  num_experts=4, hidden_size=8, ffn_hidden_size=16, moe_ffn_hidden_size=None, moe_router_topk=2,
-                  moe_expert_capacity_factor=None, moe_token_dispatcher_type="alltoall", moe_plugins=None)
-    fields.update(kw)
-    return argparse.Namespace(**fields)
 
 
 def ds_facts(**kw: Any) -> ds_adapter.HostLayerFacts:

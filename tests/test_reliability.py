@@ -66,27 +66,34 @@ def _watch(procs: List[subprocess.Popen], out: Path, limit_s: float) -> Dict[int
     return exits
 
 
+def _survivors_failed(procs: List[subprocess.Popen], out: Path, timeout: float, what: str) -> Dict[int, str]:
+    """Every rank but the victim exited non-zero within twice ``timeout`` of the victim's stop; their logs."""
+    exits = _watch(procs, out, 2 * timeout + 5)
+    logs = {r: (out / f"rank{r}.log").read_text() for r in range(WORLD)}
+    where = f"{what} (STALL_SEED={SEED}); logs:\n" + "\n".join(
+        f"--- rank {r}\n{text[-1500:]}" for r, text in logs.items())
+    assert (out / "stopped").exists(), "the victim never reached its stop point: " + where
+    stopped = float((out / "stopped").read_text())
+    assert sorted(exits) == [r for r in range(WORLD) if r != VICTIM], "a survivor hung: " + where
+    for rank, at in exits.items():
+        assert procs[rank].returncode != 0, f"rank {rank} exited 0: " + where
+        assert at - stopped <= 2 * timeout, f"rank {rank} took {at - stopped:.1f} s: " + where
+    return logs
+
+
 @pytest.mark.parametrize("point", ["forward", "backward", "pipemoe", "saa", "lina"])
 def test_a_stopped_rank_makes_every_other_rank_fail_within_twice_the_timeout(tmp_path, point):
     nth = random.Random(f"{SEED}-{point}").randint(1, LAST_OP[point])
     procs = _launch(point, nth, tmp_path)
     try:
-        exits = _watch(procs, tmp_path, 2 * TIMEOUT_S + 5)
-        logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in range(WORLD)}
-        where = f"point {point}, op {nth} (STALL_SEED={SEED}); logs:\n" + "\n".join(
-            f"--- rank {r}\n{text[-1500:]}" for r, text in logs.items())
-        assert (tmp_path / "stopped").exists(), "the victim never reached its stop point: " + where
-        stopped = float((tmp_path / "stopped").read_text())
-        assert sorted(exits) == [r for r in range(WORLD) if r != VICTIM], "a survivor hung: " + where
-        for rank, at in exits.items():
-            assert procs[rank].returncode != 0, f"rank {rank} exited 0: " + where
-            assert at - stopped <= 2 * TIMEOUT_S, f"rank {rank} took {at - stopped:.1f} s: " + where
-        errors = {r: json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in exits}
+        logs = _survivors_failed(procs, tmp_path, TIMEOUT_S, f"point {point}, op {nth}")
+        survivors = [r for r in range(WORLD) if r != VICTIM]
+        errors = {r: json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in survivors}
         assert all(e and e.startswith("CommError") for e in errors.values()), errors
         # the last line each survivor wrote is its error, which says where it was
-        for rank in exits:
+        for rank in survivors:
             last = logs[rank].strip().splitlines()[-1].removeprefix(f"[rank{rank}]: ")    # torch's elastic prefix
-            assert last.startswith("moe_plugins.core.ops.CommError"), where
+            assert last.startswith("moe_plugins.core.ops.CommError"), logs[rank][-1500:]
         if point == "lina":
             assert any("background lane" in e for e in errors.values()), errors
         else:
@@ -117,15 +124,8 @@ def test_the_deepspeed_recipe_with_dist_timeout_fails_fast_when_a_rank_stops(tmp
            "--out", str(tmp_path / "run")]
     procs = _launch("forward", nth, tmp_path, cmd)
     try:
-        exits = _watch(procs, tmp_path, 2 * timeout + 5)
-        logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in range(WORLD)}
-        where = f"op {nth} (STALL_SEED={SEED}); logs:\n" + "\n".join(
-            f"--- rank {r}\n{text[-1500:]}" for r, text in logs.items())
-        assert (tmp_path / "stopped").exists(), "the victim never reached its stop point: " + where
-        stopped = float((tmp_path / "stopped").read_text())
-        assert sorted(exits) == [0, 1, 2], "a survivor hung: " + where
-        for rank, at in exits.items():
-            assert procs[rank].returncode != 0 and at - stopped <= 2 * timeout, (rank, at - stopped, where)
+        logs = _survivors_failed(procs, tmp_path, timeout, f"recipe, op {nth}")
+        where = logs[2][-1500:]
         peer = logs[2].strip().splitlines()[-1].removeprefix("[rank2]: ")      # rank 3's EP peer (EP 2)
         assert peer.startswith("moe_plugins.core.ops.CommError") and "schedule 'baseline'" in peer, where
         assert "all_to_all@ep" in peer and "layer 'transformer.h." in peer, where

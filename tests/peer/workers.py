@@ -144,6 +144,15 @@ def train(engine, loader, collect: bool = False) -> List[float]:
     return losses
 
 
+def train_to_end(engine, total_samples: int, hidden_dim: int, plugin) -> Dict[str, Any]:
+    """DeepSpeed's tests' training loop on their sequence data, then the engine destroyed: losses and swaps."""
+    loader = sequence_dataloader(engine.train_micro_batch_size_per_gpu(), total_samples, hidden_dim,
+                                 SEED + dist.get_rank())
+    losses = train(engine, loader)
+    engine.destroy()
+    return {"losses": losses, "swaps": swaps(plugin)}
+
+
 # ---- test_moe.py::TestSimpleMoE ------------------------------------------------------------------------
 
 def simple_moe(mode: str, zero_stage: int, total_samples: int) -> Dict[str, Any]:
@@ -157,12 +166,7 @@ def simple_moe(mode: str, zero_stage: int, total_samples: int) -> Dict[str, Any]
         made, refused = initialize(config, mode, model)
         if refused:
             return refused
-        engine, _ = made
-        loader = sequence_dataloader(engine.train_micro_batch_size_per_gpu(), total_samples, hidden_dim,
-                                     SEED + dist.get_rank())
-        losses = train(engine, loader)
-        engine.destroy()
-        return {"losses": losses, "swaps": swaps(plugin)}
+        return train_to_end(made[0], total_samples, hidden_dim, plugin)
 
 
 # ---- test_moe.py::TestMoE (the strict average_tensor check) --------------------------------------------
@@ -244,12 +248,7 @@ def prmoe(mode: str, ep_size: int, use_residual: bool, total_samples: int) -> Di
                                    dist_init_required=False)
         if refused:
             return refused
-        engine, _ = made
-        loader = sequence_dataloader(engine.train_micro_batch_size_per_gpu(), total_samples, hidden_dim,
-                                     SEED + dist.get_rank())
-        losses = train(engine, loader)
-        engine.destroy()
-        return {"losses": losses, "swaps": swaps(plugin)}
+        return train_to_end(made[0], total_samples, hidden_dim, plugin)
 
 
 # ---- test_moe.py::TestMoESingleton::test_all_to_all ----------------------------------------------------
