@@ -250,7 +250,7 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
     esp = cfg.esp if cfg.esp is not None else host_esp
     problems = []
     if use_data_before_expert_parallel:
-        problems.append("ds_config use_data_before_expert_parallel_ (true) is not supported: the plugin's layout "
+        problems.append("ds_config use_data_before_expert_parallelism (true) is not supported: the plugin's layout "
                         "places EP inside the expert-DP blocks")
     if facts.use_tutel:
         problems.append("use_tutel (true) is not supported: the schedules replace Tutel's dispatcher")

@@ -123,7 +123,7 @@ TABLE = [
     row("ds-layer", "esp-on-unsliceable-experts", ({"esp": 2}, {"ffn_activation": None}, 4, False),
         "$.esp (2) > 1 without DeepSpeed's expert tensor parallelism needs every expert to be nn.Sequential"),
     row("ds-layer", "every-host-problem", ({"ranks_per_node": 3}, {"use_tutel": True, "pp": 2}, 4, True),
-        "use_data_before_expert_parallel_ (true) is not supported", "use_tutel (true) is not supported",
+        "use_data_before_expert_parallelism (true) is not supported", "use_tutel (true) is not supported",
         "pipeline parallel degree (2) must be 1", "world (4) must be divisible by ranks_per_node (3)"),
 
     # inside deepspeed.initialize on 2 ranks: (section, config given to enable, ds_config keys, cached profile)
@@ -141,7 +141,7 @@ TABLE = [
         DS_PROFILE + "' cannot be used: profile version (7) is not 1"),
     row("ds-engine", "ranks-per-node-3-and-data-before-expert",
         ({"ranks_per_node": 3}, None, {"use_data_before_expert_parallelism": True}, "none"),
-        "use_data_before_expert_parallel_ (true) is not supported",
+        "use_data_before_expert_parallelism (true) is not supported",
         "world (2) must be divisible by ranks_per_node (3)"),
     row("ds-engine", "ranks-per-node-4-over-world-2", ({"ranks_per_node": 4}, None, {}, "none"),
         "world (2) must be divisible by ranks_per_node (4)"),
@@ -149,7 +149,7 @@ TABLE = [
         "world (2) must be divisible by ep*esp (2*2=4)"),
     row("ds-engine", "no-profile-and-data-before-expert",
         ({"pipeline_degree": "auto"}, None, {"use_data_before_expert_parallelism": True}, "none"),
-        "use_data_before_expert_parallel_ (true) is not supported", "$.pipeline_degree ('auto') needs a cost profile"),
+        "use_data_before_expert_parallelism (true) is not supported", "$.pipeline_degree ('auto') needs a cost profile"),
     row("ds-engine", "section-contradicts-enable", ({"schedule": "baseline-tp"}, {"schedule": "baseline"}, {}, "none"),
         "the ds_config 'moe_plugins' section", "conflicts with the config given to moe_plugins.enable"),
 

@@ -127,7 +127,7 @@ def test_layer_problems_lists_every_reason():
     problems = adapter.layer_problems(facts, PluginConfig(esp=2), world=8, rank=0, ranks_per_node=4,
                                       use_data_before_expert_parallel=True)
     text = "; ".join(problems)
-    assert "use_data_before_expert_parallel_ (true) is not supported" in text
+    assert "use_data_before_expert_parallelism (true) is not supported" in text
     assert "use_tutel (true) is not supported" in text
     assert "pipeline parallel degree (2) must be 1" in text
     assert "moe_plugins.esp (2) > 1 without DeepSpeed's expert tensor parallelism needs every expert to be " \
