@@ -258,3 +258,20 @@ def test_auto_degree_rejects_unknown_schedule_workload():
         schedule = type("S", (), {"name": "nobody-knows", "config": None, "groups": None,
                                   "exchange": lambda self, d: None})()      # describes no exchange
         auto.workload(schedule, SimpleNamespace(d=torch.zeros(4, 2)))
+
+
+def test_auto_picks_one_when_the_exchange_moves_nothing():
+    """#27: with nothing to hide (an exchange group of one rank: EP = ESP = 1, or no bytes) auto picks r = 1,
+    even on costs that would pipeline a real exchange of the same size."""
+    from moe_plugins.pipemoe.degree import nothing_to_overlap
+    assert nothing_to_overlap(1, 4096.0) and nothing_to_overlap(4, 0.0) and not nothing_to_overlap(2, 4096.0)
+    cheap_start = PipeCosts(alpha_a=1e-9, beta_a=4e-6, alpha_e=1e-9, beta_e=1e-6)
+    for size, want_pipelined in ((1, False), (2, True)):
+        groups = SimpleNamespace(ep=SimpleNamespace(size=size))
+        schedule = type("Baseline", (), {"name": "baseline", "groups": groups,
+                                         "config": SimpleNamespace(ffn=16),
+                                         "exchange": lambda self, d: SimpleNamespace(group="ep", sent=1.0, rows=1)})()
+        groups.esp = SimpleNamespace(size=1)
+        d = torch.zeros(4, 64, 8)
+        r = AutoDegree(costs={"ep": cheap_start}).degree(schedule, SimpleNamespace(d=d, cap_dim=1), True)
+        assert (r > 1) == want_pipelined, (size, r)

@@ -59,11 +59,21 @@ class AutoDegree:
 
     def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
         costs, n_d, n_e = self.workload(schedule, dispatched)
+        ex = schedule.exchange(dispatched.d)
+        if nothing_to_overlap(getattr(schedule.groups, ex.group).size, n_d):      # r > 1 would only add chunks
+            self.decisions[(type(schedule).name, n_d, n_e, training)] = 1
+            return 1
         r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
         r = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
                            self.backward_factor).degree
         self.decisions[(type(schedule).name, n_d, n_e, training)] = r
         return r
+
+
+def nothing_to_overlap(exchange_group_size: int, n_d: float) -> bool:
+    """Whether the exchange moves nothing (a group of one rank, or no bytes): then the pipeline has no
+    communication to hide and every chunk past the first is pure overhead, whatever the costs say."""
+    return exchange_group_size <= 1 or n_d <= 0
 
 
 @lru_cache(maxsize=256)
