@@ -38,7 +38,7 @@ from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, profile_problems, resolve
-from moe_plugins.core.profile_ops import profile_key
+from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
@@ -280,10 +280,7 @@ class DeepSpeedPlugin:
 
     def _cached_profile(self, layout: ParallelLayout, moe):
         """The cost profile ``moe-plugins profile`` cached for this layout, backend and device (or None)."""
-        from moe_plugins.core import costmodel
-        device = next(moe.parameters()).device
-        key = profile_key(layout, dist.get_backend(), device)
-        return costmodel.load_cached(self.profile_dir, key) if self.profile_dir else None
+        return cached_profile(self.profile_dir or None, layout, dist.get_backend(), next(moe.parameters()).device)
 
     def _schedule_class(self, name: str, layout: ParallelLayout, moe):
         """The schedule's class; ``parm-auto`` / ``parm-tune`` read the profile cached for this layout."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Optional, Type
 
 import torch
@@ -40,7 +39,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
-from moe_plugins.core.costmodel import CostProfile, default_cache_dir, load_cached
+from moe_plugins.core.costmodel import CostProfile, default_cache_dir
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.core.layout import ParallelLayout
@@ -48,7 +47,7 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.engine import CommEngine
 from moe_plugins.pipemoe.runner import build_executor, needs_lane, run_pipelined
 from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile
-from moe_plugins.core.profile_ops import profile_key
+from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.router import uniform_capacity
 from moe_plugins.core.schedule import LayerParams, Schedule
 from moe_plugins.plugins import default_registry
@@ -155,7 +154,7 @@ def find_profile(profile_dir: Optional[str], layout: ParallelLayout) -> Optional
         return None
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return load_cached(Path(profile_dir), profile_key(layout, dist.get_backend(), device))
+    return cached_profile(profile_dir, layout, dist.get_backend(), device)
 
 
 def schedule_class(name: str, profile: Optional[CostProfile], dtype: torch.dtype, mp: int) -> Type[Schedule]:

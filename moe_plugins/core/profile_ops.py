@@ -9,11 +9,13 @@ whatever the bench must release afterwards (an engine, process groups).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+import os
+from pathlib import Path
+from typing import Callable, List, Optional, Union
 
 import torch
 
-from moe_plugins.core.costmodel import ProfileKey
+from moe_plugins.core.costmodel import CostProfile, ProfileKey, load_cached
 from moe_plugins.core.layout import ParallelLayout
 
 
@@ -38,3 +40,11 @@ def profile_key(layout: ParallelLayout, backend: str, device: torch.device) -> P
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return ProfileKey(world=layout.world, ranks_per_node=layout.ranks_per_node, mp=layout.mp, ep=layout.ep,
                       esp=layout.esp, backend=backend, device=name)
+
+
+def cached_profile(profile_dir: Optional[Union[str, os.PathLike]], layout: ParallelLayout, backend: str,
+                   device: torch.device) -> Optional[CostProfile]:
+    """The cost profile ``moe-plugins profile`` cached in ``profile_dir`` for this layout, backend and device:
+    the one lookup of both hosts and ``verify``. None without a directory or a cached file; a file there that
+    cannot be used (corrupt, another layout's, another version): a ValueError naming it."""
+    return None if profile_dir is None else load_cached(Path(profile_dir), profile_key(layout, backend, device))

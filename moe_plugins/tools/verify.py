@@ -23,14 +23,14 @@ import torch.distributed as dist
 from moe_plugins.core.registry import Registry
 from moe_plugins.plugins import default_registry
 from moe_plugins.core.config import MoEConfig, moe_config_problems
-from moe_plugins.core.costmodel import CostProfile, ProfileKey, cache_path, load_cached
+from moe_plugins.core.costmodel import CostProfile, ProfileKey, cache_path
 from moe_plugins.core.engine import build_engine
 from moe_plugins.core.experts import ExpertWeights, init_full_weights, shard_weights
 from moe_plugins.core.groups import process_groups
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
-from moe_plugins.core.profile_ops import profile_key
+from moe_plugins.core.profile_ops import cached_profile, profile_key
 from moe_plugins.core.reference import reference_moe
 from moe_plugins.core.timeline import chrome_trace
 
@@ -79,7 +79,7 @@ class VerifySpec:
 
     def profile(self) -> Optional[CostProfile]:
         """The layout's cached profile in ``profile_dir`` (None without a directory or a cached file)."""
-        return None if self.profile_dir is None else load_cached(Path(self.profile_dir), self.profile_key())
+        return cached_profile(self.profile_dir, self.layout(), "gloo", torch.device("cpu"))
 
 
 def spec_problems(spec: VerifySpec, registry: Optional[Registry] = None) -> List[str]:
