@@ -39,6 +39,10 @@ class AutoDegree:
 
     def workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[PipeCosts, float, float]:
         """(costs, n_d, n_e) of this call: bytes into one exchange all-to-all, macs of one expert GEMM."""
+        return self._workload(schedule, dispatched)[:3]
+
+    def _workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[PipeCosts, float, float, int]:
+        """:meth:`workload` and the size of the exchange's group, from one ``schedule.exchange`` call."""
         name = type(schedule).name
         d, cfg, groups = dispatched.d, schedule.config, schedule.groups
         ex = schedule.exchange(d)
@@ -50,7 +54,7 @@ class AutoDegree:
                              f"{name!r}; it has: {', '.join(sorted(self.costs))}")
         rows = d.numel() // max(d.shape[-1], 1) * ex.rows
         return (self.costs[ex.group], float(d.numel() * d.element_size() * ex.sent),
-                float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size)))
+                float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size)), getattr(groups, ex.group).size)
 
     def begin(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> Tuple[int, Optional[object]]:
         """(degree, None): the degree of this call; a subclass that times calls (pipemoe_tune.TunedDegree)
@@ -58,9 +62,8 @@ class AutoDegree:
         return self.degree(schedule, dispatched, training), None
 
     def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
-        costs, n_d, n_e = self.workload(schedule, dispatched)
-        ex = schedule.exchange(dispatched.d)
-        if nothing_to_overlap(getattr(schedule.groups, ex.group).size, n_d):      # r > 1 would only add chunks
+        costs, n_d, n_e, group_size = self._workload(schedule, dispatched)
+        if nothing_to_overlap(group_size, n_d):      # r > 1 would only add chunks
             self.decisions[(type(schedule).name, n_d, n_e, training)] = 1
             return 1
         r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
