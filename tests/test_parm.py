@@ -61,16 +61,21 @@ def forcing(choice: str) -> ParmCosts:
     cheap, dear = AlphaBeta(alpha=0.0, beta=1e-12), AlphaBeta(alpha=1.0, beta=1.0)
     if choice == "parm-s1":   # free all-to-alls: S1 gathers x, S2 E T M = k f x >= x (ties go to S1)
         return ParmCosts(a2a_ep_esp=AlphaBeta(alpha=0.0, beta=0.0), ag_mp=cheap, saa=dear)
+    if choice == "baseline-tp":   # a dear fused group, DeepSpeed's EP all-to-all and ESP collectives cheap
+        return ParmCosts(a2a_ep_esp=dear, ag_mp=cheap, saa=dear, a2a_ep=cheap, ag_esp=cheap, ar_esp=cheap)
     return ParmCosts(a2a_ep_esp=cheap, ag_mp=dear, saa=cheap)
 
 
-@pytest.mark.parametrize("choice", ["parm-s1", "parm-s2"])
+@pytest.mark.parametrize("choice", ["parm-s1", "parm-s2", "baseline-tp"])
 def test_auto_is_exact_on_either_branch(world, choice):
     specs = matrix("parm-auto-test", [(2, 2, 2), (2, 4, 1), (2, 1, 2)])
     reports = world(4).run(jobs.verify_auto_with_costs, "parm-auto-test", forcing(choice), specs)[0]
     assert_exact(specs, reports)
-    # the ledger tells which branch ran: only S1's split gate all-reduces the gate weight's gradient over MP
+    # the ledger tells which branch ran: only S1's split gate all-reduces the gate weight's gradient over MP,
+    # and only DeepSpeed's flow sends through the EP group (Parm through the fused EP&ESP group)
     assert {"backward:all_reduce@mp" in r["ledger"]["moe"] for r in reports} == {choice == "parm-s1"}
+    ep_ledgers = [r for s, r in zip(specs, reports) if s.ep > 1]
+    assert {"forward:all_to_all@ep" in r["ledger"]["moe"] for r in ep_ledgers} == {choice == "baseline-tp"}
 
 
 def test_auto_default_costs_matches_reference(world):

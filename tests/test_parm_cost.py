@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from moe_plugins.core.costmodel import CostProfile, LinearModel, Measurement, ProfileKey
 from moe_plugins.parm.cost import (DEFAULT_COSTS, NEAR_TIE, PAPER_AG_MP, AlphaBeta, ParmCosts, ParmShape, break_even_T,
                                    choose_schedule, op_volumes, s1_gate_ops, s1_slots, schedule_ops, shape_problems,
-                                   sizes, t_baseline, t_s1, t_s2)
+                                   sizes, t_baseline, t_baseline_tp, t_s1, t_s2)
 
 SHAPE = ParmShape(B=4, L=512, M=1024, H=4096, E=8, k=2, f=1.2, mp=2, ep=2, esp=2)
 COSTS = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=1e-4, beta=2e-9), ag_mp=AlphaBeta(alpha=5e-5, beta=1e-9),
@@ -35,6 +35,31 @@ def test_schedule_ops_are_the_papers_collectives():
     assert op_volumes(schedule_ops("parm-s1", SHAPE)) == {"all_to_all@ep_esp": (2, 2 * y1), "all_gather@mp": (1, s.x)}
     assert op_volumes(schedule_ops("parm-s2", SHAPE)) == {"all_to_all@ep_esp": (2, s.y),
                                                           "all_gather@mp": (1, 8 * s.T * 1024)}
+    etm = 8 * s.T * 1024                                                   # DeepSpeed's flow (esp = mp = 2)
+    assert op_volumes(schedule_ops("baseline-tp", SHAPE)) == {"all_to_all@ep": (2, etm), "all_gather@esp": (1, etm),
+                                                              "all_reduce@esp": (1, etm), "all_gather@mp": (1, etm)}
+    unsharded = ParmShape(**{**SHAPE.__dict__, "esp": 1})
+    assert op_volumes(schedule_ops("baseline-tp", unsharded)) == {"all_to_all@ep": (2, etm), "all_gather@mp": (1, etm)}
+    with pytest.raises(ValueError, match=r"esp \(4\) must be 1 or mp \(2\)"):
+        schedule_ops("baseline-tp", ParmShape(**{**SHAPE.__dict__, "esp": 4, "H": 4096}))
+
+
+def test_baseline_tp_is_priced_only_where_it_can_run():
+    s = sizes(SHAPE)
+    etm = 8 * s.T * 1024
+    want = 2 * COSTS.a2a_ep.time(etm / 2) + COSTS.ag_esp.time(etm) + COSTS.ar_esp.time(etm) + COSTS.ag_mp.time(etm)
+    assert t_baseline_tp(SHAPE, COSTS) == pytest.approx(want, rel=1e-12)
+    assert t_baseline_tp(ParmShape(**{**SHAPE.__dict__, "mp": 1}), COSTS) is None          # no MP: not a candidate
+    assert t_baseline_tp(SHAPE, ParmCosts(a2a_ep_esp=COSTS.a2a_ep_esp, ag_mp=COSTS.ag_mp)) is None  # unpriced
+    # a slow fused group and a cheap EP all-to-all: DeepSpeed's flow wins; the reverse: Parm's pick stays
+    slow = ParmCosts(a2a_ep_esp=AlphaBeta(alpha=1.0, beta=1.0), ag_mp=COSTS.ag_mp, a2a_ep=COSTS.a2a_ep,
+                     ag_esp=COSTS.ag_esp, ar_esp=COSTS.ar_esp)
+    c = choose_schedule(SHAPE, slow)
+    assert c.choice == "baseline-tp" and c.t_chosen == c.t_tp < min(c.t_s1, c.t_s2)
+    assert choose_schedule(SHAPE, slow, tp=False).choice in ("parm-s1", "parm-s2")
+    dear_ep = ParmCosts(**{**{n: getattr(COSTS, n) for n in ("a2a_ep_esp", "ag_mp", "saa", "ag_esp", "ar_esp")},
+                           "a2a_ep": AlphaBeta(alpha=1.0, beta=1.0)})
+    assert choose_schedule(SHAPE, dear_ep).choice in ("parm-s1", "parm-s2")
 
 
 def test_s1_gate_ops_are_o_of_e_and_outside_the_model():
@@ -102,13 +127,13 @@ def test_paper_limits_in_t():
     """§IV-B: with N_ESP = 1 and T -> 0, S2 wins (t_D2 -> 0, t_D1 -> AG_MP(BLM)); as T grows S1 wins when
     the overlapped collective costs more per element than the all-to-all alone."""
     shape = ParmShape(**{**SHAPE.__dict__, "esp": 1})
-    assert choose_schedule(shape, COSTS, T=1e-3).choice == "parm-s2"
-    assert choose_schedule(shape, COSTS, T=1e6).choice == "parm-s1"
+    assert choose_schedule(shape, COSTS, T=1e-3, tp=False).choice == "parm-s2"
+    assert choose_schedule(shape, COSTS, T=1e6, tp=False).choice == "parm-s1"
     t0 = break_even_T(shape, COSTS)
     assert t0 is not None and t0 > 0
     assert t_s1(shape, COSTS, t0) == pytest.approx(t_s2(shape, COSTS, t0), rel=1e-9)
-    assert choose_schedule(shape, COSTS, T=0.9 * t0).choice == "parm-s2"
-    assert choose_schedule(shape, COSTS, T=1.1 * t0).choice == "parm-s1"
+    assert choose_schedule(shape, COSTS, T=0.9 * t0, tp=False).choice == "parm-s2"
+    assert choose_schedule(shape, COSTS, T=1.1 * t0, tp=False).choice == "parm-s1"
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,7 +147,8 @@ def test_choice_is_argmin_and_eq_6_holds(B, L, M, k, f, degrees, alpha, beta_a2a
     link = AlphaBeta(alpha=alpha, beta=beta_a2a)
     costs = ParmCosts(a2a_ep_esp=link, ag_mp=AlphaBeta(alpha=alpha, beta=beta_ag), a2a_ep=link,
                       ag_esp=AlphaBeta(alpha=alpha, beta=beta_ag), ar_esp=AlphaBeta(alpha=alpha, beta=2 * beta_ag))
-    c = choose_schedule(shape, costs, saa=False)
+    c = choose_schedule(shape, costs, saa=False, tp=False)
+    assert c.t_tp is None
     if abs(c.t_s1 - c.t_s2) > NEAR_TIE * min(c.t_s1, c.t_s2):
         assert c.choice == ("parm-s1" if c.t_s1 < c.t_s2 else "parm-s2")
     else:                               # a near-tie: the schedule sending fewer all-to-all elements (S1 if equal)
@@ -133,6 +159,17 @@ def test_choice_is_argmin_and_eq_6_holds(B, L, M, k, f, degrees, alpha, beta_a2a
         # Eq. 6: with N_MP = 1 both schedules beat the baseline by at least the ESP all-gather
         flat = ParmShape(**{**shape.__dict__, "mp": 1})
         assert t_baseline(flat, costs) - t_s1(flat, costs) >= costs.ag_esp.time(sizes(flat).x * esp) - 1e-15
+    # DeepSpeed's flow as a third candidate: it replaces Algorithm 1's pick exactly when priced no dearer
+    # than (1 + NEAR_TIE) times it, and only where it can run (mp > 1, esp 1 or mp)
+    with_tp = choose_schedule(shape, costs, saa=False)
+    runs = mp > 1 and esp in (1, mp)
+    assert (with_tp.t_tp is not None) == runs
+    if runs:
+        assert with_tp.t_tp == pytest.approx(t_baseline_tp(shape, costs), rel=1e-12)
+        wins = with_tp.t_tp <= (1 + NEAR_TIE) * c.t_chosen
+        assert with_tp.choice == ("baseline-tp" if wins else c.choice) and with_tp.t_chosen <= (1 + NEAR_TIE) * c.t_chosen
+    else:
+        assert with_tp.choice == c.choice
 
 
 def test_shape_problems_are_reported_together():

@@ -19,6 +19,8 @@ def test_model_pick_and_candidates():
     assert model_pick("parm-s2", "saa") == "parm-s2-saa" and model_pick("parm-s2", "sequential") == "parm-s2"
     assert model_pick("parm-s1", "saa") == "parm-s1"
     assert candidates("parm-s2-saa", mp=2) == ("parm-s2-saa", "parm-s1", "parm-s2")
+    assert candidates("parm-s1", mp=2, tp=True) == ("parm-s1", "parm-s2", "parm-s2-saa", "baseline-tp")
+    assert candidates("baseline-tp", mp=2, tp=True) == ("baseline-tp", "parm-s1", "parm-s2", "parm-s2-saa")
     assert candidates("parm-s1", mp=1) == ("parm-s1",)
     assert first_unmeasured(("b", "a"), {"b": 1.0}) == "a" and first_unmeasured(("a",), {"a": 1.0}) is None
 
@@ -64,15 +66,16 @@ def test_search_waits_for_pending_backward():
 def test_parm_tune_is_exact_at_every_call(world, degree):
     """Every call (whichever candidate it ran, pipelined or not) equals parm-s1 in fp64 with drops: outputs,
     input gradients, aux loss and dropped routes. Ranks run the same candidates in the same order: the
-    model's pick, then the others, 1 untimed + 3 timed calls each, then the fastest."""
+    model's pick, then the others (DeepSpeed's flow among them: esp = mp), 1 untimed + 3 timed calls each,
+    then the fastest."""
     spec = VerifySpec(world=4, ranks_per_node=2, k=2, tokens=16, schedule="parm-tune", mp=2, ep=2, esp=2)
-    res = world(4).run(jobs.tuned_parm, spec, degree, 14)
+    res = world(4).run(jobs.tuned_parm, spec, degree, 18)
     first = res[0]
     assert all(r["ran"] == first["ran"] and r["times"] == first["times"] for r in res)
     assert max(r["max_diff"] for r in res) <= 1e-12
-    order = candidates(first["start"], mp=2)
-    assert first["ran"][:12] == [c for c in order for _ in range(4)]
-    assert first["decided"] == fastest(first["start"], first["times"]) and set(first["ran"][12:]) == {first["decided"]}
+    order = candidates(first["start"], mp=2, tp=True)
+    assert len(order) == 4 and first["ran"][:16] == [c for c in order for _ in range(4)]
+    assert first["decided"] == fastest(first["start"], first["times"]) and set(first["ran"][16:]) == {first["decided"]}
     assert any(f"chose {first['decided']}" in n for n in first["notes"])
 
 

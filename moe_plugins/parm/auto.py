@@ -1,5 +1,6 @@
 """parm-auto: per layer and token count, S1 or S2 (with SAA where the model prices it lower) by Algorithm 1
-as extended in docs/parm.md, from the cost profile's terms (:mod:`moe_plugins.parm.cost`).
+as extended in docs/parm.md, or DeepSpeed's own flow (baseline-tp) where that is priced no dearer, from the
+cost profile's terms (:mod:`moe_plugins.parm.cost`).
 
 Shapes: S tokens, M model dim, E experts.
 """
@@ -12,9 +13,10 @@ from typing import ClassVar, Dict, List, Optional, Set, Type, Union
 import torch
 
 from moe_plugins.core import comm
-from moe_plugins.core.schedule import Dispatched, LayerParams
-from moe_plugins.parm.cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, SCHEDULE_S1, ParmChoice, ParmCosts, ParmShape,
-                                   choose_schedule)
+from moe_plugins.core.baseline_tp import BaselineTPSchedule
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams
+from moe_plugins.parm.cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, SCHEDULE_S1, SCHEDULE_TP, ParmChoice,
+                                   ParmCosts, ParmShape, choose_schedule)
 from moe_plugins.parm.schedules import (ParmS2SAASchedule, ParmS2Schedule, S2Form, _ParmSchedule,
                                         _S1Watch, mp_block_slots)
 
@@ -37,7 +39,12 @@ class ParmAutoSchedule(_ParmSchedule):
     ``observe_every`` calls of a token count, starting with the first, the ranks agree on the largest mean
     of those notes (two integer max all-reduces, over EP&ESP then MP); from the next call on, S1 is priced
     with that. (The max of the ranks' means is at most the mean of the per-call EP&ESP maxima S1 pays.)
-    ``observe_every = 0`` keeps the paper's balanced pricing and issues nothing."""
+    ``observe_every = 0`` keeps the paper's balanced pricing and issues nothing.
+
+    DeepSpeed's flow. Where the layout allows it (ESP = 1 or MP) and the costs price it, ``baseline-tp`` is
+    a third candidate (:func:`moe_plugins.parm.cost.choose_schedule`); a call that runs it delegates every
+    step to a :class:`BaselineTPSchedule` on the same groups (``tp`` in the shared :class:`S2Form` tells the
+    lane twin's exchanges), so it computes what baseline-tp computes, and it still notes S1's C_l."""
 
     name = "parm-auto"
     saa = True
@@ -49,6 +56,8 @@ class ParmAutoSchedule(_ParmSchedule):
     def __init__(self, config, groups, rec, state: Optional[S2Form] = None):
         super().__init__(config, groups, rec)
         self._state = state if state is not None else S2Form()
+        self._tp = BaselineTPSchedule(config, groups, rec)       # the steps of a call that runs DeepSpeed's flow
+        self._tp_allowed = not BaselineTPSchedule.layout_problems(groups.layout)
         self.choices: Dict[int, ParmChoice] = {}
         self.watch: Dict[int, _S1Watch] = {}
         self.made: Set[str] = set()             # every schedule run so far (parm-s1, parm-s2, parm-s2-saa)
@@ -77,11 +86,12 @@ class ParmAutoSchedule(_ParmSchedule):
         """(Re)make the decision for ``num_tokens`` with the agreed C_l, if any; log it when what runs changes."""
         watch, before = self.watch.get(num_tokens), self.choices.get(num_tokens)
         choice = choose_schedule(self.shape_for(num_tokens), self.costs, saa=self.model_saa,
-                                 c_l=watch.agreed if watch is not None else None)
+                                 c_l=watch.agreed if watch is not None else None, tp=self._tp_allowed)
         if before is None or run_name(before) != run_name(choice):
-            log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s]; "
-                     "costs: %s)", self.rec.layer, run_name(choice), num_tokens, choice.t_s1, choice.s1_slots,
-                     choice.s1_source, choice.t_s2, choice.s2_form, self.costs_source)
+            log.info("%s: parm-auto chose %s for %d tokens (t_s1=%.3g s with C_l=%.4g [%s], t_s2=%.3g s [%s], "
+                     "t_baseline_tp=%s; costs: %s)", self.rec.layer, run_name(choice), num_tokens, choice.t_s1,
+                     choice.s1_slots, choice.s1_source, choice.t_s2, choice.s2_form, _seconds(choice.t_tp),
+                     self.costs_source)
         self.choices[num_tokens] = choice
 
     def observe(self, num_tokens: int, block_slots: Union[int, torch.Tensor]) -> None:
@@ -103,7 +113,9 @@ class ParmAutoSchedule(_ParmSchedule):
 
     def notes(self) -> List[str]:
         return [f"parm-auto: {run_name(c)} for {tokens} tokens (t_s1 {c.t_s1 * 1e3:.3g} ms with C_l {c.s1_slots:.4g} "
-                f"{c.s1_source}, t_s2 {c.t_s2 * 1e3:.3g} ms {c.s2_form})" for tokens, c in sorted(self.choices.items())]
+                f"{c.s1_source}, t_s2 {c.t_s2 * 1e3:.3g} ms {c.s2_form}"
+                + ("" if c.t_tp is None else f", t_baseline_tp {c.t_tp * 1e3:.3g} ms") + ")"
+                for tokens, c in sorted(self.choices.items())]
 
     def ran(self) -> Set[str]:
         return set(self.made)
@@ -112,21 +124,45 @@ class ParmAutoSchedule(_ParmSchedule):
         num_tokens = x_SM.shape[0]
         choice = self.choose(num_tokens)
         self.made.add(run_name(choice))
-        self._state.saa = choice.s2_form == "saa"
+        self._state.saa, self._state.tp = choice.s2_form == "saa", choice.choice == SCHEDULE_TP
         if choice.choice == SCHEDULE_S1:
             dispatched = self._prepare_tokens(x_SM, params)
             block_slots = dispatched.state.block_slots
+        elif choice.choice == SCHEDULE_TP:
+            dispatched = self._tp.prepare(x_SM, params)
+            block_slots = mp_block_slots(dispatched.state, self.config.num_experts, self.groups.mp.size)
         else:
             dispatched = self._prepare_capacity(x_SM, params)
             block_slots = mp_block_slots(dispatched.state.routing, self.config.num_experts, self.groups.mp.size)
         self.observe(num_tokens, block_slots)
         return dispatched
 
+    # -- steps: DeepSpeed's flow when the call runs it, else Parm's (S1/S2, told apart by shape) ----------
+
+    def exchange(self, d: torch.Tensor) -> Exchange:
+        return self._tp.exchange(d) if self._state.tp else super().exchange(d)
+
+    def exchange_in(self, d: torch.Tensor) -> torch.Tensor:
+        return self._tp.exchange_in(d) if self._state.tp else super().exchange_in(d)
+
+    def expert(self, e: torch.Tensor, params: LayerParams) -> torch.Tensor:
+        return self._tp.expert(e, params) if self._state.tp else super().expert(e, params)
+
+    def exchange_out(self, o: torch.Tensor) -> torch.Tensor:
+        return self._tp.exchange_out(o) if self._state.tp else super().exchange_out(o)
+
+    def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        return self._tp.finish(r, dispatched) if self._state.tp else super().finish(r, dispatched)
+
+
+def _seconds(t: Optional[float]) -> str:
+    return "not a candidate" if t is None else f"{t:.3g} s"
+
 
 def run_name(choice: ParmChoice) -> str:
-    """The registered schedule a decision runs as: parm-s1, parm-s2 or parm-s2-saa."""
-    if choice.choice == SCHEDULE_S1:
-        return SCHEDULE_S1
+    """The registered schedule a decision runs as: parm-s1, parm-s2, parm-s2-saa or baseline-tp."""
+    if choice.choice in (SCHEDULE_S1, SCHEDULE_TP):
+        return choice.choice
     return ParmS2SAASchedule.name if choice.s2_form == "saa" else ParmS2Schedule.name
 
 

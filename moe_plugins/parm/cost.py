@@ -17,6 +17,7 @@ collective on a group of size 1 is not issued, so it costs nothing (not even alp
     t_D1 = 2 A2A_EP&ESP(y1) + AG_MP(x)                                                (Eq. 11, 13)
     t_D2 = 2 A2A_EP&ESP(y / N_MP) + AG_MP(E T M)             sequential (AAS)       (Eq. 7, right side)
     t_D2 = A2A_EP&ESP(y / N_MP) + SAA(y / N_MP)              with SAA               (Eq. 7, 14)
+    t_TP = 2 A2A_EP(E T M / N_MP) + [AG_ESP + AR_ESP](E T M) + AG_MP(E T M)   DeepSpeed's flow (not the paper's)
 
 where y1 = E C_l M N_ESP is S1's buffer (:func:`s1_slots`; the paper's y / N_MP when T is a multiple of
 the block's demand, e.g. f = 1 with k <= 2) and every op is alpha + beta * n (Eq. 12) and SAA(n) = alpha_o + beta_o * n is the overlapped
@@ -33,7 +34,8 @@ Typos in the paper that are not copied here (derived from the equations instead)
 - Algorithm 1, line 5 writes beta_o * y; the overlapped all-to-all moves y / N_MP elements (Eq. 14).
 
 The choice (Algorithm 1): S1 when t_D1 <= t_D2, else S2; here near-ties go to the schedule sending fewer
-all-to-all elements (:func:`choose_schedule`).
+all-to-all elements, and DeepSpeed's own flow (t_TP, ESP = 1 or MP) replaces the pick when it is priced no
+dearer (:func:`choose_schedule`), so parm-auto never plans anything slower than the host.
 
 Units: alpha in seconds, beta in seconds per element, sizes in elements, times in seconds.
 """
@@ -50,9 +52,9 @@ from scipy.optimize import brentq
 
 from moe_plugins.core.costmodel import EXCHANGE_PRICING, ExchangeCurve, measured_curve
 
-from moe_plugins.parm.volumes import (NEAR_TIE, SCHEDULE_S1, SCHEDULE_S2, Op, ParmShape, Sizes,  # noqa: F401
-                                      check_shape, op_volumes, s1_gate_ops, s1_slots, schedule_ops,
-                                      shape_problems, sizes)                                # (re-exported)
+from moe_plugins.parm.volumes import (NEAR_TIE, SCHEDULE_S1, SCHEDULE_S2, SCHEDULE_TP, Op, ParmShape,  # noqa: F401
+                                      Sizes, check_shape, op_volumes, s1_gate_ops, s1_slots, schedule_ops,
+                                      shape_problems, sizes, tp_flow_problems)              # (re-exported)
 
 # ---- alpha-beta costs ----------------------------------------------------------------------------------
 
@@ -216,6 +218,18 @@ def t_baseline(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) ->
     return ops_time(ops, costs)
 
 
+def t_baseline_tp(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None) -> Optional[float]:
+    """DeepSpeed's flow (:func:`moe_plugins.parm.volumes.schedule_ops`' t_TP), or None when it cannot run
+    on the shape (:func:`tp_flow_problems`) or the costs lack one of its terms (the EP all-to-all, and the
+    ESP all-gather and all-reduce when experts are sharded)."""
+    if tp_flow_problems(shape):
+        return None
+    ops = schedule_ops(SCHEDULE_TP, shape, T)
+    if any(costs.term(o) is None for o in ops):
+        return None
+    return ops_time(ops, costs)
+
+
 def t_s1(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, c_l: Optional[float] = None) -> float:
     """t_D1 (Eq. 11); ``c_l``: S1's observed buffer (slots per expert), else balanced routing's."""
     return ops_time(schedule_ops(SCHEDULE_S1, shape, T, c_l=c_l), costs)
@@ -246,13 +260,18 @@ class ParmChoice:
     t_s1: float
     t_s2: float
     s2_form: str           # "saa" or "sequential": the cheaper form of S2 (sequential when SAA is not allowed)
-    choice: str            # "parm-s1" or "parm-s2"
+    choice: str            # "parm-s1", "parm-s2" or "baseline-tp"
     s1_slots: float = 0.0  # S1's buffer it priced (slots per expert)
     s1_source: str = "balanced"   # "balanced" (:func:`s1_slots`) or "observed" (measured on real routing)
+    t_tp: Optional[float] = None  # DeepSpeed's flow (:func:`t_baseline_tp`); None: not a candidate
+
+    @property
+    def t_chosen(self) -> float:
+        return {SCHEDULE_S1: self.t_s1, SCHEDULE_S2: self.t_s2}.get(self.choice, self.t_tp)
 
 
 def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = None, *, saa: bool = True,
-                    c_l: Optional[float] = None) -> ParmChoice:
+                    c_l: Optional[float] = None, tp: bool = True) -> ParmChoice:
     """Algorithm 1: S1 if t_D1 <= t_D2 else S2 (ties go to S1, as in the paper). ``c_l``: S1's buffer as
     observed on the layer's routing (the paper assumes balanced routing, :func:`s1_slots`).
 
@@ -263,7 +282,12 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
 
     S2's form: where SAA is allowed (``saa``) and priced, t_D2 is the cheaper of S2 with SAA (Eq. 14) and
     without (Eq. 7), and ``s2_form`` says which; the paper always runs S2 with SAA, but on a slow start-up
-    SAA's slices can cost more than they hide (small T). Ties go to SAA."""
+    SAA's slices can cost more than they hide (small T). Ties go to SAA.
+
+    DeepSpeed's own flow (``baseline-tp``, :func:`t_baseline_tp`) is a third candidate where ``tp`` is set,
+    it can run on the shape and the costs price it: it is chosen when it costs no more than
+    (1 + :data:`NEAR_TIE`) times Algorithm 1's pick. A near-tie goes to it, since a price that cannot
+    separate the two says nothing, and the host's own flow is never slower than the host."""
     costs.check()
     s = sizes(shape, T)
     d1 = t_s1(shape, costs, T, c_l=c_l)
@@ -278,11 +302,14 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
             else SCHEDULE_S2
     else:
         pick = SCHEDULE_S1 if d1 < d2 else SCHEDULE_S2
+    d_tp = t_baseline_tp(shape, costs, T) if tp else None
+    if d_tp is not None and d_tp <= (1 + NEAR_TIE) * (d1 if pick == SCHEDULE_S1 else d2):
+        pick = SCHEDULE_TP
     return ParmChoice(x=s.x, T=s.T, y=s.y, t_baseline=t_baseline(shape, costs, T), t_s1=d1, t_s2=d2,
                       s2_form=form,
                       choice=pick,
                       s1_slots=s1_slots(shape, T) if c_l is None else float(c_l),
-                      s1_source="balanced" if c_l is None else "observed")
+                      s1_source="balanced" if c_l is None else "observed", t_tp=d_tp)
 
 
 def _a2a_elements(shape: ParmShape, T: Optional[float], c_l: Optional[float], schedule: str) -> float:

@@ -1,4 +1,5 @@
-"""``moe-plugins plan parm``: which of Parm's schedules (S1 or S2) a layer should use, and why.
+"""``moe-plugins plan parm``: which of Parm's schedules (S1 or S2), or DeepSpeed's own flow, a layer should
+use, and why.
 
 Inputs (parm.txt Table I): B samples and L tokens per sample on each rank, M model dim, H FFN hidden,
 E experts, k routes per token, f capacity factor, and the degrees --mp --ep --esp.
@@ -10,8 +11,10 @@ Times (seconds, one direction; the backward repeats them):
   t_s1       = 2 A2A_EP&ESP(y1) + AG_MP(x)                                     (Eq. 11)
   t_s2       = A2A_EP&ESP(y / N_MP) + SAA(y / N_MP)  with an SAA term, else
                2 A2A_EP&ESP(y / N_MP) + AG_MP(E T M)                           (Eq. 7, 14)
+  t_baseline_tp = 2 A2A_EP(E T M / N_MP) + [AG_ESP + AR_ESP](E T M) + AG_MP(E T M)   (DeepSpeed's flow)
 choice: parm-s1 if t_s1 <= t_s2, else parm-s2 (Algorithm 1; moe_plugins/parm/cost.py lists the paper's
-typos that are not copied). Collectives on groups of size 1 cost nothing.
+typos that are not copied), replaced by baseline-tp when esp is 1 or mp and t_baseline_tp is at most 2%
+above the pick. Collectives on groups of size 1 cost nothing.
 
 Costs: every op is alpha [s] + beta [s/element] * elements. Where they come from, in order: a profile
 file (--profile, from `moe-plugins profile`; its per-byte betas are converted with --element-bytes), the
@@ -163,7 +166,8 @@ def plan(args: argparse.Namespace) -> dict:
     c = choose_schedule(shape, costs, saa=args.saa, c_l=args.s1_slots)
     return {"planner": "parm", "inputs": dataclasses.asdict(shape), "x": c.x, "T": c.T, "y": c.y,
             "s1_slots": c.s1_slots, "s1_slots_source": c.s1_source, "s1_slots_balanced": s1_slots(shape),
-            "t_baseline": c.t_baseline, "t_s1": c.t_s1, "t_s2": c.t_s2, "s2_form": c.s2_form, "choice": c.choice,
+            "t_baseline": c.t_baseline, "t_s1": c.t_s1, "t_s2": c.t_s2, "t_baseline_tp": c.t_tp,
+            "s2_form": c.s2_form, "choice": c.choice, "t_chosen": c.t_chosen,
             "break_even_T": break_even_T(shape, costs, saa=args.saa), "costs_source": source,
             "costs": {name: (dataclasses.asdict(t) if t is not None else None) for name, t in costs.lines().items()},
             "curves": {name: {"x": list(c.x), "seconds": list(c.seconds), "beta_tail": c.beta_tail}
@@ -183,9 +187,15 @@ def explain(out: dict) -> str:
                 f"observed, given; balanced routing gives {out['s1_slots_balanced']:.6g}")
              + f"; the paper's T / N_MP = {out['T'] / s['mp']:.6g}), S2: T / N_MP",
              "  " + pricing_line(out)]
+    if out["t_baseline_tp"] is not None:
+        lines.append(f"  DeepSpeed's flow (baseline-tp): {out['t_baseline_tp'] * ms:.3f} ms; it is chosen when "
+                     "priced no dearer than Parm's pick (within 2%)")
+    elif s["mp"] > 1:
+        lines.append("  DeepSpeed's flow (baseline-tp) is not a candidate: it needs esp 1 or mp, and costs for the "
+                     "EP all-to-all (and the ESP all-gather and all-reduce when esp > 1)")
     if out["t_baseline"] is not None:
         lines.append(f"  baseline (Eq. 1): {out['t_baseline'] * ms:.3f} ms; the chosen schedule is "
-                     f"{out['t_baseline'] / min(out['t_s1'], out['t_s2']):.2f}x faster by the model")
+                     f"{out['t_baseline'] / out['t_chosen']:.2f}x faster by the model")
     if s["mp"] == 1:
         lines.append("  With mp = 1 nothing is split: S1 and S2 both send the fused EP&ESP all-to-all only.")
     else:

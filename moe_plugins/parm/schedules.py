@@ -99,9 +99,11 @@ class _TokenSplit:
 
 @dataclass
 class S2Form:
-    """The running call's S2 form (SAA or not), shared with PipeMoE's lane twin, whose exchanges read it."""
+    """The running call's S2 form (SAA or not), and whether it runs DeepSpeed's flow (``tp``: parm-auto's
+    third candidate), shared with PipeMoE's lane twin, whose exchanges read it."""
 
     saa: bool = True
+    tp: bool = False
 
 
 @dataclass

@@ -6,8 +6,9 @@ or where the fitted SAA curve is optimistic, its pick can be the slower one (doc
 starts from that pick and then times each candidate on the layer's own calls, per token count and for
 training and no_grad calls apart (:class:`moe_plugins.core.tuning.Search`):
 
-- candidates: ``parm-s1``, ``parm-s2``, ``parm-s2-saa`` (SAA only when N_MP > 1; with N_MP = 1 the three
-  issue the same collectives and Algorithm 1's pick stands untimed); Algorithm 1's pick is timed first;
+- candidates: ``parm-s1``, ``parm-s2``, ``parm-s2-saa`` and DeepSpeed's flow ``baseline-tp`` where the
+  layout allows it (ESP = 1 or MP) (with N_MP = 1 all issue the same collectives and Algorithm 1's pick
+  stands untimed); Algorithm 1's pick is timed first;
 - each runs ``warmup_calls`` untimed calls, then ``timed_calls`` timed ones: the whole layer call (gate to
   combine) and, when autograd records and the input needs a gradient, its backward;
 - the fastest median, agreed as the slowest rank's over the EP&ESP and MP groups, is kept; a candidate
@@ -26,7 +27,7 @@ from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from moe_plugins.parm.cost import SCHEDULE_S1, SCHEDULE_S2
+from moe_plugins.parm.cost import SCHEDULE_S1, SCHEDULE_S2, SCHEDULE_TP
 from moe_plugins.core.tuning import TIE_TOLERANCE, Sample, Search
 from moe_plugins.core.schedule import Dispatched, LayerParams
 from moe_plugins.parm.auto import ParmAutoSchedule
@@ -40,11 +41,13 @@ def model_pick(choice: str, s2_form: str) -> str:
     return SCHEDULE_S2_SAA if choice == SCHEDULE_S2 and s2_form == "saa" else choice
 
 
-def candidates(start: str, mp: int) -> Tuple[str, ...]:
-    """What to time, Algorithm 1's pick first; only the pick when N_MP = 1."""
+def candidates(start: str, mp: int, tp: bool = False) -> Tuple[str, ...]:
+    """What to time, Algorithm 1's pick first; only the pick when N_MP = 1. ``tp``: DeepSpeed's flow can
+    run on the layout."""
     if mp == 1:
         return (start,)
-    return (start,) + tuple(c for c in (SCHEDULE_S1, SCHEDULE_S2, SCHEDULE_S2_SAA) if c != start)
+    every = (SCHEDULE_S1, SCHEDULE_S2, SCHEDULE_S2_SAA) + ((SCHEDULE_TP,) if tp else ())
+    return (start,) + tuple(c for c in every if c != start)
 
 
 def first_unmeasured(order: Sequence[str], times_s: Mapping[str, float]) -> Optional[str]:
@@ -83,7 +86,7 @@ class ParmTuneSchedule(ParmAutoSchedule):
         if key not in self.searches:
             choice = self.choose(num_tokens)
             start = model_pick(choice.choice, choice.s2_form)
-            order = candidates(start, self.groups.mp.size)
+            order = candidates(start, self.groups.mp.size, self._tp_allowed)
             self.searches[key] = Search(start=start, propose=partial(first_unmeasured, order),
                                         pick=partial(fastest, start), warmup=self.warmup_calls,
                                         timed=self.timed_calls, decided=start if len(order) == 1 else None)
@@ -93,10 +96,12 @@ class ParmTuneSchedule(ParmAutoSchedule):
         training = torch.is_grad_enabled()
         search = self._search(x_SM.shape[0], training)
         run, sample = search.call(self.groups, x_SM.device, training and x_SM.requires_grad)
-        self._state.saa, self._state.sample = run == SCHEDULE_S2_SAA, sample
+        self._state.saa, self._state.tp, self._state.sample = run == SCHEDULE_S2_SAA, run == SCHEDULE_TP, sample
         x_SM = x_SM if sample is None else sample.wrap_input(x_SM)
         if run == SCHEDULE_S1:
             return self._prepare_tokens(x_SM, params)
+        if run == SCHEDULE_TP:
+            return self._tp.prepare(x_SM, params)
         return self._prepare_capacity(x_SM, params)
 
     def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 SCHEDULE_S1 = "parm-s1"
 SCHEDULE_S2 = "parm-s2"
+SCHEDULE_TP = "baseline-tp"     # DeepSpeed's own tensor-parallel flow (moe_plugins/core/baseline_tp.py)
 # t_D1 and t_D2 within this fraction of each other are a near-tie: decided by all-to-all bytes, not by price
 NEAR_TIE = 0.02
 
@@ -106,11 +107,30 @@ class Op:
         return f"{self.op}@{self.group}"
 
 
+def tp_flow_problems(shape: ParmShape) -> List[str]:
+    """Why DeepSpeed's tensor-parallel flow (``baseline-tp``) is not a candidate for this shape: it needs
+    N_MP > 1 (without MP it is the EP all-to-all pair every schedule sends) and N_ESP equal to 1 or to N_MP
+    (DeepSpeed shards experts over the tensor-parallel group)."""
+    out = []
+    if shape.mp == 1:
+        out.append("mp (1) must be > 1")
+    if shape.esp not in (1, shape.mp):
+        out.append(f"esp ({shape.esp}) must be 1 or mp ({shape.mp})")
+    return out
+
+
 def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None, *,
                  c_l: Optional[float] = None) -> List[Op]:
-    """The collectives of one direction of ``schedule`` ("baseline", "parm-s1", "parm-s2"), with the paper's
-    sizes; collectives on groups of size 1 are left out (the layer does not issue them). ``c_l``: S1's buffer
-    in slots per expert as observed on real routing (None: :func:`s1_slots`, balanced routing)."""
+    """The collectives of one direction of ``schedule`` ("baseline", "parm-s1", "parm-s2", "baseline-tp"),
+    with the paper's sizes; collectives on groups of size 1 are left out (the layer does not issue them).
+    ``c_l``: S1's buffer in slots per expert as observed on real routing (None: :func:`s1_slots`, balanced
+    routing).
+
+    "baseline-tp" is DeepSpeed's flow (not in the paper): each MP rank sends its 1/N_MP of the capacity
+    through the EP all-to-all (E T M / N_MP elements), all-gathers it over ESP (= MP) when experts are
+    sharded and all-reduces their output (E T M), sends it back and all-gathers the capacity over MP::
+
+        t_TP = 2 A2A_EP(E T M / N_MP) + [AG_ESP(E T M) + AR_ESP(E T M)] + AG_MP(E T M)"""
     if c_l is not None and not (isinstance(c_l, (int, float)) and math.isfinite(c_l) and c_l >= 0):
         raise ValueError(f"c_l ({c_l!r}) must be a finite number >= 0 (S1's slots per expert)")
     s = sizes(shape, T)
@@ -123,8 +143,15 @@ def schedule_ops(schedule: str, shape: ParmShape, T: Optional[float] = None, *,
         ops = [Op("all_to_all", "ep_esp", y1)] * 2 + [Op("all_gather", "mp", s.x)]
     elif schedule == SCHEDULE_S2:
         ops = [Op("all_to_all", "ep_esp", s.y / shape.mp)] * 2 + [Op("all_gather", "mp", etm)]
+    elif schedule == SCHEDULE_TP:
+        problems = tp_flow_problems(shape)
+        if problems:
+            raise ValueError(f"schedule {SCHEDULE_TP!r} cannot run on this shape: {'; '.join(problems)}")
+        a2a = Op("all_to_all", "ep", etm / shape.mp)
+        ops = [a2a, Op("all_gather", "esp", etm), Op("all_reduce", "esp", etm), a2a, Op("all_gather", "mp", etm)]
     else:
-        raise ValueError(f"schedule ({schedule!r}) must be 'baseline', {SCHEDULE_S1!r} or {SCHEDULE_S2!r}")
+        raise ValueError(f"schedule ({schedule!r}) must be 'baseline', {SCHEDULE_S1!r}, {SCHEDULE_S2!r} or "
+                         f"{SCHEDULE_TP!r}")
     size = {"mp": shape.mp, "ep": shape.ep, "esp": shape.esp, "ep_esp": shape.ep * shape.esp}
     return [o for o in ops if size[o.group] > 1]
 
