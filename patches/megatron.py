@@ -2,8 +2,9 @@
 (routing stays Megatron's) and Megatron's own expert modules (state-dict keys and the expert parameters'
 ``allreduce=False`` stay Megatron's, so checkpoints load both ways and DDP keeps them in its expert buffers).
 
-Checked against megatron-core 0.16.1, where layer specs are ``ModuleSpec`` objects (0.18 moved to
-``functools.partial``; not supported). Two ways in, both validated by the shared :class:`PluginConfig`:
+Checked against megatron-core 0.16.1 (layer specs are ``ModuleSpec`` objects) and 0.19.2 (from 0.18 they are
+``functools.partial`` objects); :mod:`moe_plugins.patches.megatron_specs` reads and rewrites both styles. Two ways
+in, both validated by the shared :class:`PluginConfig`:
 
 1. **Spec provider** (no patching): pass :func:`get_moe_module_spec` where you pass Megatron's
    ``megatron.core.models.gpt.moe_module_specs.get_moe_module_spec``; with ``groups=build_megatron_groups(layout)``
@@ -35,10 +36,11 @@ from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems
 from moe_plugins.patches.megatron_groups import (MegatronGroups, build_megatron_groups, destroy_megatron_groups,
                               groups_from_pg_collection, megatron_groups, token_view)
+from moe_plugins.patches.megatron_specs import TESTED_VERSIONS, spec_style, stock_moe_spec, with_layer_class
 
 logger = logging.getLogger("moe_plugins.megatron")
 
-SUPPORTED_VERSION = "0.16.1"
+SUPPORTED_VERSION = TESTED_VERSIONS[0]          # the version setup.py pins; TESTED_VERSIONS: every checked one
 FLAG = "--moe-plugins"
 
 # (module, name) of every binding the flag path replaces: Megatron's GPT layer specs call the second, and the
@@ -88,25 +90,23 @@ def _json(text: str, path: str) -> Any:
 def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[MegatronGroups] = None,
                 ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None, lina: Any = None,
                 engines: Any = None) -> Any:
-    """Megatron's MoE ``ModuleSpec`` with the layer class swapped for PluginMoELayer (same submodules, so the
-    same router, experts and shared experts). A disabled config returns the stock spec unchanged. ``lina``: the
-    enabled plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP).
-    ``engines``: the :class:`~moe_plugins.patches.megatron_engines.LayoutEngines` pipelined layers run on."""
+    """Megatron's MoE layer spec with the layer class swapped for PluginMoELayer (same submodules, so the same
+    router, experts and shared experts), in the spec's own style (a ``ModuleSpec`` up to megatron-core 0.17, a
+    ``functools.partial`` from 0.18). A disabled config returns the stock spec unchanged. ``lina``: the enabled
+    plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP). ``engines``:
+    the :class:`~moe_plugins.patches.megatron_engines.LayoutEngines` pipelined layers run on."""
     if not plugin.enabled:
         return stock_spec
     if plugin.lina is not None and lina is None:
         raise ValueError(f"{SECTION}.lina needs the plugin enabled (enable(), the {FLAG} flag or moe-plugins "
                          "launch), which hooks Megatron's DistributedDataParallel; the spec provider alone does not")
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     from moe_plugins.patches.megatron_layer import PluginMoELayer
-    params = dict(stock_spec.params, plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+    params = dict(plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
     if lina is not None:
         params["lina"] = lina
     if engines is not None:
         params["engines"] = engines
-    return ModuleSpec(module=PluginMoELayer, params=params, submodules=stock_spec.submodules,
-                      metainfo=dict(stock_spec.metainfo))
+    return with_layer_class(stock_spec, PluginMoELayer, params)
 
 
 def get_moe_module_spec(use_te: Optional[bool] = True, num_experts: Optional[int] = None,
@@ -115,15 +115,16 @@ def get_moe_module_spec(use_te: Optional[bool] = True, num_experts: Optional[int
                         ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
                         engines: Any = None) -> Any:
     """Drop-in for ``megatron.core.models.gpt.moe_module_specs.get_moe_module_spec`` (same positional
-    arguments) plus the plugin: its ``moe_plugins`` section, the node-aware ``groups`` (else the layer uses the
+    arguments; ``moe_use_legacy_grouped_gemm``, which megatron-core 0.18 dropped, must stay off there) plus the
+    plugin: its ``moe_plugins`` section, the node-aware ``groups`` (else the layer uses the
     ``pg_collection`` it is given or Megatron's ``parallel_state``), ``ranks_per_node``, a ledger, and for a
     pipeline degree other than 1 the caller's ``engines``
     (:class:`~moe_plugins.patches.megatron_engines.LayoutEngines`, which the caller closes)."""
     config = resolve_plugin(plugin)
     megatron = _import_megatron(check_hooks=False)
-    stock = megatron["megatron.core.models.gpt.moe_module_specs"].get_moe_module_spec(
-        use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-        moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
+    stock = stock_moe_spec(megatron["megatron.core.models.gpt.moe_module_specs"], use_te=use_te,
+                           num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                           moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
     return plugin_spec(stock, config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, engines=engines)
 
 
@@ -254,10 +255,9 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for Megatron; call disable() first")
     modules = _import_megatron(check_hooks=True)
+    from megatron.core import package_info
     lina = None
     if config.enabled and config.lina is not None:
-        from megatron.core import package_info
-
         from moe_plugins.patches.megatron_lina import LinaState
         lina = LinaState.create(config, package_info.__version__, ledger=ledger, record_timeline=record_timeline)
     engines = None
@@ -268,7 +268,8 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
                             engines=engines)
     handle._install(modules)
     _ACTIVE = handle
-    logger.info("moe_plugins: Megatron-core spec builders patched (config %s)", config.to_dict())
+    logger.info("moe_plugins: Megatron-core %s spec builders patched (config %s)", package_info.__version__,
+                config.to_dict())
     return handle
 
 
@@ -289,21 +290,19 @@ def _import_megatron(check_hooks: bool) -> Dict[str, Any]:
         from megatron.core import package_info
         modules = {name: importlib.import_module(name) for name, _ in HOOKS}
     except ImportError as exc:
-        raise ValueError(f"moe_plugins' Megatron adapter needs megatron-core=={SUPPORTED_VERSION} "
-                         f"(pip install 'moe_plugins[megatron]'): {exc}") from exc
+        raise ValueError(f"moe_plugins' Megatron adapter needs megatron-core (tested: {', '.join(TESTED_VERSIONS)}; "
+                         f"pip install 'moe_plugins[megatron]'): {exc}") from exc
     version = package_info.__version__
-    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if major_minor >= (0, 18):
-        raise ValueError(f"megatron-core {version} builds layer specs with functools.partial; moe_plugins' adapter "
-                         f"supports the ModuleSpec style of {SUPPORTED_VERSION}")
     if check_hooks:
         missing = [f"{m}.{a}" for m, a in HOOKS if not callable(modules[m].__dict__.get(a))]
         if missing:
-            raise ValueError(f"megatron-core {version} lacks {', '.join(missing)}; moe_plugins' adapter was written "
-                             f"against {SUPPORTED_VERSION}")
-    if version != SUPPORTED_VERSION:
-        logger.warning("moe_plugins: megatron-core %s found; the adapter was checked against %s", version,
-                       SUPPORTED_VERSION)
+            raise ValueError(f"megatron-core {version} lacks {', '.join(missing)}; moe_plugins' adapter hooks "
+                             f"these names (tested: {', '.join(TESTED_VERSIONS)})")
+    if version in TESTED_VERSIONS:
+        logger.debug("moe_plugins: megatron-core %s (layer specs: %s)", version, spec_style(version))
+    else:
+        logger.warning("moe_plugins: megatron-core %s found (layer specs: %s); the adapter was tested with %s",
+                       version, spec_style(version), ", ".join(TESTED_VERSIONS))
     return modules
 
 
@@ -313,7 +312,7 @@ def _local_world_size() -> Optional[int]:
     return int(value) if value and value.isdigit() and int(value) > 0 else None
 
 
-__all__ = ["FLAG", "HOOKS", "SUPPORTED_VERSION", "MegatronGroups", "MegatronPlugin", "active", "build_megatron_groups",
-           "destroy_megatron_groups", "disable", "enable", "enable_from_args", "extra_args_provider",
+__all__ = ["FLAG", "HOOKS", "SUPPORTED_VERSION", "TESTED_VERSIONS", "MegatronGroups", "MegatronPlugin", "active",
+           "build_megatron_groups", "destroy_megatron_groups", "disable", "enable", "enable_from_args", "extra_args_provider",
            "get_moe_module_spec", "groups_from_pg_collection", "megatron_groups", "plugin_spec", "resolve_plugin",
            "token_view"]

@@ -301,6 +301,9 @@ def test_bench_link_profile_covers_every_case_of_the_layout_from_small_messages_
     assert spec == link_spec_for([big, small], layout, [RowSpec(name="parm-auto")], "float32")   # order-free
     assert max(link_spec_for([small], layout, [RowSpec(name="parm-auto")], "float32").sizes_bytes) < 2 * a2a_bytes
     assert {"all_gather", "saa"} <= set(spec.ops) and "mp" in spec.groups and "gemm" not in spec.ops
+    # Parm's terms and DeepSpeed's flow's (parm-auto's third candidate), and nothing else
+    assert set(spec.keys) == {"all_to_all@ep", "all_to_all@ep_esp", "all_gather@mp", "all_gather@esp",
+                              "all_reduce@esp"}
     assert spec.repeats == LINK_REPEATS and spec.check() is spec
     pipe = link_spec_for([big], layout, [RowSpec(name="baseline", options=(("r", "auto"),))], "float32")
     assert set(pipe.ops) == {"all_to_all", "all_to_all_stream", "chunk"} and "chunk" not in spec.ops

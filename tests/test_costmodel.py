@@ -208,6 +208,20 @@ def test_tiny_real_profile_on_two_ranks(world, tmp_path):
     assert (tmp_path / "fit.png").stat().st_size > 10_000
 
 
+def test_profile_measures_only_the_keys_asked_for(world):
+    """``keys`` keeps the cross product of ops and groups to the collectives a planner reads (the bench's
+    link part: Parm's and DeepSpeed's flow's); a group holding the same ranks as one measured is aliased."""
+    layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=2)
+    with pytest.raises(ValueError, match=r"keys \(\['all_gather@nowhere'\]\) are unknown"):
+        ProfileSpec(layout=layout, keys=("all_gather@nowhere",)).check()
+    spec = ProfileSpec(layout=layout, sizes_bytes=(1 << 14, 1 << 16), ops=("all_gather", "all_reduce"),
+                       groups=("ep", "mp", "esp"), warmup=1, repeats=2,
+                       keys=("all_gather@mp", "all_gather@esp", "all_reduce@esp"))
+    prof = world(4).run(tiny_profile, spec)[0]
+    assert set(prof.models) == {"all_gather@mp", "all_gather@esp", "all_reduce@esp"}
+    assert prof.measurements["all_gather@esp"] == prof.measurements["all_gather@mp"]     # esp == mp: aliased
+
+
 def test_profile_times_the_layers_saa(world):
     """The SAA term is measured on the layer's own slice-by-slice SAA (p2p all-to-all, per-block all-gather
     on MP) over sizes rounded to whole rows of its w (G x 1 x 1 x c x 64) tensor."""

@@ -63,6 +63,7 @@ class ProfileSpec:
     warmup: int = 2
     repeats: int = 5
     dtype: str = "float32"
+    keys: Optional[Tuple[str, ...]] = None     # "op@group" collectives to measure; None: every op on every group
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -84,6 +85,12 @@ class ProfileSpec:
         unknown_groups = sorted(set(self.groups) - set(GROUP_KINDS))
         if unknown_groups:
             out.append(f"groups ({unknown_groups}) are unknown; allowed: {', '.join(GROUP_KINDS)}")
+        if self.keys is not None:
+            known = {f"{op}@{g}" for op in COLLECTIVES for g in GROUP_KINDS}
+            unknown_keys = sorted(set(self.keys) - known)
+            if unknown_keys:
+                out.append(f"keys ({unknown_keys}) are unknown; allowed: op@group with op in "
+                           f"{', '.join(COLLECTIVES)} and group in {', '.join(GROUP_KINDS)}")
         if len(self.gemm_shape) != 3 or min(self.gemm_shape) < 1:
             out.append(f"gemm_shape ({self.gemm_shape}) must be three positive ints (E_l, M, H)")
         return out
@@ -164,7 +171,7 @@ def _benches(spec: ProfileSpec, groups: MoEProcessGroups, device: torch.device) 
         if group.size == 1:
             continue
         for op in COLLECTIVES:
-            if op not in spec.ops:
+            if op not in spec.ops or (spec.keys is not None and f"{op}@{kind}" not in spec.keys):
                 continue
             if (op, group.ranks) in first:          # e.g. ep_esp == ep when esp == 1
                 first[op, group.ranks].aliases.append(f"{op}@{kind}")

@@ -65,17 +65,22 @@ def dispatch_bytes(case: CaseConfig, layout: ParallelLayout, dtype: str) -> int:
 def link_spec_for(cases: Sequence[CaseConfig], layout: ParallelLayout, specs: Sequence[RowSpec], dtype: str,
                   repeats: int = LINK_REPEATS) -> ProfileSpec:
     """Pure: the link part for the auto rows ``specs`` of every case in ``cases`` (all on ``layout``): Parm
-    needs the MP all-gather and SAA, PipeMoE the runner's per-chunk cost."""
+    needs the MP all-gather and SAA, and for DeepSpeed's flow (its third candidate) the EP all-to-all and the
+    ESP all-gather and all-reduce; PipeMoE the back-to-back all-to-all and the runner's per-chunk cost. Only
+    those collectives are measured (``keys``)."""
     if not cases:
         raise ValueError("link_spec_for needs at least one case")
     top = max(dispatch_bytes(case, layout, dtype) for case in cases)
     parm = any(default_registry().is_profiled(s.name) for s in specs)
     pipe = any(degree_needs_profile(s.option("r", "1")) for s in specs)
+    keys = ("all_to_all@ep", "all_to_all@ep_esp") \
+        + (("all_gather@mp", "all_gather@esp", "all_reduce@esp") if parm else ()) \
+        + (("all_to_all_stream@ep", "all_to_all_stream@ep_esp") if pipe else ())
     return ProfileSpec(layout=layout, sizes_bytes=_powers_of_two(4096, min(max(2 * top, MIN_TOP_BYTES), MAX_TOP_BYTES)),
-                       ops=("all_to_all",) + (("all_gather", "saa") if parm else ())
+                       ops=("all_to_all",) + (("all_gather", "all_reduce", "saa") if parm else ())
                        + (("all_to_all_stream", "chunk") if pipe else ()),
-                       groups=("ep", "ep_esp", "mp") if parm else ("ep", "ep_esp"), warmup=WARMUP, repeats=repeats,
-                       dtype=dtype)
+                       groups=("ep", "ep_esp", "mp", "esp") if parm else ("ep", "ep_esp"), warmup=WARMUP,
+                       repeats=repeats, dtype=dtype, keys=keys)
 
 
 def gemm_spec_for(case: CaseConfig, layout: ParallelLayout, dtype: str, repeats: int = GEMM_REPEATS) -> ProfileSpec:
