@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -248,22 +248,23 @@ class DeepSpeedPlugin:
         rpn = cfg.ranks_per_node or self.ranks_per_node or world
         problems = layer_problems(facts, cfg, world, rank, rpn, use_data_before_expert_parallel)
         esp = cfg.esp if cfg.esp is not None else facts.host_esp
+        read_profile = lru_cache(maxsize=1)(partial(self._cached_profile, moe=moe))   # read once per layer build
         if not layout_problems(world, rpn, facts.tp, facts.ep, esp):   # the profile is read before any group
             layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
-            problems += profile_problems(cfg, layout, partial(self._cached_profile, moe=moe),
+            problems += profile_problems(cfg, layout, read_profile,
                                          profiled=default_registry().is_profiled(cfg.schedule))
         if problems:            # layer_problems lists the layout's problems too: past here the layout is set
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced = esp != facts.host_esp
         host = self._host_groups(layout, sliced)
-        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, moe)
+        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile)
         ep_pg = self._register(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:
                 self._etp_before = self._ds.groups.expert_tensor_parallel_world_size
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
-        cls = self._schedule_class(cfg.schedule, layout, moe)
+        cls = self._schedule_class(cfg.schedule, layout, moe, read_profile)
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
@@ -282,13 +283,13 @@ class DeepSpeedPlugin:
         """The cost profile ``moe-plugins profile`` cached for this layout, backend and device (or None)."""
         return cached_profile(self.profile_dir or None, layout, dist.get_backend(), next(moe.parameters()).device)
 
-    def _schedule_class(self, name: str, layout: ParallelLayout, moe):
+    def _schedule_class(self, name: str, layout: ParallelLayout, moe, read_profile):
         """The schedule's class; ``parm-auto`` / ``parm-tune`` read the profile cached for this layout."""
         registry = default_registry()
-        profile = self._cached_profile(layout, moe) if registry.is_profiled(name) else None
+        profile = read_profile(layout) if registry.is_profiled(name) else None
         return registry.host_schedule_class(name, profile, next(moe.parameters()).element_size(), layout.mp, logger)
 
-    def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, moe):
+    def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, read_profile):
         """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device),
         its executor and the layer's communication engine: one per layout and lanes (collective to build), with
         a pipeline lane when the degree needs it and a background lane for Lina, shared with Lina's reducer."""
@@ -303,10 +304,10 @@ class DeepSpeedPlugin:
                                             ledger=self.ledger if background else None)
         comm = self._lanes[key]
         if background:
-            self.lina.layer(layout, groups, comm, lambda: self._cached_profile(layout, moe))
+            self.lina.layer(layout, groups, comm, partial(read_profile, layout))
         if value == 1:
             return 1, None, comm
-        profile = self._cached_profile(layout, moe) if degree_needs_profile(value) else None
+        profile = read_profile(layout) if degree_needs_profile(value) else None
         executor = build_executor(value, profile, comm)
         return executor.degree, executor, comm
 

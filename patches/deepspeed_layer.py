@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
-from functools import lru_cache, partial
-from typing import Any, Callable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch
 
@@ -45,21 +45,20 @@ def routing_from_gate(gate_out: Tuple[Any, ...]) -> Routing:
 
 
 def gate_router(gate: torch.nn.Module, used_token: Optional[torch.Tensor], x_SM: torch.Tensor,
-                fast: bool = True) -> Routing:
+                fast: bool = True, noted: Optional[Set[str]] = None) -> Routing:
     """The core's router contract met by DeepSpeed's TopKGate (its RNG draws, capacity and dropless all-reduce
     over the EP group included): its own ``wg`` and the exact fast gate (core/fastgate.py) where that reproduces
-    the gate's settings, else (one log line per reason) the gate itself."""
+    the gate's settings, else the gate itself, logged once per reason in ``noted`` (the layer's set; None:
+    every time)."""
     if fast:
         reason = fast_gate_refusal(gate, used_token)
         if reason is None:
             return fast_gate(gate, used_token, x_SM)
-        _note_fallback(reason)
+        if noted is None or reason not in noted:
+            logger.info("moe_plugins: DeepSpeed's own gate function routes this layer (%s)", reason)
+            if noted is not None:
+                noted.add(reason)
     return routing_from_gate(gate(x_SM, used_token, True, False))
-
-
-@lru_cache(maxsize=None)
-def _note_fallback(reason: str) -> None:
-    logger.info("moe_plugins: DeepSpeed's own gate function routes this layer (%s)", reason)
 
 
 def fast_gate_refusal(gate: torch.nn.Module, used_token: Optional[torch.Tensor]) -> Optional[str]:
@@ -76,7 +75,8 @@ def fast_gate_refusal(gate: torch.nn.Module, used_token: Optional[torch.Tensor])
     if used_token is not None and gate.k == 1:          # top-2 ignores used_token, as TopKGate.forward does
         if used_token.dtype.is_floating_point or used_token.dtype.is_complex:
             return f"used_token is {used_token.dtype}, not a bool or integer mask"
-        if bool(((used_token != 0) & (used_token != 1)).any()):
+        # a bool mask is 0/1 by type; an integer one is checked by value (one host read per call: pass bool)
+        if used_token.dtype != torch.bool and bool(((used_token != 0) & (used_token != 1)).any()):
             return "used_token holds values other than 0 and 1"
     return None
 
@@ -137,8 +137,9 @@ class GateReplay:
     stock layer would draw for it, and the generator ends where one stock gate call leaves it. ``fast``: route
     with the exact fast gate where it applies (``gate_router``)."""
 
-    def __init__(self, gate: torch.nn.Module, used_token: Optional[torch.Tensor], fast: bool = True):
-        self.gate, self.used_token, self.fast, self.state = gate, used_token, fast, None
+    def __init__(self, gate: torch.nn.Module, used_token: Optional[torch.Tensor], fast: bool = True,
+                 noted: Optional[Set[str]] = None):
+        self.gate, self.used_token, self.fast, self.state, self.noted = gate, used_token, fast, None, noted
 
     def __call__(self, x_SM: torch.Tensor) -> Routing:
         rng = torch if x_SM.device.type == "cpu" else getattr(torch, x_SM.device.type)
@@ -147,7 +148,7 @@ class GateReplay:
             self.state = rng.get_rng_state(*args)
         else:
             rng.set_rng_state(self.state, *args)
-        return gate_router(self.gate, self.used_token, x_SM, self.fast)
+        return gate_router(self.gate, self.used_token, x_SM, self.fast, self.noted)
 
 
 def host_experts(experts: torch.nn.Module, ep: int, x_ElRM: torch.Tensor) -> torch.Tensor:
@@ -301,6 +302,7 @@ class SwappedLayer:
     pipeline_degree: Any            # 1, an int > 1 or a pipemoe.AutoDegree
     lane: Any = None                # the pipemoe.runner.Pipelined executor when pipeline_degree != 1
     slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
+    noted: Set[str] = field(default_factory=set)   # why DeepSpeed's own gate routes it (each reason logged once)
 
     def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.slice_activation is None:
@@ -316,7 +318,7 @@ class SwappedLayer:
         if timed:
             layer.timers("moe").start()
         x_SM = x.reshape(-1, x.shape[-1])
-        params = LayerParams(router=GateReplay(layer.gate, used_token), experts=self.experts(layer))
+        params = LayerParams(router=GateReplay(layer.gate, used_token, noted=self.noted), experts=self.experts(layer))
         if self.pipeline_degree == 1:
             y_SM, dispatched = run_schedule(self.schedule, x_SM, params)
         else:

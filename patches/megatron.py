@@ -313,6 +313,6 @@ def _local_world_size() -> Optional[int]:
 
 
 __all__ = ["FLAG", "HOOKS", "SUPPORTED_VERSION", "TESTED_VERSIONS", "MegatronGroups", "MegatronPlugin", "active",
-           "build_megatron_groups", "destroy_megatron_groups", "disable", "enable", "enable_from_args", "extra_args_provider",
-           "get_moe_module_spec", "groups_from_pg_collection", "megatron_groups", "plugin_spec", "resolve_plugin",
-           "token_view"]
+           "build_megatron_groups", "destroy_megatron_groups", "disable", "enable", "enable_from_args",
+           "extra_args_provider", "get_moe_module_spec", "groups_from_pg_collection", "megatron_groups", "plugin_spec",
+           "resolve_plugin", "token_view"]

@@ -1,4 +1,4 @@
-"""Fixes for upstream bugs of the checked Megatron-core (0.16.1) that stop a documented setup, applied while
+"""Fixes for upstream bugs of a checked Megatron-core that stop a documented setup, applied while
 the plugin is enabled (:func:`~moe_plugins.patches.megatron.enable`) or around a run
 (:func:`megatron_compat`, which the Megatron recipe enters with the plugin on or off), each logged, each put
 back after.
@@ -6,6 +6,7 @@ back after.
 - ``moe_utils.te_general_gemm``: the router's gating GEMM (``RouterGatingLinearFunction``) reads this name,
   which 0.16.1 defines only when Transformer Engine imports, so without Transformer Engine every router call
   raises ``NameError`` on GPU (0.17 defines it as None). Set to None: Megatron's own torch GEMM path runs.
+  Needed on 0.16.1 only: on 0.19.2 the name exists and :func:`compat_patches` returns nothing.
 """
 
 from __future__ import annotations

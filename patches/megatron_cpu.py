@@ -1,4 +1,4 @@
-"""Benchmark/test-only shims that let Megatron-core 0.16.1's stock ``MoELayer`` run on CPU with gloo.
+"""Benchmark/test-only shims that let Megatron-core's stock ``MoELayer`` run on CPU with gloo (0.16.1, 0.19.2).
 
 Megatron-core has no CPU path: its MoE code calls torch.cuda stream, event and device functions that fail
 on a CPU build. These shims are small, explicit and undo themselves; nothing in the user path imports this
@@ -6,7 +6,8 @@ module (only :mod:`moe_plugins.tools.bench.stock_megatron` and the tests do). Ea
 :func:`megatron_on_cpu`, which restores every original in ``finally``. Enter it around construction and
 around every forward/backward of a Megatron layer.
 
-The six shims (each found by running the stock layer on CPU; docs/megatron.md, "CPU"):
+The six shims (each found by running the stock layer on CPU; docs/megatron.md, "CPU"; 0.19.2 still needs 1-3,
+5 and 6: the same torch.cuda calls, ``maybe_move_tensor_to_cpu`` and the list all_gather are unchanged there):
 
 1. RNG: ``torch.cuda.get_rng_state``/``set_rng_state`` route to the CPU generator (Megatron's RNG tracker
    forks the CUDA RNG state around expert init).
@@ -14,7 +15,7 @@ The six shims (each found by running the stock layer on CPU; docs/megatron.md, "
    ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (a class attribute) holds a stand-in stream.
 3. Device: ``torch.cuda.current_device()`` returns ``"cpu"`` (router, ``tensor_parallel.mappings``).
 4. ``moe_utils.te_general_gemm = None``: the name exists only when Transformer Engine imports (an upstream
-   bug in core 0.16, fixed in 0.17).
+   bug in core 0.16, fixed in 0.17): applied only where the name is missing (0.16.1), not on 0.19.2.
 5. ``maybe_move_tensor_to_cpu`` also converts CPU tensors when ``as_numpy=True`` (the all-to-all splits must
    be lists, not tensors), in both ``moe_utils`` and ``token_dispatcher``.
 6. ``mappings._gather_along_first_dim`` with uneven ``output_split_sizes`` pads to the largest split and
@@ -107,11 +108,12 @@ def _gather_along_first_dim(input_: torch.Tensor, group: dist.ProcessGroup,
 
 
 def _patches() -> List[Tuple[Any, str, Any]]:
-    """(object, attribute, replacement) for every shim; imports Megatron lazily."""
+    """(object, attribute, replacement) for every shim this Megatron needs; imports Megatron lazily."""
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     cuda = torch.cuda
-    return [
+    te_gemm = [] if "te_general_gemm" in vars(moe_utils) else [(moe_utils, "te_general_gemm", None)]   # 4
+    return te_gemm + [
         (cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),          # 1
         (cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
         (cuda, "Stream", _CpuStream),                                                   # 2
@@ -120,7 +122,6 @@ def _patches() -> List[Tuple[Any, str, Any]]:
         (cuda, "stream", lambda stream=None: contextlib.nullcontext()),
         (token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _CpuStream()),
         (cuda, "current_device", lambda: "cpu"),                                        # 3
-        (moe_utils, "te_general_gemm", None),                                           # 4
         (moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),             # 5
         (token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
         (mappings, "_gather_along_first_dim", _gather_along_first_dim),                 # 6
@@ -129,7 +130,7 @@ def _patches() -> List[Tuple[Any, str, Any]]:
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Apply the six shims; restore every original (or remove what did not exist) on exit."""
+    """Apply the shims (:func:`_patches`); restore every original (or remove what did not exist) on exit."""
     with Patcher([Patch(obj, name, replacement) for obj, name, replacement in _patches()]):
         yield
 

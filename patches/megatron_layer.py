@@ -4,7 +4,7 @@ expert modules compute (same parameters, names and attributes), and a schedule m
 Shapes: S tokens of this rank, M model dim, E experts (E_l local), K routes per token, C capacity, N rows per
 local expert, R rows. ``probs_SE`` / ``map_SE`` are Megatron's router outputs (``probs``, ``routing_map``).
 
-How the stage methods map (megatron-core 0.16.1; see docs/megatron.md)::
+How the stage methods map (megatron-core 0.16.1 and 0.19.2; see docs/megatron.md)::
 
     MoELayer stage            Megatron's alltoall dispatcher        here (pipeline degree 1)
     route                     TopKRouter                            TopKRouter (unchanged)
@@ -241,13 +241,21 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
 
 # ---- the layer ---------------------------------------------------------------------------------------------
 
+def host_layer_kwargs(is_mtp_layer: bool, name: Optional[str]) -> dict:
+    """The keywords of megatron-core >= 0.18's ``MoELayer`` that were given (0.16.1's takes neither; its
+    TransformerLayer passes neither)."""
+    return {**({"is_mtp_layer": True} if is_mtp_layer else {}), **({"name": name} if name is not None else {})}
+
+
 class PluginMoELayer(MoELayer):
     """Megatron's ``MoELayer`` (router, experts, shared experts, parameter names and attributes unchanged) whose
     token movement is a project schedule. Build it from :func:`moe_plugins.patches.megatron.get_moe_module_spec`.
 
     Process groups: ``pg_collection`` when given (Megatron 0.16.1's TransformerLayer passes it only to the exact
-    MoELayer class, so the spec carries it in ``groups``), else ``groups.pg_collection``, else Megatron's
-    ``parallel_state`` groups, as the stock layer does. Everything is validated before anything is built.
+    MoELayer class, so the spec carries it in ``groups``; 0.19.2's passes it to every MLP builder), else
+    ``groups.pg_collection``, else Megatron's ``parallel_state`` groups, as the stock layer does. ``is_mtp_layer``
+    and ``name`` (megatron-core >= 0.18's TransformerLayer passes them) go to Megatron's ``MoELayer`` as given.
+    Everything is validated before anything is built.
     Engines: the layer never builds process groups. A pipeline degree other than 1 needs an engine with a
     pipeline lane: ``engine``, or ``engines`` (:class:`~moe_plugins.patches.megatron_engines.LayoutEngines`, one
     per layout, which :func:`~moe_plugins.patches.megatron.enable` owns), or ``lina``: the enabled plugin's
@@ -258,7 +266,7 @@ class PluginMoELayer(MoELayer):
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
                  profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None,
-                 engines: Any = None):
+                 engines: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None):
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
@@ -270,7 +278,8 @@ class PluginMoELayer(MoELayer):
             engine = lina.engine_for(layout_groups, token_view(layout_groups), lookup)
         elif engines is not None and engine is None and needs_lane(plugin.pipeline_degree):
             engine = engines.engine_for(token_view(layout_groups))
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
+                         **host_layer_kwargs(is_mtp_layer, name))
         self.plugin = plugin
         self.moe_groups = token_view(layout_groups)
         self.token_dispatcher = ScheduleTokenDispatcher(

@@ -129,7 +129,7 @@ def megatron_moe_factory(size: ModelSize, settings: MegatronMoESettings, pg_coll
     """The recipes' MoEFactory: each call builds the next MoE layer (numbered by its HF block, 1-based) from
     ``moe_spec`` on ``pg_collection``, and appends it to ``moe_layers``. The HF expert module handed in only
     tells the activation; Megatron builds its own experts."""
-    from megatron.core.transformer.spec_utils import build_module
+    from moe_plugins.patches.megatron_specs import build_layer
     numbers = [i + 1 for i in moe_layer_indices(size)]
     spec = moe_spec(size, settings)
     ep_rank, etp_rank = pg_collection.ep.rank(), pg_collection.expt_tp.rank()
@@ -139,7 +139,7 @@ def megatron_moe_factory(size: ModelSize, settings: MegatronMoESettings, pg_coll
             raise ValueError(f"the factory was called more often than the size has MoE layers ({len(numbers)})")
         number = numbers[len(moe_layers)]
         config = transformer_config(size, settings, activation_of(expert))
-        layer = build_module(spec, config=config, layer_number=number, pg_collection=pg_collection)
+        layer = build_layer(spec, config, layer_number=number, pg_collection=pg_collection)
         layer.set_layer_number(number)         # the router tracks aux losses of numbered layers only
         init_experts(layer.experts, config, settings.seed, number, ep_rank, etp_rank)
         moe_layers.append(layer)

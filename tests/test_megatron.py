@@ -1,4 +1,6 @@
-"""Megatron-core host (issue 5): the plugin's layer against Megatron-core 0.16.1's stock MoELayer.
+"""Megatron-core host (issue 5): the plugin's layer against Megatron-core's stock MoELayer (0.16.1, whose layer specs
+are ModuleSpec objects, and 0.19.2, whose are functools.partial objects; the few checks that differ branch on the
+installed version).
 
 Layers: pure functions and patching in this process; then 4 gloo ranks of the ``world`` pool running stock
 Megatron and the plugin side by side under the CPU shims (fp64 layer equivalence over TP x EP x expert-TP x k,
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -19,13 +22,18 @@ pytest.importorskip("megatron.core")
 from moe_plugins.core.dispatch import combine, dispatch  # noqa: E402
 from moe_plugins.patches import megatron as mp  # noqa: E402
 from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems, token_layout  # noqa: E402
+from moe_plugins.patches.megatron_specs import (MODULE_SPEC, PARTIAL, spec_layer_class, spec_params,  # noqa: E402
+                                                spec_style, spec_submodules)
 from moe_plugins.core.plugin_config import PluginConfig  # noqa: E402
 from moe_plugins.plugins import default_registry  # noqa: E402
 from moe_plugins.tools.verify_megatron import MegatronVerifySpec, collect  # noqa: E402
 from tests.workers import megatron as jobs                                            # noqa: E402
 
 WORLD, RPN = 4, 2
+VERSION = __import__("megatron.core.package_info", fromlist=["__version__"]).__version__
+STYLE = spec_style(VERSION)                # ModuleSpec (0.16.1) or functools.partial (0.19.2) layer specs
 JOB_TIMEOUT_S = 1800        # the first job imports Megatron on every rank: minutes on 2 shared, busy cores
+PLUGIN_PARAMS = ("plugin", "groups", "ranks_per_node", "ledger")
 LAYOUTS = [(tp, ep, etp) for tp in (1, 2) for ep in (1, 2, 4) for etp in (1, 2) if ep * etp <= WORLD]
 
 
@@ -147,14 +155,28 @@ def test_disable_restores_megatron_exactly():
         with pytest.raises(ValueError, match="already enabled"):
             mp.enable(PluginConfig())
         mlp = get_gpt_layer_local_spec(num_experts=4).submodules.mlp
-        assert mlp.module is PluginMoELayer and mlp.params["plugin"] == PluginConfig(schedule="baseline")
+        assert spec_layer_class(mlp) is PluginMoELayer and spec_params(mlp)["plugin"] == PluginConfig(schedule="baseline")
         assert handle.specs_built == 1
     finally:
         mp.disable()
     assert mp.active() is None and not handle.active and _same(before, _snapshot())
     assert [vars(__import__(m, fromlist=[a]))[a] for m, a in mp.HOOKS] == originals
-    assert get_gpt_layer_local_spec(num_experts=4).submodules.mlp.module is MoELayer
+    assert spec_layer_class(get_gpt_layer_local_spec(num_experts=4).submodules.mlp) is MoELayer
     mp.disable()                                                                   # idempotent
+
+
+def _shape(spec):
+    """A comparable form of a spec tree: functools.partial (0.19.2's builders) compares by identity, so two calls
+    of Megatron's spec function give unequal partials; here they compare by function and arguments."""
+    if isinstance(spec, functools.partial):
+        return ("partial", spec.func, _shape(spec.args), _shape(spec.keywords))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return (type(spec), tuple((f.name, _shape(getattr(spec, f.name))) for f in dataclasses.fields(spec)))
+    if isinstance(spec, dict):
+        return tuple(sorted((k, _shape(v)) for k, v in spec.items()))
+    if isinstance(spec, (list, tuple)):
+        return tuple(_shape(v) for v in spec)
+    return spec
 
 
 def test_spec_provider_swaps_only_the_layer_class():
@@ -162,11 +184,20 @@ def test_spec_provider_swaps_only_the_layer_class():
     from megatron.core.transformer.moe.moe_layer import MoELayer
     stock = stock_spec(use_te=False, num_experts=4)
     ours = mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"schedule": "baseline"})
-    assert issubclass(ours.module, MoELayer) and ours.module is not MoELayer
-    assert ours.submodules == stock.submodules and ours.metainfo == stock.metainfo
-    assert mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"enabled": False}).module is MoELayer
+    assert type(ours) is type(stock) and STYLE == (PARTIAL if isinstance(stock, functools.partial) else MODULE_SPEC)
+    assert issubclass(spec_layer_class(ours), MoELayer) and spec_layer_class(ours) is not MoELayer
+    assert _shape(spec_submodules(ours)) == _shape(spec_submodules(stock))
+    assert _shape({k: v for k, v in spec_params(ours).items() if k not in PLUGIN_PARAMS}) == _shape(spec_params(stock))
+    if STYLE == MODULE_SPEC:
+        assert ours.metainfo == stock.metainfo
+    assert spec_layer_class(mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"enabled": False})) is MoELayer
     with pytest.raises(ValueError, match="moe_plugins.schedule .'nope'. must be one of"):
         mp.get_moe_module_spec(use_te=False, num_experts=4, plugin={"schedule": "nope"})
+    if STYLE == PARTIAL:                                # megatron-core 0.18 dropped the legacy grouped GEMM
+        with pytest.raises(ValueError, match=r"moe_use_legacy_grouped_gemm \(True\) is not an argument"):
+            mp.get_moe_module_spec(use_te=False, num_experts=4, moe_use_legacy_grouped_gemm=True, plugin={})
+    else:
+        assert mp.get_moe_module_spec(use_te=False, num_experts=4, moe_use_legacy_grouped_gemm=True, plugin={})
 
 
 # ---- Megatron's routing as the core's Routing (one process) ------------------------------------------------------
@@ -354,12 +385,21 @@ def test_auto_degree_reads_the_cached_profile_and_matches_stock(world, tmp_path,
 def test_router_gemm_runs_without_transformer_engine_under_the_compat_fix():
     """megatron-core 0.16.1's router GEMM names te_general_gemm, defined only with Transformer Engine (absent
     here, as on the GPU run of issue #27): NameError without the fix, Megatron's torch GEMM with it, and the
-    module as it was afterwards. enable() applies the same fix for as long as the plugin is on."""
+    module as it was afterwards. enable() applies the same fix for as long as the plugin is on. From 0.17 the name
+    is defined (None without Transformer Engine): no fix is applied, and the GEMM runs as it is."""
     from megatron.core.transformer.moe import moe_utils
 
     from moe_plugins.patches.megatron_compat import compat_patches, megatron_compat
-    assert "te_general_gemm" not in vars(moe_utils) and len(compat_patches()) == 1
+    from moe_plugins.patches.megatron_specs import version_tuple
     x, w = torch.randn(4, 8), torch.randn(3, 8)
+    if version_tuple(VERSION)[:2] >= (0, 17):
+        assert vars(moe_utils)["te_general_gemm"] is None and compat_patches() == []
+        assert torch.allclose(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
+        with megatron_compat(), mp.enable({"schedule": "baseline"}):
+            assert vars(moe_utils)["te_general_gemm"] is None
+        assert vars(moe_utils)["te_general_gemm"] is None
+        return
+    assert "te_general_gemm" not in vars(moe_utils) and len(compat_patches()) == 1
     with pytest.raises(NameError, match="te_general_gemm"):
         moe_utils.router_gating_linear(x, w, None, torch.float32)
     with megatron_compat():

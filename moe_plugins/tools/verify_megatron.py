@@ -111,18 +111,18 @@ def build_pair(spec: MegatronVerifySpec, config: Any, megatron_groups: Any, ledg
     ``engines``: the caller's LayoutEngines, for a pipeline degree other than 1."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import build_module
 
     from moe_plugins.patches.megatron import get_moe_module_spec
+    from moe_plugins.patches.megatron_specs import build_layer, spec_submodules
 
     plugin_config = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree)
     with torch.random.fork_rng(devices=[]):                  # the caller's random state is left as it was
         torch.manual_seed(1000 + spec.seed)
-        stock = MoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+        stock = MoELayer(config, submodules=spec_submodules(stock_spec(use_te=False, num_experts=spec.experts)),
                          pg_collection=megatron_groups.pg_collection)
-        plugin = build_module(get_moe_module_spec(use_te=False, num_experts=spec.experts, plugin=plugin_config,
-                                                  groups=megatron_groups, ledger=ledger, engines=engines),
-                              config=config)
+        plugin = build_layer(get_moe_module_spec(use_te=False, num_experts=spec.experts, plugin=plugin_config,
+                                                 groups=megatron_groups, ledger=ledger, engines=engines),
+                             config=config)
     plugin.load_state_dict(stock.state_dict())
     for layer in (stock, plugin):
         layer.set_layer_number(1)                     # Megatron tracks aux losses of numbered layers only

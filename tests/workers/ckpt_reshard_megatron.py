@@ -53,15 +53,15 @@ def _config(s: MegatronVerifySpec, bias: bool):
 def build_layer(kind: str, s: MegatronVerifySpec, config: Any, groups: Any) -> torch.nn.Module:
     """The stock layer from Megatron's spec provider, or the plugin's from ``get_moe_module_spec``."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
-    from megatron.core.transformer.spec_utils import build_module
 
     from moe_plugins.patches.megatron import get_moe_module_spec
+    from moe_plugins.patches.megatron_specs import build_layer as build_spec
     if kind == "stock":
         module_spec = stock_spec(use_te=False, num_experts=s.experts)
-        layer = build_module(module_spec, config=config, pg_collection=groups.pg_collection)
+        layer = build_spec(module_spec, config, pg_collection=groups.pg_collection)
     elif kind == "plugin":
-        layer = build_module(get_moe_module_spec(use_te=False, num_experts=s.experts, plugin={"schedule": "baseline"},
-                                                 groups=groups), config=config)
+        layer = build_spec(get_moe_module_spec(use_te=False, num_experts=s.experts, plugin={"schedule": "baseline"},
+                                               groups=groups), config)
     else:
         raise ValueError(f"kind ({kind!r}) must be 'stock' or 'plugin'")
     layer.set_layer_number(1)

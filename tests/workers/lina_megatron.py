@@ -39,7 +39,8 @@ def _net(config, seed: int, tied: bool = False):
     linear's weight is the first's (as GPT ties its output layer to the embedding): one parameter used twice."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.spec_utils import build_module
+
+    from moe_plugins.patches.megatron_specs import build_layer
 
     class Net(MegatronModule):
         def __init__(self):
@@ -47,8 +48,8 @@ def _net(config, seed: int, tied: bool = False):
             self.dense = torch.nn.ModuleList(torch.nn.Linear(M, M, dtype=config.params_dtype) for _ in range(3))
             for p in self.dense.parameters():          # replicated over TP (tokens are per TP rank): summed there
                 p.sequence_parallel = config.sequence_parallel
-            self.moe = torch.nn.ModuleList(build_module(get_moe_module_spec(use_te=False, num_experts=E),
-                                                        config=config) for _ in range(2))
+            self.moe = torch.nn.ModuleList(build_layer(get_moe_module_spec(use_te=False, num_experts=E), config)
+                                           for _ in range(2))
             if tied:
                 self.dense[2].weight = self.dense[0].weight
 

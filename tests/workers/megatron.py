@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu
+from moe_plugins.patches.megatron_specs import spec_submodules
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.plugin_config import PluginConfig
 from moe_plugins.tools.verify_megatron import MegatronVerifySpec, build_pair, compare_on_rank, transformer_config
@@ -184,7 +185,7 @@ def bad_layer_job() -> Dict[str, Any]:
         config.overlap_moe_expert_parallel_comm = True
         before = torch.get_rng_state()
         try:
-            PluginMoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+            PluginMoELayer(config, submodules=spec_submodules(stock_spec(use_te=False, num_experts=spec.experts)),
                            plugin=PluginConfig(schedule="baseline-tp", pipeline_degree="auto", esp=1), groups=groups)
         except ValueError as exc:
             message = str(exc)
@@ -207,8 +208,8 @@ def mismatched_groups_job() -> str:
         strided = [dist.new_group([r for r in range(world) if r % 2 == parity]) for parity in range(2)]
         pgc.ep = strided[dist.get_rank() % 2]                     # EP over {0,2},{1,3}; the layout has {0,1},{2,3}
         try:
-            PluginMoELayer(transformer_config(spec), submodules=stock_spec(use_te=False, num_experts=4).submodules,
-                           pg_collection=pgc, plugin=PluginConfig())
+            submodules = spec_submodules(stock_spec(use_te=False, num_experts=4))
+            PluginMoELayer(transformer_config(spec), submodules=submodules, pg_collection=pgc, plugin=PluginConfig())
         except ValueError as exc:
             message = str(exc)
         finally:
@@ -281,9 +282,9 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
         config = transformer_config(spec)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1000 + spec.seed)
-            stock = MoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
-                             pg_collection=groups.pg_collection)
-            plugin = PluginMoELayer(config, submodules=stock_spec(use_te=False, num_experts=spec.experts).submodules,
+            submodules = spec_submodules(stock_spec(use_te=False, num_experts=spec.experts))
+            stock = MoELayer(config, submodules=submodules, pg_collection=groups.pg_collection)
+            plugin = PluginMoELayer(config, submodules=submodules,
                                     plugin=PluginConfig(schedule=schedule, pipeline_degree="auto"), groups=groups,
                                     profile_dir=profile_dir, engines=engines)
         plugin.load_state_dict(stock.state_dict())

@@ -170,14 +170,15 @@ def megatron_step_net(ctx: StepContext, config: Any) -> nn.Module:
     ``get_moe_module_spec`` (the plugin's while it is enabled), holding the StepNet's weights; returns the loss."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.spec_utils import build_module
+
+    from moe_plugins.patches.megatron_specs import build_layer
 
     class MegatronStepNet(MegatronModule):
         def __init__(self):
             super().__init__(config)
             self.dense = copy.deepcopy(ctx.net.dense)
-            self.moe = nn.ModuleList(build_module(get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts),
-                                                  config=config) for _ in ctx.net.moe)
+            self.moe = nn.ModuleList(build_layer(get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts),
+                                                 config) for _ in ctx.net.moe)
 
         def forward(self, x_S1M: torch.Tensor, g_S1M: torch.Tensor) -> torch.Tensor:
             for dense, moe in zip(self.dense, self.moe):

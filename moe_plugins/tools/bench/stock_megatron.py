@@ -100,9 +100,11 @@ def build_megatron_row(spec: RowSpec, data: CaseData) -> Row:
     with megatron_on_cpu():
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        from moe_plugins.patches.megatron_specs import spec_submodules
         config = transformer_config(data, spec.option("dispatcher", "alltoall"))
         module_spec = get_moe_module_spec(use_te=False, num_experts=data.case.experts, moe_grouped_gemm=False)
-        layer = MoELayer(config, submodules=module_spec.submodules,
+        layer = MoELayer(config, submodules=spec_submodules(module_spec),
                          pg_collection=pg_collection(data.groups, singleton))
         _load(layer, data)
     zero = torch.zeros(())
