@@ -71,6 +71,24 @@ def test_profile_json_roundtrip_cache_and_lookup(tmp_path):
         model_key("gemm", "ep")
 
 
+def test_a_profile_with_wrongly_typed_numbers_is_refused_at_load(tmp_path):
+    """A hand-edited profile whose terms are strings, booleans or negative is refused when read, naming each
+    field, not when a planner later does arithmetic with it."""
+    good = CostProfile(key=KEY, dtype="float32", source="test",
+                       models={"all_to_all@ep": LinearModel(alpha=2e-3, beta=3e-9, unit="byte", r2=0.98, samples=5)},
+                       measurements={"all_to_all@ep": Measurement(x=(1.0, 2.0), seconds=(0.1, 0.2))})
+    raw = json.loads(good.to_json())
+    raw["models"]["all_to_all@ep"].update(alpha="2e-3", beta=-1.0)
+    raw["measurements"]["all_to_all@ep"]["seconds"] = [0.1, True]
+    path = cache_path(tmp_path, KEY)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        load_cached(tmp_path, KEY)
+    text = str(err.value)
+    assert str(path) in text and "models[all_to_all@ep].alpha ('2e-3') must be a finite number >= 0" in text
+    assert "models[all_to_all@ep].beta (-1.0)" in text and "measurements[all_to_all@ep]" in text
+
+
 def test_exchange_curve_is_the_isotonic_fit_of_the_medians():
     # a noisy dip (2 MiB faster than 1 MiB) is pooled; sizes arrive unsorted, as a re-fit might pass them
     m = Measurement(x=(4096.0, 2097152.0, 1048576.0, 4194304.0), seconds=(1e-3, 40e-3, 50e-3, 170e-3))

@@ -235,8 +235,9 @@ def test_routing_matches_megatron_permute_and_unpermute(k, capacity_factor, pad,
         probs, rmap, cap = routed(lg)
         if side == "megatron":
             drop_and_pad = pad and capacity_factor is not None
+            # (permuted, probs, order) on 0.16.1; 0.19.2 adds pad offsets and tokens per expert after them
             perm, perm_probs, order = permute(x, rmap, probs=probs, num_out_tokens=cap * experts if drop_and_pad
-                                              else int(rmap.sum()), drop_and_pad=drop_and_pad)
+                                              else int(rmap.sum()), drop_and_pad=drop_and_pad)[:3]
             counts = [cap] * experts if drop_and_pad else rmap.sum(0).tolist()
             out = torch.cat([expert(e, c) for e, c in enumerate(torch.split(perm, counts))]) * perm_probs[:, None]
             y = unpermute(out, order, restore_shape=x.shape, routing_map=rmap, drop_and_pad=drop_and_pad)

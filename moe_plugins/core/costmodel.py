@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-from scipy.optimize import isotonic_regression, lsq_linear
+from scipy.optimize import lsq_linear
+
+from moe_plugins.core.curves import ExchangeCurve  # noqa: F401  (re-exported: the measured-curve pricing)
 
 OPS = ("gemm", "all_to_all", "all_to_all_stream", "all_gather", "all_reduce", "saa")
 UNITS = {"gemm": "mac", "all_to_all": "byte", "all_to_all_stream": "byte", "all_gather": "byte",
@@ -65,9 +67,13 @@ def model_problems(name: str, model: LinearModel) -> List[str]:
     problems = []
     for term in ("alpha", "beta"):
         value = getattr(model, term)
-        if not math.isfinite(value) or value < 0:
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
             problems.append(f"{name}.{term} ({value!r}) must be a finite number >= 0")
     return problems
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def fit_linear(x: Sequence[float], t: Sequence[float], unit: str) -> LinearModel:
@@ -189,12 +195,18 @@ class CostProfile:
             raw = json.loads(text)
             if raw.get("version") != PROFILE_VERSION:
                 raise ValueError(f"profile version ({raw.get('version')!r}) is not {PROFILE_VERSION}")
-            return CostProfile(key=ProfileKey(**raw["key"]), dtype=raw["dtype"], source=raw.get("source", ""),
-                               models={k: LinearModel(**m) for k, m in raw["models"].items()},
-                               measurements={k: Measurement(x=tuple(m["x"]), seconds=tuple(m["seconds"]))
-                                             for k, m in raw.get("measurements", {}).items()})
+            profile = CostProfile(key=ProfileKey(**raw["key"]), dtype=raw["dtype"], source=raw.get("source", ""),
+                                  models={k: LinearModel(**m) for k, m in raw["models"].items()},
+                                  measurements={k: Measurement(x=tuple(m["x"]), seconds=tuple(m["seconds"]))
+                                                for k, m in raw.get("measurements", {}).items()})
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a cost profile of version {PROFILE_VERSION} ({type(exc).__name__}: {exc})") from None
+        problems = [p for k, m in sorted(profile.models.items()) for p in model_problems(f"models[{k}]", m)]
+        problems += [f"measurements[{k}] ({m.to_json()!r}) must hold numbers" for k, m in sorted(
+            profile.measurements.items()) if not all(_is_number(v) for v in m.x + m.seconds)]
+        if problems:
+            raise ValueError("not a usable cost profile: " + "; ".join(problems))
+        return profile
 
     def save(self, path: Path) -> Path:
         path = Path(path)
@@ -236,52 +248,6 @@ def default_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
 
 
 # ---- the PipeMoE terms (pipemoe.txt Table I, Eq. 15 and 17) ----------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class ExchangeCurve:
-    """One exchange's time as measured, not as a line: t(x) is the isotonic (non-decreasing) least-squares
-    fit of the profile's per-size medians, linearly interpolated between the measured sizes.
-
-    Why: over a gloo link one all-to-all changes regime with its size. On the emulated link
-    (benchmarks/results/duplex-link.md) an exchange of 2 MiB each way took 2x its time at the rate while
-    half of it took 1x: past a size the two directions take turns. A line fitted across both regimes
-    overprices small chunks and underprices large exchanges, which is where PipeMoE's choice is made.
-    Below the smallest size t is the smallest size's time; past the largest it grows with ``beta_tail``
-    (the fitted line's slope)."""
-
-    x: Tuple[float, ...]          # bytes, increasing
-    seconds: Tuple[float, ...]    # non-decreasing
-    beta_tail: float              # s/byte past the last size
-
-    def time(self, x: float) -> float:
-        if x >= self.x[-1]:
-            return self.seconds[-1] + self.beta_tail * (x - self.x[-1])
-        return float(np.interp(x, self.x, self.seconds))
-
-    def problems(self) -> List[str]:
-        out = []
-        if len(self.x) < 2 or len(self.x) != len(self.seconds):
-            out.append(f"exchange_curve needs >= 2 sizes and one time per size (got {len(self.x)} sizes, "
-                       f"{len(self.seconds)} times)")
-        elif any(b <= a for a, b in zip(self.x, self.x[1:])) or self.x[0] < 0:
-            out.append(f"exchange_curve sizes ({list(self.x)!r}) must be increasing and >= 0")
-        elif any(b < a for a, b in zip(self.seconds, self.seconds[1:])) or self.seconds[0] < 0:
-            out.append(f"exchange_curve times ({list(self.seconds)!r}) must be non-decreasing and >= 0")
-        if not (math.isfinite(self.beta_tail) and self.beta_tail >= 0):
-            out.append(f"exchange_curve beta_tail ({self.beta_tail!r}) must be a finite number >= 0")
-        return out
-
-    @staticmethod
-    def fit(measurement: Measurement, beta_tail: float) -> "ExchangeCurve":
-        """The isotonic fit of ``measurement``, one point per size (repeated sizes enter as their mean,
-        weighted by their count)."""
-        x_U, inverse, count_U = np.unique(np.asarray(measurement.x, dtype=float), return_inverse=True,
-                                          return_counts=True)
-        mean_U = np.bincount(inverse, weights=np.asarray(measurement.seconds, dtype=float)) / count_U
-        t_U = isotonic_regression(mean_U, weights=count_U.astype(float)).x
-        return ExchangeCurve(x=tuple(float(v) for v in x_U), seconds=tuple(float(max(t, 0.0)) for t in t_U),
-                             beta_tail=max(float(beta_tail), 0.0))
-
 
 EXCHANGE_PRICING = ("curve", "linear")
 
