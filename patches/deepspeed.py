@@ -253,6 +253,7 @@ class DeepSpeedPlugin:
             layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
             problems += profile_problems(cfg, layout, read_profile,
                                          profiled=default_registry().is_profiled(cfg.schedule))
+            problems += self.lina.profile_problems(layout, read_profile)
         if problems:            # layer_problems lists the layout's problems too: past here the layout is set
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced = esp != facts.host_esp

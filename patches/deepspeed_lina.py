@@ -260,6 +260,24 @@ class LinaHooks:
             raise ValueError("moe_plugins cannot run Lina on this DeepSpeed engine: " + "; ".join(problems))
         return _Setup(config=lina)
 
+    def profile_problems(self, layout: ParallelLayout, read_profile: Callable[[ParallelLayout], Any]) -> List[str]:
+        """``micro_op_mb: "auto"`` reads the all-reduce term of the profile cached for ``layout``: checked when a
+        layer is validated, before its groups are built (``read_profile`` raises a ValueError naming an
+        unusable file)."""
+        lina = self.current.config if self.current is not None else None
+        if lina is None or not lina.priority or lina.micro_op_mb != "auto":
+            return []
+        try:
+            profile = read_profile(layout)
+        except ValueError as exc:
+            return [f'{PATH}.micro_op_mb ("auto") reads the cost profile cached for this layout, which cannot be '
+                    f"used: {exc}"]
+        if profile is None or "all_reduce@dp" not in profile.models:
+            what = "none is cached" if profile is None else "the cached one has no all_reduce@dp model"
+            return [f'{PATH}.micro_op_mb ("auto") needs a cost profile with the data-parallel all-reduce for this '
+                    f"layout, and {what}: run `moe-plugins profile` on this cluster, or give a size in MB"]
+        return []
+
     def layer(self, layout: ParallelLayout, groups: Any, comm: Any, profile_fn: Callable[[], Any]) -> None:
         """A MoE layer of the engine being set up runs on ``layout`` with the engine ``comm``."""
         self.current.layouts.setdefault(layout, (groups, comm, profile_fn))

@@ -1,4 +1,4 @@
-"""Lina's gradient micro-ops in Megatron-core's ``DistributedDataParallel`` (megatron-core 0.16.1 only).
+"""Lina's gradient micro-ops in Megatron-core's ``DistributedDataParallel`` (megatron-core 0.16.1 and 0.19.2).
 
 While :func:`moe_plugins.patches.megatron.enable` runs with a ``"lina"`` section, two Megatron names are replaced
 (through the plugin's :class:`~moe_plugins.core.patcher.Patcher`, restored by ``disable()``):
@@ -8,7 +8,9 @@ While :func:`moe_plugins.patches.megatron.enable` runs with a ``"lina"`` section
   every problem), and afterwards its bucket groups are routed to the layers' engine: dense bucket groups to the
   layout's ``dp`` group, expert bucket groups to ``expert_dp`` (matched by ranks).
 - ``_ParamAndGradBucketGroup.start_grad_sync``: for a routed bucket group it does what stock does before its
-  collective (the first-batch rule, the grad checks, ``grad_data *= gradient_scaling_factor``), then submits
+  collective (the first-batch rule, the grad checks, ``grad_data *= gradient_scaling_factor``, and on 0.19.2
+  also draining a linked predecessor, waiting CUDA-graph wgrad events and copying separate ``main_grad`` tensors
+  into the buffer, each where Megatron has the attribute it reads), then submits
   every bucket's ``grad_data`` to Lina's :class:`~moe_plugins.lina.reducer.GradReducer` and leaves a handle in
   ``grad_reduce_handle`` whose ``wait()`` waits every micro-op, so the stock ``finish_grad_sync`` waits on it.
   Without ``overlap_grad_reduce`` stock calls it from ``finish_grad_sync``, and it waits at once. Any other
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from moe_plugins.core.engine import CommEngine
@@ -44,7 +47,7 @@ from moe_plugins.pipemoe.runner import needs_lane
 
 logger = logging.getLogger("moe_plugins.megatron")
 
-CHECKED_VERSION = "0.16.1"
+CHECKED_VERSIONS = ("0.16.1", "0.19.2")         # start_grad_sync read against each
 PATH = f"{SECTION}.lina"
 
 # DistributedDataParallelConfig fields Lina cannot run exactly, as (field, Megatron-LM argument, fine value, why)
@@ -66,10 +69,10 @@ DDP_UNSUPPORTED: Tuple[Tuple[str, str, Any, str], ...] = (
 # ---- checks (pure) -----------------------------------------------------------------------------------------
 
 def version_problems(version: str) -> List[str]:
-    if version == CHECKED_VERSION:
+    if version in CHECKED_VERSIONS:
         return []
-    return [f"{PATH} needs megatron-core {CHECKED_VERSION} (found {version}): its hook, "
-            "_ParamAndGradBucketGroup.start_grad_sync, was checked against that version only"]
+    return [f"{PATH} needs megatron-core {' or '.join(CHECKED_VERSIONS)} (found {version}): its hook, "
+            "_ParamAndGradBucketGroup.start_grad_sync, was checked against those versions only"]
 
 
 def ddp_problems(source: Any, *, args: bool = False) -> List[str]:
@@ -244,7 +247,7 @@ class LinaState:
             route = routes.get(bucket_group)
             if route is None:
                 return original(bucket_group, force_all_reduce)
-            return _start_grad_sync(bucket_group, *route)
+            return _start_grad_sync(bucket_group, *route, force_all_reduce=force_all_reduce)
 
         start_grad_sync.__wrapped__ = original
         return start_grad_sync
@@ -286,19 +289,50 @@ def _ddp_groups(pg_collection: Any) -> Tuple[Any, Any]:
     return (pg_collection.dp if dense is None else dense), getattr(pg_collection, "expt_dp", None)
 
 
-def _start_grad_sync(bucket_group: Any, reducer: GradReducer, group: Group) -> None:
-    """Stock ``start_grad_sync`` (0.16.1, one optimizer instance, all-reduce) with Lina's micro-ops."""
+def _drain_predecessor(bucket_group: Any, force_all_reduce: Optional[bool]) -> None:
+    """0.19.2: finish the linked predecessor's reduction first (linked only with fp32-accumulating
+    reduce-scatter; 0.16.1 has no link)."""
+    previous = getattr(bucket_group, "previous_grad_reduce_bucket_group", None)
+    if previous is not None and previous.grad_reduce_handle is not None:
+        previous.finish_grad_sync(force_all_reduce=force_all_reduce)
+
+
+def _sync_extra_grads(bucket_group: Any) -> None:
+    """0.19.2: wait for CUDA-graph replays that accumulate into these buckets, and copy separate (higher precision)
+    ``main_grad`` tensors into the buffer (stock's ``finish_grad_sync`` copies them back). No-op on 0.16.1."""
+    events = {}
+    for bucket in bucket_group.buckets:
+        for param in getattr(bucket, "params_list", ()):
+            event = getattr(param, "_cudagraph_wgrad_ready_event", None)
+            if event is not None:
+                events[id(event)] = event
+    if events:
+        stream = torch.cuda.current_stream()
+        for event in events.values():
+            stream.wait_event(event)
+    for bucket in bucket_group.buckets:
+        for param in getattr(bucket, "params_with_extra_main_grads", ()):
+            if getattr(param, "main_grad_copy_in_grad_buffer", None) is not None:
+                param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)
+
+
+def _start_grad_sync(bucket_group: Any, reducer: GradReducer, group: Group, *,
+                     force_all_reduce: Optional[bool] = False) -> None:
+    """Stock ``start_grad_sync`` (0.16.1 / 0.19.2, one optimizer instance, all-reduce) with Lina's micro-ops."""
     if bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None:
         return                                           # first batch: already dispatched
+    _drain_predecessor(bucket_group, force_all_reduce)
     if bucket_group.grad_reduce_handle is not None:
         raise RuntimeError("Should not have multiple communication calls outstanding at once")
+    _sync_extra_grads(bucket_group)
     ddp_config = bucket_group.ddp_config
     if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
         bucket_group.check_grads(check_for_nan_or_inf=ddp_config.check_for_nan_in_grad,
                                  check_for_large=ddp_config.check_for_large_grads)
-    for bucket in bucket_group.buckets:
-        if bucket.gradient_scaling_factor != 1.0:
-            bucket.grad_data *= bucket.gradient_scaling_factor
+    with torch.no_grad():
+        for bucket in bucket_group.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
     if group.size == 1:                                  # a sum over one rank: stock's collective is a no-op
         pending = []
     else:
@@ -311,5 +345,5 @@ def _start_grad_sync(bucket_group: Any, reducer: GradReducer, group: Group) -> N
         bucket_group.grad_reduce_handle = None
 
 
-__all__ = ["CHECKED_VERSION", "DDP_UNSUPPORTED", "BucketGroupReduce", "LinaEngine", "LinaState", "build_lina_engine",
+__all__ = ["CHECKED_VERSIONS", "DDP_UNSUPPORTED", "BucketGroupReduce", "LinaEngine", "LinaState", "build_lina_engine",
            "ddp_problems", "group_problems", "version_problems"]

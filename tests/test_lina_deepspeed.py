@@ -127,3 +127,6 @@ def test_bad_input_through_deepspeed_initialize(world):
     assert out["settings_lina_engines"] == 0
     assert "exactly one layout; found 2" in out["layouts"], out["layouts"]
     assert out["layouts_lina_engines"] == 0 and out["classes_untouched"]
+    # "auto" with no cost profile cached: refused when the first layer is validated, before its groups
+    assert 'moe_plugins.lina.micro_op_mb ("auto") needs a cost profile' in out["auto_without_profile"], out
+    assert "none is cached" in out["auto_without_profile"] and out["auto_without_profile_lina_engines"] == 0

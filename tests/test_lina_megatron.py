@@ -1,5 +1,5 @@
-"""Lina in Megatron-core 0.16.1's DistributedDataParallel (issue 23): gradient buckets reduced as Lina's micro-ops
-on the engine the plugin's MoE layers share.
+"""Lina in Megatron-core's DistributedDataParallel (0.16.1 and 0.19.2; issue 23): gradient buckets reduced as
+Lina's micro-ops on the engine the plugin's MoE layers share.
 
 Layers: checks in this process (pure functions, enable() refusing before it patches anything); then gloo ranks
 of the ``world`` pool, each running a tiny model (dense linears around two MoE layers) through Megatron's DDP with
@@ -54,8 +54,8 @@ def test_unsupported_ddp_settings_are_listed_with_their_values():
                    "average_in_collective (True) must be False", "gloo has no AVG"):
         assert needle in text, (needle, text)
     assert ddp_problems(DistributedDataParallelConfig(overlap_grad_reduce=True)) == []
-    assert version_problems("0.16.1") == []
-    assert "needs megatron-core 0.16.1 (found 0.17.0)" in version_problems("0.17.0")[0]
+    assert version_problems("0.16.1") == [] and version_problems("0.19.2") == []
+    assert "needs megatron-core 0.16.1 or 0.19.2 (found 0.17.0)" in version_problems("0.17.0")[0]
 
 
 def test_enable_refuses_an_unchecked_version_before_patching(monkeypatch):
@@ -64,7 +64,7 @@ def test_enable_refuses_an_unchecked_version_before_patching(monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(ValueError) as err:
         mp.enable({"schedule": "baseline", "lina": dict(LINA, packing=2)})
-    assert "moe_plugins.lina needs megatron-core 0.16.1 (found 0.17.0)" in str(err.value)
+    assert "moe_plugins.lina needs megatron-core 0.16.1 or 0.19.2 (found 0.17.0)" in str(err.value)
     assert "moe_plugins.lina.packing (2) must be 1 on Megatron-core" in str(err.value)
     assert mp.active() is None and _originals() == before
     assert all(getattr(__import__(m, fromlist=[a]), a) is f for (m, a), f in hooks.items())
