@@ -380,3 +380,23 @@ def test_reprice_reproduces_the_committed_auto_choices(stem):
         logged = next(re.search(r"auto degree: r=(\d+)", n) for n in group["rows"]["baseline@r=auto"]["notes"]
                       if "auto degree" in n)
         assert row["picks"]["curve"][0] == int(logged.group(1)), (row["case"], row["rate"])
+
+
+def test_adapter_rows_are_profiled_like_the_schedule_they_swap_in():
+    """``deepspeed@plugin=<schedule>``: the link profile and the per-rate rebuild follow the swapped-in schedule."""
+    from moe_plugins.tools.bench.profiles import link_spec_for
+    from moe_plugins.core.layout import ParallelLayout
+    case = CaseConfig(tokens=256, hidden=64, ffn=128, experts=4, k=2, mp=2, ep=2, esp=2)
+    layout = ParallelLayout(world=4, ranks_per_node=2, mp=2, ep=2, esp=2)
+    auto, plain = matrix.parse_row("deepspeed@plugin=parm-auto"), matrix.parse_row("deepspeed@plugin=baseline")
+    assert matrix.row_schedule(auto) == "parm-auto" and matrix.row_schedule(RowSpec(name="deepspeed")) == "deepspeed"
+    assert link_spec_for([case], layout, [auto], "float32") == link_spec_for([case], layout,
+                                                                              [RowSpec(name="parm-auto")], "float32")
+    assert rows.needs_profile(auto) and not rows.needs_profile(plain)
+    assert "chunk" in link_spec_for([case], layout, [matrix.parse_row("deepspeed@plugin=baseline,r=auto")],
+                                    "float32").ops
+    problems = matrix.plan_problems(BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",),
+                                              rows=(plain, matrix.parse_row("deepspeed@plugin=parm-nope"))),
+                                    rows.row_problems)
+    assert problems == ["row ('deepspeed@plugin=parm-nope'): plugin ('parm-nope') is not a registered schedule; "
+                        "allowed: " + ", ".join(rows.default_registry().schedule_names())]

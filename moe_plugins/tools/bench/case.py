@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -64,6 +64,20 @@ class Row:
     notes: Tuple[str, ...] = ()
     describe: Callable[[], Tuple[str, ...]] = tuple   # after the timed rounds: what an auto row chose
     ran_as: Callable[[], Optional[str]] = lambda: None  # after the timed rounds: the fixed row an auto row ran as
+    close: Callable[[], None] = lambda: None   # undo what building it changed outside the row (collective)
+
+
+def close_rows(rows: Sequence[Row]) -> None:
+    """Close every row in order (the same order on every rank: closing may be collective), even when one fails;
+    the first failure is raised after the others are closed."""
+    failure: Optional[BaseException] = None
+    for row in rows:
+        try:
+            row.close()
+        except Exception as exc:  # the others are still closed; this one is raised below
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:

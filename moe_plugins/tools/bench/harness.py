@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from moe_plugins.tools.bench.cluster import ClusterSpec, emulated_cluster, netns_unavailable_reason
 from moe_plugins.tools.bench.launch import RankFailure, run_ranks, signals_raise
 from moe_plugins.tools.bench.matrix import UNSHAPED, BenchPlan, plan_problems
-from moe_plugins.tools.bench.rows import row_problems
+from moe_plugins.tools.bench.rows import row_problems, rows_problems
 from moe_plugins.tools.bench.report import summarize, write_outputs
 from moe_plugins.core.timeline import write_chrome_trace
 from moe_plugins.tools.bench.runner import RankJob
@@ -138,7 +138,7 @@ class _Progress:
 
 def run_bench(plan: BenchPlan, opts: RunOptions) -> Dict[str, Any]:
     """Run the plan and write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``opts.out_dir``."""
-    problems = plan_problems(plan, row_problems)
+    problems = plan_problems(plan, row_problems) + rows_problems(plan.rows)
     if problems:
         raise ValueError("invalid bench plan: " + "; ".join(problems))
     with tempfile.TemporaryDirectory(prefix="moe-bench-timeline-") as tmp:

@@ -10,7 +10,7 @@ Written on the command line as:
 
 - case: ``S=512,M=256,H=512,E=8,k=2,f=1.0,ep=4``; a value list ``S=256/512/1024`` expands to one case per
   value (the product over all lists), which is how sweeps are written;
-- row: ``baseline``, ``baseline@r=4``, ``megatron@dispatcher=allgather``.
+- row: ``baseline``, ``baseline@r=4``, ``megatron@dispatcher=allgather``, ``deepspeed@plugin=baseline``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class RowSpec:
 
     def option(self, key: str, default: Optional[str] = None) -> Optional[str]:
         return dict(self.options).get(key, default)
+
+
+def row_schedule(spec: RowSpec) -> str:
+    """The schedule a row runs: a plugin row's name, or a host row's ``plugin`` option (``deepspeed@plugin=...``:
+    the schedule the host adapter swaps in); a stock row's own name otherwise (pure)."""
+    return spec.option("plugin", spec.name)
 
 
 @dataclass(frozen=True, kw_only=True)

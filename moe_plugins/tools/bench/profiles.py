@@ -35,7 +35,7 @@ from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.profiler import ProfileSpec, profile_rank
-from moe_plugins.tools.bench.matrix import CaseConfig, RowSpec
+from moe_plugins.tools.bench.matrix import CaseConfig, RowSpec, row_schedule
 
 
 MIN_TOP_BYTES = 1 << 20     # a tiny case still fits beta on sizes where it dominates the noise
@@ -71,7 +71,7 @@ def link_spec_for(cases: Sequence[CaseConfig], layout: ParallelLayout, specs: Se
     if not cases:
         raise ValueError("link_spec_for needs at least one case")
     top = max(dispatch_bytes(case, layout, dtype) for case in cases)
-    parm = any(default_registry().is_profiled(s.name) for s in specs)
+    parm = any(default_registry().is_profiled(row_schedule(s)) for s in specs)
     pipe = any(degree_needs_profile(s.option("r", "1")) for s in specs)
     keys = ("all_to_all@ep", "all_to_all@ep_esp") \
         + (("all_gather@mp", "all_gather@esp", "all_reduce@esp") if parm else ()) \

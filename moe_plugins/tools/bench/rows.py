@@ -4,7 +4,8 @@ Every schedule in the registry (``moe_plugins.plugins.default_registry()``) is a
 ``MoELayer``), with option ``r`` (the pipeline degree). A later issue adds rows by registering a schedule
 (``parm-s1``, ``parm-s2``, ...) or, for something that is not a schedule, one entry in :data:`ROW_KINDS`.
 The stock layers are rows too: ``deepspeed`` (:mod:`.stock_deepspeed`) and ``megatron``
-(:mod:`.stock_megatron`).
+(:mod:`.stock_megatron`); ``deepspeed@plugin=<schedule>`` is DeepSpeed's layer swapped by the plugin's DeepSpeed
+adapter, the user's path (:mod:`.deepspeed_adapter_row`).
 
 Every row of a case starts from the same weights and the same tokens (:class:`CaseData`), so their outputs
 are comparable; the runner reports how far each row's output is from the first row's.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -30,7 +31,10 @@ from moe_plugins.pipemoe.degree import AutoDegree
 from moe_plugins.pipemoe.tune import TunedDegree
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.case import CaseData, Row
-from moe_plugins.tools.bench.matrix import RowSpec, moe_config
+from moe_plugins.tools.bench.deepspeed_adapter_row import (OPTIONS as ADAPTER_OPTIONS, PLUGIN as ADAPTER_PLUGIN,
+                                                          adapter_row_problems, adapter_rows_problems,
+                                                          build_adapter_row)
+from moe_plugins.tools.bench.matrix import RowSpec, moe_config, row_schedule
 from moe_plugins.tools.bench.traffic import LedgerMeter
 
 logger = logging.getLogger("moe_plugins.tools.bench")
@@ -44,10 +48,11 @@ LANE = "engine"              # CaseData.extras key: the layout's one CommEngine 
 
 def needs_profile(spec: RowSpec) -> bool:
     """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` / ``@r=tune``
-    (PipeMoE). The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
-    registry = default_registry()
-    return spec.name in registry.schedule_names() and (registry.is_profiled(spec.name)
-                                                       or degree_needs_profile(spec.option("r", "1")))
+    (PipeMoE), as plugin rows or swapped into DeepSpeed's layer (``deepspeed@plugin=parm-auto``). The runner
+    profiles the link before building them, at every rate, and rebuilds them per rate."""
+    registry, schedule = default_registry(), row_schedule(spec)
+    return schedule in registry.schedule_names() and (registry.is_profiled(schedule)
+                                                      or degree_needs_profile(spec.option("r", "1")))
 
 
 def _profile(spec: RowSpec, data: CaseData):
@@ -139,6 +144,8 @@ class RowKind:
 
 
 def _build_deepspeed(spec: RowSpec, data: CaseData) -> Row:
+    if spec.option(ADAPTER_PLUGIN) is not None:
+        return build_adapter_row(spec, data, _profile(spec, data) if needs_profile(spec) else None)
     from moe_plugins.tools.bench.stock_deepspeed import build_deepspeed_row
     return build_deepspeed_row(spec, data)
 
@@ -149,7 +156,7 @@ def _build_megatron(spec: RowSpec, data: CaseData) -> Row:
 
 
 ROW_KINDS: Dict[str, RowKind] = {
-    "deepspeed": RowKind(_build_deepspeed, {}),
+    "deepspeed": RowKind(_build_deepspeed, ADAPTER_OPTIONS),
     "megatron": RowKind(_build_megatron, {"dispatcher": "Megatron's moe_token_dispatcher_type: alltoall "
                                                         "(default) or allgather"}),
 }
@@ -175,9 +182,16 @@ def row_problems(spec: RowSpec) -> List[str]:
         if key not in kind.options:
             allowed = ", ".join(kind.options) or "none"
             problems.append(f"row ({spec.label!r}): option {key!r} is unknown; allowed: {allowed}")
+    if spec.name == "deepspeed":
+        problems += adapter_row_problems(spec)
     if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):
         problems.append(f"row ({spec.label!r}): dispatcher ({spec.option('dispatcher')!r}) must be alltoall or allgather")
     return problems
+
+
+def rows_problems(specs: Sequence[RowSpec]) -> List[str]:
+    """Problems between the rows of one plan (each row's own: :func:`row_problems`)."""
+    return adapter_rows_problems(specs)
 
 
 def build_row(spec: RowSpec, data: CaseData) -> Row:

@@ -36,8 +36,8 @@ from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig, RowSpec
 from moe_plugins.tools.bench.profiles import (gemm_spec_for, link_spec_for, measure_profile, merge_profiles, profile_measurements,
                        profile_summary)
 from moe_plugins.core.engine import CommEngine, build_engine
-from moe_plugins.tools.bench.case import CaseData, Row, fwd_bwd, make_case_data
-from moe_plugins.tools.bench.rows import LANE, PROFILE, build_row, needs_profile
+from moe_plugins.tools.bench.case import CaseData, Row, close_rows, fwd_bwd, make_case_data
+from moe_plugins.tools.bench.rows import LANE, PROFILE, STOCK_ROWS, build_row, needs_profile
 from moe_plugins.tools.bench.traffic import nic_tx_bytes
 
 
@@ -58,6 +58,8 @@ def _emit(job: RankJob, event: Dict[str, Any]) -> None:
 def _pipelines(spec: RowSpec) -> bool:
     """Whether a row runs a pipeline degree other than 1 (a plugin row's ``@r=``; stock rows never). A bad
     degree needs no lane: building that row fails, and the row is skipped with the reason."""
+    if spec.name in STOCK_ROWS:       # deepspeed@plugin=...,r=N: the adapter builds its own lane, as for a user
+        return False
     try:
         return spec.option("r") is not None and default_registry().needs_lane(spec.option("r"))
     except ValueError:
@@ -219,6 +221,24 @@ def _rows_for_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[R
     return rows, {**skipped, **auto_skipped}, profile
 
 
+def _run_rate(job: RankJob, case: CaseConfig, data: CaseData, fixed: List[Row], skipped: Dict[str, str],
+              profiles: Dict[Tuple, CostProfile], rate: str, ifname: Optional[str]) -> Dict[str, Any]:
+    """Collective: time ``case``'s rows at ``rate``; the auto rows built for this rate are closed after."""
+    _apply_rate(job, rate)
+    rows, rate_skipped, profile = _rows_for_rate(job, case, data, fixed, skipped, profiles, rate)
+    auto = [row for row in rows if not any(row is f for f in fixed)]
+    try:
+        measured = measure(rows, data, job.plan, ifname, rate_skipped) if rows else {}
+    finally:
+        close_rows(auto)
+    record = {"case": asdict(case), "case_label": case.label, "rate": rate, "rows": measured,
+              "skipped": rate_skipped}
+    if profile is not None:
+        record["profile"] = profile_summary(profile)
+        record["profile_measurements"] = profile_measurements(profile)
+    return record
+
+
 def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroups],
                lanes: Dict[Tuple[int, int, int], CommEngine], singleton, ifname: Optional[str],
                records: List[Dict[str, Any]]) -> None:
@@ -238,22 +258,18 @@ def _run_cases(job: RankJob, layouts: Dict[Tuple[int, int, int], MoEProcessGroup
         data.extras["singleton"] = singleton
         data.extras[LANE] = lanes[key]
         fixed, skipped = build_rows([s for s in plan.rows if not needs_profile(s)], data)
-        for rate in plan.rates:
-            _apply_rate(job, rate)
-            rows, rate_skipped, profile = _rows_for_rate(job, case, data, fixed, skipped, profiles, rate)
-            measured = measure(rows, data, plan, ifname, rate_skipped) if rows else {}
-            failed = {row.label: rate_skipped[row.label] for row in fixed if row.label in rate_skipped}
-            fixed = [row for row in fixed if row.label not in failed]          # a failed row stays out
-            skipped.update(failed)
-            record = {"case": asdict(case), "case_label": case.label, "rate": rate, "rows": measured,
-                      "skipped": rate_skipped}
-            if profile is not None:
-                record["profile"] = profile_summary(profile)
-                record["profile_measurements"] = profile_measurements(profile)
-            records.append(record)
-            done += 1
-            _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
-        fixed = data = rows = measured = None
+        built = list(fixed)
+        try:
+            for rate in plan.rates:
+                records.append(_run_rate(job, case, data, fixed, skipped, profiles, rate, ifname))
+                failed = {row.label for row in fixed if row.label in records[-1]["skipped"]}
+                skipped.update({label: records[-1]["skipped"][label] for label in failed})
+                fixed = [row for row in fixed if row.label not in failed]          # a failed row stays out
+                done += 1
+                _emit(job, {"done": done, "total": total, "case": case.label, "rate": rate})
+        finally:
+            close_rows(built)                   # the rows built once per case, failed ones included
+        fixed = built = data = None
         gc.collect()         # rows hold layers that hold process groups in cycles; gloo frees threads on collection
 
 

@@ -21,6 +21,7 @@ parallel; :class:`TensorParallelExpert` is that module (column-parallel fc1, row
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -140,7 +141,10 @@ def deepspeed_layout_problems(data: CaseData) -> list:
     return []
 
 
-def build_deepspeed_row(spec: RowSpec, data: CaseData) -> Row:
+def stock_moe(data: CaseData) -> nn.Module:
+    """DeepSpeed's MoE layer for the case, as the ``deepspeed`` row runs it: deterministic gating, the case's gate
+    and this rank's expert shard copied in, in the case's dtype. Its EP group is not set yet (the stock row
+    hands it the case's; the adapter row lets the adapter build and register its own)."""
     problems = deepspeed_layout_problems(data)
     if problems:
         raise ValueError("deepspeed row: " + "; ".join(problems))
@@ -151,15 +155,27 @@ def build_deepspeed_row(spec: RowSpec, data: CaseData) -> Row:
               k=case.k, capacity_factor=case.capacity_factor, eval_capacity_factor=case.capacity_factor,
               min_capacity=case.min_capacity, drop_tokens=case.drop_tokens, use_rts=False,
               enable_expert_tensor_parallelism=g.esp.size > 1, top2_2nd_expert_sampling=False)
-    moe.deepspeed_moe._set_ep_group(g.ep.pg)
     _load(moe, data)
-    moe.to(data.dtype)
-    mpu = _Mpu(g.mp, g.dp) if g.mp.size > 1 else None
+    return moe.to(data.dtype)
 
-    def forward(x_SM: torch.Tensor):
-        y_SM, aux, _ = moe(x_SM)
-        return y_SM, aux
 
-    return Row(label=spec.label, kind="stock", module=moe, forward=forward,
+def case_mpu(data: CaseData):
+    """DeepSpeed's ``mpu`` for the case (None without tensor parallelism)."""
+    g = data.groups
+    return _Mpu(g.mp, g.dp) if g.mp.size > 1 else None
+
+
+def moe_forward(moe: nn.Module, x_SM: torch.Tensor):
+    """``deepspeed.moe.layer.MoE`` called as a model calls it: (output, aux loss)."""
+    y_SM, aux, _ = moe(x_SM)
+    return y_SM, aux
+
+
+def build_deepspeed_row(spec: RowSpec, data: CaseData) -> Row:
+    g = data.groups
+    moe = stock_moe(data)
+    moe.deepspeed_moe._set_ep_group(g.ep.pg)
+    mpu = case_mpu(data)
+    return Row(label=spec.label, kind="stock", module=moe, forward=partial(moe_forward, moe),
                meter=CollectiveCounter(layout=g.layout, rank=g.global_rank),
                scope=lambda: tensor_parallel_scope(mpu, g.esp.size))

@@ -41,7 +41,9 @@ def register(sub) -> None:
     p.add_argument("--case", action="append", default=None, metavar="SPEC",
                    help="S=,M=,H=,E=,k=,f=,min_capacity=,drop=,mp=,ep=,esp= (a/b/c expands); repeatable")
     p.add_argument("--rows", nargs="+", default=None, metavar="ROW",
-                   help="schedule names (with @r=N), deepspeed, megatron; the first row is the output reference")
+                   help="schedule names (with @r=N), deepspeed (or deepspeed@plugin=<schedule>[,r=N]: DeepSpeed's "
+                        "layer swapped in by the plugin's adapter, one such row per run), megatron; the first row "
+                        "is the output reference")
     p.add_argument("--rates", nargs="+", default=None, metavar="RATE", help="tc rates (200mbit, 1gbit) or unshaped")
     p.add_argument("--nodes", type=int, default=None)
     p.add_argument("--ranks-per-node", type=int, default=None)
