@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import List, Optional
 
-from moe_plugins.tools.cli import bench_cmd, launch_cmd, plan_cmd, profile_cmd, verify_cmd
+from moe_plugins.tools.cli import bench_cmd, launch_cmd, lina_profile_cmd, plan_cmd, profile_cmd, verify_cmd
 
-SUBCOMMANDS = (verify_cmd, profile_cmd, plan_cmd, launch_cmd, bench_cmd)
+SUBCOMMANDS = (verify_cmd, profile_cmd, plan_cmd, launch_cmd, bench_cmd, lina_profile_cmd)
 
 
 class UsageError(Exception):
