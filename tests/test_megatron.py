@@ -104,6 +104,10 @@ def test_megatron_settings_report_every_problem_at_once():
     flag_time = plugin_problems(facts_from_args(args), plugin, world=WORLD, ranks_per_node=RPN)  # no lookup yet
     assert not any("cost profile" in p for p in flag_time) and len(flag_time) == len(expected) - 1
     assert plugin_problems(facts_from_args(megatron_args()), PluginConfig(), world=WORLD, ranks_per_node=RPN) == []
+    wgrad = megatron_args(overlap_dispatch_backward_with_experts_wgrad=True)        # a megatron-core 0.19.2 field
+    assert plugin_problems(facts_from_args(wgrad), PluginConfig(), world=WORLD, ranks_per_node=RPN) == [
+        "overlap_dispatch_backward_with_experts_wgrad (True) must be False: Megatron's delayed expert wgrad is keyed "
+        "to its own dispatch and expert stages, which the plugin replaces"]
     bad_world = plugin_problems(facts_from_args(megatron_args(expert_model_parallel_size=3)), PluginConfig(),
                                 world=WORLD, ranks_per_node=RPN)
     assert bad_world == ["layout of tensor_model_parallel_size 2, expert_model_parallel_size 3, "
@@ -198,6 +202,49 @@ def test_spec_provider_swaps_only_the_layer_class():
             mp.get_moe_module_spec(use_te=False, num_experts=4, moe_use_legacy_grouped_gemm=True, plugin={})
     else:
         assert mp.get_moe_module_spec(use_te=False, num_experts=4, moe_use_legacy_grouped_gemm=True, plugin={})
+
+
+def test_spec_helpers_read_and_rewrite_both_styles():
+    """Whatever Megatron is installed: a ModuleSpec (0.16.1's style) and a functools.partial (0.19.2's) of the same
+    layer give the same class, submodules and params, and the swap keeps each style; bad input names what it got."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from moe_plugins.patches.megatron_specs import build_layer, call_accepting, version_tuple, with_layer_class
+
+    class Layer:
+        def __init__(self, config=None, submodules=None, **params):
+            self.config, self.submodules, self.params = config, submodules, params
+
+    class Other(Layer):
+        pass
+
+    subs = object()
+    specs = {MODULE_SPEC: ModuleSpec(module=Layer, params={"a": 1}, submodules=subs, metainfo={"m": True}),
+             PARTIAL: functools.partial(Layer, submodules=subs, a=1)}
+    for style, stock in specs.items():
+        assert (spec_layer_class(stock), spec_submodules(stock), spec_params(stock)) == (Layer, subs, {"a": 1})
+        ours = with_layer_class(stock, Other, {"b": 2})
+        assert type(ours) is type(stock) and spec_layer_class(ours) is Other and spec_submodules(ours) is subs
+        assert spec_params(ours) == {"a": 1, "b": 2} and spec_params(stock) == {"a": 1}
+        if style == MODULE_SPEC:
+            assert ours.metainfo == {"m": True}
+        built = build_layer(ours, "cfg", layer_number=3)
+        assert type(built) is Other and built.config == "cfg" and built.submodules is subs
+        assert built.params == {"a": 1, "b": 2, "layer_number": 3}
+    assert (version_tuple("0.19.2"), version_tuple("0.20.0rc1")) == ((0, 19, 2), (0, 20))
+    assert (spec_style("0.16.1"), spec_style("0.17.3"), spec_style("0.18.0"), spec_style("1.0")) == (
+        MODULE_SPEC, MODULE_SPEC, PARTIAL, PARTIAL)
+    with pytest.raises(ValueError, match=r"MoE layer spec 3 is a int; allowed: a ModuleSpec"):
+        spec_layer_class(3)
+    with pytest.raises(ValueError, match=r"positional arguments \(1,\); allowed: keywords only"):
+        spec_params(functools.partial(Layer, 1))
+
+    def old(use_te=True, num_experts=None):
+        return use_te, num_experts
+    assert call_accepting(old, use_te=False, num_experts=4, moe_use_legacy_grouped_gemm=False) == (False, 4)
+    with pytest.raises(ValueError, match=r"legacy \(True\) is not an argument of this Megatron's .*allowed: use_te, "
+                                         r"num_experts"):
+        call_accepting(old, use_te=False, legacy=True)
 
 
 # ---- Megatron's routing as the core's Routing (one process) ------------------------------------------------------
