@@ -3,6 +3,8 @@ stock, with the plugin at baseline r = 1, and with PipeMoE ``"auto"``; every wor
 
     python benchmarks/long_run.py --steps 2000 --out benchmarks/results      # writes long-run.{json,md,png}
 
+    python benchmarks/long_run.py --from-json benchmarks/results/long-run.json   # re-summarize stored runs
+
 Checks, reported (not asserted): RSS growth per rank between step 200 and the last step (target < 2%); the
 plugin-r=1 losses against stock's at every 100th step (target within 1e-5 relative); ``auto``'s largest
 relative difference (its chunked GEMMs round differently), with the curves overlaid. ``auto`` reads the cost
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,30 +65,55 @@ def run(name: str, section: Any, steps: int, work: Path, cache: Path) -> Dict[st
     return {"losses": losses, "rss": samples, "seconds": time.time() - started, "plugin": plugin}
 
 
+WINDOW = 200        # steps per RSS window: a step's RSS swings by ~110 MiB (~14%) between forward and backward
+
+
 def growth(samples: List[Dict[str, Any]], start_step: int, steps: int) -> List[float]:
     """Per rank: RSS at the last sample taken while training (before the last step's line: not in teardown)
-    over RSS at the first sample at or after ``start_step``, minus 1."""
+    over RSS at the first sample at or after ``start_step``, minus 1. Two point samples: this measures where
+    in its step each sample fell as much as growth (see ``window_growth``)."""
     training = [s for s in samples if s["step"] < steps]
     first = next(s for s in training if s["step"] >= start_step)
     return [b / a - 1.0 for a, b in zip(first["rss_mb"], training[-1]["rss_mb"])]
+
+
+def window_growth(samples: List[Dict[str, Any]], start_step: int, steps: int, stat: str) -> List[float]:
+    """Per rank: ``stat`` ("median" or "peak") of the RSS samples in the last ``WINDOW`` training steps over the
+    same statistic in the ``WINDOW`` steps from ``start_step``, minus 1; samples reading 0 (a worker being
+    reaped) are skipped. Phase-independent: every window holds samples from every part of a step."""
+    def stat_of(lo: int, hi: int, rank: int) -> float:
+        values = [s["rss_mb"][rank] for s in samples if lo <= s["step"] < hi and s["rss_mb"][rank] > 0]
+        return statistics.median(values) if stat == "median" else max(values)
+    ranks = range(len(samples[0]["rss_mb"]))
+    return [stat_of(steps - WINDOW, steps, r) / stat_of(start_step, start_step + WINDOW, r) - 1.0 for r in ranks]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--from-json", type=Path, help="re-summarize the runs stored in this long-run.json")
     args = p.parse_args()
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())["runs"]
+        args.steps = len(results["stock"]["losses"])
+        write(results, args.steps, args.out)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work, cache = Path(tmp), Path(tmp) / "cache"
         subprocess.run([sys.executable, "-m", "moe_plugins.tools.cli", "profile", "--world", "4",
                         "--ranks-per-node", "4", "--ep", "2", "--cache-dir", str(cache), "--no-plot",
                         "--no-progress"], cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         results = {name: run(name, section, args.steps, work, cache) for name, section in RUNS.items()}
-    report = summarize(results, args.steps)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "long-run.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
-    (args.out / "long-run.md").write_text(markdown(report))
-    plot(results, args.out / "long-run.png")
+    write(results, args.steps, args.out)
+
+
+def write(results: Dict[str, Dict[str, Any]], steps: int, out: Path) -> None:
+    report = summarize(results, steps)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "long-run.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
+    (out / "long-run.md").write_text(markdown(report))
+    plot(results, out / "long-run.png")
     print(markdown(report))
 
 
@@ -95,21 +123,29 @@ def summarize(results: Dict[str, Dict[str, Any]], steps: int) -> Dict[str, Any]:
     rel = {name: max(abs(r["losses"][i] - stock[i]) / abs(stock[i]) for i in every)
            for name, r in results.items() if name != "stock"}
     rss = {name: growth(r["rss"], 200, steps) for name, r in results.items()}
+    median = {name: window_growth(r["rss"], 200, steps, "median") for name, r in results.items()}
+    peak = {name: window_growth(r["rss"], 200, steps, "peak") for name, r in results.items()}
     return {"steps": steps, "checked_steps": every, "max_rel_loss_diff_vs_stock": rel,
-            "rss_growth_200_to_end": rss, "seconds": {n: r["seconds"] for n, r in results.items()},
+            "rss_growth_200_to_end": rss, "rss_median_growth": median, "rss_peak_growth": peak, "seconds": {n: r["seconds"] for n, r in results.items()},
             "final_rss_mb": {n: [s for s in r["rss"] if s["step"] < steps][-1]["rss_mb"] for n, r in results.items()},
             "plugin": {n: r["plugin"] for n, r in results.items()}}
 
 
 def markdown(report: Dict[str, Any]) -> str:
-    lines = [f"# Long run: {report['steps']} steps, tiny GPT-2-MoE, DeepSpeed recipe, 4 CPU gloo ranks", "",
-             "| run | wall s | RSS growth step 200 -> end, per rank | final RSS MB | max rel. loss diff vs stock "
-             "(every 100th step) |", "|---|---|---|---|---|"]
+    end = report["steps"]
+    lines = [f"# Long run: {end} steps, tiny GPT-2-MoE, DeepSpeed recipe, 4 CPU gloo ranks", "",
+             f"RSS growth per rank, steps 200-{200 + WINDOW} against steps {end - WINDOW}-{end}: median and peak "
+             "of the once-a-second samples in each window (phase-independent), and the two point samples "
+             "(first at step 200, last in training; these depend on where in its step each sample fell).", "",
+             "| run | wall s | RSS growth, window median | RSS growth, window peak | RSS growth, point samples "
+             "| final RSS MB | max rel. loss diff vs stock (every 100th step) |", "|---|---|---|---|---|---|---|"]
+    def pct(key: str, name: str) -> str:
+        return ", ".join(f"{100 * x:+.2f}%" for x in report[key][name])
     for name in RUNS:
-        g = ", ".join(f"{100 * x:+.2f}%" for x in report["rss_growth_200_to_end"][name])
         final = ", ".join(f"{x:.0f}" for x in report["final_rss_mb"][name])
         diff = report["max_rel_loss_diff_vs_stock"].get(name)
-        lines.append(f"| {name} | {report['seconds'][name]:.0f} | {g} | {final} | "
+        lines.append(f"| {name} | {report['seconds'][name]:.0f} | {pct('rss_median_growth', name)} | "
+                     f"{pct('rss_peak_growth', name)} | {pct('rss_growth_200_to_end', name)} | {final} | "
                      f"{'-' if diff is None else f'{diff:.2e}'} |")
     return "\n".join(lines) + "\n"
 
@@ -121,12 +157,16 @@ def plot(results: Dict[str, Dict[str, Any]], path: Path) -> None:
     fig, (ax_loss, ax_rss) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
         ax_loss.plot(r["losses"], label=name, lw=0.8)
-        steps = [s["step"] for s in r["rss"]]
+        colour = ax_loss.lines[-1].get_color()
+        bins = range(0, len(r["losses"]), 50)
         for rank in range(4):
-            ax_rss.plot(steps, [s["rss_mb"][rank] for s in r["rss"]], lw=0.8,
-                        label=f"{name} rank {rank}" if rank == 0 else None)
+            medians = [statistics.median([s["rss_mb"][rank] for s in r["rss"]
+                                          if b <= s["step"] < b + 50 and s["rss_mb"][rank] > 0] or [float("nan")])
+                       for b in bins]
+            ax_rss.plot([b + 25 for b in bins], medians, lw=0.8, color=colour,
+                        label=f"{name} (4 ranks)" if rank == 0 else None)
     ax_loss.set(xlabel="step", ylabel="loss", title="losses (overlaid)")
-    ax_rss.set(xlabel="step", ylabel="RSS (MiB)", title="RSS per rank")
+    ax_rss.set(xlabel="step", ylabel="RSS (MiB)", title="RSS per rank, median of each 50 steps")
     ax_loss.legend()
     ax_rss.legend(fontsize=7)
     fig.tight_layout()
