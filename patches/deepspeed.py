@@ -43,6 +43,7 @@ from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
 from moe_plugins.patches.deepspeed_lina import LinaHooks
+from moe_plugins.patches.deepspeed_lina_infer import LinaInferenceHooks
 from moe_plugins.patches.deepspeed_layer import (HostGroups, HostLayerFacts, SwappedLayer, common_value,
                                                  expert_ffn_width, ffn_activation, layer_problems, moe_config,
                                                  replica_groups, routing_from_gate)
@@ -79,6 +80,7 @@ class DeepSpeedPlugin:
         self._names: Dict[int, str] = {}
         self._ds: Any = None
         self.lina = LinaHooks()                                  # Lina's gradient micro-ops, per DeepSpeed engine
+        self.infer = LinaInferenceHooks(config)                  # Lina's inference schedule (reads the table now)
 
     # -- patching --------------------------------------------------------------------------------------
 
@@ -118,6 +120,7 @@ class DeepSpeedPlugin:
         try:
             try:
                 self.lina.remove()
+                self.infer.remove()
             finally:
                 self._restore_functions()
         finally:
@@ -178,15 +181,16 @@ class DeepSpeedPlugin:
                 raise ValueError(f"the ds_config {SECTION!r} section {found.to_dict()} conflicts with the config "
                                  f"given to moe_plugins.enable {plugin.config.to_dict()}")
             names = {id(m): n or "<root>" for n, m in model.named_modules()}
-            previous = (plugin._engine_config, plugin._names, plugin.lina.current)
-            lina = plugin.lina.begin(engine, model, plugin.config if plugin.config is not None else found)
-            plugin._engine_config, plugin._names, plugin.lina.current = found, names, lina
+            previous = (plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current)
+            cfg = plugin.config if plugin.config is not None else found
+            lina, infer = plugin.lina.begin(engine, model, cfg), plugin.infer.begin(model, cfg)
+            plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = found, names, lina, infer
             try:
                 result = original(engine, model)
                 plugin.lina.install(lina, engine, model)
                 return result
             finally:
-                plugin._engine_config, plugin._names, plugin.lina.current = previous
+                plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = previous
 
         _configure_distributed_model.__wrapped__ = original
         return _configure_distributed_model
@@ -254,6 +258,7 @@ class DeepSpeedPlugin:
             problems += profile_problems(cfg, layout, read_profile,
                                          profiled=default_registry().is_profiled(cfg.schedule))
             problems += self.lina.profile_problems(layout, read_profile)
+            problems += self.infer.layer_problems(cfg, facts, layout, moe)
         if problems:            # layer_problems lists the layout's problems too: past here the layout is set
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced = esp != facts.host_esp
@@ -269,7 +274,8 @@ class DeepSpeedPlugin:
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
-            slice_activation=facts.ffn_activation if sliced else None)
+            slice_activation=facts.ffn_activation if sliced else None,
+            inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec))
         record = {"layer": facts.name, "schedule": cfg.schedule, "pipeline_degree": cfg.pipeline_degree,
                   "mp": layout.mp, "ep": layout.ep, "esp": layout.esp, "num_experts": facts.num_experts, "k": facts.k,
                   "experts_sliced_by_plugin": sliced, "expert_dp_ranks": list(host.expert_dp_ranks)}

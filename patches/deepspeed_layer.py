@@ -303,6 +303,7 @@ class SwappedLayer:
     lane: Any = None                # the pipemoe.runner.Pipelined executor when pipeline_degree != 1
     slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
     noted: Set[str] = field(default_factory=set)   # why DeepSpeed's own gate routes it (each reason logged once)
+    inference: Any = None           # lina.infer.LayerScheduler: Lina's inference schedule of eval-mode forwards
 
     def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.slice_activation is None:
@@ -318,8 +319,12 @@ class SwappedLayer:
         if timed:
             layer.timers("moe").start()
         x_SM = x.reshape(-1, x.shape[-1])
+        if self.inference is not None and layer.training:
+            self.inference.clear()                  # weights may change: replicas are moved again in eval
         params = LayerParams(router=GateReplay(layer.gate, used_token, noted=self.noted), experts=self.experts(layer))
-        if self.pipeline_degree == 1:
+        if self.inference is not None and not layer.training:
+            y_SM, dispatched = self.inference.forward(x_SM, params.router, partial(_plain, self.schedule, params))
+        elif self.pipeline_degree == 1:
             y_SM, dispatched = run_schedule(self.schedule, x_SM, params)
         else:
             from moe_plugins.pipemoe.runner import run_pipelined
@@ -329,6 +334,12 @@ class SwappedLayer:
             layer.timers("moe").stop()
             layer.time_moe = layer.timers("moe").elapsed(reset=False)
         return y_SM.reshape(x.shape)
+
+
+def _plain(schedule: Schedule, params: LayerParams, x_SM: torch.Tensor, router: Callable[..., Routing]):
+    """The layer's own schedule with ``router`` (Lina's unscheduled layers record the path through it)."""
+    from moe_plugins.lina.infer import timed_schedule
+    return timed_schedule(schedule, x_SM, LayerParams(router=router, experts=params.experts))
 
 
 @dataclass(frozen=True)

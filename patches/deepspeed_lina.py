@@ -250,11 +250,14 @@ class LinaHooks:
         self.engines: List[LinaEngine] = []
 
     def begin(self, engine, model: torch.nn.Module, cfg) -> Optional[_Setup]:
-        """Validate before anything is set up: one ValueError listing every problem. None: no Lina here."""
+        """Validate before anything is set up: one ValueError listing every problem. None: no Lina here (or
+        only its inference part, patches/deepspeed_lina_infer.py)."""
         if cfg is None or not cfg.enabled or cfg.lina is None:
             return None
         import deepspeed
         lina = LinaConfig.from_dict(cfg.lina, PATH)
+        if not lina.training:
+            return None
         problems = config_problems(engine, model, lina, deepspeed.__version__)
         if problems:
             raise ValueError("moe_plugins cannot run Lina on this DeepSpeed engine: " + "; ".join(problems))

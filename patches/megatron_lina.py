@@ -153,6 +153,9 @@ class LinaState:
         """Validated before anything is patched; raises one ValueError listing every problem."""
         config = LinaConfig.from_dict(plugin.lina, PATH)
         problems = version_problems(version)
+        if config.inference is not None:
+            problems.append(f"{PATH}.inference is supported by the DeepSpeed adapter only (Lina's inference "
+                            "scheduling is not wired into Megatron-core)")
         if config.packing != 1:
             problems.append(f"{PATH}.packing ({config.packing!r}) must be 1 on Megatron-core: expert packing "
                             "is not wired into the Megatron adapter yet")

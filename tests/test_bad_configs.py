@@ -97,7 +97,16 @@ TABLE = [
     bad_section("lina-packing-float", {"lina": {"packing": 2.0}}, "$.lina.packing (2.0) must be an integer >= 1"),
     bad_section("lina-priority-string", {"lina": {"priority": "yes"}}, "$.lina.priority ('yes') must be true or false"),
     bad_section("lina-unknown-key", {"lina": {"micro_op": 1}},
-                "$.lina.micro_op is unknown; allowed: priority, micro_op_mb, packing (did you mean 'micro_op_mb'?)"),
+                "$.lina.micro_op is unknown; allowed: priority, micro_op_mb, packing, inference (did you mean "
+                "'micro_op_mb'?)"),
+    bad_section("lina-inference-fields", {"lina": {"inference": {"table": "", "start_layer": 0, "max_experts": 4,
+                                                                 "estimation": 1}}},
+                "$.lina.inference.table ('') must be the path of a popularity table",
+                "$.lina.inference.start_layer (0) must be an integer >= 1",
+                "$.lina.inference.max_experts is unknown; allowed: table, start_layer, max_experts_per_device, "
+                "estimation (did you mean 'max_experts_per_device'?)", "$.lina.inference.estimation (1) must be true"),
+    bad_section("lina-inference-no-table", {"lina": {"inference": {"start_layer": 4}}},
+                "$.lina.inference.table is missing: estimation (true) needs the popularity table"),
     # everything at once
     bad_section("every-problem-at-once",
                 {"schedul": "baseline", "pipeline_degree": 0, "esp": True, "overlap": True,
