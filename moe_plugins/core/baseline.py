@@ -40,6 +40,11 @@ class BaselineSchedule(Schedule):
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, esp = self.config, self.groups.esp
+        if esp.size == 1:        # views only: a stack / select of one block costs a copy and a zero-filled grad
+            routing = params.router(x_SM)
+            return Dispatched(d=dispatch(x_SM, routing, cfg.num_experts).unsqueeze(1), cap_dim=2,
+                              state=_State([routing], x_SM.shape[0]), aux_loss=routing.aux_loss,
+                              exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
         x_NSM = comm.all_gather(x_SM.unsqueeze(0), esp, self.rec, dim=0, bwd="split")
         routings = []
         for i in range(esp.size):
@@ -65,5 +70,7 @@ class BaselineSchedule(Schedule):
 
     def finish(self, r_ENCM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         st: _State = dispatched.state
+        if len(st.routings) == 1:                                  # ESP 1: no stack, no split (see prepare)
+            return combine(r_ENCM.squeeze(1), st.routings[0])
         y_NSM = torch.stack([combine(r_ENCM[:, i], rt) for i, rt in enumerate(st.routings)])
         return comm.split(y_NSM, self.groups.esp, self.rec, dim=0).squeeze(0)
