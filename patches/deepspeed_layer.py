@@ -179,21 +179,37 @@ def ffn_activation(expert: torch.nn.Module, hidden: int) -> Optional[str]:
     return _FFN_ACTIVATIONS.get(type(act))
 
 
+def _sliced_weights(experts: torch.nn.ModuleList, esp: Group) -> ExpertWeights:
+    """This ESP member's H-slice of every local expert, as views of DeepSpeed's full parameters (gradients land
+    in the slice), and the full b2."""
+    fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
+    h = ffn_shard(esp.rank, fc1s[0].out_features, esp.size)
+    return ExpertWeights(w1_EMH=torch.stack([f.weight[h].t() for f in fc1s]),
+                         b1_EH=torch.stack([_bias(f)[h] for f in fc1s]),
+                         w2_EHM=torch.stack([f.weight[:, h].t() for f in fc2s]),
+                         b2_EM=torch.stack([_bias(f) for f in fc2s]))
+
+
 def sliced_experts(experts: torch.nn.ModuleList, esp: Group, rec: Recorder, activation: str,
                    x_ElRM: torch.Tensor) -> torch.Tensor:
     """DeepSpeed's full FFN experts computed H-sliced over the ESP group: this member computes its slice H_s of
     every local expert from the full parameters (views, so gradients land in the slice), the partial sums are
     all-reduced, b2 is added with its gradient divided by N_ESP. The members see the same rows, so DeepSpeed's
     sum over the replicas (ESP x expert-DP, the group registered as expert-DP) is the full gradient."""
-    fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
-    h = ffn_shard(esp.rank, fc1s[0].out_features, esp.size)
-    w = ExpertWeights(w1_EMH=torch.stack([f.weight[h].t() for f in fc1s]),
-                      b1_EH=torch.stack([_bias(f)[h] for f in fc1s]),
-                      w2_EHM=torch.stack([f.weight[:, h].t() for f in fc2s]),
-                      b2_EM=torch.stack([_bias(f) for f in fc2s]))
+    w = _sliced_weights(experts, esp)
     x_ElRM = comm.copy_to(x_ElRM, esp, rec)
     y_ElRM = comm.all_reduce(partial_ffn(x_ElRM, w, activation), esp, rec)
     return y_ElRM + comm.grad_scale(w.b2_EM, 1.0 / esp.size).unsqueeze(1)
+
+
+def sliced_expert_partials(experts: torch.nn.ModuleList, esp: Group, activation: str,
+                           x_ElRM: torch.Tensor) -> torch.Tensor:
+    """Parm's form of :func:`sliced_experts` (``LayerParams.partial_experts``): this member's H-slice partial of
+    every local expert plus b2 / N_ESP, not reduced; Parm's local combine sums the N_ESP partials of a row, and its
+    exchange sums the input gradient. Each member's b2 gets g / N_ESP and DeepSpeed's sum over the replicas (ESP
+    x expert-DP) makes it g, as with :func:`sliced_experts`."""
+    w = _sliced_weights(experts, esp)
+    return partial_ffn(x_ElRM, w, activation) + (w.b2_EM / esp.size).unsqueeze(1)
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor:
@@ -272,7 +288,9 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
         problems.append(f"{SECTION}.schedule ({cfg.schedule!r}) cannot run with DeepSpeed's expert tensor "
                         f"parallelism (esp {host_esp}): its local combine needs the experts' partial sums, and "
                         "enable_expert_tensor_parallelism's expert modules all-reduce inside themselves; allowed "
-                        f"here: {', '.join(repr(n) for n in allowed)}")
+                        f"here: {', '.join(repr(n) for n in allowed)}; or turn enable_expert_tensor_parallelism off "
+                        f"and set {SECTION}.esp to {host_esp}: the plugin then slices plain FFN experts over ESP "
+                        "itself and Parm runs (docs/parm.md)")
     problems += layout_problems(world, ranks_per_node, facts.tp, facts.ep, esp)
     if problems:
         return problems
@@ -311,6 +329,13 @@ class SwappedLayer:
         return partial(sliced_experts, layer.experts.deepspeed_experts, self.groups.esp, self.schedule.rec,
                        self.slice_activation)
 
+    def partial_experts(self, layer: torch.nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """Un-reduced ESP partials for Parm's local combine, where the plugin slices the experts (else None)."""
+        if self.slice_activation is None:
+            return None
+        return partial(sliced_expert_partials, layer.experts.deepspeed_experts, self.groups.esp,
+                       self.slice_activation)
+
     def forward(self, layer: torch.nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
         if used_token is not None and self.groups.esp.size > 1:
             raise ValueError(f"MoE layer {self.name}: used_token is not supported with esp ({self.groups.esp.size})"
@@ -321,7 +346,8 @@ class SwappedLayer:
         x_SM = x.reshape(-1, x.shape[-1])
         if self.inference is not None and layer.training:
             self.inference.clear()                  # weights may change: replicas are moved again in eval
-        params = LayerParams(router=GateReplay(layer.gate, used_token, noted=self.noted), experts=self.experts(layer))
+        params = LayerParams(router=GateReplay(layer.gate, used_token, noted=self.noted), experts=self.experts(layer),
+                             partial_experts=self.partial_experts(layer))
         if self.inference is not None and not layer.training:
             y_SM, dispatched = self.inference.forward(x_SM, params.router, partial(_plain, self.schedule, params))
         elif self.pipeline_degree == 1:

@@ -61,12 +61,27 @@ PARM_MATRIX = [dict(schedule=s, ep=ep, k=k, drop=drop) for s in ("parm-s1", "par
                for ep, k, drop in ((1, 2, True), (2, 1, True), (2, 2, False), (4, 2, True), (4, 1, False))]
 PARM_MATRIX.append(dict(schedule="parm-tune", ep=2, k=2, drop=True))      # the host builds it like parm-auto
 
+# The Parm paper's own setting, ESP = MP = 2, for a DeepSpeed user who turns expert tensor parallelism off and
+# sets "esp": 2: the plugin slices the plain FFN experts over ESP and hands Parm their partial sums
+# (sliced_expert_partials); stock DeepSpeed runs under the same mpu without expert TP.
+PARM_ESP_MATRIX = [dict(schedule=s, ep=ep, k=k, drop=drop) for s, ep, k, drop in (
+    ("parm-s1", 2, 2, True), ("parm-s2", 2, 1, True), ("parm-s2-saa", 2, 2, True), ("parm-auto", 2, 2, True),
+    ("parm-s2", 1, 2, True), ("parm-s1", 2, 1, True))]
+
 
 @pytest.mark.parametrize("combo", PARM_MATRIX, ids=lambda c: f"{c['schedule']}-ep{c['ep']}-k{c['k']}-"
                                                              f"{'drop' if c['drop'] else 'dropless'}")
 def test_fp64_parm_matches_stock_under_tp2(world, combo):
     report = world(WORLD).run(run_rank, _spec(mp=2, esp=1, **combo))[0]
     _check(report, exact=False)
+
+
+@pytest.mark.parametrize("combo", PARM_ESP_MATRIX, ids=lambda c: f"{c['schedule']}-ep{c['ep']}-k{c['k']}-"
+                                                                 f"{'drop' if c['drop'] else 'dropless'}")
+def test_fp64_parm_with_plugin_sliced_esp_equals_mp_matches_stock(world, combo):
+    report = world(WORLD).run(run_rank, _spec(mp=2, esp=2, expert_tp=False, **combo))[0]
+    _check(report, exact=False)
+    assert report["swaps"][0]["experts_sliced_by_plugin"] and report["swaps"][0]["esp"] == 2
 
 
 @pytest.mark.parametrize("combo", [dict(ep=1, k=2), dict(ep=2, k=1), dict(ep=4, k=2, drop=False),

@@ -142,7 +142,9 @@ def test_layer_problems_lists_every_reason():
                                   use_data_before_expert_parallel=False) == [
         "moe_plugins.schedule ('parm-s1') cannot run with DeepSpeed's expert tensor parallelism (esp 2): its "
         "local combine needs the experts' partial sums, and enable_expert_tensor_parallelism's expert modules "
-        "all-reduce inside themselves; allowed here: 'baseline', 'baseline-tp'"]
+        "all-reduce inside themselves; allowed here: 'baseline', 'baseline-tp'; or turn "
+        "enable_expert_tensor_parallelism off and set moe_plugins.esp to 2: the plugin then slices plain FFN "
+        "experts over ESP itself and Parm runs (docs/parm.md)"]
     sliceable = _facts(ffn_activation="gelu", ffn=18)
     assert adapter.layer_problems(sliceable, PluginConfig(esp=4), world=8, rank=0, ranks_per_node=8,
                                   use_data_before_expert_parallel=False) == ["ffn (18) must be divisible by esp (4)"]

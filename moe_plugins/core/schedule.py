@@ -61,12 +61,15 @@ class LayerParams:
     - ``block_router(x_sM, num_tokens) -> BlockRouting`` (optional): the same gate run on this MP rank's
       block of the MP group's ``num_tokens`` tokens only (rows [p s, (p+1) s), padded), giving exactly the
       routing ``router`` gives on all of them (Parm's S1 uses it). None where the host's gate cannot be
-      split that way (a random or opaque gate); S1 then gates the whole block with ``router``.
+      split that way (a random or opaque gate); S1 then gates the whole block with ``router``;
+    - ``partial_experts(x_ElNM) -> y_ElNM`` (optional): ``experts`` without the ESP reduction, for schedules
+      that sum the ESP partials themselves (Parm); a host supplies it where its experts reduce inside.
     """
 
     router: Callable[[torch.Tensor], Routing]
     experts: Callable[[torch.Tensor], torch.Tensor]
     block_router: Optional[Callable[[torch.Tensor, int], BlockRouting]] = None
+    partial_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 class Schedule(ABC):

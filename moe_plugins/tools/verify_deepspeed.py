@@ -11,7 +11,9 @@ With ``--mp N`` an mpu with tensor parallelism N is installed (:class:`GroupsMPU
 ``enable_expert_tensor_parallelism`` with tensor-parallel experts (:class:`TensorParallelFFN`); both live in
 ``verify_deepspeed_host``. ``--esp N`` with
 ``--mp 1`` is a layout DeepSpeed cannot express: the plugin (section ``esp``) slices DeepSpeed's FFN experts
-over ESP, and is compared with stock DeepSpeed at the same EP without ESP.
+over ESP, and is compared with stock DeepSpeed at the same EP without ESP. So is ``--esp N --mp N
+--no-expert-tp`` (the Parm paper's ESP = MP, for a user who turns DeepSpeed's expert tensor parallelism off
+and lets the plugin slice the experts): compared with stock DeepSpeed under the same mpu without expert TP.
 
 Shapes: S tokens, M model dim, H FFN hidden (H_t = H / N_TP per rank), E experts.
 """
@@ -49,6 +51,7 @@ class DeepSpeedVerifySpec(VerifySpec):
     rts: bool = False
     jitter: bool = False
     top2_sampling: bool = False
+    expert_tp: bool = True      # esp = mp > 1: DeepSpeed's expert TP; False: the plugin slices plain FFN experts
 
 
 def deepspeed_capacity(tokens: int, experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
@@ -61,6 +64,8 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
     problems = layout_problems(spec.world, spec.ranks_per_node, spec.mp, spec.ep, spec.esp)
     if problems:
         return problems
+    if not spec.expert_tp and not (spec.mp > 1 and spec.esp == spec.mp):
+        problems.append(f"expert_tp (False) only applies with esp ({spec.esp}) = mp ({spec.mp}) > 1")
     if spec.mp > 1 and spec.esp not in (1, spec.mp):
         problems.append(f"esp ({spec.esp}) must be 1 or mp ({spec.mp}) when mp > 1: esp = mp compares DeepSpeed's "
                         "expert tensor parallelism; esp > 1 with mp = 1 compares the plugin slicing DeepSpeed's "
@@ -68,7 +73,7 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
     registry = default_registry()
     if spec.schedule not in registry.schedule_names():
         problems.append(f"schedule ({spec.schedule!r}) is unknown; allowed: {', '.join(registry.schedule_names())}")
-    elif spec.mp > 1 and spec.esp > 1 and registry.schedule_class(spec.schedule).needs_expert_partials:
+    elif expert_tp(spec) and registry.schedule_class(spec.schedule).needs_expert_partials:
         problems.append(f"schedule ({spec.schedule!r}) with esp ({spec.esp}) = mp: DeepSpeed's tensor-parallel "
                         "experts all-reduce inside themselves and Parm needs their partial sums (the plugin "
                         "refuses this layout; docs/parm.md, Limits)")
@@ -85,10 +90,15 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
                         "(DeepSpeed's top-1 gate asserts it)")
     if spec.pipeline_degree < 1:
         problems.append(f"pipeline_degree ({spec.pipeline_degree}) must be >= 1")
-    if spec.mp > 1 and spec.esp > 1 and not spec.drop:
+    if expert_tp(spec) and not spec.drop:
         problems.append(f"drop=False with esp ({spec.esp}) > 1: stock DeepSpeed 0.19.8 rounds the dropless capacity "
                         "up to the tensor-parallel degree only without expert tensor parallelism, so its "
                         "drop_tokens asserts on an odd capacity (the plugin pads; stock cannot be compared)")
+    elif spec.mp > 1 and spec.esp > 1 and not spec.drop:
+        problems.append(f"drop=False with esp ({spec.esp}) = mp without expert TP: the gate's dropless capacity is a "
+                        "maximum over the EP group, and the plugin's EP group (strided by ESP) holds other ranks "
+                        "than stock DeepSpeed's, so the padding, hence the routing statistics, differ (outputs do "
+                        "not); not compared")
     if spec.mp > 1 and spec.drop and not problems:
         cap = deepspeed_capacity(spec.tokens, spec.experts, spec.k, spec.capacity_factor, spec.min_capacity)
         if cap % spec.mp:
@@ -101,13 +111,14 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
 # ---- one side of the comparison ------------------------------------------------------------------------
 
 def expert_tp(spec: DeepSpeedVerifySpec) -> bool:
-    """esp = mp > 1: DeepSpeed's own expert tensor parallelism (tensor-parallel expert modules)."""
-    return spec.mp > 1 and spec.esp == spec.mp
+    """esp = mp > 1 and expert_tp: DeepSpeed's own expert tensor parallelism (tensor-parallel expert modules)."""
+    return spec.mp > 1 and spec.esp == spec.mp and spec.expert_tp
 
 
 def plugin_esp(spec: DeepSpeedVerifySpec) -> Optional[int]:
-    """The section's esp for the plugin side: set only where it differs from what DeepSpeed shards by (mp = 1,
-    esp > 1: the plugin slices DeepSpeed's FFN experts; the stock side then runs the same EP without ESP)."""
+    """The section's esp for the plugin side: set only where it differs from what DeepSpeed shards by (esp > 1
+    without expert TP: the plugin slices DeepSpeed's FFN experts; the stock side then runs the same EP without
+    ESP)."""
     return spec.esp if spec.esp > 1 and not expert_tp(spec) else None
 
 

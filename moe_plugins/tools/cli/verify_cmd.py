@@ -57,6 +57,9 @@ def register(sub) -> None:
     p.add_argument("--rts", action="store_true", help="deepspeed host: the gate's random token selection")
     p.add_argument("--jitter", action="store_true", help="deepspeed host: the gate's input jitter")
     p.add_argument("--top2-sampling", action="store_true", help="deepspeed host: top-2 second-expert sampling")
+    p.add_argument("--no-expert-tp", action="store_true",
+                   help="deepspeed host, --esp = --mp > 1: DeepSpeed's expert tensor parallelism off, the plugin "
+                        "slices the plain FFN experts over ESP itself (Parm's setting); stock runs without expert TP")
     p.add_argument("--pad", action="store_true", help="megatron host: pad expert inputs to capacity (with --drop)")
     p.set_defaults(run=run)
 
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host == "deepspeed":
         from moe_plugins.tools import verify_deepspeed as host
         spec = host.DeepSpeedVerifySpec(**asdict(spec), rts=args.rts, jitter=args.jitter,
-                                        top2_sampling=args.top2_sampling)
+                                        top2_sampling=args.top2_sampling, expert_tp=not args.no_expert_tp)
         problems, rank_fn = host.host_spec_problems(spec), host.run_rank
     if args.host == "megatron":
         from moe_plugins.tools import verify_megatron as megatron_host
