@@ -39,6 +39,7 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, profile_problems, resolve
 from moe_plugins.core.profile_ops import cached_profile
+from moe_plugins.core.schedule import with_exchange
 from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
@@ -270,7 +271,7 @@ class DeepSpeedPlugin:
                 self._etp_before = self._ds.groups.expert_tensor_parallel_world_size
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
-        cls = self._schedule_class(cfg.schedule, layout, moe, read_profile)
+        cls = with_exchange(self._schedule_class(cfg.schedule, layout, moe, read_profile), cfg.exchange, degree)
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
         self._layers[moe.deepspeed_moe] = SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,

@@ -25,7 +25,7 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
-from moe_plugins.core.schedule import LayerParams, Schedule, run_schedule
+from moe_plugins.core.schedule import LayerParams, Schedule, exchange_problems, run_schedule
 from moe_plugins.plugins import default_registry
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -299,6 +299,9 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
         problems.append(f"the mpu's tensor-parallel group of rank {rank} {list(facts.tp_ranks)} must be the "
                         f"contiguous block {list(layout.group_of('mp', rank))} (Megatron's rank order)")
     problems += moe_config_problems(moe_config(facts), layout) + registry.schedule_problems(cfg.schedule, layout)
+    if cfg.schedule in registry.schedule_names():
+        problems += [f"{SECTION}.{p}" for p in exchange_problems(registry.schedule_class(cfg.schedule), cfg.exchange,
+                                                                  cfg.pipeline_degree)]
     return problems
 
 

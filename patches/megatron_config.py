@@ -15,6 +15,7 @@ from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.experts import ACTIVATIONS
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.plugin_config import SECTION, PluginConfig, profile_problems
+from moe_plugins.core.schedule import exchange_problems
 from moe_plugins.plugins import default_registry
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -149,6 +150,9 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
     problems += [f"{SECTION}.schedule on Megatron's token layout (mp 1: sequence-parallel tokens are distinct "
                  f"per TP rank): {p}" for p in default_registry().schedule_problems(plugin.schedule, layout)]
     problems += moe_config_problems(moe_config(facts), layout)
+    if plugin.schedule in default_registry().schedule_names():
+        problems += [f"{SECTION}.{p}" for p in exchange_problems(default_registry().schedule_class(plugin.schedule),
+                                                                  plugin.exchange, plugin.pipeline_degree)]
     if profile is not None:        # None (the flag, parsed before any group): the layer checks when it is built
         problems += profile_problems(plugin, layout, profile, profiled=default_registry().is_profiled(plugin.schedule))
     return problems

@@ -131,7 +131,7 @@ def groups_from_pg_collection(pg_collection: Any, layout: ParallelLayout) -> MoE
         ranks = layout.group_of(kind, rank)
         pg = getattr(pg_collection, PGC_FIELD[kind], None) if len(ranks) > 1 else None
         made[kind] = Group(kind=kind, ranks=ranks, pg=pg, rank=ranks.index(rank),
-                           remote_peers=layout.remote_peers(kind, rank))
+                           remote_peers=layout.remote_peers(kind, rank), nodes=tuple(layout.node_of(r) for r in ranks))
     return MoEProcessGroups(layout=layout, global_rank=rank, **made)
 
 

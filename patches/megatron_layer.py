@@ -49,7 +49,7 @@ from moe_plugins.pipemoe.runner import build_executor, needs_lane, run_pipelined
 from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.router import uniform_capacity
-from moe_plugins.core.schedule import LayerParams, Schedule
+from moe_plugins.core.schedule import LayerParams, Schedule, with_exchange
 from moe_plugins.plugins import default_registry
 
 from moe_plugins.patches.megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
@@ -176,7 +176,8 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.engine = engine               # pipelined: the caller's (PluginMoELayer checked there is one)
         self.lane = build_executor(plugin.pipeline_degree, profile, self.engine)
         self.degree = self.lane.degree
-        cls = schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size)
+        cls = with_exchange(schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size),
+                            plugin.exchange, plugin.pipeline_degree)
         self.rec = Recorder(ledger, name, self.engine, schedule=cls.name)
         self.schedule: Schedule = cls(self.moe_config, groups, self.rec)
         self._pass: Optional[_Pass] = None

@@ -1,7 +1,7 @@
 """The communication engine: one per rank and plugin, passed explicitly, through which every collective of
 the MoE core is issued, timed and recorded.
 
-Ops (:data:`OPS`): ``all_to_all`` (even split on dim 0), ``all_gather`` and ``reduce_scatter`` (flat buffers),
+Ops (:data:`OPS`): ``all_to_all`` (even split on dim 0, or uneven with ``splits``), ``all_gather`` and ``reduce_scatter`` (flat buffers),
 ``all_reduce`` (``reduce="sum"`` or ``"max"``). :meth:`CommEngine.submit` runs a closure of collectives on a
 lane (PipeMoE's runner). Two priority classes:
 
@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups, destroy_process_groups
 from moe_plugins.core.ledger import CommLedger, CommRecord
-from moe_plugins.core.ops import (BACKGROUND, MAIN, PIPELINE, URGENT, CommError, Handle, Hold, Job, Lane,
+from moe_plugins.core.ops import (BACKGROUND, MAIN, PIPELINE, URGENT, CommError, Handle, Hold, Job, Lane, Splits,
                                   check_op, now_ns, run_op, volume)
 
 _LANE_FLAGS = {PIPELINE: "pipeline=True", BACKGROUND: "background=True"}
@@ -132,18 +132,17 @@ class CommEngine:
     def mark_backward_exchange(self, y: torch.Tensor) -> None:
         """When backward reaches ``y`` (a layer's output), its exchange is next: hold background ops back from
         then (:meth:`expect_urgent`). Does nothing without a background lane or when ``y`` needs no gradient."""
-        def expect(grad: torch.Tensor) -> None:
-            self.expect_urgent()
         if BACKGROUND in self._lanes and y.requires_grad:
-            y.register_hook(expect)
+            y.register_hook(lambda grad: self.expect_urgent() and None)
 
     def issue(self, op: str, group: Group, x: torch.Tensor, *, priority: str = URGENT, lane: Optional[str] = None,
               reduce: str = "sum", layer: str = "", phase: str = "forward",
-              ledger: Optional[CommLedger] = None, yields: bool = True) -> Handle:
+              ledger: Optional[CommLedger] = None, yields: bool = True, splits: Splits = None) -> Handle:
         """Issue ``op`` of ``x`` on ``group`` (a group of the layout; a lane maps it to its twin). Urgent ops
         without ``lane`` run inline before this returns; others are queued on their lane. ``yields=False``: a
-        background op that starts in its FIFO turn even while urgent ops run (a no-priority reference)."""
-        check_op(op, group, x, priority, reduce)
+        background op that starts in its FIFO turn even while urgent ops run (a no-priority reference).
+        ``splits``: an uneven all_to_all's (send, receive) rows per member (:data:`~moe_plugins.core.ops.Splits`)."""
+        check_op(op, group, x, priority, reduce, splits)
         name = "all_reduce_max" if op == "all_reduce" and reduce == "max" else op
         what = f"{name}@{group.kind} ({priority}, layer {layer!r}, {phase})"
         here = getattr(self._local, "lane", None)
@@ -154,10 +153,10 @@ class CommEngine:
                 raise ValueError(f"{what} on the {here.name} lane's thread must use the lane's twin groups "
                                  f"(engine.lane_groups({here.name!r})), not the {group.kind} group given")
             return self._inline(lambda job: self._op(job, name, op, group, group, x, reduce, layer, phase, ledger,
-                                                     priority, run_lane), what, priority)
+                                                     priority, run_lane, splits), what, priority)
         twin = self._twin_group(target, group)
         return self._enqueue(target, lambda job: self._op(job, name, op, group, twin, x, reduce, layer, phase,
-                                                          ledger, priority, target.name), what, yields)
+                                                          ledger, priority, target.name, splits), what, yields)
 
     def submit(self, fn: Callable[..., Any], *args: Any, lane: str = PIPELINE) -> Handle:
         """Run ``fn(*args)`` on ``lane``'s thread (its collectives go on ``lane_groups(lane)``), after the lane's
@@ -251,11 +250,11 @@ class CommEngine:
         return twin
 
     def _op(self, job: Job, name: str, op: str, group: Group, on: Group, x: torch.Tensor, reduce: str, layer: str,
-            phase: str, ledger: Optional[CommLedger], priority: str, lane: str) -> torch.Tensor:
+            phase: str, ledger: Optional[CommLedger], priority: str, lane: str, splits: Splits) -> torch.Tensor:
         x, what = x.contiguous(), f"{name}@{group.kind} ({priority}, layer {layer!r}, {phase}, {lane} lane)"
-        out = run_op(op, on.pg, on.size, x, reduce, what)
+        out = run_op(op, on.pg, on.size, x, reduce, what, splits)
         if on.pg is not None:
-            numel, remote = volume(op, group, x)
+            numel, remote = volume(op, group, x, splits)
             self.record(layer=layer, op=name, group=group, numel=numel, elsize=x.element_size(),
                         remote_elems=remote, phase=phase, priority=priority, lane=lane, ledger=ledger,
                         issue_ns=job.issue_ns, start_ns=job.start_ns, end_ns=now_ns())

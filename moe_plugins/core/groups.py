@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,18 @@ class Group:
     pg: Optional[dist.ProcessGroup]
     rank: int            # index of this rank in ``ranks``
     remote_peers: int    # members on another node
+    nodes: Tuple[int, ...] = ()   # each member's node (empty: not known; uneven volumes then assume an even spread)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def remote_share(self, rows_per_member) -> float:
+        """Of ``rows_per_member`` (what this rank sends to each member, in order), the amount that goes to
+        members on another node; without ``nodes``, the even-spread share ``remote_peers / size`` of the total."""
+        if len(self.nodes) != self.size:
+            return self.remote_peers * sum(rows_per_member) / self.size
+        return float(sum(n for n, node in zip(rows_per_member, self.nodes) if node != self.nodes[self.rank]))
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,8 @@ def build_process_groups(layout: ParallelLayout, backend: Optional[str] = None,
             pg = dist.new_group(list(ranks), backend=backend, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 made[kind] = Group(kind=kind, ranks=ranks, pg=pg, rank=ranks.index(rank),
-                                   remote_peers=layout.remote_peers(kind, rank))
+                                   remote_peers=layout.remote_peers(kind, rank),
+                                   nodes=tuple(layout.node_of(r) for r in ranks))
     return MoEProcessGroups(layout=layout, global_rank=rank, **made)
 
 

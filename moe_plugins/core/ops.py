@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,8 @@ URGENT, BACKGROUND = "urgent", "background"              # priority classes
 MAIN, PIPELINE = "main", "pipeline"                      # lanes (the background lane is named BACKGROUND)
 OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# an uneven all_to_all's split sizes along dim 0: (rows sent to each member, rows received from each member)
+Splits = Optional[Tuple[Sequence[int], Sequence[int]]]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics on flat buffers).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,16 +95,16 @@ class Lane:
     stream: Any = None                               # CUDA: the background lane's side stream
 
 
-def check_op(op: str, group: Group, x: torch.Tensor, priority: str, reduce: str) -> None:
-    """Raise one ValueError naming every bad argument of an op."""
-    problems = []
+def check_op(op: str, group: Group, x: torch.Tensor, priority: str, reduce: str, splits: Splits = None) -> None:
+    """Raise one ValueError naming every bad argument of an op (``splits``: an uneven all_to_all's)."""
+    problems = [] if splits is None else _splits_problems(op, group, x, splits)
     if op not in OPS:
         problems.append(f"op ({op!r}) must be one of {', '.join(OPS)}")
     if priority not in (URGENT, BACKGROUND):
         problems.append(f"priority ({priority!r}) must be {URGENT!r} or {BACKGROUND!r}")
     if reduce not in REDUCE_OPS:
         problems.append(f"reduce ({reduce!r}) must be one of {sorted(REDUCE_OPS)}")
-    if op == "all_to_all" and x.dim() and x.shape[0] % group.size:
+    if op == "all_to_all" and splits is None and x.dim() and x.shape[0] % group.size:
         problems.append(f"all_to_all: dim 0 ({x.shape[0]}) must be divisible by the {group.kind} group size "
                         f"({group.size})")
     if op == "reduce_scatter" and x.numel() % group.size:
@@ -112,9 +114,30 @@ def check_op(op: str, group: Group, x: torch.Tensor, priority: str, reduce: str)
         raise ValueError("invalid collective: " + "; ".join(problems))
 
 
-def volume(op: str, group: Group, x: torch.Tensor) -> Tuple[int, float]:
-    """(numel, inter-node elements) of ``op`` on input ``x``, in the ledger's convention (core/ledger.py)."""
+def _splits_problems(op: str, group: Group, x: torch.Tensor, splits: Any) -> list:
+    if op != "all_to_all":
+        return [f"split sizes are for all_to_all only, not {op!r}"]
+    if not (isinstance(splits, tuple) and len(splits) == 2):
+        return [f"splits ({splits!r}) must be (send sizes, receive sizes)"]
+    problems = []
+    for name, sizes in zip(("send", "receive"), splits):
+        if len(sizes) != group.size or any(int(n) < 0 for n in sizes):
+            problems.append(f"all_to_all: {name} split sizes ({list(sizes)}) must be {group.size} integers >= 0, "
+                            f"one per member of the {group.kind} group")
+    if x.dim() == 0 or sum(int(n) for n in splits[0]) != x.shape[0]:
+        problems.append(f"all_to_all: send split sizes ({list(splits[0])}) must sum to dim 0 of the input "
+                        f"({tuple(x.shape)})")
+    return problems
+
+
+def volume(op: str, group: Group, x: torch.Tensor, splits: Splits = None) -> Tuple[int, float]:
+    """(numel, inter-node elements) of ``op`` on input ``x``, in the ledger's convention (core/ledger.py). An
+    uneven all_to_all (``splits``) sends ``send[j]`` rows to member j: its inter-node elements are the rows
+    that go to members on other nodes (:meth:`Group.remote_share`)."""
     n, size, remote = x.numel(), group.size, group.remote_peers
+    if splits is not None:
+        row = x[0].numel() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod())
+        return n, group.remote_share([int(s) * row for s in splits[0]])
     if op == "all_gather":
         return n * size, remote * n
     if op == "all_reduce":
@@ -123,14 +146,15 @@ def volume(op: str, group: Group, x: torch.Tensor) -> Tuple[int, float]:
 
 
 def run_op(op: str, pg: Optional[dist.ProcessGroup], size: int, x: torch.Tensor, reduce: str,
-           what: str = "") -> torch.Tensor:
-    """The collective itself, out of place: all_to_all keeps x's shape; all_gather, reduce_scatter are flat.
+           what: str = "", splits: Splits = None) -> torch.Tensor:
+    """The collective itself, out of place: all_to_all keeps x's shape (uneven with ``splits``: dim 0 becomes
+    the rows received); all_gather, reduce_scatter are flat.
     A failure (a peer gone: the group's timeout, or a closed connection) is a CommError naming ``what``, logged
     as an error: a rank that stops or dies makes its peers fail here, saying where they were."""
     if pg is None:                                    # a group of one: nothing to exchange
         return x.reshape(-1).clone() if op in ("all_gather", "reduce_scatter") else x.clone()
     try:
-        return _run_collective(op, pg, size, x, reduce)
+        return _run_collective(op, pg, size, x, reduce, splits)
     except CommError:
         raise
     except RuntimeError as exc:                       # gloo/NCCL errors are RuntimeErrors (DistError among them)
@@ -139,8 +163,13 @@ def run_op(op: str, pg: Optional[dist.ProcessGroup], size: int, x: torch.Tensor,
         raise CommError(message) from exc
 
 
-def _run_collective(op: str, pg: dist.ProcessGroup, size: int, x: torch.Tensor, reduce: str) -> torch.Tensor:
-    if op == "all_to_all":
+def _run_collective(op: str, pg: dist.ProcessGroup, size: int, x: torch.Tensor, reduce: str,
+                    splits: Splits) -> torch.Tensor:
+    if op == "all_to_all" and splits is not None:   # uneven: one all_to_all_single with split sizes (gloo too)
+        send, recv = [int(n) for n in splits[0]], [int(n) for n in splits[1]]
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=pg)
+    elif op == "all_to_all":
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=pg)
     elif op == "all_gather":

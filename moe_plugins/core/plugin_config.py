@@ -8,6 +8,8 @@ Schema (documented for users in ``docs/config.md``)::
         "schedule": "baseline",     # a registered schedule (moe_plugins.plugins.default_registry())
         "pipeline_degree": 1,       # capacity chunks per layer: an integer >= 1 or a registered degree
                                     # policy's word (Registry.degree_policies(); docs/config.md)
+        "exchange": "padded",       # "ragged": the exchange sends only occupied capacity slots (schedule
+                                    # "baseline", pipeline_degree 1; one host read per call; docs/hecate.md)
         "esp": null,                # expert-sharding degree; null: the host's expert tensor-parallel degree;
                                     # another value is a layout the host cannot express (docs/config.md)
         "ranks_per_node": null,     # ranks per node for the node-aware layout; null: LOCAL_WORLD_SIZE
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 SECTION = "moe_plugins"
+EXCHANGES = ("padded", "ragged")     # the "exchange" values (core.schedule.EXCHANGES is this tuple)
 
 
 def degree_needs_profile(value: Any) -> bool:
@@ -70,6 +73,7 @@ class PluginConfig:
     enabled: bool = True
     schedule: str = "baseline"
     pipeline_degree: Union[int, str] = 1
+    exchange: str = "padded"
     esp: Optional[int] = None
     ranks_per_node: Optional[int] = None
     lina: Optional[Dict[str, Any]] = field(default=None, hash=False)    # validated by the lina package
@@ -148,6 +152,9 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
                      else ["a registered degree policy's word"])
             hint = did_you_mean(value, degrees) if isinstance(value, str) and degrees is not None else ""
             bad("pipeline_degree", "must be " + alternatives(["an integer >= 1"] + words) + hint)
+    if "exchange" in section and section["exchange"] not in EXCHANGES:
+        bad("exchange", f"must be {alternatives([repr(e) for e in EXCHANGES])}"
+            f"{did_you_mean(section['exchange'], EXCHANGES) if isinstance(section['exchange'], str) else ''}")
     for key in ("esp", "ranks_per_node"):
         if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
             bad(key, "must be an integer >= 1, or null to derive it")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, List, Optional, Set, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Set, Tuple, Type
 
 import torch
 
@@ -29,6 +29,7 @@ from moe_plugins.core.comm import Recorder
 from moe_plugins.core.config import MoEConfig
 from moe_plugins.core.gating import BlockRouting, Routing
 from moe_plugins.core.groups import MoEProcessGroups
+from moe_plugins.core.plugin_config import EXCHANGES
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,14 @@ class Schedule(ABC):
     # the expert step needs the experts' partial (un-reduced) ESP sums, so a host's expert modules that
     # all-reduce inside themselves cannot serve it (Parm's local combine)
     needs_expert_partials: ClassVar[bool] = False
+    # how the exchange moves the dispatched slots: "padded" (the whole (E, C, M) buffer) or "ragged" (occupied
+    # slots only, core/ragged.py); a schedule offers the other through exchange_variant
+    exchange_mode: ClassVar[str] = "padded"
+
+    @classmethod
+    def exchange_variant(cls, exchange: str) -> Optional[Type["Schedule"]]:
+        """This schedule with ``exchange`` ("padded" or "ragged"); None when it cannot run that exchange."""
+        return cls if exchange == cls.exchange_mode else None
 
     def __init__(self, config: MoEConfig, groups: MoEProcessGroups, rec: Recorder):
         self.config, self.groups, self.rec = config, groups, rec
@@ -166,6 +175,28 @@ def run_schedule(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, de
             for a, b in chunk_bounds(d.shape[dim], degree)]
     r = outs[0] if len(outs) == 1 else torch.cat(outs, dim=dim)
     return schedule.mark_combine(schedule.finish(r, dispatched)), dispatched
+
+
+def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any = 1) -> List[str]:
+    """Why ``cls`` cannot run ``exchange`` at ``pipeline_degree`` (empty when it can), each naming the schedule."""
+    if exchange not in EXCHANGES:
+        return [f"exchange ({exchange!r}) must be one of {', '.join(map(repr, EXCHANGES))}"]
+    if cls.exchange_variant(exchange) is None:
+        return [f"exchange ({exchange!r}) is not supported by schedule {cls.name!r}, which runs the "
+                f"{cls.exchange_mode} exchange only; the ragged exchange runs with schedule 'baseline'"]
+    if exchange == "ragged" and pipeline_degree not in (1, "1"):
+        return [f"exchange ('ragged') with pipeline_degree ({pipeline_degree!r}) is not supported: the ragged "
+                "exchange sends a layer's rows in one uneven all-to-all, not in capacity chunks; use "
+                "pipeline_degree 1 or the padded exchange"]
+    return []
+
+
+def with_exchange(cls: Type[Schedule], exchange: str, pipeline_degree: Any = 1) -> Type[Schedule]:
+    """``cls`` running ``exchange`` (a ValueError naming the schedule when it cannot)."""
+    problems = exchange_problems(cls, exchange, pipeline_degree)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return cls.exchange_variant(exchange)
 
 
 def routing_stats(routings: List[Routing]) -> Tuple[torch.Tensor, int]:

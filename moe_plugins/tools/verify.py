@@ -32,6 +32,7 @@ from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.profile_ops import cached_profile, profile_key
 from moe_plugins.core.reference import reference_moe
+from moe_plugins.core.schedule import exchange_problems, with_exchange
 from moe_plugins.core.timeline import chrome_trace
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -57,6 +58,7 @@ class VerifySpec:
     ffn: int = 16
     schedule: str = "baseline"
     pipeline_degree: Union[int, str] = 1    # an int >= 1, or a registered word ("auto", "tune"): needs profile_dir
+    exchange: str = "padded"               # "ragged": only occupied capacity slots travel (core/ragged.py)
     dtype: str = "float64"
     seed: int = 0
     skew: float = 0.0      # > 0 biases the gate towards expert 0 (forces drops / empty ranks)
@@ -90,6 +92,8 @@ def spec_problems(spec: VerifySpec, registry: Optional[Registry] = None) -> List
         return problems
     layout = spec.layout()
     problems += moe_config_problems(spec.moe_config(), layout) + registry.schedule_problems(spec.schedule, layout)
+    if spec.schedule in registry.schedule_names():
+        problems += exchange_problems(registry.schedule_class(spec.schedule), spec.exchange, spec.pipeline_degree)
     if spec.tokens < 1:
         problems.append(f"tokens ({spec.tokens}) must be >= 1")
     if spec.dtype not in DTYPES:
@@ -161,6 +165,7 @@ def _run_layer(spec: VerifySpec, layout: ParallelLayout, groups, registry: Regis
     ledger, profile, dtype = CommLedger(), spec.profile(), DTYPES[spec.dtype]
     schedule = registry.host_schedule_class(spec.schedule, profile, torch.tensor([], dtype=dtype).element_size(),
                                             layout.mp, log)
+    schedule = with_exchange(schedule, spec.exchange, spec.pipeline_degree)
     engine = build_engine(groups, pipeline=registry.needs_lane(spec.pipeline_degree))     # collective
     try:
         executor = registry.build_executor(spec.pipeline_degree, profile, engine)

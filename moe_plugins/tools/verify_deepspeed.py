@@ -32,6 +32,7 @@ from torch import nn
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.plugin_config import PluginConfig
+from moe_plugins.core.schedule import exchange_problems
 from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import AUX_COEF, DTYPES, TOLERANCE, VerifySpec, make_problem
@@ -77,6 +78,8 @@ def host_spec_problems(spec: DeepSpeedVerifySpec) -> List[str]:
         problems.append(f"schedule ({spec.schedule!r}) with esp ({spec.esp}) = mp: DeepSpeed's tensor-parallel "
                         "experts all-reduce inside themselves and Parm needs their partial sums (the plugin "
                         "refuses this layout; docs/parm.md, Limits)")
+    else:
+        problems += exchange_problems(registry.schedule_class(spec.schedule), spec.exchange, spec.pipeline_degree)
     if spec.experts % spec.ep:
         problems.append(f"experts ({spec.experts}) must be divisible by ep ({spec.ep})")
     if spec.ffn % spec.esp:
@@ -228,7 +231,7 @@ def collect_rank(spec: DeepSpeedVerifySpec) -> Dict[str, Any]:
     mpu = GroupsMPU(spec.world, spec.mp) if spec.mp > 1 else None
     ledger = CommLedger()
     stock = run_side(spec, mpu, None, None)
-    plugin_cfg = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree,
+    plugin_cfg = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree, exchange=spec.exchange,
                               ranks_per_node=spec.ranks_per_node, esp=plugin_esp(spec))
     plugin = run_side(spec, mpu, plugin_cfg, ledger)
     return {"rank": dist.get_rank(), **compare_sides(stock, plugin), "swaps": plugin["swaps"],

@@ -115,7 +115,7 @@ def build_pair(spec: MegatronVerifySpec, config: Any, megatron_groups: Any, ledg
     from moe_plugins.patches.megatron import get_moe_module_spec
     from moe_plugins.patches.megatron_specs import build_layer, spec_submodules
 
-    plugin_config = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree)
+    plugin_config = PluginConfig(schedule=spec.schedule, pipeline_degree=spec.pipeline_degree, exchange=spec.exchange)
     with torch.random.fork_rng(devices=[]):                  # the caller's random state is left as it was
         torch.manual_seed(1000 + spec.seed)
         stock = MoELayer(config, submodules=spec_submodules(stock_spec(use_te=False, num_experts=spec.experts)),

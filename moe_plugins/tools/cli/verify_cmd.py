@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--schedule", default="baseline")
     p.add_argument("--pipeline-degree", type=_degree, default=1,
                    help="capacity chunks per layer, or a word ('auto', 'tune': picked from --cache-dir's profile)")
+    p.add_argument("--exchange", default="padded", choices=("padded", "ragged"),
+                   help="padded: the whole (E, C, M) capacity buffer travels; ragged: only occupied slots, in one "
+                        "uneven all-to-all each way (schedule baseline, pipeline degree 1; docs/hecate.md)")
     p.add_argument("--dtype", default="float64", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="bias routing towards expert 0")
@@ -69,13 +72,13 @@ def spec_from_args(args: argparse.Namespace, world: int) -> VerifySpec:
                       esp=args.esp, experts=args.experts, k=args.k, capacity_factor=args.capacity_factor,
                       min_capacity=args.min_capacity, drop=args.drop, tokens=args.tokens, hidden=args.hidden,
                       ffn=args.ffn, schedule=args.schedule, pipeline_degree=args.pipeline_degree,
-                      dtype=args.dtype, seed=args.seed, skew=args.skew, timeline=args.timeline is not None,
+                      exchange=args.exchange, dtype=args.dtype, seed=args.seed, skew=args.skew, timeline=args.timeline is not None,
                       profile_dir=args.cache_dir)
 
 
 # the VerifySpec fields with a flag of the same name (drop and profile_dir have their own spelling)
 _FLAG_FIELDS = ("world", "ranks_per_node", "mp", "ep", "esp", "experts", "k", "capacity_factor", "min_capacity",
-                "tokens", "hidden", "ffn", "schedule", "pipeline_degree", "dtype", "seed", "skew")
+                "tokens", "hidden", "ffn", "schedule", "pipeline_degree", "exchange", "dtype", "seed", "skew")
 
 
 def _degree(text: str) -> Union[int, str]:
@@ -151,7 +154,7 @@ def _print(report: dict, as_json: bool) -> None:
         return
     status = "ok" if report["ok"] else "MISMATCH"
     s = report["spec"]
-    print(f"{status}: schedule={s['schedule']} world={s['world']} mp={s['mp']} ep={s['ep']} esp={s['esp']} "
+    print(f"{status}: schedule={s['schedule']} exchange={s.get('exchange', 'padded')} world={s['world']} mp={s['mp']} ep={s['ep']} esp={s['esp']} "
           f"k={s['k']} drop={s['drop']} dtype={s['dtype']} (tolerance {report['tolerance']:g})")
     for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
         print(f"  {key:16s} {report[key]:.3e}")

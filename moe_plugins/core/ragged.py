@@ -1,0 +1,172 @@
+"""The ragged exchange (``"exchange": "ragged"``): only occupied capacity slots travel.
+
+The padded exchange sends the whole (E, C, M) buffer, empty slots included (dropless: every expert padded to
+the hottest). The ragged one sends a layer's kept routes only:
+
+1. the split sizes go first: this rank's kept routes per expert (E integers), one even ``all_to_all`` over EP,
+   so every rank learns how many rows each source sends to each of its local experts;
+2. one host read of those counts (the uneven exchange's split sizes must be known on the host);
+3. the rows, ordered by (expert, token block, slot), in ONE uneven ``all_to_all_single`` (gloo supports uneven
+   split sizes, and has no list-form all_to_all); its backward is the reverse uneven exchange;
+4. the experts run on the received rows grouped per local expert (padded locally, never on the wire, to the
+   busiest local expert's rows so that every host's ``experts(x_ElNM)`` contract holds);
+5. the reverse uneven exchange brings the outputs back, and the combine reads each route's row.
+
+Every row holds the value it holds in the padded buffer, and the combine does the same arithmetic, so outputs,
+gradients, aux loss and dropped routes equal the padded exchange's (bitwise, except where a GEMM's blocking
+differs with its row count).
+
+The pure pieces (:func:`route_order`'s layout, :func:`split_sizes`, :func:`offsets`, :func:`expert_rows`) are
+small functions of host integers or tensors; :func:`ragged_all_to_all` is the autograd exchange, issued through
+the layer's communication engine (an urgent op, recorded in its ledger with the true bytes).
+
+Shapes: N token blocks, S tokens per block, K routes per token, E experts (E_l local), P EP sources, R rows
+(kept routes) this rank sends, Q rows it receives, M model dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.gating import Routing
+from moe_plugins.core.groups import Group
+from moe_plugins.core.ops import CommError
+
+# ---- pure pieces -----------------------------------------------------------------------------------------
+
+def split_sizes(counts: Sequence[int], members: int) -> List[int]:
+    """Per-expert counts (E, experts of member j contiguous: [j E_l, (j+1) E_l)) summed per member (pure)."""
+    if members < 1 or len(counts) % members:
+        raise ValueError(f"counts ({len(counts)} experts) must split evenly over {members} members")
+    per = len(counts) // members
+    return [sum(counts[j * per:(j + 1) * per]) for j in range(members)]
+
+
+def offsets(sizes: Sequence[int]) -> List[int]:
+    """Exclusive prefix sums: where each piece starts in the concatenation (pure)."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(start)
+        start += n
+    return out
+
+
+def expert_rows(recv_PL: Sequence[Sequence[int]], multiple: int = 1) -> Tuple[List[int], List[int], int]:
+    """Group a received buffer per local expert (pure).
+
+    ``recv_PL[p][l]``: rows source p sent for local expert l; the buffer holds them source-major (source 0's
+    rows for experts 0..E_l-1, then source 1's, ...). Returns ``(gather, back, n)``: the (E_l, n) layout the
+    experts run on, each expert's rows source by source and then padding, as ``gather`` (buffer row for every
+    (l, j); Q, one past the buffer, for a padding slot); ``back[q]``, the (l, j) position (``l n + j``) of
+    buffer row q; and ``n``, the busiest local expert's rows (at least 1, so that no expert call is empty)
+    rounded up to ``multiple``."""
+    num_local = len(recv_PL[0]) if recv_PL else 0
+    per_expert = [sum(src[l] for src in recv_PL) for l in range(num_local)]
+    n = max(max(per_expert, default=0), 1)
+    n = -(-n // multiple) * multiple
+    total = sum(per_expert)
+    gather = [total] * (num_local * n)
+    back = [0] * total
+    filled = [0] * num_local
+    row = 0
+    for src in recv_PL:
+        for l, count in enumerate(src):
+            for _ in range(count):
+                pos = l * n + filled[l]
+                gather[pos], back[row] = row, pos
+                filled[l] += 1
+                row += 1
+    return gather, back, n
+
+
+# ---- the layer's route layout ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RouteOrder:
+    """This rank's routes in ragged order (expert, block, slot): ``token_R`` (into the N*S tokens, for the
+    first R = sum(counts) entries), ``pos_NSK`` (each route's row; R, a zero row, for a dropped route) and the
+    kept routes per expert ``counts_E`` (a tensor, read once on the host with the received counts)."""
+
+    token_X: torch.Tensor
+    pos_NSK: torch.Tensor
+    counts_E: torch.Tensor
+
+
+def route_order(routings: Sequence[Routing], num_experts: int) -> RouteOrder:
+    """The ragged order of the kept routes of N blocks' routings (no host read: a full sort, dropped last)."""
+    slots = max(r.capacity for r in routings) + 1
+    blocks, tokens = len(routings), routings[0].slot_SK.shape[0]
+    expert_NSK = torch.stack([r.expert_SK for r in routings])
+    slot_NSK = torch.stack([r.slot_SK for r in routings])
+    kept_NSK = slot_NSK >= 0
+    block_NSK = torch.arange(blocks, device=slot_NSK.device).view(-1, 1, 1).expand_as(slot_NSK)
+    key_NSK = (expert_NSK * blocks + block_NSK) * slots + slot_NSK
+    key_NSK = torch.where(kept_NSK, key_NSK, torch.full_like(key_NSK, num_experts * blocks * slots))
+    order_X = torch.argsort(key_NSK.reshape(-1), stable=True)
+    token_NSK = (block_NSK * tokens + torch.arange(tokens, device=slot_NSK.device).view(1, -1, 1)).expand_as(slot_NSK)
+    rank_X = torch.empty_like(order_X)
+    rank_X[order_X] = torch.arange(order_X.numel(), device=order_X.device)
+    binned_X = torch.where(kept_NSK, expert_NSK, torch.full_like(expert_NSK, num_experts)).reshape(-1)
+    counts_E = torch.bincount(binned_X, minlength=num_experts + 1)[:num_experts]
+    kept = counts_E.sum()
+    pos_NSK = torch.where(kept_NSK, rank_X.view_as(slot_NSK), kept.expand_as(slot_NSK))
+    return RouteOrder(token_X=token_NSK.reshape(-1)[order_X], pos_NSK=pos_NSK, counts_E=counts_E)
+
+
+def combine_rows(r_QM: torch.Tensor, pos_SK: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """out_SM = sum_k weight_SK * r[pos_SK]: the padded combine's arithmetic, on the rows (row ``len(r)`` is
+    the zero row of a dropped route)."""
+    padded = torch.cat([r_QM, r_QM.new_zeros(1, r_QM.shape[-1])])
+    routed_SKM = padded.index_select(0, pos_SK.reshape(-1)).view(*pos_SK.shape, r_QM.shape[-1])
+    dtype = torch.promote_types(routed_SKM.dtype, routing.weight_SK.dtype)
+    out_SM = (routed_SKM.to(dtype) * routing.weight_SK.to(dtype).unsqueeze(-1)).sum(1)
+    return out_SM.to(r_QM.dtype)
+
+
+# ---- the exchange ----------------------------------------------------------------------------------------
+
+def _uneven(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
+            phase: str) -> torch.Tensor:
+    out = rec.engine.issue("all_to_all", group, x, layer=rec.layer, phase=phase, ledger=rec.ledger,
+                           splits=(tuple(send), tuple(recv)))
+    try:
+        return out.wait()
+    except CommError as exc:      # a peer gone: name the schedule too
+        raise rec.failed(exc) from exc
+
+
+class _RaggedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group, rec):
+        ctx.send, ctx.recv, ctx.group, ctx.rec = send, recv, group, rec
+        return _uneven(x, send, recv, group, rec, "forward")
+
+    @staticmethod
+    def backward(ctx, g):
+        return _uneven(g.contiguous(), ctx.recv, ctx.send, ctx.group, ctx.rec, "backward"), None, None, None, None
+
+
+def ragged_all_to_all(x_RM: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group,
+                      rec: Recorder) -> torch.Tensor:
+    """One uneven ``all_to_all_single`` over ``group``: ``send[j]`` rows of ``x_RM`` to member j, ``recv[j]``
+    from it (in member order); backward is the reverse exchange. A group of one returns ``x_RM``."""
+    if group.size == 1:
+        return x_RM
+    return _RaggedAllToAll.apply(x_RM, tuple(int(n) for n in send), tuple(int(n) for n in recv), group, rec)
+
+
+def exchange_counts(counts_E: torch.Tensor, group: Group, rec: Recorder) -> Tuple[List[int], List[List[int]]]:
+    """Step 1 and 2: this rank's kept routes per expert to every EP member (one even all_to_all of E integers)
+    and ONE host read of both. Returns (this rank's counts per expert, received counts ``[p][l]``: rows source
+    p sends for local expert l)."""
+    counts_E = counts_E.to(torch.int64)
+    got_E = counts_E if group.size == 1 else rec.issue("all_to_all", group, counts_E, "forward")
+    both = torch.cat([counts_E, got_E]).tolist()      # the host read of this option (docs/architecture.md)
+    num = counts_E.numel()
+    per = num // group.size
+    mine, got = both[:num], both[num:]
+    return mine, [got[p * per:(p + 1) * per] for p in range(group.size)]
