@@ -16,7 +16,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,22 @@ def build_model(args, size: models.ModelSize, vocab_size: int):
     return build(size, vocab_size, factory)
 
 
+def build_engine(args, size: models.ModelSize, vocab_size: int, ds_config: Dict[str, Any],
+                 adjust: Optional[Callable[[torch.nn.Module], None]] = None) -> Any:
+    """The recipe's model (``build_model``; ``adjust`` may change it before DeepSpeed sees it) under
+    ``deepspeed.initialize`` with the recipe's optimizer (AdamW, MoE parameter groups split as DeepSpeed needs)."""
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    model = build_model(args, size, vocab_size)
+    if adjust is not None:
+        adjust(model)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters()], "name": "parameters"})
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
 def make_batch(args, blocks, tokenizer, step, batch_size, rank, world):
     ids = blocks.batches(step, batch_size, rank, world, args.seed)
     if args.model == "gpt2-moe":
@@ -93,7 +109,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 def _main(args: argparse.Namespace) -> Dict[str, Any]:
     import deepspeed
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     ds_config = json.loads(Path(args.ds_config).read_text())
     plugin = None
     if "moe_plugins" in ds_config and not args.no_plugins:
@@ -112,11 +127,7 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
     text = (data.hf_dataset_text(args.hf_dataset, max_chars=max_chars) if args.hf_dataset
             else data.read_corpus(data.corpus_files(args.data), max_chars))
     blocks = data.TokenBlocks.from_text(text, tokenizer, size.seq_len)
-    model = build_model(args, size, len(tokenizer))
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": [p for p in model.parameters()], "name": "parameters"})
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine = build_engine(args, size, len(tokenizer), ds_config)
     start = _resume(engine, args.ckpt_dir)
     batch_size = engine.train_micro_batch_size_per_gpu()
     log = report.RunLog(rank=rank, total=args.steps, start=start, out=Path(args.out), meta={

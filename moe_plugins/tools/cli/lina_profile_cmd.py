@@ -53,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--top", type=int, default=pop.DEFAULT_TOP, help="size of the compared top set")
     p.add_argument("--keep", type=int, default=None,
                    help="each token's most probable experts to count (default: all)")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="synthetic skew, as `moe_plugins.recipes.infer --skew`: MoE layer j's gate logits gain S "
+                        "on expert j mod E (the LayerNorm before it shifted by pinv(W_gate) b)")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/moe_plugins"), help="tokenizer cache")
     p.set_defaults(run=run)
 
@@ -69,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     ckpt = _checkpoint_folder(Path(args.ckpt_dir), args.tag)
     tokenizer = (data.gpt2_tokenizer if args.model == "gpt2-moe" else data.bert_tokenizer)(Path(args.cache_dir))
     model = load_model(args.model, args.size, len(tokenizer), ckpt)
+    if args.skew:
+        from moe_plugins.recipes.infer_session import apply_skew
+        apply_skew(model, args.model, size, args.skew)
     gates = moe_gates(model)
     facts = pop.ModelFacts(num_layers=len(gates), num_experts=gates[0].wg.out_features, top_k=gates[0].k)
     start = args.start_layer if args.start_layer is not None else min(args.path_length, facts.num_layers - 1)
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             "accuracy": {"top": args.top, "keep": args.keep, "value": acc.value, "marginal_only": marginal.value,
                          "per_layer": [list(x) for x in acc.per_layer], "load_error": acc.mean_load_error,
                          "load_error_marginal_only": marginal.mean_load_error},
-            "busiest_expert_share": skew}
+            "busiest_expert_share": skew, "synthetic_skew": args.skew}
     out = pop.save_table(table, args.out, meta)
     _report(args, facts, table, acc, marginal, skew, ckpt, out, n_eval, size.seq_len)
     return 0
@@ -110,6 +116,8 @@ def _arg_problems(args: argparse.Namespace) -> List[str]:
         problems.append(f"--start-layer ({args.start_layer}) must be >= 1 (a path needs a layer before it)")
     if args.keep is not None and args.keep < 1:
         problems.append(f"--keep ({args.keep}) must be >= 1")
+    if args.skew != args.skew or args.skew in (float("inf"), float("-inf")):
+        problems.append(f"--skew ({args.skew}) must be a finite number of logits")
     if not 0 < args.eval_fraction < 1:
         problems.append(f"--eval-fraction ({args.eval_fraction}) must be in (0, 1)")
     return problems
