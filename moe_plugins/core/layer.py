@@ -22,7 +22,7 @@ from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.router import route_token_block, route_tokens
 from moe_plugins.core.registry import Registry
-from moe_plugins.core.schedule import LayerParams, Schedule
+from moe_plugins.core.schedule import LayerParams, Schedule, exchange_problems
 
 ScheduleLike = Union[str, Type[Schedule]]     # a registered name, or a registered schedule's configured subclass
 Degree = Any          # an int >= 1, or a paper's per-call degree policy carried by the executor
@@ -55,7 +55,9 @@ def check_layer_args(config: MoEConfig, groups: MoEProcessGroups, schedule: Sche
     """Raise one ValueError listing every problem, before anything is built."""
     problems = moe_config_problems(config, groups.layout)
     try:
-        problems += resolve_schedule(schedule, registry).layout_problems(groups.layout)
+        cls = resolve_schedule(schedule, registry)
+        problems += cls.layout_problems(groups.layout)
+        problems += exchange_problems(cls, cls.exchange_mode, getattr(executor, "degree", pipeline_degree))
     except ValueError as exc:
         problems.append(str(exc))
     fixed_ok = isinstance(pipeline_degree, int) and not isinstance(pipeline_degree, bool) and pipeline_degree >= 1

@@ -1,0 +1,150 @@
+"""The ragged exchange's pure pieces (core/ragged.py) against the padded path, and its refusals (one process).
+
+The 4-rank equivalence (ragged vs padded vs the fp64 reference) is tests/test_ragged_exchange.py."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_plugins.core.dispatch import combine, dispatch
+from moe_plugins.core.gating import route
+from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
+from moe_plugins.core.ragged import combine_rows, expert_rows, offsets, route_order, split_sizes
+from moe_plugins.core.schedule import exchange_problems, with_exchange
+from moe_plugins.plugins import default_registry
+from moe_plugins.tools.verify import VerifySpec, spec_problems
+
+
+def test_split_sizes_and_offsets():
+    assert split_sizes([3, 0, 2, 5, 1, 1], 3) == [3, 7, 2]
+    assert split_sizes([4, 2], 1) == [6]
+    assert offsets([3, 0, 2]) == [0, 3, 3]
+    assert offsets([]) == []
+    with pytest.raises(ValueError, match="5 experts"):
+        split_sizes([1, 2, 3, 4, 5], 2)
+
+
+def test_expert_rows_groups_per_local_expert_source_by_source():
+    # two sources, two local experts: source 0 sends 2 rows for expert 0 and 1 for expert 1, source 1 sends 0
+    # and 3; the buffer is [s0e0, s0e0, s0e1, s1e1, s1e1, s1e1] (Q = 6)
+    gather, back, n = expert_rows([[2, 1], [0, 3]])
+    assert n == 4
+    assert gather == [0, 1, 6, 6, 2, 3, 4, 5]
+    assert back == [0, 1, 4, 5, 6, 7]
+    gather, back, n = expert_rows([[2, 1], [0, 3]], multiple=3)
+    assert n == 6 and gather[:2] == [0, 1] and gather[6:10] == [2, 3, 4, 5] and back == [0, 1, 6, 7, 8, 9]
+    gather, back, n = expert_rows([[0, 0], [0, 0]], multiple=2)      # nothing received: one padded row per expert
+    assert (gather, back, n) == ([0, 0, 0, 0], [], 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=4),
+       st.integers(1, 4))
+def test_expert_rows_matches_a_per_expert_regroup(recv_PL, multiple):
+    """Property: gathering with ``gather`` puts each local expert's rows, source by source, first in its row of
+    the (E_l, n) layout, padding after; ``back`` inverts it; n is the busiest expert's rows rounded up."""
+    total = sum(map(sum, recv_PL))
+    buffer_Q = torch.arange(total, dtype=torch.float64) + 1.0
+    gather, back, n = expert_rows(recv_PL, multiple)
+    grouped = torch.cat([buffer_Q, torch.zeros(1, dtype=torch.float64)])[torch.tensor(gather, dtype=torch.long)]
+    grouped = grouped.view(3, n)
+    starts = offsets([c for src in recv_PL for c in src])
+    for expert in range(3):
+        want = [buffer_Q[starts[p * 3 + expert] + j].item() for p, src in enumerate(recv_PL)
+                for j in range(src[expert])]
+        assert grouped[expert, :len(want)].tolist() == want
+        assert not grouped[expert, len(want):].any()
+    assert n % multiple == 0 and n >= max(1, max(sum(src[e] for src in recv_PL) for e in range(3)))
+    assert torch.equal(grouped.reshape(-1)[torch.tensor(back, dtype=torch.long)], buffer_Q)
+
+
+def _routings(seed: int, blocks: int, tokens: int, experts: int, k: int, drop: bool, skew: float):
+    gen = torch.Generator().manual_seed(seed)
+    wg_EM = torch.randn(experts, 6, generator=gen, dtype=torch.float64)
+    wg_EM[0] += skew
+    x_NSM = torch.randn(blocks, tokens, 6, generator=gen, dtype=torch.float64) + (skew > 0)
+    routings = [route(x_NSM[i], wg_EM, k=k, capacity_factor=1.0, min_capacity=0, drop_tokens=drop) for i in
+                range(blocks)]
+    return x_NSM, routings
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.integers(1, 3), tokens=st.integers(1, 12),
+       experts=st.sampled_from([2, 4, 6]), k=st.integers(1, 2), drop=st.booleans(),
+       skew=st.sampled_from([0.0, 0.0, 20.0]))
+def test_route_order_sends_exactly_the_padded_buffers_occupied_slots(seed, blocks, tokens, experts, k, drop, skew):
+    """Property: the ragged rows are the padded (E, N, C, M) buffer's occupied slots in (expert, block, slot)
+    order, bitwise; the counts are the occupied slots per expert; and combining the rows gives the padded
+    combine, bitwise, dropped routes included."""
+    k = min(k, experts)
+    x_NSM, routings = _routings(seed, blocks, tokens, experts, k, drop, skew)
+    slots = max(r.capacity for r in routings)
+    d_ENCM = torch.stack([dispatch(x_NSM[i], r, experts, slots) for i, r in enumerate(routings)], 1)
+    occupied_ENC = torch.zeros(experts, blocks, slots, dtype=torch.bool)
+    for i, r in enumerate(routings):
+        kept = r.slot_SK >= 0
+        occupied_ENC[r.expert_SK[kept], i, r.slot_SK[kept]] = True
+    order = route_order(routings, experts)
+    kept = int(order.counts_E.sum())
+    rows_RM = x_NSM.reshape(-1, 6)[order.token_X[:kept]]
+    assert torch.equal(rows_RM, d_ENCM[occupied_ENC])
+    assert order.counts_E.tolist() == occupied_ENC.sum((1, 2)).tolist()
+    assert kept == sum(int((r.slot_SK >= 0).sum()) for r in routings)
+    y_ENCM = torch.randn(experts, blocks, slots, 6, dtype=torch.float64)
+    y_RM = y_ENCM[occupied_ENC]
+    for i, r in enumerate(routings):
+        assert torch.equal(combine_rows(y_RM, order.pos_NSK[i], r), combine(y_ENCM[:, i], r))
+        dropped = r.slot_SK < 0
+        assert bool((order.pos_NSK[i][dropped] == kept).all())
+
+
+def test_route_order_with_an_expert_without_tokens_and_all_dropped():
+    x_NSM, routings = _routings(3, 1, 8, 4, 1, True, 50.0)       # every token picks expert 0
+    order = route_order(routings, 4)
+    assert order.counts_E.tolist() == [routings[0].capacity, 0, 0, 0]
+    assert int(routings[0].dropped) == 8 - routings[0].capacity
+
+
+# ---- refusals --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["baseline-tp", "parm-s1", "parm-s2", "parm-s2-saa", "parm-auto"])
+def test_other_schedules_refuse_the_ragged_exchange_by_name(name):
+    cls = default_registry().schedule_class(name)
+    problems = exchange_problems(cls, "ragged")
+    assert len(problems) == 1 and repr(name) in problems[0] and "'baseline'" in problems[0]
+    with pytest.raises(ValueError, match=f"schedule '{name}'"):
+        with_exchange(cls, "ragged")
+    assert with_exchange(cls, "padded") is cls
+
+
+def test_baseline_ragged_variant_and_degree_refusal():
+    registry = default_registry()
+    base = registry.schedule_class("baseline")
+    ragged = with_exchange(base, "ragged")
+    assert ragged.exchange_mode == "ragged" and ragged.name == "baseline" and issubclass(ragged, base)
+    assert registry.schedule_class(ragged) is ragged          # a registered schedule's variant
+    assert with_exchange(ragged, "padded") is base
+    problems = exchange_problems(base, "ragged", 3)
+    assert len(problems) == 1 and "pipeline_degree (3)" in problems[0]
+    assert exchange_problems(base, "ragged", "auto")
+    assert exchange_problems(base, "sparse") == ["exchange ('sparse') must be one of 'padded', 'ragged'"]
+
+
+def test_config_field_is_validated_at_the_boundary():
+    assert PluginConfig.from_dict({"exchange": "ragged"}).exchange == "ragged"
+    assert PluginConfig().exchange == "padded"
+    problems = plugin_config_problems({"exchange": "raged", "esp": 0})
+    assert any(p.startswith("moe_plugins.exchange ('raged') must be 'padded' or 'ragged' (did you mean 'ragged'?)")
+               for p in problems), problems
+    assert any(p.startswith("moe_plugins.esp (0)") for p in problems)
+    with pytest.raises(ValueError, match=r"moe_plugins.exchange \(3\) must be 'padded' or 'ragged'"):
+        PluginConfig.from_dict({"exchange": 3})
+
+
+def test_verify_spec_names_the_refusals():
+    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", schedule="parm-s2")
+    assert any("schedule 'parm-s2'" in p for p in spec_problems(spec))
+    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree=2)
+    assert any("pipeline_degree (2)" in p for p in spec_problems(spec))
+    assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged")) == []
