@@ -44,8 +44,26 @@ def make_case_data(case: CaseConfig, groups: MoEProcessGroups, seed: int, dtype:
     gen_x = torch.Generator().manual_seed(seed * 100_003 + 1 + block)
     x_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
     g_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
+    if case.skew:
+        x_SM, wg_EM = skew_gate(x_SM, wg_EM, case.skew, torch.Generator().manual_seed(seed * 100_003))
     td = TORCH_DTYPES[dtype]
     return CaseData(case=case, groups=groups, wg_EM=wg_EM, full=full, x_SM=x_SM.to(td), g_SM=g_SM.to(td), dtype=td)
+
+
+def skew_gate(x_SM: torch.Tensor, wg_EM: torch.Tensor, share: float, gen: torch.Generator,
+              margin: float = 3.0):
+    """Tokens and gate where expert 0 is the first choice of the first ``round(share S)`` tokens and of no other:
+    along a unit direction u (drawn from ``gen``, the same on every rank), the hot tokens get +``margin``, the
+    others -``margin``, expert 0's gate row gets ``margin`` and the other rows none, so expert 0's logit moves
+    by +-margin^2 (9 against unit-scale logits) and the others' are unchanged (pure)."""
+    u_M = torch.randn(x_SM.shape[1], generator=gen)
+    u_M = u_M / u_M.norm()
+    hot_S = torch.full((x_SM.shape[0], 1), -margin)
+    hot_S[:round(share * x_SM.shape[0])] = margin
+    x_SM = x_SM - (x_SM @ u_M).unsqueeze(1) * u_M + hot_S * u_M
+    wg_EM = wg_EM - (wg_EM @ u_M).unsqueeze(1) * u_M
+    wg_EM[0] += margin * u_M
+    return x_SM, wg_EM
 
 
 @dataclass

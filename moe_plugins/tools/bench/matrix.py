@@ -9,8 +9,10 @@ A *rate* is a tc rate for the inter-node link (``200mbit``, ``1gbit``) or ``unsh
 Written on the command line as:
 
 - case: ``S=512,M=256,H=512,E=8,k=2,f=1.0,ep=4``; a value list ``S=256/512/1024`` expands to one case per
-  value (the product over all lists), which is how sweeps are written;
-- row: ``baseline``, ``baseline@r=4``, ``megatron@dispatcher=allgather``, ``deepspeed@plugin=baseline``.
+  value (the product over all lists), which is how sweeps are written; ``skew=0.5`` makes expert 0 the first
+  choice of half of every rank's tokens (and of no other token), ``drop=false`` a dropless case;
+- row: ``baseline``, ``baseline@r=4``, ``baseline@exchange=ragged``, ``megatron@dispatcher=allgather``,
+  ``deepspeed@plugin=baseline``.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ class CaseConfig:
     mp: int = 1
     ep: int = 1
     esp: int = 1
+    skew: float = 0.0           # the share of tokens whose first choice is expert 0 (0: the plain random gate)
 
     @property
     def label(self) -> str:
         drop = "" if self.drop_tokens else " dropless"
+        skew = f" skew{self.skew:g}" if self.skew else ""
         return (f"S{self.tokens} M{self.hidden} H{self.ffn} E{self.experts} k{self.k} f{self.capacity_factor:g} "
-                f"mp{self.mp} ep{self.ep} esp{self.esp}{drop}")
+                f"mp{self.mp} ep{self.ep} esp{self.esp}{drop}{skew}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +127,7 @@ def parse_row(text: str) -> RowSpec:
 CASE_KEYS: Dict[str, Tuple[str, type]] = {
     "S": ("tokens", int), "M": ("hidden", int), "H": ("ffn", int), "E": ("experts", int), "k": ("k", int),
     "f": ("capacity_factor", float), "min_capacity": ("min_capacity", int), "drop": ("drop_tokens", bool),
-    "mp": ("mp", int), "ep": ("ep", int), "esp": ("esp", int),
+    "mp": ("mp", int), "ep": ("ep", int), "esp": ("esp", int), "skew": ("skew", float),
 }
 
 
@@ -169,6 +173,8 @@ def case_problems(case: CaseConfig, world: int, ranks_per_node: int) -> List[str
     problems = layout_problems(world, ranks_per_node, case.mp, case.ep, case.esp)
     if case.tokens < 1:
         problems.append(f"S ({case.tokens}) must be >= 1")
+    if not 0.0 <= case.skew <= 1.0:
+        problems.append(f"skew ({case.skew:g}) must be between 0 and 1 (the hot expert's share of first choices)")
     if problems:
         return [f"case [{case.label}]: {p}" for p in problems]
     layout = ParallelLayout(world=world, ranks_per_node=ranks_per_node, mp=case.mp, ep=case.ep, esp=case.esp)

@@ -27,6 +27,7 @@ from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.layer import MoELayer, ScheduleLike
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.plugin_config import degree_needs_profile
+from moe_plugins.core.schedule import exchange_problems, with_exchange
 from moe_plugins.pipemoe.degree import AutoDegree
 from moe_plugins.pipemoe.tune import TunedDegree
 from moe_plugins.plugins import default_registry
@@ -41,7 +42,9 @@ logger = logging.getLogger("moe_plugins.tools.bench")
 # ---- plugin rows: the project's MoELayer with a registered schedule -------------------------------------
 
 PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'auto': PipeMoE's choice from the "
-                      "cost profile measured at this rate; 'tune': that choice checked by timing the layer)"}
+                      "cost profile measured at this rate; 'tune': that choice checked by timing the layer)",
+                  "exchange": "padded (default: the whole capacity buffer travels) or ragged (only occupied slots, "
+                              "one uneven all-to-all each way; schedule baseline at r=1)"}
 PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
 LANE = "engine"              # CaseData.extras key: the layout's one CommEngine (pipeline lane), shared by every row
 
@@ -73,8 +76,9 @@ def _executor(spec: RowSpec, data: CaseData) -> Executor:
 def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
     registry = default_registry()
     profile = _profile(spec, data) if registry.is_profiled(spec.name) else None
-    return registry.host_schedule_class(spec.name, profile, torch.empty((), dtype=data.dtype).element_size(),
-                                        data.groups.layout.mp, logger)
+    cls = registry.host_schedule_class(spec.name, profile, torch.empty((), dtype=data.dtype).element_size(),
+                                       data.groups.layout.mp, logger)
+    return with_exchange(cls, spec.option("exchange", "padded"), spec.option("r", "1"))
 
 
 def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
@@ -182,6 +186,9 @@ def row_problems(spec: RowSpec) -> List[str]:
         if key not in kind.options:
             allowed = ", ".join(kind.options) or "none"
             problems.append(f"row ({spec.label!r}): option {key!r} is unknown; allowed: {allowed}")
+    if kind.kind == "plugin" and spec.option("exchange") is not None:
+        problems += [f"row ({spec.label!r}): {p}" for p in exchange_problems(
+            default_registry().schedule_class(spec.name), spec.option("exchange"), spec.option("r", "1"))]
     if spec.name == "deepspeed":
         problems += adapter_row_problems(spec)
     if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):

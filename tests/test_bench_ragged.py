@@ -1,0 +1,40 @@
+"""The bench's ragged pieces: the ``baseline@exchange=ragged`` row and the ``skew`` case key (pure, one process)."""
+
+import torch
+
+from moe_plugins.tools.bench import matrix, rows
+from moe_plugins.tools.bench.case import skew_gate
+from moe_plugins.tools.bench.matrix import RowSpec
+
+
+def test_exchange_row_option_parses_and_is_checked():
+    spec = matrix.parse_row("baseline@exchange=ragged")
+    assert spec == RowSpec(name="baseline", options=(("exchange", "ragged"),))
+    assert spec.label == "baseline@exchange=ragged"
+    assert rows.row_problems(spec) == []
+    assert rows.row_problems(matrix.parse_row("baseline@exchange=padded")) == []
+    (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=2"))
+    assert "'baseline@exchange=ragged,r=2'" in problem and "pipeline_degree ('2')" in problem
+    (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged"))
+    assert "schedule 'parm-s2'" in problem
+    (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=sparse"))
+    assert "exchange ('sparse') must be one of 'padded', 'ragged'" in problem
+    assert "option 'exchange' is unknown" in rows.row_problems(matrix.parse_row("deepspeed@exchange=ragged"))[0]
+
+
+def test_skew_case_key():
+    (case,) = matrix.parse_cases("S=64,M=8,H=16,E=4,k=2,drop=false,skew=0.5")
+    assert case.skew == 0.5 and not case.drop_tokens and case.label.endswith("dropless skew0.5")
+    assert matrix.parse_cases("S=64,M=8,H=16,E=4")[0].skew == 0.0
+    (problem,) = matrix.case_problems(matrix.parse_cases("S=64,M=8,H=16,E=4,skew=1.5")[0], 4, 2)
+    assert "skew (1.5) must be between 0 and 1" in problem
+
+
+def test_skew_gate_makes_expert_0_the_first_choice_of_the_hot_share_only():
+    gen = torch.Generator().manual_seed(1)
+    x_SM, wg_EM = torch.randn(40, 16, generator=gen), torch.randn(6, 16, generator=gen) / 4
+    for share in (0.0, 0.25, 0.6, 1.0):
+        x2_SM, wg2_EM = skew_gate(x_SM, wg_EM, share, torch.Generator().manual_seed(5))
+        top_SK = (x2_SM @ wg2_EM.T).topk(2, dim=1).indices
+        hot = round(share * 40)
+        assert bool((top_SK[:hot, 0] == 0).all()) and not bool((top_SK[hot:] == 0).any())
