@@ -277,14 +277,15 @@ class DeepSpeedPlugin:
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None,
             inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec))
-        record = {"layer": facts.name, "schedule": cfg.schedule, "pipeline_degree": cfg.pipeline_degree,
-                  "mp": layout.mp, "ep": layout.ep, "esp": layout.esp, "num_experts": facts.num_experts, "k": facts.k,
-                  "experts_sliced_by_plugin": sliced, "expert_dp_ranks": list(host.expert_dp_ranks)}
+        record = {"layer": facts.name, "schedule": cfg.schedule, "exchange": cls.exchange_mode,
+                  "pipeline_degree": cfg.pipeline_degree, "mp": layout.mp, "ep": layout.ep, "esp": layout.esp,
+                  "num_experts": facts.num_experts, "k": facts.k, "experts_sliced_by_plugin": sliced,
+                  "expert_dp_ranks": list(host.expert_dp_ranks)}
         self.swaps.append(record)
         log = logger.info if rank == 0 else logger.debug
-        log("moe_plugins: DeepSpeed MoE layer %s (E=%d, k=%d) runs schedule %r, pipeline_degree %s, on layout "
-            "mp=%d ep=%d esp=%d ranks_per_node=%d%s", facts.name, facts.num_experts, facts.k, cfg.schedule,
-            cfg.pipeline_degree, layout.mp, layout.ep, layout.esp, rpn,
+        log("moe_plugins: DeepSpeed MoE layer %s (E=%d, k=%d) runs schedule %r, %s exchange, pipeline_degree %s, on "
+            "layout mp=%d ep=%d esp=%d ranks_per_node=%d%s", facts.name, facts.num_experts, facts.k, cfg.schedule,
+            cls.exchange_mode, cfg.pipeline_degree, layout.mp, layout.ep, layout.esp, rpn,
             " (the plugin slices DeepSpeed's FFN experts along H)" if sliced else "")
 
     def _cached_profile(self, layout: ParallelLayout, moe):

@@ -35,7 +35,7 @@ ENGINE_WORLD, ENGINE_EP = 2, 2     # the ds-engine rows: 2 gloo ranks, DeepSpeed
 JOB_TIMEOUT_S = 900
 TMP = "TMP"                        # in a cli row's argv: the test's temporary directory
 DEGREE_RULE = "must be an integer >= 1, \"auto\" (the cost model's pick) or \"tune\" (that pick checked by timing"
-KEYS = "allowed keys: enabled, schedule, pipeline_degree, esp, ranks_per_node, lina, fssdp, overlap"
+KEYS = "allowed keys: enabled, schedule, pipeline_degree, exchange, esp, ranks_per_node, lina, fssdp, overlap"
 MG_PROFILE = "profile-w4-n2-mp1-ep2-esp2-gloo-cpu.json"        # Megatron's token layout of megatron_args()
 DS_PROFILE = "profile-w2-n2-mp1-ep2-esp1-gloo-cpu.json"        # the ds-engine model's layout
 DS_COMMAND = "moe-plugins profile --world 2 --ranks-per-node 2 --mp 1 --ep 2 --esp 1"
