@@ -13,6 +13,7 @@ from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.reference import reference_moe
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, compare, make_problem
+from tests.workers.host_reads import reads_per_step
 from tests.workers.ragged import padded_and_ragged
 
 WORLD = 4
@@ -108,3 +109,14 @@ def test_ledger_records_the_true_bytes(world):
     assert _bytes(ragged[0]["ledger"], "backward") == (rows * row, remote * row)
     assert _bytes(padded[0]["ledger"])[0] > rows * row + counts
     _check_pair(spec, padded, ragged)
+
+
+@pytest.mark.parametrize("mp,ep,esp", [(1, 4, 1), (1, 2, 2)])
+def test_one_host_read_per_call_the_split_sizes(world, mp, ep, esp):
+    """The ragged exchange's one host read (docs/architecture.md, "Host reads"): the counts, sent and received,
+    read together to size the uneven all-to-all; nothing else in a steady-state step with capacity dropping."""
+    spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, tokens=16, exchange="ragged")
+    for per_step in world(WORLD).run(reads_per_step, spec, 4, timeout_s=300):
+        for step in per_step[1:]:
+            (where,) = step
+            assert step[where] == 1 and where.startswith("tolist at baseline.py") and "prepare" in where, step

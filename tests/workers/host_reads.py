@@ -12,6 +12,7 @@ import torch.distributed as dist
 from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.core.groups import process_groups
 from moe_plugins.core.layer import MoELayer
+from moe_plugins.core.schedule import with_exchange
 from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, make_problem
@@ -27,7 +28,8 @@ def reads_per_step(spec: VerifySpec, steps: int) -> List[Dict[str, int]]:
         engine = build_engine(groups, pipeline=spec.pipeline_degree != 1)
         submit = CommEngine.submit
         try:
-            layer = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=spec.schedule,
+            schedule = with_exchange(default_registry().schedule_class(spec.schedule), spec.exchange)
+            layer = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=schedule,
                              dtype=torch.float64, engine=engine,
                              executor=build_executor(spec.pipeline_degree, None, engine))
             layer.load_full(prob.wg_EM, prob.full)
