@@ -80,6 +80,19 @@ def test_two_phase_schedule_equals_stock_for_every_placement(world, tmp_path):
         assert s["experts_moved"] > 0
 
 
+def test_profiled_table_phase_one_placement_carries_the_exchange(world, tmp_path):
+    """A table profiled on the same model's stock routing (other batches of the same kind): the estimate is often
+    right, so phase one's placement, replicas included, is the one the tokens are exchanged on."""
+    case = {**CASE, "hot_scale": 1.5, "batches": 14, "rescale_at": 9, "profile": str(tmp_path / "profiled.json")}
+    results = world(WORLD).run(jobs.compare_stack, section("placeholder", max_experts_per_device=4), case,
+                               timeout_s=600)
+    stats = check_exact(results, case)
+    kept = [p for batch in results[0]["placements"] for p in batch[1:] if p[0] == p[1]]
+    assert kept and max(max(p[0]) for p in kept) >= 2                     # phase one's replicas, exchanged on
+    for s in stats[1:]:
+        assert s["estimate_accurate"] > 0 and s["estimate_accurate"] + s["phase2_replans"] == case["batches"]
+
+
 def test_estimation_off_tight_packing_top2_drops_equals_stock(world):
     case = {**CASE, "k": 2, "eval_capacity": 2.0, "batches": 5, "rescale_at": 3}
     results = world(WORLD).run(jobs.compare_stack,

@@ -52,21 +52,24 @@ def hot_direction(seed: int, expert: int) -> torch.Tensor:
     return directions(seed)[1 + expert]
 
 
-def batch(seed: int, b: int, tokens: int, num_experts: int, dead: int) -> torch.Tensor:
+def batch(seed: int, b: int, tokens: int, num_experts: int, dead: int, hot_scale: float = 4.0) -> torch.Tensor:
     hot = [e for e in range(num_experts) if e != dead][b % (num_experts - 1)]
     gen = torch.Generator().manual_seed(seed * 7919 + b * 104729 + dist.get_rank())
     x = 0.5 * torch.randn(tokens, M, generator=gen, dtype=torch.float64)
-    return x + 4.0 * hot_direction(seed, hot) + 4.0 * directions(seed)[0]
+    return x + hot_scale * hot_direction(seed, hot) + 4.0 * directions(seed)[0]
 
 
 def forward(layers: nn.ModuleList, x_TM: torch.Tensor, seed: int) -> List[Dict[str, torch.Tensor]]:
-    """Each layer's MoE output and expert counts for one batch; the gate's random draws seeded per batch."""
+    """Each layer's MoE output, expert counts and every token's top-1 expert (the gate's first choice, as
+    ``moe-plugins lina-profile`` records it) for one batch; the gate's random draws seeded per batch."""
     torch.manual_seed(seed)
     out, h = [], x_TM
     with torch.no_grad():
         for moe in layers:
+            logits = h.float() @ moe.deepspeed_moe.gate.wg.weight.float().t()
+            top1 = torch.argmax(torch.softmax(logits, dim=1), dim=1)
             m, _, counts = moe(h.unsqueeze(0))
-            out.append({"y": m.squeeze(0).clone(), "counts": counts.clone()})
+            out.append({"y": m.squeeze(0).clone(), "counts": counts.clone(), "top1": top1})
             h = h + m.squeeze(0)
     return out
 
@@ -97,7 +100,8 @@ def side(plugin: Optional[Dict[str, Any]], case: Dict[str, Any]) -> Dict[str, An
                     for p in layers.parameters():
                         if getattr(p, "allreduce", True) is False:
                             p.mul_(0.9)
-            runs.append(forward(layers, batch(seed, b, case["tokens"], num_experts, case["dead"]), seed + b))
+            x = batch(seed, b, case["tokens"], num_experts, case["dead"], case.get("hot_scale", 4.0))
+            runs.append(forward(layers, x, seed + b))
             schedulers = [getattr(moe.deepspeed_moe, STATE_ATTR, None) for moe in layers]
             placements.append([None if s is None or s.placement is None else
                                (list(s.placement.replica_counts),
@@ -115,6 +119,8 @@ def compare_stack(section: Dict[str, Any], case: Dict[str, Any]) -> Dict[str, An
     from moe_plugins.tools.verify_deepspeed import init_deepspeed_comm
     init_deepspeed_comm()
     stock = side(None, case)
+    if case.get("profile"):
+        section = profile(stock["runs"], section, case)
     plugin = side(section, case)
     errs, zero_rows, same_zero, global_counts = [], [], True, []
     for s_run, p_run in zip(stock["runs"], plugin["runs"]):
@@ -129,6 +135,22 @@ def compare_stack(section: Dict[str, Any], case: Dict[str, Any]) -> Dict[str, An
     return {"max_err": max(errs), "same_zero": same_zero, "zero_rows": sum(zero_rows),
             "global_counts": global_counts, "placements": plugin["placements"], "stats": plugin["stats"],
             "reset": plugin["reset"]}
+
+
+def profile(runs: List[List[Dict[str, torch.Tensor]]], section: Dict[str, Any], case: Dict[str, Any]
+            ) -> Dict[str, Any]:
+    """A popularity table of the stock run's routing (every rank's tokens), written by rank 0 to
+    ``case["profile"]``: the section with it as its table."""
+    from moe_plugins.lina.popularity import ModelFacts, build_table, save_table
+    mine = [row for run in runs for row in torch.stack([layer["top1"] for layer in run], 1).tolist()]
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        facts = ModelFacts(num_layers=case["layers"], num_experts=case["experts"], top_k=case["k"])
+        save_table(build_table([r for rows in every for r in rows], facts, start_layer=1), case["profile"])
+    dist.barrier()
+    inference = {**section["lina"]["inference"], "table": case["profile"]}
+    return {**section, "lina": {**section["lina"], "inference": inference}}
 
 
 def refused_stack(section: Dict[str, Any], case: Dict[str, Any]) -> Dict[str, Any]:
