@@ -1,8 +1,8 @@
 """The communication engine: one per rank and plugin, passed explicitly, through which every collective of
 the MoE core is issued, timed and recorded.
 
-Ops (:data:`OPS`): ``all_to_all`` (even split on dim 0, or uneven with ``splits``), ``all_gather`` and ``reduce_scatter`` (flat buffers),
-``all_reduce`` (``reduce="sum"`` or ``"max"``). :meth:`CommEngine.submit` runs a closure of collectives on a
+Ops (:data:`OPS`): ``all_to_all`` (even on dim 0; uneven with ``splits``), ``all_gather``, ``reduce_scatter``
+(flat buffers), ``all_reduce`` (``reduce="sum"`` or ``"max"``). :meth:`CommEngine.submit` runs a closure of collectives on a
 lane (PipeMoE's runner). Two priority classes:
 
 - ``URGENT``: MoE exchanges, on the critical path. Issued from the caller's thread they run inline, at once,

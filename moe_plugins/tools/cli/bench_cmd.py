@@ -39,9 +39,11 @@ def register(sub) -> None:
                         "sync, fifo, lina@kib=N (or @mb=X), noreduce, and the hosts deepspeed, deepspeed@lina,kib=N, "
                         "megatron, megatron@lina,kib=N")
     p.add_argument("--case", action="append", default=None, metavar="SPEC",
-                   help="S=,M=,H=,E=,k=,f=,min_capacity=,drop=,mp=,ep=,esp= (a/b/c expands); repeatable")
+                   help="S=,M=,H=,E=,k=,f=,min_capacity=,drop=,mp=,ep=,esp=,skew= (a/b/c expands; skew: the share "
+                        "of tokens whose first choice is expert 0); repeatable")
     p.add_argument("--rows", nargs="+", default=None, metavar="ROW",
-                   help="schedule names (with @r=N), deepspeed (or deepspeed@plugin=<schedule>[,r=N]: DeepSpeed's "
+                   help="schedule names (with @r=N, @exchange=ragged), deepspeed (or "
+                        "deepspeed@plugin=<schedule>[,r=N]: DeepSpeed's "
                         "layer swapped in by the plugin's adapter, one such row per run), megatron; the first row "
                         "is the output reference")
     p.add_argument("--rates", nargs="+", default=None, metavar="RATE", help="tc rates (200mbit, 1gbit) or unshaped")
