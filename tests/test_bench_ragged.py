@@ -13,8 +13,9 @@ def test_exchange_row_option_parses_and_is_checked():
     assert spec.label == "baseline@exchange=ragged"
     assert rows.row_problems(spec) == []
     assert rows.row_problems(matrix.parse_row("baseline@exchange=padded")) == []
-    (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=2"))
-    assert "'baseline@exchange=ragged,r=2'" in problem and "pipeline_degree ('2')" in problem
+    assert rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=2")) == []
+    (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=auto"))
+    assert "'baseline@exchange=ragged,r=auto'" in problem and "pipeline_degree ('auto')" in problem
     (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged"))
     assert "schedule 'parm-s2'" in problem
     (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=sparse"))

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import route
 from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
-from moe_plugins.core.ragged import combine_rows, expert_rows, offsets, route_order, split_sizes
+from moe_plugins.core.ragged import chunk_plan, combine_rows, expert_rows, offsets, route_order, split_sizes
+from moe_plugins.core.schedule import chunk_bounds
 from moe_plugins.core.schedule import exchange_problems, with_exchange
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, spec_problems
@@ -86,10 +87,10 @@ def test_route_order_sends_exactly_the_padded_buffers_occupied_slots(seed, block
         kept = r.slot_SK >= 0
         occupied_ENC[r.expert_SK[kept], i, r.slot_SK[kept]] = True
     order = route_order(routings, experts)
-    kept = int(order.counts_E.sum())
+    kept = int(order.counts_EN.sum())
     rows_RM = x_NSM.reshape(-1, 6)[order.token_X[:kept]]
     assert torch.equal(rows_RM, d_ENCM[occupied_ENC])
-    assert order.counts_E.tolist() == occupied_ENC.sum((1, 2)).tolist()
+    assert order.counts_EN.tolist() == occupied_ENC.sum(2).tolist()
     assert kept == sum(int((r.slot_SK >= 0).sum()) for r in routings)
     y_ENCM = torch.randn(experts, blocks, slots, 6, dtype=torch.float64)
     y_RM = y_ENCM[occupied_ENC]
@@ -99,10 +100,44 @@ def test_route_order_sends_exactly_the_padded_buffers_occupied_slots(seed, block
         assert bool((order.pos_NSK[i][dropped] == kept).all())
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.integers(1, 3), tokens=st.integers(1, 12), k=st.integers(1, 2),
+       drop=st.booleans(), skew=st.sampled_from([0.0, 20.0]), degree=st.integers(2, 5))
+def test_chunk_plans_cut_the_padded_capacity_chunks(seed, blocks, tokens, k, drop, skew, degree):
+    """Property: the plan of capacity chunk [a, b) sends exactly the padded buffer's occupied slots in [a, b)
+    (the rows of d_ENCM[:, :, a:b] in order), its split sizes are their count per EP member (2 members of 2
+    experts each), and the chunks together send every row once."""
+    experts, members = 4, 2
+    x_NSM, routings = _routings(seed, blocks, tokens, experts, k, drop, skew)
+    slots = max(r.capacity for r in routings)
+    d_ENCM = torch.stack([dispatch(x_NSM[i], r, experts, slots) for i, r in enumerate(routings)], 1)
+    occupied_ENC = torch.zeros(experts, blocks, slots, dtype=torch.bool)
+    for i, r in enumerate(routings):
+        kept = r.slot_SK >= 0
+        occupied_ENC[r.expert_SK[kept], i, r.slot_SK[kept]] = True
+    order = route_order(routings, experts)
+    assert torch.equal(order.top_EN, order.counts_EN)                # kept slots are 0..n-1
+    mine = order.counts_EN.tolist()
+    rows_RM = x_NSM.reshape(-1, 6)[order.token_X[:sum(map(sum, mine))]]
+    recv = [[mine[p * 2 + l] for l in range(2)] for p in range(members)]     # as if every member sent these
+    whole = chunk_plan(mine, recv, members)
+    assert whole.rows is None and sum(whole.send) == rows_RM.shape[0]
+    seen = []
+    for a, b in chunk_bounds(slots, degree):
+        plan = chunk_plan(mine, recv, members, a, b)
+        got = rows_RM[torch.tensor(plan.rows, dtype=torch.long)] if plan.rows else rows_RM[:0]
+        assert torch.equal(got, d_ENCM[:, :, a:b][occupied_ENC[:, :, a:b]])
+        per_member = occupied_ENC[:, :, a:b].sum((1, 2)).view(members, 2).sum(1).tolist()
+        assert list(plan.send) == per_member == list(plan.recv)
+        assert [sum(c) for c in plan.recv_PL] == list(plan.recv)
+        seen += plan.rows
+    assert sorted(seen) == list(range(rows_RM.shape[0]))
+
+
 def test_route_order_with_an_expert_without_tokens_and_all_dropped():
     x_NSM, routings = _routings(3, 1, 8, 4, 1, True, 50.0)       # every token picks expert 0
     order = route_order(routings, 4)
-    assert order.counts_E.tolist() == [routings[0].capacity, 0, 0, 0]
+    assert order.counts_EN.reshape(-1).tolist() == [routings[0].capacity, 0, 0, 0]
     assert int(routings[0].dropped) == 8 - routings[0].capacity
 
 
@@ -125,9 +160,9 @@ def test_baseline_ragged_variant_and_degree_refusal():
     assert ragged.exchange_mode == "ragged" and ragged.name == "baseline" and issubclass(ragged, base)
     assert registry.schedule_class(ragged) is ragged          # a registered schedule's variant
     assert with_exchange(ragged, "padded") is base
-    problems = exchange_problems(base, "ragged", 3)
-    assert len(problems) == 1 and "pipeline_degree (3)" in problems[0]
-    assert exchange_problems(base, "ragged", "auto")
+    assert exchange_problems(base, "ragged", 3) == exchange_problems(base, "ragged", "2") == []
+    problems = exchange_problems(base, "ragged", "auto")
+    assert len(problems) == 1 and "pipeline_degree ('auto')" in problems[0] and "give an integer" in problems[0]
     assert exchange_problems(base, "sparse") == ["exchange ('sparse') must be one of 'padded', 'ragged'"]
 
 
@@ -145,6 +180,7 @@ def test_config_field_is_validated_at_the_boundary():
 def test_verify_spec_names_the_refusals():
     spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", schedule="parm-s2")
     assert any("schedule 'parm-s2'" in p for p in spec_problems(spec))
-    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree=2)
-    assert any("pipeline_degree (2)" in p for p in spec_problems(spec))
+    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree="tune")
+    assert any("exchange ('ragged') with pipeline_degree ('tune')" in p for p in spec_problems(spec))
     assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged")) == []
+    assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree=3)) == []

@@ -14,7 +14,7 @@ from moe_plugins.core.reference import reference_moe
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, compare, make_problem
 from tests.workers.host_reads import reads_per_step
-from tests.workers.ragged import padded_and_ragged
+from tests.workers.ragged import padded_and_ragged, sequential_chunks
 
 WORLD = 4
 EXACT = 1e-12
@@ -120,3 +120,26 @@ def test_one_host_read_per_call_the_split_sizes(world, mp, ep, esp):
         for step in per_step[1:]:
             (where,) = step
             assert step[where] == 1 and where.startswith("tolist at baseline.py") and "prepare" in where, step
+
+
+def test_pipemoe_chunks(world):
+    """PipeMoE's pipelined executor at degree 2 and 3 (capacity chunks [a, b) of every expert's kept slots, each
+    its own counts-free uneven exchange on the engine's pipeline lane), more chunks than slots included."""
+    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, pipeline_degree=r,
+                        tokens=12, seed=3 + k) for mp, ep, esp in ((1, 4, 1), (2, 2, 2), (1, 2, 2)) for k in (1, 2)
+             for drop, r in ((True, 3), (False, 2))]
+    specs += [VerifySpec(world=WORLD, ranks_per_node=2, mp=1, ep=4, esp=1, k=1, tokens=2, pipeline_degree=8),
+              VerifySpec(world=WORLD, ranks_per_node=2, mp=1, ep=4, esp=1, k=2, skew=20.0, drop=False,
+                         pipeline_degree=3)]
+    pairs = world(WORLD).run(padded_and_ragged, specs)[0]
+    for spec, (padded, ragged) in zip(specs, pairs):
+        _check_pair(spec, padded, ragged)
+        forward = ragged[0]["ledger"]["moe"]["forward:all_to_all@ep"]["count"]
+        assert forward == 1 + 2 * spec.pipeline_degree, (spec, forward)   # the counts once, then 2 per chunk
+
+
+def test_sequential_chunks(world):
+    spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=1, ep=2, esp=2, k=2, drop=False, skew=3.0)
+    for res in world(WORLD).run(sequential_chunks, spec, 3):
+        for padded, ragged in zip(res["padded"], res["ragged"]):
+            assert _err(padded, ragged) <= EXACT

@@ -16,16 +16,16 @@ Shapes: N = N_ESP token blocks, S tokens per block, C capacity, E_l = E / N_EP l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 import torch
 
 from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import combine_rows, exchange_counts, expert_rows, ragged_all_to_all, route_order, \
-    split_sizes
-from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, routing_stats
+from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
+                                     ragged_all_to_all, route_order)
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds, routing_stats
 
 
 @dataclass(frozen=True)
@@ -88,30 +88,58 @@ class BaselineSchedule(Schedule):
         return comm.split(y_NSM, self.groups.esp, self.rec, dim=0).squeeze(0)
 
 
-@dataclass(frozen=True)
 class _RaggedCall:
-    """One call of the ragged baseline: the blocks' routings, each route's row, the split sizes (rows to and
-    from each EP member) and the per-local-expert grouping of the received rows (core/ragged.py)."""
+    """One call of the ragged baseline, shared with the schedule's twin (PipeMoE's lane runs the exchanges): the
+    blocks' routings, each route's row, the counts read on the host, and the exchange plans (the whole layer,
+    or one per capacity chunk), which exchange_in, expert and exchange_out each take in order."""
 
-    routings: List[Routing]
-    pos_NSK: torch.Tensor
-    send: Tuple[int, ...]
-    recv: Tuple[int, ...]
-    gather: torch.Tensor     # (E_l * n,) received row of every expert slot (Q: a padding row)
-    back: torch.Tensor       # (Q,) expert slot of every received row
-    rows: int                # n: rows per local expert in the expert step (local padding only)
+    def __init__(self, routings: List[Routing], pos_NSK: torch.Tensor, slots: int, counts: Tuple, members: int):
+        self.routings, self.pos_NSK, self.slots, self.members = routings, pos_NSK, slots, members
+        self.mine_EN, self.recv_PLN, self.contiguous = counts
+        self.plans: List[ChunkPlan] = [chunk_plan(self.mine_EN, self.recv_PLN, members)]
+        self.taken: Dict[str, int] = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
+
+    def cut(self, degree: int) -> List[ChunkPlan]:
+        if degree > 1 and not self.contiguous:
+            raise ValueError("the ragged exchange cuts capacity chunks from each expert's kept slots 0..n-1; this "
+                             "gate left gaps in them: use pipeline_degree 1 or the padded exchange")
+        self.plans = [chunk_plan(self.mine_EN, self.recv_PLN, self.members, a, b)
+                      for a, b in chunk_bounds(self.slots, degree)] if degree > 1 else self.plans
+        return self.plans
+
+    def take(self, step: str, rows: int) -> ChunkPlan:
+        index = self.taken[step]
+        plan = self.plans[index] if index < len(self.plans) else None
+        expected = None if plan is None else sum(plan.send if step == "exchange_in" else plan.recv)
+        if rows != expected:
+            raise ValueError(f"schedule 'baseline' with the ragged exchange: {step} got {rows} rows, not those of "
+                             f"its piece {index} of {len(self.plans)}; run the layer's pieces through "
+                             "Schedule.chunks and Schedule.join")
+        self.taken[step] = index + 1
+        return plan
+
+
+class _Box:
+    """The current call, shared by a schedule and its twin (set by prepare on the caller's thread)."""
+
+    call: Optional[_RaggedCall] = None
 
 
 class RaggedBaselineSchedule(BaselineSchedule):
     """The baseline with the ragged exchange (``"exchange": "ragged"``): the same gate, drops and expert math;
-    only the kept routes travel, in one uneven all-to-all each way (core/ragged.py). One host read per call
-    (the split sizes). Runs whole layers (pipeline degree 1)."""
+    only the kept routes travel, in one uneven all-to-all each way per piece (core/ragged.py). One host read
+    per call (the split sizes). Pipeline degree r > 1 cuts capacity chunks [a, b) of every expert's kept slots."""
 
     exchange_mode = "ragged"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._call: Optional[_RaggedCall] = None     # per call: what exchange_in, expert and exchange_out read
+        self._box = _Box()
+
+    def twin(self, groups) -> "RaggedBaselineSchedule":
+        twin = type(self)(self.config, groups, self.rec)
+        twin._box = self._box
+        return twin
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, esp, ep = self.config, self.groups.esp, self.groups.ep
@@ -122,43 +150,53 @@ class RaggedBaselineSchedule(BaselineSchedule):
             x_NSM, routings = self.gate_blocks(x_SM, params)
             counts, dropped = routing_stats(routings[esp.rank:esp.rank + 1])
         order = route_order(routings, cfg.num_experts)
-        mine_E, recv_PL = exchange_counts(order.counts_E, ep, self.rec)       # the one host read
-        gather, back, rows = expert_rows(recv_PL, multiple=ep.size)    # DeepSpeed's experts split rows over EP
-        device = x_SM.device
-        self._call = _RaggedCall(routings=routings, pos_NSK=order.pos_NSK, send=tuple(split_sizes(mine_E, ep.size)),
-                                 recv=tuple(sum(src) for src in recv_PL),
-                                 gather=torch.tensor(gather, dtype=torch.long, device=device),
-                                 back=torch.tensor(back, dtype=torch.long, device=device), rows=rows)
-        d_RM = x_NSM.reshape(-1, x_SM.shape[-1]).index_select(0, order.token_X[:sum(mine_E)])
-        return Dispatched(d=d_RM, cap_dim=0, state=self._call, aux_loss=routings[esp.rank].aux_loss,
+        counted = exchange_counts(order, ep, self.rec)                # the one host read
+        call = self._box.call = _RaggedCall(routings, order.pos_NSK, max(r.capacity for r in routings), counted,
+                                            ep.size)
+        kept = sum(map(sum, call.mine_EN))
+        d_RM = x_NSM.reshape(-1, x_SM.shape[-1]).index_select(0, order.token_X[:kept])
+        return Dispatched(d=d_RM, cap_dim=0, state=call, aux_loss=routings[esp.rank].aux_loss,
                           exp_counts_E=counts, dropped=dropped)
 
-    def _current(self, rows: int, what: str) -> _RaggedCall:
-        call = self._call
-        if call is None or rows != sum(call.send if what == "exchange_in" else call.recv):
-            raise ValueError(f"schedule 'baseline' with the ragged exchange: {what} got {rows} rows, not this "
-                             "call's; the ragged exchange runs a layer's rows whole (pipeline_degree must be 1)")
-        return call
+    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
+        d_RM, plans = dispatched.d, dispatched.state.cut(degree)
+        if len(plans) == 1:
+            return [d_RM]
+        return [d_RM.index_select(0, torch.tensor(p.rows, dtype=torch.long, device=d_RM.device)) for p in plans]
+
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        plans = dispatched.state.plans
+        if len(outs) == 1:
+            return outs[0]
+        rows = torch.tensor([r for p in plans for r in p.rows], dtype=torch.long, device=outs[0].device)
+        return torch.cat(outs).index_select(0, torch.argsort(rows))      # back to the layer's row order
+
+    def _take(self, step: str, rows: int) -> ChunkPlan:
+        if self._box.call is None:
+            raise ValueError(f"schedule 'baseline' with the ragged exchange: {step} before prepare")
+        return self._box.call.take(step, rows)
 
     def exchange_in(self, d_RM: torch.Tensor) -> torch.Tensor:
-        call = self._current(d_RM.shape[0], "exchange_in")
-        return ragged_all_to_all(d_RM, call.send, call.recv, self.groups.ep, self.rec)
+        plan = self._take("exchange_in", d_RM.shape[0])
+        return ragged_all_to_all(d_RM, plan.send, plan.recv, self.groups.ep, self.rec)
 
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        call, model_dim = self._current(e_QM.shape[0], "expert"), e_QM.shape[-1]
+        plan, model_dim = self._take("expert", e_QM.shape[0]), e_QM.shape[-1]
         e_l, replicas = self.config.num_experts // self.groups.ep.size, self.groups.mp.size
+        gather, back, rows = expert_rows(plan.recv_PL, multiple=self.groups.ep.size)  # DeepSpeed splits rows by EP
         padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
-        x_ElnM = padded.index_select(0, call.gather).view(e_l, call.rows, model_dim)
+        x_ElnM = padded.index_select(0, torch.tensor(gather, dtype=torch.long, device=e_QM.device))
+        x_ElnM = x_ElnM.view(e_l, rows, model_dim)
         if replicas > 1:
             x_ElnM = comm.grad_scale(x_ElnM, float(replicas))
         y_ElnM = params.experts(x_ElnM)
         if replicas > 1:
             y_ElnM = comm.grad_scale(y_ElnM, 1.0 / replicas)
-        return y_ElnM.reshape(-1, model_dim).index_select(0, call.back)
+        return y_ElnM.reshape(-1, model_dim).index_select(0, torch.tensor(back, dtype=torch.long, device=e_QM.device))
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
-        call = self._current(o_QM.shape[0], "exchange_out")
-        return ragged_all_to_all(o_QM, call.recv, call.send, self.groups.ep, self.rec)
+        plan = self._take("exchange_out", o_QM.shape[0])
+        return ragged_all_to_all(o_QM, plan.recv, plan.send, self.groups.ep, self.rec)
 
     def finish(self, r_RM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call: _RaggedCall = dispatched.state

@@ -12,6 +12,10 @@ the hottest). The ragged one sends a layer's kept routes only:
    busiest local expert's rows so that every host's ``experts(x_ElNM)`` contract holds);
 5. the reverse uneven exchange brings the outputs back, and the combine reads each route's row.
 
+At pipeline degree r (PipeMoE), steps 3-5 run per capacity chunk [a, b): the rows of every (expert, block) cell
+whose slot lies in [a, b) (:func:`chunk_plan`; a cell's kept slots are 0..n-1), each chunk one uneven exchange
+each way, sized from the counts already read (no further host read).
+
 Every row holds the value it holds in the padded buffer, and the combine does the same arithmetic, so outputs,
 gradients, aux loss and dropped routes equal the padded exchange's (bitwise, except where a GEMM's blocking
 differs with its row count).
@@ -27,7 +31,7 @@ Shapes: N token blocks, S tokens per block, K routes per token, E experts (E_l l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,13 +91,15 @@ def expert_rows(recv_PL: Sequence[Sequence[int]], multiple: int = 1) -> Tuple[Li
 
 @dataclass(frozen=True)
 class RouteOrder:
-    """This rank's routes in ragged order (expert, block, slot): ``token_R`` (into the N*S tokens, for the
-    first R = sum(counts) entries), ``pos_NSK`` (each route's row; R, a zero row, for a dropped route) and the
-    kept routes per expert ``counts_E`` (a tensor, read once on the host with the received counts)."""
+    """This rank's routes in ragged order (expert, block, slot): ``token_X`` (into the N*S tokens, for the
+    first R = sum(counts) entries), ``pos_NSK`` (each route's row; R, a zero row, for a dropped route), the kept
+    routes per expert and block ``counts_EN`` and one past the largest kept slot ``top_EN`` (tensors, read once
+    on the host with the received counts; equal where the kept slots are 0..n-1, as every gate here makes them)."""
 
     token_X: torch.Tensor
     pos_NSK: torch.Tensor
-    counts_E: torch.Tensor
+    counts_EN: torch.Tensor
+    top_EN: torch.Tensor
 
 
 def route_order(routings: Sequence[Routing], num_experts: int) -> RouteOrder:
@@ -110,11 +116,52 @@ def route_order(routings: Sequence[Routing], num_experts: int) -> RouteOrder:
     token_NSK = (block_NSK * tokens + torch.arange(tokens, device=slot_NSK.device).view(1, -1, 1)).expand_as(slot_NSK)
     rank_X = torch.empty_like(order_X)
     rank_X[order_X] = torch.arange(order_X.numel(), device=order_X.device)
-    binned_X = torch.where(kept_NSK, expert_NSK, torch.full_like(expert_NSK, num_experts)).reshape(-1)
-    counts_E = torch.bincount(binned_X, minlength=num_experts + 1)[:num_experts]
-    kept = counts_E.sum()
+    cell_X = torch.where(kept_NSK, expert_NSK * blocks + block_NSK, num_experts * blocks).reshape(-1)
+    counts_EN = torch.bincount(cell_X, minlength=num_experts * blocks + 1)[:-1].view(num_experts, blocks)
+    top_EN = torch.zeros(num_experts * blocks + 1, dtype=torch.long, device=slot_NSK.device).scatter_reduce(
+        0, cell_X, (slot_NSK + 1).reshape(-1).long(), reduce="amax")[:-1].view(num_experts, blocks)
+    kept = counts_EN.sum()
     pos_NSK = torch.where(kept_NSK, rank_X.view_as(slot_NSK), kept.expand_as(slot_NSK))
-    return RouteOrder(token_X=token_NSK.reshape(-1)[order_X], pos_NSK=pos_NSK, counts_E=counts_E)
+    return RouteOrder(token_X=token_NSK.reshape(-1)[order_X], pos_NSK=pos_NSK, counts_EN=counts_EN, top_EN=top_EN)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One exchange of the layer's rows, whole or a capacity chunk [a, b): ``rows`` (this rank's rows it sends,
+    indices into the layer's rows; None: all of them, in order), the split sizes ``send`` and ``recv`` per EP
+    member, and the received rows per source and local expert ``recv_PL`` (for :func:`expert_rows`)."""
+
+    rows: Optional[Tuple[int, ...]]
+    send: Tuple[int, ...]
+    recv: Tuple[int, ...]
+    recv_PL: Tuple[Tuple[int, ...], ...]
+
+
+def _clip(n: int, a: int, b: int) -> int:
+    return max(0, min(n, b) - a)
+
+
+def chunk_plan(mine_EN: Sequence[Sequence[int]], recv_PLN: Sequence[Sequence[Sequence[int]]], members: int,
+               a: int = 0, b: Optional[int] = None) -> ChunkPlan:
+    """The exchange of the kept routes whose slot lies in [a, b) (b None: all), given this rank's kept routes
+    per (expert, block) and those each source p sends for each local expert and block, ``recv_PLN[p][l][i]``
+    (pure). A (expert, block) cell with n kept routes holds slots 0..n-1, so [a, b) takes its slots a..min(n, b)-1:
+    rows ``[start + a, start + min(n, b))`` of the cell that starts at row ``start``."""
+    if b is None:
+        send_E = [sum(cell) for cell in mine_EN]
+        return ChunkPlan(rows=None, send=tuple(split_sizes(send_E, members)),
+                         recv=tuple(sum(map(sum, src)) for src in recv_PLN),
+                         recv_PL=tuple(tuple(sum(cell) for cell in src) for src in recv_PLN))
+    rows: List[int] = []
+    start = 0
+    for cell_N in mine_EN:
+        for n in cell_N:
+            rows.extend(range(start + a, start + a + _clip(n, a, b)))
+            start += n
+    send_E = [sum(_clip(n, a, b) for n in cell_N) for cell_N in mine_EN]
+    recv_PL = tuple(tuple(sum(_clip(n, a, b) for n in cell) for cell in src) for src in recv_PLN)
+    return ChunkPlan(rows=tuple(rows), send=tuple(split_sizes(send_E, members)),
+                     recv=tuple(sum(src) for src in recv_PL), recv_PL=recv_PL)
 
 
 def combine_rows(r_QM: torch.Tensor, pos_SK: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -159,14 +206,18 @@ def ragged_all_to_all(x_RM: torch.Tensor, send: Sequence[int], recv: Sequence[in
     return _RaggedAllToAll.apply(x_RM, tuple(int(n) for n in send), tuple(int(n) for n in recv), group, rec)
 
 
-def exchange_counts(counts_E: torch.Tensor, group: Group, rec: Recorder) -> Tuple[List[int], List[List[int]]]:
-    """Step 1 and 2: this rank's kept routes per expert to every EP member (one even all_to_all of E integers)
-    and ONE host read of both. Returns (this rank's counts per expert, received counts ``[p][l]``: rows source
-    p sends for local expert l)."""
-    counts_E = counts_E.to(torch.int64)
-    got_E = counts_E if group.size == 1 else rec.issue("all_to_all", group, counts_E, "forward")
-    both = torch.cat([counts_E, got_E]).tolist()      # the host read of this option (docs/architecture.md)
-    num = counts_E.numel()
+def exchange_counts(order: RouteOrder, group: Group, rec: Recorder):
+    """Steps 1 and 2: this rank's kept routes per expert and block to every EP member (one even all_to_all of
+    E N integers) and ONE host read of them, the received ones and ``top_EN``. Returns (this rank's counts
+    ``[e][i]``, received counts ``[p][l][i]``: rows source p sends for its block i to local expert l, and
+    whether every kept cell holds slots 0..n-1)."""
+    counts_EN = order.counts_EN.to(torch.int64)
+    num, blocks = counts_EN.shape
+    got_EN = counts_EN if group.size == 1 else rec.issue("all_to_all", group, counts_EN, "forward")
+    flat = torch.cat([counts_EN.reshape(-1), got_EN.reshape(-1), order.top_EN.reshape(-1)]).tolist()  # the host read
+    mine = [flat[e * blocks:(e + 1) * blocks] for e in range(num)]
+    got = flat[num * blocks:2 * num * blocks]
     per = num // group.size
-    mine, got = both[:num], both[num:]
-    return mine, [got[p * per:(p + 1) * per] for p in range(group.size)]
+    recv_PLN = [[got[(p * per + l) * blocks:(p * per + l + 1) * blocks] for l in range(per)]
+                for p in range(group.size)]
+    return mine, recv_PLN, flat[2 * num * blocks:] == flat[:num * blocks]

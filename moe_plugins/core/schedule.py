@@ -130,6 +130,16 @@ class Schedule(ABC):
     @abstractmethod
     def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
 
+    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
+        """The pieces steps 2-4 run on at pipeline degree ``degree``, in order: ``d`` cut along its capacity axis
+        (:func:`chunk_bounds`). A schedule whose ``d`` has no capacity axis (the ragged exchange) cuts its own."""
+        d, dim = dispatched.d, dispatched.cap_dim
+        return [d.narrow(dim, a, b - a) for a, b in chunk_bounds(d.shape[dim], degree)]
+
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        """The pieces' results (in :meth:`chunks`' order) as one tensor for ``finish``."""
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=dispatched.cap_dim)
+
     # -- helpers shared by schedules -------------------------------------------------------------------
 
     def mark_combine(self, y_SM: torch.Tensor) -> torch.Tensor:
@@ -170,11 +180,9 @@ def chunk_bounds(length: int, degree: int) -> List[Tuple[int, int]]:
 def run_schedule(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, degree: int = 1):
     """Run a schedule with its capacity axis cut into ``degree`` chunks, one after another."""
     dispatched = schedule.prepare(x_SM, params)
-    d, dim = dispatched.d, dispatched.cap_dim
-    outs = [schedule.exchange_out(schedule.expert(schedule.exchange_in(d.narrow(dim, a, b - a)), params))
-            for a, b in chunk_bounds(d.shape[dim], degree)]
-    r = outs[0] if len(outs) == 1 else torch.cat(outs, dim=dim)
-    return schedule.mark_combine(schedule.finish(r, dispatched)), dispatched
+    outs = [schedule.exchange_out(schedule.expert(schedule.exchange_in(c), params))
+            for c in schedule.chunks(dispatched, degree)]
+    return schedule.mark_combine(schedule.finish(schedule.join(outs, dispatched), dispatched)), dispatched
 
 
 def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any = 1) -> List[str]:
@@ -184,10 +192,10 @@ def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any =
     if cls.exchange_variant(exchange) is None:
         return [f"exchange ({exchange!r}) is not supported by schedule {cls.name!r}, which runs the "
                 f"{cls.exchange_mode} exchange only; the ragged exchange runs with schedule 'baseline'"]
-    if exchange == "ragged" and pipeline_degree not in (1, "1"):
-        return [f"exchange ('ragged') with pipeline_degree ({pipeline_degree!r}) is not supported: the ragged "
-                "exchange sends a layer's rows in one uneven all-to-all, not in capacity chunks; use "
-                "pipeline_degree 1 or the padded exchange"]
+    fixed = isinstance(pipeline_degree, int) or (isinstance(pipeline_degree, str) and pipeline_degree.isdigit())
+    if exchange == "ragged" and not fixed:
+        return [f"exchange ('ragged') with pipeline_degree ({pipeline_degree!r}) is not supported: a degree chosen "
+                "per call from the dispatched rows could differ between ranks, whose rows differ; give an integer"]
     return []
 
 

@@ -15,7 +15,7 @@ Shapes: E experts, C capacity (c = a chunk of it), M model dim, S tokens.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -24,7 +24,7 @@ from moe_plugins.core.costmodel import CostProfile
 from moe_plugins.core.engine import PIPELINE, CommEngine, Handle
 from moe_plugins.core.executor import Executor, Sequential
 from moe_plugins.core.plugin_config import degree_needs_profile
-from moe_plugins.core.schedule import LayerParams, Schedule, chunk_bounds
+from moe_plugins.core.schedule import LayerParams, Schedule
 from moe_plugins.pipemoe.degree import AutoDegree, Degree
 from moe_plugins.pipemoe.flag import degree_from_flag
 from moe_plugins.pipemoe.model import R_MAX
@@ -214,7 +214,7 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     """Drop-in for ``run_schedule``: steps 2-4 over ``degree`` capacity chunks, pipelined on ``lane`` (a
     :class:`Pipelined`). ``degree`` may be an :class:`AutoDegree`; a degree of 1 runs sequentially here."""
     dispatched = schedule.prepare(x_SM, params)
-    d, dim = dispatched.d, dispatched.cap_dim
+    d = dispatched.d
     r, sample = (degree.begin(schedule, dispatched, torch.is_grad_enabled()) if isinstance(degree, AutoDegree)
                  else (degree, None))
     d = d if sample is None else sample.wrap_input(d)
@@ -224,9 +224,9 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     if lane is None:
         raise ValueError(f"pipeline degree {r} needs a Pipelined executor (build_executor(..., engine))")
     twin, streams = lane.twin(schedule), _Streams(d.device)
-    chunks = [d.narrow(dim, a, b - a) for a, b in chunk_bounds(d.shape[dim], r)]
+    chunks = schedule.chunks(dispatched if sample is None else replace(dispatched, d=d), r)
     # D_1..D_r queue first on the lane (FIFO link); E_i runs here as soon as D_i lands; C_i queues behind.
     ins = [_Stage(lane, streams, twin.exchange_in).start(c) for c in chunks]
     outs = [_Stage(lane, streams, twin.exchange_out).start(schedule.expert(s.join(), params)) for s in ins]
-    y = torch.cat([s.join() for s in outs], dim=dim)
+    y = schedule.join([s.join() for s in outs], dispatched)
     return _finish(schedule, y, sample, dispatched)
