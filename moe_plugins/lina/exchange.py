@@ -93,7 +93,8 @@ def receive_segments(splits: Splits, device: int) -> List[Tuple[int, int, int]]:
 def uneven_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
                       what: str) -> torch.Tensor:
     """``all_to_all_single`` of ``x`` along dim 0, ``send[j]`` rows to group member j and ``recv[j]`` from it, as
-    an urgent op of the layer's engine, recorded in its ledger. A group of one copies."""
+    an urgent op of the layer's engine, recorded in its ledger (the elements sent; the inter-node share taken as
+    an even all-to-all's, the group knowing how many peers are remote but not which). A group of one copies."""
     shape = (sum(recv),) + tuple(x.shape[1:])
     if group.pg is None:
         return x.clone().view(shape)
