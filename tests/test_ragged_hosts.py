@@ -24,7 +24,8 @@ def _spec(**kw) -> DeepSpeedVerifySpec:
 
 
 @pytest.mark.parametrize("combo", [dict(ep=4, k=2, drop=False, skew=20.0), dict(ep=4, k=1, drop=True),
-                                   dict(ep=2, k=2, drop=True, skew=20.0), dict(ep=2, mp=2, esp=2, k=2, drop=True)],
+                                   dict(ep=2, k=2, drop=True, skew=20.0), dict(ep=2, mp=2, esp=2, k=2, drop=True),
+                                   dict(ep=4, k=2, drop=False, skew=20.0, pipeline_degree=3)],
                          ids=str)
 def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     report = world(WORLD).run(run_rank, _spec(**combo))[0]
@@ -35,8 +36,9 @@ def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     assert report["bitwise_equal"], "outputs and input gradients bitwise equal to stock DeepSpeed"
     assert report["swaps"][0]["exchange"] == "ragged"
     layer = next(iter(report["ledger"].values()))
-    # the ragged exchange: the counts, then the rows and back (3 all-to-alls forward), the rows twice backward
-    assert layer["forward:all_to_all@ep"]["count"] == 3 and layer["backward:all_to_all@ep"]["count"] == 2
+    # the ragged exchange: the counts, then per chunk the rows and back; backward, the rows twice per chunk
+    r = combo.get("pipeline_degree", 1)
+    assert layer["forward:all_to_all@ep"]["count"] == 1 + 2 * r and layer["backward:all_to_all@ep"]["count"] == 2 * r
 
 
 def test_deepspeed_training_20_steps_ragged_equals_stock(world):
@@ -54,7 +56,8 @@ def test_megatron_layer_with_the_ragged_exchange_equals_stock(world):
     pytest.importorskip("megatron.core")
     from moe_plugins.tools.verify_megatron import MegatronVerifySpec
     from moe_plugins.tools.verify_megatron import run_rank as megatron_rank
-    for kw in (dict(ep=4, k=2, drop=False), dict(ep=2, mp=2, esp=2, k=1, drop=True)):
+    for kw in (dict(ep=4, k=2, drop=False), dict(ep=2, mp=2, esp=2, k=1, drop=True),
+               dict(ep=4, k=2, drop=False, pipeline_degree=2)):
         spec = MegatronVerifySpec(world=WORLD, ranks_per_node=2, experts=4, tokens=16, hidden=8, ffn=16,
                                   min_capacity=0, dtype="float64", exchange="ragged", **kw)
         report = world(WORLD).run(megatron_rank, spec)[0]
