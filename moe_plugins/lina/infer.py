@@ -68,7 +68,7 @@ class PathRecorder:
             if top1 is not None and top1.numel() != num_tokens:
                 raise RuntimeError(f"lina inference: MoE layer {layer} has {num_tokens} tokens and layer {j} had "
                                    f"{top1.numel()}: a token's path needs the same tokens at every MoE layer")
-            cols.append(top1.long() if top1 is not None else torch.zeros(num_tokens, dtype=torch.long))
+            cols.append(top1.long().cpu() if top1 is not None else torch.zeros(num_tokens, dtype=torch.long))
         if not cols:
             return [()] * num_tokens
         return [tuple(row) for row in torch.stack(cols, 1).tolist()]
@@ -209,14 +209,15 @@ class LayerScheduler:
         first: Optional[Placement] = None
         if self.config.estimation:
             prefixes = self.recorder.prefixes(self.index, self.table.path_length, x_SM.shape[0])
-            mine_E = torch.tensor(expected_loads(self.table, self.index, prefixes), dtype=torch.float64)
+            mine_E = torch.tensor(expected_loads(self.table, self.index, prefixes), dtype=torch.float64,
+                                  device=x_SM.device)
             rows = self._gather(mine_E)
             loads = [sum(rows[r][e] for r in range(n)) for e in range(self.num_experts)]   # rank order
             first = self.estimated = plan_placement(loads, n, max_experts_per_device=m)
             self.stats.experts_moved += self.store.move(first)
         routing = route(x_SM)
         kept = kept_routes(routing, self.num_experts)
-        mine = torch.tensor(list(kept.counts_E) + [self.store.fingerprint()], dtype=torch.int64)
+        mine = torch.tensor(list(kept.counts_E) + [self.store.fingerprint()], dtype=torch.int64, device=x_SM.device)
         rows = self._gather(mine)
         counts_RE = [row[:self.num_experts] for row in rows]
         self.store.check_fingerprints([row[self.num_experts] for row in rows])
