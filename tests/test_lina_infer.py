@@ -105,9 +105,11 @@ def test_estimation_off_tight_packing_top2_drops_equals_stock(world):
 
 
 def test_top1_drops_with_phase_one_from_the_tables_start_equals_stock(world, tmp_path):
+    """Layers 0 and 1 run the section's own schedule (here with the ragged exchange) and record the path."""
     table = skewed_table(tmp_path / "t2.json", start=2)
     case = {**CASE, "eval_capacity": 1.0, "batches": 4, "rescale_at": None}
-    results = world(WORLD).run(jobs.compare_stack, section(table), case, timeout_s=600)   # start: the table's 2
+    plugin = {**section(table), "exchange": "ragged"}                    # start_layer: the table's 2
+    results = world(WORLD).run(jobs.compare_stack, plugin, case, timeout_s=600)
     stats = check_exact(results, case)
     assert sum(r["zero_rows"] for r in results) > 0                       # capacity drops, the same tokens
     assert [s["estimate_total"] for s in stats] == [0, 0, case["batches"]]
