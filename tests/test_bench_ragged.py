@@ -39,3 +39,25 @@ def test_skew_gate_makes_expert_0_the_first_choice_of_the_hot_share_only():
         top_SK = (x2_SM @ wg2_EM.T).topk(2, dim=1).indices
         hot = round(share * 40)
         assert bool((top_SK[:hot, 0] == 0).all()) and not bool((top_SK[hot:] == 0).any())
+
+
+def test_ragged_row_in_the_bench_on_a_dropless_skewed_case(world):
+    """The rank side of ``moe-plugins bench`` on 4 gloo ranks (loopback): stock DeepSpeed, the padded baseline
+    and the ragged baseline compute the same function on a dropless case where expert 0 is 3/4 of the first
+    choices; the ragged row's inter-node bytes (ledger: true rows) are below the padded rows' (which equal stock
+    DeepSpeed's counted bytes)."""
+    from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig
+    from moe_plugins.tools.bench.runner import RankJob
+    from tests.workers.bench import run_bench_plan
+    case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=8, k=2, drop_tokens=False, ep=4, skew=0.75)
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=2, warmup=1,
+                     rows=(RowSpec(name="deepspeed"), RowSpec(name="baseline"),
+                           RowSpec(name="baseline", options=(("exchange", "ragged"),))))
+    (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
+    assert group["skipped"] == {}
+    stock, padded, ragged = (group["rows"][k] for k in ("deepspeed", "baseline", "baseline@exchange=ragged"))
+    for row in (padded, ragged):
+        assert row["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, row["first_row_max_abs"])
+    assert padded["model_bytes_per_rank"] == stock["model_bytes_per_rank"]
+    assert sum(ragged["model_bytes_per_rank"]) * 2 < sum(padded["model_bytes_per_rank"]), \
+        (ragged["model_bytes_per_rank"], padded["model_bytes_per_rank"])
