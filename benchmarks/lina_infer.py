@@ -149,6 +149,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit per launch of the ranks")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/moe_plugins"))
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="no run: re-summarize a stored <stem>.json (groups, targets, .md, .png) into --out")
     return p.parse_args(argv)
 
 
@@ -220,7 +222,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "header_lines": _meta_lines(args, transport, trained, tables, time.monotonic() - t0, [load0, load1]),
             "training": trained, "tables": tables, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "plan": {k: v for k, v in vars(args).items() if k != "rank_config"} | {"out": str(args.out)}}
-    report = {"meta": meta, "groups": groups}
+    return write(args, {"meta": meta, "groups": groups})
+
+
+def write(args: argparse.Namespace, report: Dict[str, Any]) -> Dict[str, Any]:
+    from moe_plugins.tools.bench import lina_infer_report as rep
     problems = rep.report_problems(report)
     if problems:
         raise RuntimeError("the report is malformed: " + "; ".join(problems))
@@ -245,6 +251,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if problems:
         print("lina_infer: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if args.from_json:
+        from moe_plugins.tools.bench.lina_infer_report import make_group
+        stored = json.loads(args.from_json.read_text())
+        write(args, {"meta": stored["meta"], "groups": [make_group(g["case"], g["rate"], g["rows"])
+                                                         for g in stored["groups"]]})
+        return 0
     from moe_plugins.tools.bench.launch import signals_raise
     with signals_raise():        # SIGTERM/SIGHUP unwind: the ranks are stopped and the namespaces removed
         run(args)
