@@ -104,7 +104,7 @@ def run_and_check_restored(job: RankJob) -> Tuple[Any, bool]:
 # ---- validation (no ranks) -----------------------------------------------------------------------------------
 
 def test_option_is_registered_and_checked():
-    assert set(ROW_KINDS["deepspeed"].options) == {"plugin", "r"}
+    assert set(ROW_KINDS["deepspeed"].options) == {"plugin", "r", "exchange"}
     assert row_problems(PLUGIN) == [] and row_problems(parse_row("deepspeed@plugin=parm-s2,r=2")) == []
     (bad,) = row_problems(parse_row("deepspeed@plugin=nope"))
     assert "deepspeed@plugin=nope" in bad and "'nope'" in bad and "baseline, baseline-tp" in bad

@@ -42,8 +42,8 @@ def test_skew_gate_makes_expert_0_the_first_choice_of_the_hot_share_only():
 
 
 def test_ragged_row_in_the_bench_on_a_dropless_skewed_case(world):
-    """The rank side of ``moe-plugins bench`` on 4 gloo ranks (loopback): stock DeepSpeed, the padded baseline
-    and the ragged baseline compute the same function on a dropless case where expert 0 is 3/4 of the first
+    """The rank side of ``moe-plugins bench`` on 4 gloo ranks (loopback): stock DeepSpeed, the padded baseline,
+    the ragged baseline and DeepSpeed's layer swapped with the ragged exchange compute the same function on a dropless case where expert 0 is 3/4 of the first
     choices; the ragged row's inter-node bytes (ledger: true rows) are below the padded rows' (which equal stock
     DeepSpeed's counted bytes)."""
     from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig
@@ -52,12 +52,31 @@ def test_ragged_row_in_the_bench_on_a_dropless_skewed_case(world):
     case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=8, k=2, drop_tokens=False, ep=4, skew=0.75)
     plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=2, warmup=1,
                      rows=(RowSpec(name="deepspeed"), RowSpec(name="baseline"),
-                           RowSpec(name="baseline", options=(("exchange", "ragged"),))))
+                           RowSpec(name="baseline", options=(("exchange", "ragged"),)),
+                           matrix.parse_row("deepspeed@plugin=baseline,exchange=ragged")))
     (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
     assert group["skipped"] == {}
     stock, padded, ragged = (group["rows"][k] for k in ("deepspeed", "baseline", "baseline@exchange=ragged"))
-    for row in (padded, ragged):
+    adapter = group["rows"]["deepspeed@plugin=baseline,exchange=ragged"]     # the user's path
+    for row in (padded, ragged, adapter):
         assert row["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, row["first_row_max_abs"])
+    # the same rows; the core router's dropless capacity agreement (an 8-byte all-reduce) is on the core row's
+    # ledger, DeepSpeed's gate agrees its own outside the adapter's
+    assert all(0 <= r - a <= 8 for a, r in zip(adapter["model_bytes_per_rank"], ragged["model_bytes_per_rank"]))
     assert padded["model_bytes_per_rank"] == stock["model_bytes_per_rank"]
     assert sum(ragged["model_bytes_per_rank"]) * 2 < sum(padded["model_bytes_per_rank"]), \
         (ragged["model_bytes_per_rank"], padded["model_bytes_per_rank"])
+
+
+def test_deepspeed_adapter_row_takes_the_exchange():
+    from moe_plugins.tools.bench.deepspeed_adapter_row import adapter_row_problems, plugin_section
+    spec = matrix.parse_row("deepspeed@plugin=baseline,exchange=ragged")
+    assert rows.row_problems(spec) == []
+    assert plugin_section(spec) == {"schedule": "baseline", "pipeline_degree": 1, "exchange": "ragged"}
+    assert "exchange" not in plugin_section(matrix.parse_row("deepspeed@plugin=baseline"))
+    (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@plugin=parm-s2,exchange=ragged"))
+    assert "moe_plugins.exchange ('ragged') is not supported by schedule 'parm-s2'" in problem
+    (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@plugin=baseline,exchange=raged"))
+    assert "moe_plugins.exchange ('raged') must be 'padded' or 'ragged'" in problem
+    (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@exchange=ragged"))
+    assert "option 'exchange' is unknown for the stock layer" in problem

@@ -42,6 +42,7 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.profile_ops import profile_key
+from moe_plugins.core.schedule import exchange_problems
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.case import CaseData, Row
 from moe_plugins.tools.bench.matrix import RowSpec
@@ -49,12 +50,14 @@ from moe_plugins.tools.bench.traffic import LedgerMeter
 
 PLUGIN = "plugin"            # the deepspeed row's option naming the schedule the adapter swaps in
 DEGREE = "r"                 # its pipeline degree (the section's pipeline_degree)
+EXCHANGE = "exchange"        # its exchange (the section's exchange: padded or ragged)
 CACHE_ENV = "MOE_PLUGINS_CACHE"
 OPTIONS = {
     PLUGIN: "swap the layer through moe_plugins' DeepSpeed adapter with this schedule (the ds_config section's "
             "schedule: " + ", ".join(default_registry().schedule_names()) + ")",
     DEGREE: "with plugin=: the section's pipeline_degree (an int; 'auto' or 'tune' from the cost profile measured "
             "at this rate)",
+    EXCHANGE: "with plugin=: the section's exchange (padded, or ragged: only occupied capacity slots travel)",
 }
 
 
@@ -68,6 +71,8 @@ def pipeline_degree(spec: RowSpec) -> Union[int, str]:
 def plugin_section(spec: RowSpec, ranks_per_node: Optional[int] = None) -> Dict[str, Any]:
     """Pure: the ``moe_plugins`` section a user would write for this row."""
     section: Dict[str, Any] = {"schedule": spec.option(PLUGIN), "pipeline_degree": pipeline_degree(spec)}
+    if spec.option(EXCHANGE) is not None:
+        section["exchange"] = spec.option(EXCHANGE)
     if ranks_per_node is not None:
         section["ranks_per_node"] = ranks_per_node
     return section
@@ -77,18 +82,19 @@ def adapter_row_problems(spec: RowSpec) -> List[str]:
     """Every problem with a ``deepspeed`` row's adapter options, naming the row, the option and its value."""
     schedule = spec.option(PLUGIN)
     if schedule is None:
-        return [f"row ({spec.label!r}): option {DEGREE!r} is unknown for the stock layer (it has no pipeline "
-                f"degree); give it with {PLUGIN}=<schedule>, as the adapter's pipeline_degree"] \
-            if spec.option(DEGREE) is not None else []
+        return [f"row ({spec.label!r}): option {key!r} is unknown for the stock layer; give it with "
+                f"{PLUGIN}=<schedule>, as the adapter's {field}"
+                for key, field in ((DEGREE, "pipeline_degree"), (EXCHANGE, "exchange")) if spec.option(key) is not None]
     names = default_registry().schedule_names()
     if schedule not in names:
         return [f"row ({spec.label!r}): {PLUGIN} ({schedule!r}) is not a registered schedule; allowed: "
                 f"{', '.join(names)}"]
     try:
-        PluginConfig.from_dict(plugin_section(spec), SECTION, **default_registry().config_choices())
+        section = PluginConfig.from_dict(plugin_section(spec), SECTION, **default_registry().config_choices())
     except ValueError as exc:
         return [f"row ({spec.label!r}): {exc}"]
-    return []
+    return [f"row ({spec.label!r}): {SECTION}.{p}" for p in exchange_problems(
+        default_registry().schedule_class(schedule), section.exchange, section.pipeline_degree)]
 
 
 def adapter_rows_problems(specs: Sequence[RowSpec]) -> List[str]:
@@ -149,8 +155,8 @@ def _swap(moe: torch.nn.Module, spec: RowSpec, data: CaseData, ledger: CommLedge
 
 def swap_notes(handle: Any) -> Tuple[str, ...]:
     """What the adapter reported for the swapped layer (its setup record)."""
-    return tuple(f"adapter: schedule {s['schedule']}, pipeline_degree {s['pipeline_degree']}, "
-                 f"mp{s['mp']} ep{s['ep']} esp{s['esp']}" for s in handle.swaps)
+    return tuple(f"adapter: schedule {s['schedule']}{', ragged exchange' if s['exchange'] == 'ragged' else ''}, "
+                 f"pipeline_degree {s['pipeline_degree']}, mp{s['mp']} ep{s['ep']} esp{s['esp']}" for s in handle.swaps)
 
 
 def build_adapter_row(spec: RowSpec, data: CaseData, profile: Optional[CostProfile]) -> Row:
