@@ -103,8 +103,8 @@ class _RaggedCall:
         if degree > 1 and not self.contiguous:
             raise ValueError("the ragged exchange cuts capacity chunks from each expert's kept slots 0..n-1; this "
                              "gate left gaps in them: use pipeline_degree 1 or the padded exchange")
-        self.plans = [chunk_plan(self.mine_EN, self.recv_PLN, self.members, a, b)
-                      for a, b in chunk_bounds(self.slots, degree)] if degree > 1 else self.plans
+        bounds = chunk_bounds(self.slots, degree) if degree > 1 else [(0, None)]
+        self.plans = [chunk_plan(self.mine_EN, self.recv_PLN, self.members, a, b) for a, b in bounds]
         return self.plans
 
     def take(self, step: str, rows: int) -> ChunkPlan:
@@ -200,6 +200,8 @@ class RaggedBaselineSchedule(BaselineSchedule):
 
     def finish(self, r_RM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call: _RaggedCall = dispatched.state
+        if self._box.call is call:
+            self._box.call = None       # the exchanges are done: hold nothing of this call past the layer
         if len(call.routings) == 1:
             return combine_rows(r_RM, call.pos_NSK[0], call.routings[0])
         y_NSM = torch.stack([combine_rows(r_RM, call.pos_NSK[i], rt) for i, rt in enumerate(call.routings)])
