@@ -143,11 +143,11 @@ def test_route_order_with_an_expert_without_tokens_and_all_dropped():
 
 # ---- refusals --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["baseline-tp", "parm-s1", "parm-s2", "parm-s2-saa", "parm-auto"])
+@pytest.mark.parametrize("name", ["parm-s1", "parm-s2", "parm-s2-saa", "parm-auto", "parm-tune"])
 def test_other_schedules_refuse_the_ragged_exchange_by_name(name):
     cls = default_registry().schedule_class(name)
     problems = exchange_problems(cls, "ragged")
-    assert len(problems) == 1 and repr(name) in problems[0] and "'baseline'" in problems[0]
+    assert len(problems) == 1 and repr(name) in problems[0] and "'baseline' and 'baseline-tp'" in problems[0]
     with pytest.raises(ValueError, match=f"schedule '{name}'"):
         with_exchange(cls, "ragged")
     assert with_exchange(cls, "padded") is cls
@@ -164,6 +164,15 @@ def test_baseline_ragged_variant_and_degree_refusal():
     problems = exchange_problems(base, "ragged", "auto")
     assert len(problems) == 1 and "pipeline_degree ('auto')" in problems[0] and "give an integer" in problems[0]
     assert exchange_problems(base, "sparse") == ["exchange ('sparse') must be one of 'padded', 'ragged'"]
+
+
+def test_baseline_tp_ragged_variant_runs_degree_1_only():
+    base = default_registry().schedule_class("baseline-tp")
+    ragged = with_exchange(base, "ragged")
+    assert ragged.exchange_mode == "ragged" and ragged.name == "baseline-tp" and not ragged.ragged_chunks
+    (problem,) = exchange_problems(base, "ragged", 2)
+    assert "schedule 'baseline-tp' runs pipeline_degree 1, not 2" in problem
+    assert exchange_problems(base, "ragged", 1) == []
 
 
 def test_config_field_is_validated_at_the_boundary():

@@ -20,12 +20,12 @@ WORLD = 4
 EXACT = 1e-12
 
 
-def _layouts():
+def _layouts(schedule="baseline"):
     out = []
     for mp in (1, 2, 4):
         for ep, esp in ((1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)):
             if not layout_problems(WORLD, 2, mp, ep, esp) and not default_registry().schedule_problems(
-                    "baseline", ParallelLayout(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp)):
+                    schedule, ParallelLayout(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp)):
                 out.append((mp, ep, esp))
     return out
 
@@ -69,6 +69,27 @@ def test_ragged_equals_padded_on_every_layout(world, drop):
     assert any(bitwise)
     if drop:
         assert sum(r["dropped"] for _, ragged in pairs for r in ragged) > 0
+
+
+def test_baseline_tp_ragged_equals_padded(world):
+    """baseline-tp (DeepSpeed's flow): each MP rank sends the kept routes of its capacity slice; the ESP
+    all-gather / split and the final MP all-gather are uneven too. Every valid layout, k 1 and 2, drops,
+    dropless and skewed."""
+    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, tokens=12,
+                        seed=7 + k, schedule="baseline-tp") for mp, ep, esp in _layouts("baseline-tp") for k in (1, 2)
+             for drop in (True, False)]
+    specs += [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, drop=drop, skew=20.0,
+                         schedule="baseline-tp") for mp, ep, esp in ((2, 2, 2), (2, 2, 1), (2, 1, 2)) for drop in
+              (True, False)]
+    assert len(specs) >= 30
+    pairs = world(WORLD).run(padded_and_ragged, specs)[0]
+    for spec, (padded, ragged) in zip(specs, pairs):
+        _check_pair(spec, padded, ragged)
+    # mp 2, ep 2, esp 2, dropless skewed: the uneven MP and ESP gathers are on the ledger, and fewer bytes travel
+    padded, ragged = pairs[-5]
+    assert specs[-5].esp == 2 and not specs[-5].drop
+    assert {"forward:all_to_all@esp", "forward:all_to_all@mp"} <= set(ragged[0]["ledger"]["moe"])
+    assert sum(_bytes(r["ledger"])[0] for r in ragged) < sum(_bytes(r["ledger"])[0] for r in padded)
 
 
 def test_skewed_routing(world):

@@ -23,7 +23,10 @@ def _spec(**kw) -> DeepSpeedVerifySpec:
     return spec
 
 
-@pytest.mark.parametrize("combo", [dict(ep=4, k=2, drop=False, skew=20.0), dict(ep=4, k=1, drop=True),
+@pytest.mark.parametrize("combo", [dict(mp=2, ep=2, esp=2, k=2, drop=True, schedule="baseline-tp"),
+                                   dict(mp=2, ep=4, k=2, drop=True, schedule="baseline-tp"),
+                                   dict(mp=2, ep=2, k=1, drop=False, skew=20.0, schedule="baseline-tp"),
+                                   dict(ep=4, k=2, drop=False, skew=20.0), dict(ep=4, k=1, drop=True),
                                    dict(ep=2, k=2, drop=True, skew=20.0), dict(ep=2, mp=2, esp=2, k=2, drop=True),
                                    dict(ep=4, k=2, drop=False, skew=20.0, pipeline_degree=3)],
                          ids=str)
@@ -39,6 +42,8 @@ def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     # the ragged exchange: the counts, then per chunk the rows and back; backward, the rows twice per chunk
     r = combo.get("pipeline_degree", 1)
     assert layer["forward:all_to_all@ep"]["count"] == 1 + 2 * r and layer["backward:all_to_all@ep"]["count"] == 2 * r
+    if combo.get("schedule") == "baseline-tp":     # the MP rank's slice: its uneven split and gather
+        assert layer["forward:all_to_all@mp"]["count"] == layer["backward:all_to_all@mp"]["count"] == 1
 
 
 def test_deepspeed_training_20_steps_ragged_equals_stock(world):

@@ -142,11 +142,18 @@ def _clip(n: int, a: int, b: int) -> int:
 
 
 def chunk_plan(mine_EN: Sequence[Sequence[int]], recv_PLN: Sequence[Sequence[Sequence[int]]], members: int,
-               a: int = 0, b: Optional[int] = None) -> ChunkPlan:
+               a: int = 0, b: Optional[int] = None,
+               recv_bounds: Optional[Sequence[Tuple[int, int]]] = None) -> ChunkPlan:
     """The exchange of the kept routes whose slot lies in [a, b) (b None: all), given this rank's kept routes
     per (expert, block) and those each source p sends for each local expert and block, ``recv_PLN[p][l][i]``
     (pure). A (expert, block) cell with n kept routes holds slots 0..n-1, so [a, b) takes its slots a..min(n, b)-1:
-    rows ``[start + a, start + min(n, b))`` of the cell that starts at row ``start``."""
+    rows ``[start + a, start + min(n, b))`` of the cell that starts at row ``start``. ``recv_bounds[p]``: the
+    slot range source p sends, where sources send different ranges (baseline-tp: each its MP rank's)."""
+    if recv_bounds is not None:
+        plan = chunk_plan(mine_EN, recv_PLN, members, a, b)
+        recv_PL = tuple(tuple(sum(_clip(n, pa, pb) for n in cell) for cell in src)
+                        for src, (pa, pb) in zip(recv_PLN, recv_bounds))
+        return ChunkPlan(rows=plan.rows, send=plan.send, recv=tuple(map(sum, recv_PL)), recv_PL=recv_PL)
     if b is None:
         send_E = [sum(cell) for cell in mine_EN]
         return ChunkPlan(rows=None, send=tuple(split_sizes(send_E, members)),
@@ -204,6 +211,48 @@ def ragged_all_to_all(x_RM: torch.Tensor, send: Sequence[int], recv: Sequence[in
     if group.size == 1:
         return x_RM
     return _RaggedAllToAll.apply(x_RM, tuple(int(n) for n in send), tuple(int(n) for n in recv), group, rec)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every member's rows, member by member (an uneven all-gather: one all_to_all_single of this rank's rows
+    repeated, ``sizes[j]`` rows from member j). Backward: this rank's block, whose gradient every member holds
+    whole (the mirror of :class:`_SplitRows`, as ``comm.all_gather(bwd="split")``)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group, rec):
+        ctx.sizes, ctx.group = sizes, group
+        send = (x.shape[0],) * group.size
+        return _uneven(x.repeat(group.size, 1), send, sizes, group, rec, "forward")
+
+    @staticmethod
+    def backward(ctx, g):
+        start = sum(ctx.sizes[:ctx.group.rank])
+        return g.narrow(0, start, ctx.sizes[ctx.group.rank]), None, None, None
+
+
+class _SplitRows(torch.autograd.Function):
+    """This member's block of rows laid out member by member (``sizes``); backward gathers every member's."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group, rec):
+        ctx.sizes, ctx.group, ctx.rec = sizes, group, rec
+        return x.narrow(0, sum(sizes[:group.rank]), sizes[group.rank]).clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        send = (g.shape[0],) * ctx.group.size
+        return _uneven(g.contiguous().repeat(ctx.group.size, 1), send, ctx.sizes, ctx.group, ctx.rec,
+                       "backward"), None, None, None
+
+
+def gather_rows(x_RM: torch.Tensor, sizes: Sequence[int], group: Group, rec: Recorder) -> torch.Tensor:
+    """Uneven all-gather of rows over ``group`` (``sizes[j]``: member j's rows), member by member."""
+    return x_RM if group.size == 1 else _GatherRows.apply(x_RM, tuple(int(n) for n in sizes), group, rec)
+
+
+def split_rows(x_RM: torch.Tensor, sizes: Sequence[int], group: Group, rec: Recorder) -> torch.Tensor:
+    """This member's rows of a member-by-member layout; backward: the uneven all-gather of the gradient."""
+    return x_RM if group.size == 1 else _SplitRows.apply(x_RM, tuple(int(n) for n in sizes), group, rec)
 
 
 def exchange_counts(order: RouteOrder, group: Group, rec: Recorder):

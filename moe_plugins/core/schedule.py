@@ -81,6 +81,7 @@ class Schedule(ABC):
     # how the exchange moves the dispatched slots: "padded" (the whole (E, C, M) buffer) or "ragged" (occupied
     # slots only, core/ragged.py); a schedule offers the other through exchange_variant
     exchange_mode: ClassVar[str] = "padded"
+    ragged_chunks: ClassVar[bool] = True     # its ragged variant runs PipeMoE's capacity chunks
 
     @classmethod
     def exchange_variant(cls, exchange: str) -> Optional[Type["Schedule"]]:
@@ -189,13 +190,19 @@ def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any =
     """Why ``cls`` cannot run ``exchange`` at ``pipeline_degree`` (empty when it can), each naming the schedule."""
     if exchange not in EXCHANGES:
         return [f"exchange ({exchange!r}) must be one of {', '.join(map(repr, EXCHANGES))}"]
-    if cls.exchange_variant(exchange) is None:
+    variant = cls.exchange_variant(exchange)
+    if variant is None:
         return [f"exchange ({exchange!r}) is not supported by schedule {cls.name!r}, which runs the "
-                f"{cls.exchange_mode} exchange only; the ragged exchange runs with schedule 'baseline'"]
+                f"{cls.exchange_mode} exchange only; the ragged exchange runs with schedules 'baseline' and "
+                "'baseline-tp'"]
     fixed = isinstance(pipeline_degree, int) or (isinstance(pipeline_degree, str) and pipeline_degree.isdigit())
     if exchange == "ragged" and not fixed:
         return [f"exchange ('ragged') with pipeline_degree ({pipeline_degree!r}) is not supported: a degree chosen "
                 "per call from the dispatched rows could differ between ranks, whose rows differ; give an integer"]
+    if exchange == "ragged" and pipeline_degree not in (1, "1") and not variant.ragged_chunks:
+        return [f"exchange ('ragged') with schedule {cls.name!r} runs pipeline_degree 1, not {pipeline_degree!r} "
+                "(its MP slices are not cut into capacity chunks); use pipeline_degree 1, schedule 'baseline', or "
+                "the padded exchange"]
     return []
 
 
