@@ -132,15 +132,17 @@ def test_ledger_records_the_true_bytes(world):
     _check_pair(spec, padded, ragged)
 
 
-@pytest.mark.parametrize("mp,ep,esp", [(1, 4, 1), (1, 2, 2)])
-def test_one_host_read_per_call_the_split_sizes(world, mp, ep, esp):
+@pytest.mark.parametrize("schedule,mp,ep,esp", [("baseline", 1, 4, 1), ("baseline", 1, 2, 2),
+                                                 ("baseline-tp", 2, 2, 2)])
+def test_one_host_read_per_call_the_split_sizes(world, schedule, mp, ep, esp):
     """The ragged exchange's one host read (docs/architecture.md, "Host reads"): the counts, sent and received,
     read together to size the uneven all-to-all; nothing else in a steady-state step with capacity dropping."""
-    spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, tokens=16, exchange="ragged")
+    spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, tokens=16, exchange="ragged",
+                      schedule=schedule)
     for per_step in world(WORLD).run(reads_per_step, spec, 4, timeout_s=300):
         for step in per_step[1:]:
             (where,) = step
-            assert step[where] == 1 and where.startswith("tolist at baseline.py") and "prepare" in where, step
+            assert step[where] == 1 and where.startswith("tolist at baseline") and "prepare" in where, step
 
 
 def test_pipemoe_chunks(world):
