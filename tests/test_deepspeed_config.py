@@ -21,7 +21,8 @@ def test_defaults_and_round_trip():
     cfg = PluginConfig.from_dict({})
     assert cfg == PluginConfig() and cfg.enabled and cfg.schedule == "baseline" and cfg.pipeline_degree == 1
     full = {"enabled": True, "schedule": "baseline-tp", "pipeline_degree": "auto", "esp": 2, "ranks_per_node": 8,
-            "lina": {"priority": True, "micro_op_mb": 0.5, "packing": 1}, "fssdp": False, "overlap": False}
+            "exchange": "ragged", "lina": {"priority": True, "micro_op_mb": 0.5, "packing": 1}, "fssdp": False,
+            "overlap": False}
     assert PluginConfig.from_dict(full, **default_registry().config_choices()).to_dict() == full
 
 

@@ -69,13 +69,13 @@ def arm(point: str, nth: int, out: Path) -> None:
         return
     op_of = CommEngine._op
 
-    def _op(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane):
+    def _op(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane, *rest):
         wanted = {"forward": op == "all_to_all" and phase == "forward" and lane == "main",
                   "backward": op == "all_to_all" and phase == "backward" and lane == "main",
                   "pipemoe": lane == "pipeline", "lina": lane == "background"}[point]
         if wanted and hit():
             stop_here(out)
-        return op_of(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane)
+        return op_of(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane, *rest)
     CommEngine._op = _op
 
 
