@@ -60,6 +60,17 @@ def test_expert_rows_matches_a_per_expert_regroup(recv_PL, multiple):
     assert torch.equal(grouped.reshape(-1)[torch.tensor(back, dtype=torch.long)], buffer_Q)
 
 
+def _padded(x_NSM, routings, experts):
+    """The padded (E, N, C, M) dispatch of every block and the mask of its occupied slots."""
+    slots, blocks = max(r.capacity for r in routings), len(routings)
+    d_ENCM = torch.stack([dispatch(x_NSM[i], r, experts, slots) for i, r in enumerate(routings)], 1)
+    occupied_ENC = torch.zeros(experts, blocks, slots, dtype=torch.bool)
+    for i, r in enumerate(routings):
+        kept = r.slot_SK >= 0
+        occupied_ENC[r.expert_SK[kept], i, r.slot_SK[kept]] = True
+    return d_ENCM, occupied_ENC
+
+
 def _routings(seed: int, blocks: int, tokens: int, experts: int, k: int, drop: bool, skew: float):
     gen = torch.Generator().manual_seed(seed)
     wg_EM = torch.randn(experts, 6, generator=gen, dtype=torch.float64)
@@ -80,12 +91,8 @@ def test_route_order_sends_exactly_the_padded_buffers_occupied_slots(seed, block
     combine, bitwise, dropped routes included."""
     k = min(k, experts)
     x_NSM, routings = _routings(seed, blocks, tokens, experts, k, drop, skew)
-    slots = max(r.capacity for r in routings)
-    d_ENCM = torch.stack([dispatch(x_NSM[i], r, experts, slots) for i, r in enumerate(routings)], 1)
-    occupied_ENC = torch.zeros(experts, blocks, slots, dtype=torch.bool)
-    for i, r in enumerate(routings):
-        kept = r.slot_SK >= 0
-        occupied_ENC[r.expert_SK[kept], i, r.slot_SK[kept]] = True
+    d_ENCM, occupied_ENC = _padded(x_NSM, routings, experts)
+    slots = d_ENCM.shape[2]
     order = route_order(routings, experts)
     kept = int(order.counts_EN.sum())
     rows_RM = x_NSM.reshape(-1, 6)[order.token_X[:kept]]
@@ -109,12 +116,8 @@ def test_chunk_plans_cut_the_padded_capacity_chunks(seed, blocks, tokens, k, dro
     experts each), and the chunks together send every row once."""
     experts, members = 4, 2
     x_NSM, routings = _routings(seed, blocks, tokens, experts, k, drop, skew)
-    slots = max(r.capacity for r in routings)
-    d_ENCM = torch.stack([dispatch(x_NSM[i], r, experts, slots) for i, r in enumerate(routings)], 1)
-    occupied_ENC = torch.zeros(experts, blocks, slots, dtype=torch.bool)
-    for i, r in enumerate(routings):
-        kept = r.slot_SK >= 0
-        occupied_ENC[r.expert_SK[kept], i, r.slot_SK[kept]] = True
+    d_ENCM, occupied_ENC = _padded(x_NSM, routings, experts)
+    slots = d_ENCM.shape[2]
     order = route_order(routings, experts)
     assert torch.equal(order.top_EN, order.counts_EN)                # kept slots are 0..n-1
     mine = order.counts_EN.tolist()
