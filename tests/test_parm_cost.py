@@ -86,6 +86,16 @@ def test_size_one_groups_issue_nothing():
     assert choose_schedule(no_mp, COSTS).s2_form == "sequential"
 
 
+def test_no_mp_runs_s2_without_the_host_read_of_c_l():
+    """N_MP = 1: S1 is priced cheaper (balanced routing's C_l) but would read C_l on the host every call;
+    S2 runs (GPU check, benchmarks/results/gpu-h200.md: parm-auto picked S1 on one GPU, one sync a step)."""
+    no_mp = ParmShape(**{**SHAPE.__dict__, "mp": 1})
+    assert t_s1(no_mp, COSTS) < t_s2(no_mp, COSTS, saa=False)
+    assert choose_schedule(no_mp, COSTS, tp=False).choice == "parm-s2"
+    alone = ParmShape(B=1, L=8192, M=768, H=3072, E=16, k=2, f=1.0, mp=1, ep=1, esp=1)
+    assert choose_schedule(alone, COSTS, tp=False).choice == "parm-s2"
+
+
 def test_times_by_hand():
     s = sizes(SHAPE)
     a2a, a2a_s1 = 1e-4 + 2e-9 * s.y / 2, 1e-4 + 2e-9 * 8 * 256 * 1024 * 2     # C_l = 2 d = 256 (f = 1.2)
@@ -149,7 +159,9 @@ def test_choice_is_argmin_and_eq_6_holds(B, L, M, k, f, degrees, alpha, beta_a2a
                       ag_esp=AlphaBeta(alpha=alpha, beta=beta_ag), ar_esp=AlphaBeta(alpha=alpha, beta=2 * beta_ag))
     c = choose_schedule(shape, costs, saa=False, tp=False)
     assert c.t_tp is None
-    if abs(c.t_s1 - c.t_s2) > NEAR_TIE * min(c.t_s1, c.t_s2):
+    if mp == 1:                         # no TP to pause: S2, never S1's per-call host read of C_l
+        assert c.choice == "parm-s2"
+    elif abs(c.t_s1 - c.t_s2) > NEAR_TIE * min(c.t_s1, c.t_s2):
         assert c.choice == ("parm-s1" if c.t_s1 < c.t_s2 else "parm-s2")
     else:                               # a near-tie: the schedule sending fewer all-to-all elements (S1 if equal)
         sent = {s: op_volumes(schedule_ops(s, shape)).get("all_to_all@ep_esp", (0, 0.0))[1]
@@ -280,8 +292,8 @@ def test_s2_runs_with_saa_only_where_the_model_says_it_pays():
 
 def test_near_ties_go_to_fewer_all_to_all_elements():
     """A flat measured all-to-all (noise pooled 256 KiB and 512 KiB into one level) prices S1, which sends
-    twice S2's elements at f = 0.25, the same as S2: the tie goes to S2. Outside the 2% band, price decides;
-    equal elements (N_MP = 1) keep the paper's rule, S1."""
+    twice S2's elements at f = 0.25, the same as S2: the tie goes to S2. Outside the 2% band, price decides.
+    At N_MP = 1 S2 runs whatever the prices (test_no_mp_runs_s2_without_the_host_read_of_c_l)."""
     shape = ParmShape(B=1, L=512, M=256, H=512, E=8, k=2, f=0.25, mp=2, ep=2, esp=2)
     flat, gather = AlphaBeta(alpha=4.5e-3, beta=0.0), AlphaBeta(alpha=3.5e-3, beta=0.0)
     tie = choose_schedule(shape, ParmCosts(a2a_ep_esp=flat, ag_mp=gather))
@@ -295,4 +307,4 @@ def test_near_ties_go_to_fewer_all_to_all_elements():
     apart = choose_schedule(f2, costs, c_l=140)
     assert apart.t_s1 < (1 - NEAR_TIE) * apart.t_s2 and apart.choice == "parm-s1"
     flat_mp1 = ParmShape(**{**shape.__dict__, "mp": 1})
-    assert choose_schedule(flat_mp1, ParmCosts(a2a_ep_esp=flat, ag_mp=gather)).choice == "parm-s1"
+    assert choose_schedule(flat_mp1, ParmCosts(a2a_ep_esp=flat, ag_mp=gather)).choice == "parm-s2"

@@ -287,7 +287,12 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
     DeepSpeed's own flow (``baseline-tp``, :func:`t_baseline_tp`) is a third candidate where ``tp`` is set,
     it can run on the shape and the costs price it: it is chosen when it costs no more than
     (1 + :data:`NEAR_TIE`) times Algorithm 1's pick. A near-tie goes to it, since a price that cannot
-    separate the two says nothing, and the host's own flow is never slower than the host."""
+    separate the two says nothing, and the host's own flow is never slower than the host.
+
+    With N_MP = 1 there is no tensor parallelism to pause, and S1 differs from S2 only in trimming its
+    buffer to C_l: a gain priced on balanced routing that real routing does not give (the observation that
+    corrects it needs MP peers), paid for with a host read of C_l every call (a synchronisation on a GPU).
+    So S2 (DeepSpeed's padded flow there, no host read) is Algorithm 1's pick at N_MP = 1."""
     costs.check()
     s = sizes(shape, T)
     d1 = t_s1(shape, costs, T, c_l=c_l)
@@ -297,7 +302,9 @@ def choose_schedule(shape: ParmShape, costs: ParmCosts, T: Optional[float] = Non
         overlapped = t_s2(shape, costs, T, saa=True)
         if overlapped <= d2:
             form, d2 = "saa", overlapped
-    if abs(d1 - d2) <= NEAR_TIE * min(d1, d2):
+    if shape.mp == 1:
+        pick = SCHEDULE_S2
+    elif abs(d1 - d2) <= NEAR_TIE * min(d1, d2):
         pick = SCHEDULE_S1 if _a2a_elements(shape, T, c_l, SCHEDULE_S1) <= _a2a_elements(shape, T, c_l, SCHEDULE_S2) \
             else SCHEDULE_S2
     else:
