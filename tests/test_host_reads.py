@@ -43,3 +43,12 @@ def test_dropless_reads_only_the_agreed_capacity(world):
     for per_step in world(4).run(reads_per_step, _spec("baseline", 1, drop=False), STEPS, timeout_s=300):
         for step in per_step[1:]:
             assert sum(step.values()) == 2 and all("router.py" in w for w in step), step
+
+
+def test_parm_auto_without_mp_runs_s2_and_reads_nothing(world):
+    """At N_MP = 1 parm-auto once picked S1 (its buffer priced on balanced routing) and read C_l every call;
+    on one H200 that was one synchronisation per step (benchmarks/results/gpu-h200.md)."""
+    spec = VerifySpec(world=4, ranks_per_node=2, mp=1, ep=4, esp=1, k=2, tokens=16, schedule="parm-auto",
+                      pipeline_degree=1, drop=True)
+    for per_step in world(4).run(reads_per_step, spec, STEPS, timeout_s=300):
+        assert per_step[1:] == [{}] * (STEPS - 1), per_step
