@@ -137,13 +137,15 @@ class CommEngine:
 
     def issue(self, op: str, group: Group, x: torch.Tensor, *, priority: str = URGENT, lane: Optional[str] = None,
               reduce: str = "sum", layer: str = "", phase: str = "forward",
-              ledger: Optional[CommLedger] = None, yields: bool = True, splits: Splits = None) -> Handle:
+              ledger: Optional[CommLedger] = None, yields: bool = True, splits: Splits = None,
+              record_as: Optional[str] = None) -> Handle:
         """Issue ``op`` of ``x`` on ``group`` (a group of the layout; a lane maps it to its twin). Urgent ops
         without ``lane`` run inline before this returns; others are queued on their lane. ``yields=False``: a
         background op that starts in its FIFO turn even while urgent ops run (a no-priority reference).
-        ``splits``: an uneven all_to_all's (send, receive) rows per member (:data:`~moe_plugins.core.ops.Splits`)."""
+        ``splits``: an uneven all_to_all's (send, receive) rows per member (:data:`~moe_plugins.core.ops.Splits`).
+        ``record_as``: the op's name in the ledger and timeline (Hecate's ``spag``/``sprs``), if not ``op``'s."""
         check_op(op, group, x, priority, reduce, splits)
-        name = "all_reduce_max" if op == "all_reduce" and reduce == "max" else op
+        name = record_as or ("all_reduce_max" if op == "all_reduce" and reduce == "max" else op)
         what = f"{name}@{group.kind} ({priority}, layer {layer!r}, {phase})"
         here = getattr(self._local, "lane", None)
         target = self._target(priority, lane, here)
