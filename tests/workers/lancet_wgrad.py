@@ -1,0 +1,108 @@
+"""Jobs for tests/test_lancet_wgrad.py, run on pool ranks: a small model (Linear -> the core's expert FFN ->
+Linear head) trained through ``deepspeed.initialize`` with ZeRO stage 2, stock and with Lancet's deferred weight
+gradients (the expert FFN through ``deferred_partial_ffn``, both Linears wrapped by ``dense_wgrad``).
+
+Shapes: B batch, L sequence, M model dim, H FFN hidden, E experts, N rows per expert (B * L / E).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_plugins.core.experts import ExpertWeights, init_full_weights, partial_ffn
+from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.lancet import WgradQueue, deferred_partial_ffn, dense_wgrad
+from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
+
+M, H, E, B, L = 8, 16, 4, 2, 8
+
+
+class ExpertStack(nn.Module):
+    """Linear -> expert FFN on E row groups (+ b2, residual) -> Linear head; MSE loss. ``queue`` set: the
+    experts' weight gradients are deferred to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(M, M), nn.Linear(M, 1)
+        w = init_full_weights(E, M, H, torch.Generator().manual_seed(5))
+        self.w1_EMH, self.b1_EH = nn.Parameter(w.w1_EMH), nn.Parameter(w.b1_EH)
+        self.w2_EHM, self.b2_EM = nn.Parameter(w.w2_EHM), nn.Parameter(w.b2_EM)
+        self.queue: Optional[WgradQueue] = None
+
+    def forward(self, x_BLM: torch.Tensor, t_BL1: torch.Tensor) -> torch.Tensor:
+        h_BLM = self.inp(x_BLM)
+        x_ENM = h_BLM.reshape(E, -1, M)
+        w = ExpertWeights(self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM)
+        y_ENM = partial_ffn(x_ENM, w, "gelu") if self.queue is None else \
+            deferred_partial_ffn(x_ENM, w, "gelu", self.queue)
+        m_BLM = (y_ENM + self.b2_EM.unsqueeze(1)).reshape(B, L, M)
+        return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1)
+
+
+def ds_config() -> Dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+            "zero_optimization": {"stage": 2}}
+
+
+def batch(step: int):
+    gen = torch.Generator().manual_seed(step * 104729 + dist.get_rank())
+    x = torch.randn(B, L, M, generator=gen)
+    return x, torch.sin(x.sum(-1, keepdim=True))
+
+
+def _reduced_grads(engine) -> List[torch.Tensor]:
+    """This rank's partition of the reduced gradients, as ZeRO-2 hands it to the optimizer."""
+    out = []
+    for i in sorted(engine.optimizer.averaged_gradients):
+        g = engine.optimizer.averaged_gradients[i]
+        out += [t.detach().reshape(-1).clone() for t in (g if isinstance(g, (list, tuple)) else [g])]
+    return out
+
+
+def train(deferred: bool, steps: int) -> Dict[str, Any]:
+    """One fresh ZeRO-2 engine; counts each call of the optimizer's per-parameter reduction hook
+    (``process_gradients``, what ZeRO-2's post-accumulate-grad hook calls) per step."""
+    import deepspeed
+    torch.manual_seed(0)
+    model = ExpertStack()
+    queue = WgradQueue()
+    names = {id(p): n for n, p in model.named_parameters()}
+    losses, grads, hook_calls = [], [], []
+    with ExitStack() as stack:
+        stack.enter_context(deepspeed_groups(None))
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+        optimizer = engine.optimizer
+        original = optimizer.process_gradients
+        calls: Dict[str, int] = {}
+
+        def counted(param, i):
+            calls[names[id(param)]] = calls.get(names[id(param)], 0) + 1
+            return original(param, i)
+
+        stack.enter_context(Patcher([Patch(optimizer, "process_gradients", counted)]))
+        if deferred:
+            model.queue = queue
+            stack.enter_context(dense_wgrad(queue, {"inp": model.inp, "head": model.head}))
+        for step in range(steps):
+            calls.clear()
+            loss = engine(*batch(step))
+            engine.backward(loss)
+            grads.append(_reduced_grads(engine))
+            hook_calls.append(dict(sorted(calls.items())))
+            engine.step()
+            losses.append(float(loss.detach()))
+        engine.destroy()
+    return {"losses": losses, "grads": grads, "hook_calls": hook_calls, "deferred_items": queue.items_run,
+            "queue_empty": queue.empty()}
+
+
+def train_pair(steps: int):
+    init_deepspeed_comm()
+    return train(False, steps), train(True, steps)
