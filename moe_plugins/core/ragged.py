@@ -183,8 +183,11 @@ def combine_rows(r_QM: torch.Tensor, pos_SK: torch.Tensor, routing: Routing) -> 
 
 # ---- the exchange ----------------------------------------------------------------------------------------
 
-def _uneven(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
-            phase: str) -> torch.Tensor:
+def uneven_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
+                      phase: str = "forward") -> torch.Tensor:
+    """One uneven ``all_to_all_single`` along dim 0 (no autograd): ``send[j]`` rows to member j, ``recv[j]`` from
+    it, an urgent op of the layer's engine recorded in its ledger with the true bytes; a failure is a
+    ``CommError`` naming the layer and schedule. A group of one returns a copy."""
     out = rec.engine.issue("all_to_all", group, x, layer=rec.layer, phase=phase, ledger=rec.ledger,
                            splits=(tuple(send), tuple(recv)))
     try:
@@ -197,11 +200,11 @@ class _RaggedAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send, recv, group, rec):
         ctx.send, ctx.recv, ctx.group, ctx.rec = send, recv, group, rec
-        return _uneven(x, send, recv, group, rec, "forward")
+        return uneven_all_to_all(x, send, recv, group, rec, "forward")
 
     @staticmethod
     def backward(ctx, g):
-        return _uneven(g.contiguous(), ctx.recv, ctx.send, ctx.group, ctx.rec, "backward"), None, None, None, None
+        return uneven_all_to_all(g.contiguous(), ctx.recv, ctx.send, ctx.group, ctx.rec, "backward"), None, None, None, None
 
 
 def ragged_all_to_all(x_RM: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group,
@@ -222,7 +225,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x, sizes, group, rec):
         ctx.sizes, ctx.group = sizes, group
         send = (x.shape[0],) * group.size
-        return _uneven(x.repeat(group.size, 1), send, sizes, group, rec, "forward")
+        return uneven_all_to_all(x.repeat(group.size, 1), send, sizes, group, rec, "forward")
 
     @staticmethod
     def backward(ctx, g):
@@ -241,7 +244,7 @@ class _SplitRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         send = (g.shape[0],) * ctx.group.size
-        return _uneven(g.contiguous().repeat(ctx.group.size, 1), send, ctx.sizes, ctx.group, ctx.rec,
+        return uneven_all_to_all(g.contiguous().repeat(ctx.group.size, 1), send, ctx.sizes, ctx.group, ctx.rec,
                        "backward"), None, None, None
 
 

@@ -13,28 +13,26 @@ replicas. Only kept routes travel (the stock layer sends the whole padded buffer
 so where a row is computed does not change its value: placement moves work, never results.
 
 gloo has no list-form all_to_all; ``all_to_all_single`` with split sizes is uneven on gloo, NCCL and MPI. Both
-exchanges are urgent work of the layer's communication engine (:meth:`CommEngine.hold` while they run, as Parm's
-SAA), recorded in its ledger as ``all_to_all@ep``; a failure is a ``CommError`` naming the layer and the op.
+exchanges are the core's :func:`~moe_plugins.core.ragged.uneven_all_to_all`: urgent ops of the layer's
+communication engine, recorded in its ledger as ``all_to_all@ep`` with their true bytes; a failure is a
+``CommError`` naming the layer.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.dispatch import combine
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group
-from moe_plugins.core.ops import now_ns
+from moe_plugins.core.ragged import uneven_all_to_all
 from moe_plugins.lina.placement import Placement, Splits
 
-logger = logging.getLogger("moe_plugins.lina")
 
 Compute = Callable[[int, torch.Tensor], torch.Tensor]     # (expert, x_nM) -> y_nM, on this device
 
@@ -90,29 +88,6 @@ def receive_segments(splits: Splits, device: int) -> List[Tuple[int, int, int]]:
     return segments
 
 
-def uneven_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
-                      what: str) -> torch.Tensor:
-    """``all_to_all_single`` of ``x`` along dim 0, ``send[j]`` rows to group member j and ``recv[j]`` from it, as
-    an urgent op of the layer's engine, recorded in its ledger (the elements sent; the inter-node share taken as
-    an even all-to-all's, the group knowing how many peers are remote but not which). A group of one copies."""
-    shape = (sum(recv),) + tuple(x.shape[1:])
-    if group.pg is None:
-        return x.clone().view(shape)
-    out = x.new_empty(shape)
-    start = now_ns()
-    with rec.engine.hold():
-        try:
-            dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send),
-                                   group=group.pg)
-        except RuntimeError as exc:                 # gloo/NCCL: a peer gone (the group's timeout, a closed link)
-            error = rec.failed(f"{what} (uneven all_to_all@{group.kind}) failed: {exc}")
-            logger.error("moe_plugins: %s", error)
-            raise error from exc
-    remote = group.remote_peers * x.numel() / group.size
-    rec.record("all_to_all", group, x.numel(), x.element_size(), remote, "forward", start_ns=start)
-    return out
-
-
 def replica_exchange(x_SM: torch.Tensor, routing: Routing, kept: KeptRoutes, placement: Placement, splits: Splits,
                      group: Group, rec: Recorder, compute: Compute) -> Tuple[torch.Tensor, float]:
     """The layer's output for this rank's tokens, each kept route computed on the replica ``splits`` gives it;
@@ -122,7 +97,7 @@ def replica_exchange(x_SM: torch.Tensor, routing: Routing, kept: KeptRoutes, pla
     send_rows = x_SM.index_select(0, kept.token_R.index_select(0, order))
     recv_sizes = [splits.send_RD[r][me] for r in range(len(splits.send_RD))]
     t0 = time.perf_counter()
-    got_RM = uneven_all_to_all(send_rows, splits.send_RD[me], recv_sizes, group, rec, "lina dispatch")
+    got_RM = uneven_all_to_all(send_rows, splits.send_RD[me], recv_sizes, group, rec)
     ms = (time.perf_counter() - t0) * 1e3
     out_RM = torch.empty_like(got_RM)
     by_expert: dict = {}
@@ -133,7 +108,7 @@ def replica_exchange(x_SM: torch.Tensor, routing: Routing, kept: KeptRoutes, pla
         if rows.numel():
             out_RM.index_copy_(0, rows, compute(expert, got_RM.index_select(0, rows)).to(out_RM.dtype))
     t1 = time.perf_counter()
-    back_RM = uneven_all_to_all(out_RM, recv_sizes, splits.send_RD[me], group, rec, "lina combine")
+    back_RM = uneven_all_to_all(out_RM, recv_sizes, splits.send_RD[me], group, rec)
     ms += (time.perf_counter() - t1) * 1e3
     y_flat = x_SM.new_zeros((num_experts * routing.capacity, x_SM.shape[1]))
     y_flat.index_copy_(0, kept.flat_R.index_select(0, order), back_RM)

@@ -33,7 +33,7 @@ from torch.func import functional_call
 
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.groups import Group
-from moe_plugins.lina.exchange import uneven_all_to_all
+from moe_plugins.core.ragged import uneven_all_to_all
 from moe_plugins.lina.placement import Placement
 
 
@@ -127,7 +127,7 @@ class ExpertStore:
             x_W = torch.cat(flats) if flats else self._empty()
             recv = [[e for e in fetch[me] if self.home(e) == src] for src in range(self.group.size)]
             got_W = uneven_all_to_all(x_W, [len(s) * self.numel for s in send], [len(r) * self.numel for r in recv],
-                                      self.group, self.rec, "lina expert weights")
+                                      self.group, self.rec)
             received = [e for src in range(self.group.size) for e in recv[src]]
             for i, expert in enumerate(received):
                 self.replicas[expert] = self._views(got_W[i * self.numel:(i + 1) * self.numel])
