@@ -141,12 +141,10 @@ def test_place_copies_goes_to_other_nodes_first():
     free = [1, 1, 1, 1]
     # expert held on rank 0 (node 0): the first copy goes to node 1 (no copy there; ranks 2 and 3 equal: the
     # lower); then each node holds one and has one free slot: the lower node, rank 1
-    assert place_copies([0], 2, free, NODES_4) == (1, 2)
-    assert free == [1, 0, 0, 1]
+    assert place_copies([0], 2, free, NODES_4) == ((1, 2), (1, 0, 0, 1))
+    assert free == [1, 1, 1, 1]                                            # the caller's list is left alone
     # nodes tied in copies: the one with more free slots wins
-    free = [0, 1, 0, 3]
-    assert place_copies([0, 2], 1, free, NODES_4) == (3,)
-    assert free == [0, 1, 0, 2]
+    assert place_copies([0, 2], 1, [0, 1, 0, 3], NODES_4) == ((3,), (0, 1, 0, 2))
 
 
 @settings(max_examples=100, deadline=None)
@@ -155,16 +153,17 @@ def test_place_copies_spreads_over_nodes_when_slots_allow(topology, count, data)
     ranks, rpn = topology
     nodes = rank_nodes(ranks, rpn)
     home = data.draw(st.integers(0, ranks - 1))
-    added = place_copies([home], count, [count + 1] * ranks, nodes)
+    added, _ = place_copies([home], count, [count + 1] * ranks, nodes)
     assert len(added) == min(count, ranks - 1) and home not in added
     per_node = [sum(nodes[r] == n for r in (home,) + added) for n in range(ranks // rpn)]
     assert max(per_node) - min(per_node) <= 1
 
 
 def test_place_copies_drops_what_no_rank_can_hold():
-    free = [1, 0, 0, 0]
-    assert place_copies([1], 3, free, NODES_4) == (0,)
-    assert place_copies([1], 3, [5, 5, 5, 5], NODES_4) == (0, 2, 3)
+    assert place_copies([1], 3, [1, 0, 0, 0], NODES_4) == ((0,), (0, 0, 0, 0))
+    assert place_copies([1], 3, [5, 5, 5, 5], NODES_4) == ((0, 2, 3), (4, 5, 4, 4))
+    with pytest.raises(ValueError, match=r"free_R \(\[1, 1\]\) must be 4 counts >= 0"):
+        place_copies([1], 1, [1, 1], NODES_4)
 
 
 def test_plan_hand_worked_both_branches():

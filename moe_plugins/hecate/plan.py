@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -181,12 +181,16 @@ def assign_slots(load_E: Sequence[float], slots: int, caps_E: Sequence[int]) -> 
     return tuple(extra)
 
 
-def place_copies(copies: Sequence[int], count: int, free_R: List[int], nodes_R: Sequence[int]) -> Tuple[int, ...]:
+def place_copies(copies: Sequence[int], count: int, free_R: Sequence[int],
+                 nodes_R: Sequence[int]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Up to ``count`` new ranks for one expert held on ``copies``, node-first: each goes to a node holding
     the fewest copies of it (then the node with the most free slots, then the lower node), on that node's rank
-    with the most free slots (then the lower rank). ``free_R`` (slots left per rank) is decremented in place.
-    A copy with no rank left to hold it is not placed."""
-    held, added = set(copies), []
+    with the most free slots (then the lower rank). ``free_R``: slots left per rank. A copy with no rank left
+    to hold it is not placed. Returns (the new ranks, sorted; the slots left per rank after them)."""
+    if len(free_R) != len(nodes_R) or any(n < 0 for n in free_R) or count < 0:
+        raise ValueError(f"place_copies: free_R ({list(free_R)}) must be {len(nodes_R)} counts >= 0 and count "
+                         f"({count}) >= 0")
+    held, added, free_R = set(copies), [], list(free_R)
     for _ in range(count):
         open_R = [r for r in range(len(nodes_R)) if r not in held and free_R[r] > 0]
         if not open_R:
@@ -202,7 +206,7 @@ def place_copies(copies: Sequence[int], count: int, free_R: List[int], nodes_R: 
         held.add(rank)
         added.append(rank)
         free_R[rank] -= 1
-    return tuple(sorted(added))
+    return tuple(sorted(added)), tuple(free_R)
 
 
 def top_experts(load_E: Sequence[float], t: int) -> Tuple[int, ...]:
@@ -223,16 +227,18 @@ def plan_placement(load_E: Sequence[float], homes_E: Sequence[int], nodes_R: Seq
         for e in top:
             copies_E[e] = set(range(ranks))
     else:
-        free_R = [budget.m] * ranks
+        free_R: Tuple[int, ...] = (budget.m,) * ranks
         extra = assign_slots([load_E[e] for e in top], ranks * budget.m, [ranks - 1] * len(top))
         for e, n in zip(top, extra):
-            copies_E[e].update(place_copies(sorted(copies_E[e]), n, free_R, nodes_R))
+            added, free_R = place_copies(sorted(copies_E[e]), n, free_R, nodes_R)
+            copies_E[e].update(added)
     return Placement(copies_E=tuple(tuple(sorted(c)) for c in copies_E), nodes_R=tuple(nodes_R))
 
 
 # ---- 4. dispatch -----------------------------------------------------------------------------------------
 
-def split_routes(routes: int, source: int, copies: Sequence[int], nodes_R: Sequence[int]) -> Tuple[Tuple[int, int], ...]:
+def split_routes(routes: int, source: int, copies: Sequence[int],
+                 nodes_R: Sequence[int]) -> Tuple[Tuple[int, int], ...]:
     """(rank, routes) for each copy that gets some of ``routes`` routes from ``source`` to one expert held on
     ``copies``: all to ``source``'s own copy; else evenly over the copies on its node; else evenly over all.
     ``routes % n`` copies get one more, starting at copy ``source % n`` (so sources spread the remainders)."""
