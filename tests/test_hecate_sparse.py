@@ -211,5 +211,7 @@ def test_bad_input_is_refused_with_the_numbers():
         ShardSpec(numel=5, sizes_ER=((2, 2),))
     with pytest.raises(ValueError, match=r"placement has 3 experts, shards 2"):
         sparse_exchange(Placement(copies_E=((0,),) * 3, nodes_R=(0,)), even_shards(4, 2, 1), 0)
+    with pytest.raises(ValueError, match=r"rank \(2\) must lie in \[0, 1\)"):
+        sparse_bytes(Placement(copies_E=((0,),), nodes_R=(0,)), even_shards(4, 1, 1), 2, 8)
     with pytest.raises(ValueError, match=r"homes_E \(\[0, 4\]\) must be ranks in \[0, 4\)"):
         whole_shards(3, [0, 4], 4)

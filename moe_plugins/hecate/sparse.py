@@ -179,6 +179,7 @@ class SparseBytes:
 def sparse_bytes(placement: Placement, shards: ShardSpec, rank: int, elsize: int) -> SparseBytes:
     """``rank``'s spAG bytes (the ledger's ``spag`` record; its ``sprs`` record sends ``received``): every shard
     of an expert copied on another rank, and every shard of its copies owned by another rank."""
+    sparse_exchange(placement, shards, rank)                 # the same checks of placement, shards and rank
     nodes, sent, received, sent_x, received_x = placement.nodes_R, 0, 0, 0, 0
     for e, copies in enumerate(placement.copies_E):
         for dst in copies:
