@@ -284,12 +284,28 @@ def test_bad_input_is_refused_with_clear_errors():
         deferred_partial_ffn(torch.zeros(E, N, M), _weights(_expert_params()), "tanh", queue)
 
 
-def test_deepspeed_zero2_two_ranks_equal_stock(world):
+@pytest.mark.parametrize("gas", [1, 2])
+def test_deepspeed_zero2_two_ranks_equal_stock(world, gas):
+    """3 optimizer steps of ``gas`` micro-steps, ZeRO-2 on 2 gloo ranks (fp32: DeepSpeed on CPU reduces fp32):
+    losses and this rank's reduced gradient partition equal stock's, and ZeRO-2's reduction hook runs once per
+    parameter and micro-step, as in stock. The experts' and both Linears' dW were deferred and flushed."""
     pytest.importorskip("deepspeed")
-    stock, ours = world(2).run(jobs.train_pair, 3)[0]
-    assert len(stock["losses"]) == len(ours["losses"]) == 3
+    stock, ours = world(2).run(jobs.train_pair, 3, gas)[0]
+    assert len(stock["losses"]) == len(ours["losses"]) == 3 * gas and len(ours["grads"]) == 3
     assert max(abs(a - b) for a, b in zip(stock["losses"], ours["losses"])) <= 1e-6, (stock["losses"], ours["losses"])
     for a, b in zip(stock["grads"], ours["grads"]):
         assert max(_max_err(x, y) for x, y in zip(a, b)) <= 1e-6
-    assert stock["hook_calls"] == ours["hook_calls"] and stock["hook_calls"], (stock["hook_calls"], ours["hook_calls"])
-    assert ours["deferred_items"] > 0 and ours["queue_empty"]
+    assert stock["hook_calls"] == ours["hook_calls"], (stock["hook_calls"], ours["hook_calls"])
+    assert [set(c.values()) for c in ours["hook_calls"]] == [{1}] * 3 * gas and len(ours["hook_calls"][0]) == 8
+    assert ours["deferred_items"] == 3 * gas * 4 and ours["queue_empty"]    # w1, w2, inp, head per micro-step
+
+
+def test_run_while_overlaps_an_engine_exchange_on_two_ranks(world):
+    """The integration's call pattern with a real engine Handle: a backward issues an all-to-all on the pipeline
+    lane and runs the queue until it completes. Rank 1 issues 0.3 s late, so on rank 0 the exchange is in flight
+    and the head's dW runs under it; the exchange's result and the gradients are stock's."""
+    results = world(2).run(jobs.run_while_exchange, 0.3)
+    for rank, out in enumerate(results):
+        assert out["exchanged"] == [float(rank), 10.0 + rank]
+        assert out["max_err"] <= TOL and out["queue_empty"]
+    assert results[0]["in_flight_before"] and results[0]["ran"] == ["head"]

@@ -45,8 +45,8 @@ class ExpertStack(nn.Module):
         return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1)
 
 
-def ds_config() -> Dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+def ds_config(gas: int) -> Dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
             "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": 2}}
 
@@ -66,9 +66,9 @@ def _reduced_grads(engine) -> List[torch.Tensor]:
     return out
 
 
-def train(deferred: bool, steps: int) -> Dict[str, Any]:
-    """One fresh ZeRO-2 engine; counts each call of the optimizer's per-parameter reduction hook
-    (``process_gradients``, what ZeRO-2's post-accumulate-grad hook calls) per step."""
+def train(deferred: bool, steps: int, gas: int) -> Dict[str, Any]:
+    """One fresh ZeRO-2 engine, ``gas`` micro-steps per step; counts each call of the optimizer's per-parameter
+    reduction hook (``process_gradients``, what ZeRO-2's post-accumulate-grad hook calls) per micro-step."""
     import deepspeed
     torch.manual_seed(0)
     model = ExpertStack()
@@ -77,7 +77,7 @@ def train(deferred: bool, steps: int) -> Dict[str, Any]:
     losses, grads, hook_calls = [], [], []
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(gas))
         optimizer = engine.optimizer
         original = optimizer.process_gradients
         calls: Dict[str, int] = {}
@@ -90,11 +90,13 @@ def train(deferred: bool, steps: int) -> Dict[str, Any]:
         if deferred:
             model.queue = queue
             stack.enter_context(dense_wgrad(queue, {"inp": model.inp, "head": model.head}))
-        for step in range(steps):
+        for micro in range(steps * gas):
             calls.clear()
-            loss = engine(*batch(step))
+            loss = engine(*batch(micro))
+            boundary = engine.is_gradient_accumulation_boundary()
             engine.backward(loss)
-            grads.append(_reduced_grads(engine))
+            if boundary:
+                grads.append(_reduced_grads(engine))
             hook_calls.append(dict(sorted(calls.items())))
             engine.step()
             losses.append(float(loss.detach()))
@@ -103,6 +105,62 @@ def train(deferred: bool, steps: int) -> Dict[str, Any]:
             "queue_empty": queue.empty()}
 
 
-def train_pair(steps: int):
+def train_pair(steps: int, gas: int):
     init_deepspeed_comm()
-    return train(False, steps), train(True, steps)
+    return train(False, steps, gas), train(True, steps, gas)
+
+
+class _Exchange(torch.autograd.Function):
+    """Identity whose backward stands in for a layer's backward exchange: it issues an all-to-all on the
+    engine's pipeline lane, runs the queue while it is in flight (``run_while``), then waits."""
+
+    @staticmethod
+    def forward(ctx, x, hook):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return grad, None
+
+
+def run_while_exchange(delay_s: float) -> Dict[str, Any]:
+    """Linear -> exchange -> Linear head in fp64, stock and with both Linears' dW deferred; rank 1 issues the
+    exchange ``delay_s`` late, so on rank 0 it is in flight while ``run_while`` runs the head's dW."""
+    import time
+    from moe_plugins.core.engine import PIPELINE, build_engine
+    from moe_plugins.core.groups import process_groups
+    from moe_plugins.core.layout import ParallelLayout
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: Dict[str, Any] = {"ran": [], "exchanged": []}
+    with process_groups(ParallelLayout(world=world, ranks_per_node=1, ep=world)) as groups:
+        engine = build_engine(groups, pipeline=True, timeout_s=60)
+        try:
+            queue = WgradQueue()
+
+            def exchange():
+                if rank == 1:
+                    time.sleep(delay_s)
+                sent = torch.arange(world, dtype=torch.float64) + 10 * rank
+                handle = engine.issue("all_to_all", groups.ep, sent, lane=PIPELINE, phase="backward")
+                out["in_flight_before"] = not handle.done()
+                out["ran"] += queue.run_while(handle)
+                out["exchanged"] = handle.wait().tolist()
+
+            grads = {}
+            for deferred in (False, True):
+                torch.manual_seed(0)
+                inp, head = nn.Linear(M, H).double(), nn.Linear(H, 1).double()
+                x = torch.randn(B, M, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+                with ExitStack() as stack:
+                    if deferred:
+                        stack.enter_context(dense_wgrad(queue, {"inp": inp, "head": head}))
+                    hook = exchange if deferred else (lambda: None)
+                    head(_Exchange.apply(torch.tanh(inp(x)), hook)).square().sum().backward()
+                grads[deferred] = [p.grad.clone() for p in (*inp.parameters(), *head.parameters())]
+        finally:
+            engine.close()
+    out["max_err"] = max(float((a - b).abs().max()) for a, b in zip(grads[False], grads[True]))
+    out["queue_empty"] = queue.empty()
+    return out
