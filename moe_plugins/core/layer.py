@@ -126,6 +126,7 @@ class MoELayer(nn.Module):
             router=partial(route_tokens, wg_EM=self.wg_EM, config=self.config, groups=self.groups, rec=self.rec),
             experts=partial(sharded_experts, weights=self.expert_weights, activation=self.config.activation,
                             esp=self.groups.esp, rec=self.rec),
+            expert_weights=self.expert_weights,
             block_router=partial(route_token_block, wg_EM=self.wg_EM, config=self.config, groups=self.groups,
                                  rec=self.rec))
         y_SM, d = self.executor.run(self.schedule, x_SM, params)

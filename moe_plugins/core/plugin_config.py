@@ -16,7 +16,9 @@ Schema (documented for users in ``docs/config.md``)::
         "lina": null,               # Lina's gradient micro-ops behind the all-to-all: {"priority": true,
                                     # "micro_op_mb": "auto", "packing": 1} (a registered section; docs/lina.md)
         "fssdp": false,             # reserved (Hecate)
-        "overlap": false            # reserved (Lancet)
+        "overlap": false,           # reserved (Lancet)
+        "hecate": null              # Hecate's FSSDP: {"enabled": true, "extra_experts": "auto", ...} (a
+                                    # registered section; docs/hecate.md)
     }
 
 :meth:`PluginConfig.from_dict` reports every unknown key and every bad value in one ``ValueError`` that names
@@ -79,6 +81,7 @@ class PluginConfig:
     lina: Optional[Dict[str, Any]] = field(default=None, hash=False)    # validated by the lina package
     fssdp: bool = False
     overlap: bool = False
+    hecate: Optional[Dict[str, Any]] = field(default=None, hash=False)  # validated by the hecate package
 
     def __post_init__(self) -> None:
         problems = plugin_config_problems(asdict(self), SECTION)
@@ -106,6 +109,20 @@ class PluginConfig:
 # A registered sub-section (``Registry.add_section``): problems(value, path) -> every problem, each naming
 # path.key, the value and what is allowed.
 SectionCheck = Callable[[Any, str], List[str]]
+PAPER_SECTIONS = ("lina", "hecate")     # PluginConfig's sub-sections a paper registers a check for
+
+
+@dataclass(frozen=True)
+class SectionRules:
+    """A registered sub-section's checks when it also constrains the rest of the section (a callable
+    ``SectionCheck`` too): ``value(v, path)`` its own fields, ``across(section, path)`` how it fits the other keys
+    (e.g. the schedules it runs with), each problem naming the field and its value."""
+
+    value: SectionCheck
+    across: Optional[Callable[[Mapping[str, Any], str], List[str]]] = None
+
+    def __call__(self, value: Any, path: str) -> List[str]:
+        return self.value(value, path)
 
 
 def _names() -> List[str]:
@@ -158,12 +175,17 @@ def plugin_config_problems(section: Mapping[str, Any], path: str = SECTION, *,
     for key in ("esp", "ranks_per_node"):
         if key in section and section[key] is not None and not (_is_int(section[key]) and section[key] >= 1):
             bad(key, "must be an integer >= 1, or null to derive it")
-    if section.get("lina") is not None:
-        check = (sections or {}).get("lina")
-        if not isinstance(section["lina"], Mapping):
-            bad("lina", "must be a JSON object (see docs/lina.md) or null")
+    for key in PAPER_SECTIONS:
+        if section.get(key) is None:
+            continue
+        check = (sections or {}).get(key)
+        if not isinstance(section[key], Mapping):
+            bad(key, f"must be a JSON object (see docs/{key}.md) or null")
         elif check is not None:
-            problems += check(section["lina"], f"{path}.lina")
+            problems += check(section[key], f"{path}.{key}")
+    for check in (sections or {}).values():
+        if isinstance(check, SectionRules) and check.across is not None:
+            problems += check.across(section, path)
     for key, technique in RESERVED.items():
         if key not in section:
             continue

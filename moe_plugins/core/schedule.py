@@ -27,6 +27,7 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.config import MoEConfig
+from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.gating import BlockRouting, Routing
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.plugin_config import EXCHANGES
@@ -64,13 +65,18 @@ class LayerParams:
       routing ``router`` gives on all of them (Parm's S1 uses it). None where the host's gate cannot be
       split that way (a random or opaque gate); S1 then gates the whole block with ``router``;
     - ``partial_experts(x_ElNM) -> y_ElNM`` (optional): ``experts`` without the ESP reduction, for schedules
-      that sum the ESP partials themselves (Parm); a host supplies it where its experts reduce inside.
+      that sum the ESP partials themselves (Parm); a host supplies it where its experts reduce inside;
+    - ``expert_weights`` (optional): this rank's local experts' parameters as :class:`ExpertWeights` (E_l
+      experts, this rank's H shard; the tensors themselves, so gradients reach them), for schedules that
+      compute with other experts' weights too (Hecate's copies, run by the core's functional FFN
+      ``experts.partial_ffn`` with ``MoEConfig.activation``). The core layer supplies it; the hosts do not yet.
     """
 
     router: Callable[[torch.Tensor], Routing]
     experts: Callable[[torch.Tensor], torch.Tensor]
     block_router: Optional[Callable[[torch.Tensor, int], BlockRouting]] = None
     partial_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    expert_weights: Optional[ExpertWeights] = None
 
 
 class Schedule(ABC):
@@ -114,6 +120,12 @@ class Schedule(ABC):
     @classmethod
     def layout_problems(cls, groups_layout) -> List[str]:
         """Reasons this schedule cannot run on a layout (empty when it can)."""
+        return []
+
+    @classmethod
+    def degree_problems(cls, pipeline_degree: Any) -> List[str]:
+        """Reasons this schedule cannot run at ``pipeline_degree`` (empty when it can; checked by
+        :func:`exchange_problems` before its exchange rules)."""
         return []
 
     @abstractmethod
@@ -195,6 +207,9 @@ def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any =
         return [f"exchange ({exchange!r}) is not supported by schedule {cls.name!r}, which runs the "
                 f"{cls.exchange_mode} exchange only; the ragged exchange runs with schedules 'baseline' and "
                 "'baseline-tp'"]
+    problems = variant.degree_problems(pipeline_degree)
+    if problems:
+        return problems
     fixed = isinstance(pipeline_degree, int) or (isinstance(pipeline_degree, str) and pipeline_degree.isdigit())
     if exchange == "ragged" and not fixed:
         return [f"exchange ('ragged') with pipeline_degree ({pipeline_degree!r}) is not supported: a degree chosen "

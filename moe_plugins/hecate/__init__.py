@@ -1,7 +1,7 @@
 """Hecate (FSSDP): experts sharded over all devices and materialised sparsely where the tokens are.
 docs/hecate.md explains it; the ragged exchange it needs lives in :mod:`moe_plugins.core.ragged`.
 
-Built so far, as standalone modules (not yet wired into a layer, the config or the hosts):
+Built so far (in the core layer and the config; not yet wired into the hosts):
 
 - :mod:`moe_plugins.hecate.plan`: Algorithm 1 as pure functions: the per-expert load over the last 5
   iterations (:class:`~moe_plugins.hecate.plan.LoadWindow`, summed over the group by
@@ -12,4 +12,20 @@ Built so far, as standalone modules (not yet wired into a layer, the config or t
 - :mod:`moe_plugins.hecate.sparse`: SparseAllGather / SparseReduceScatter, each one uneven all-to-all through
   the layer's communication engine (ledger ops ``spag`` and ``sprs``), with ``W_copies = spAG(W_owned)`` an
   autograd function whose backward is spRS; their exact bytes and the paper's Eq. 2 volume.
+- :mod:`moe_plugins.hecate.flow`: one call's routes to copies and split sizes, and experts as flat rows (pure).
+- :mod:`moe_plugins.hecate.schedule`: the ``hecate`` schedule, the baseline's ragged data flow with FSSDP (plan,
+  spAG of the copies, dispatch to copies, spRS of their gradients), exact against the baseline.
+- :mod:`moe_plugins.hecate.config`: the ``"hecate": {...}`` section of the ``moe_plugins`` config.
 """
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register(registry) -> None:
+    """Add Hecate's schedule and config section to ``registry``."""
+    from moe_plugins.hecate.config import NAME, SECTION_RULES
+    from moe_plugins.hecate.schedule import HecateSchedule
+    registry.add_schedule(HecateSchedule, paper=NAME)
+    registry.add_section(NAME, SECTION_RULES, paper=NAME)

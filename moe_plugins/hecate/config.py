@@ -1,0 +1,122 @@
+"""Hecate's section of the ``moe_plugins`` config (``"hecate": {...}``), typed and validated at the boundary.
+
+::
+
+    "hecate": {
+        "enabled": true,          # false keeps the section but runs the plain schedule
+        "extra_experts": "auto",  # the memory budget m: expert copies per rank beyond its own experts, an
+                                  # integer >= 1, or "auto": as many as the rank owns (E / EP)
+        "rematerialize": false,   # reserved: spAG again in backward instead of keeping the copies (not built)
+        "reshard_every": 0        # reserved: heterogeneous re-sharding every n steps, 0 = never (only 0 now)
+    }
+
+How the section selects the schedule: an enabled section switches schedule ``baseline`` to ``hecate`` (the
+baseline's data flow with FSSDP, :class:`~moe_plugins.hecate.schedule.HecateSchedule`); ``"schedule": "hecate"``
+names the same schedule directly (its options then come from the section, or the defaults). Any other schedule
+(Parm's, ``baseline-tp``) with an enabled section is refused, naming the schedule, and so are a pipeline degree
+other than 1, an explicit ``"exchange": "padded"`` (Hecate sends only the kept rows) and ``esp`` > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, List, Mapping, Optional, Union
+
+from moe_plugins.core.plugin_config import SectionRules, did_you_mean
+
+AUTO = "auto"
+NAME = "hecate"                    # the schedule's registered name and the section's key
+SWITCHES = ("baseline", NAME)      # the schedules an enabled section runs as Hecate
+
+
+@dataclass(frozen=True, kw_only=True)
+class HecateConfig:
+    enabled: bool = True
+    extra_experts: Union[int, str] = AUTO
+    rematerialize: bool = False
+    reshard_every: int = 0
+
+    @classmethod
+    def from_dict(cls, section: Optional[Mapping[str, Any]], path: str = "moe_plugins.hecate") -> "HecateConfig":
+        """The section (None: the defaults), or one ValueError listing every problem."""
+        if section is None:
+            return cls()
+        problems = hecate_problems(section, path)
+        if problems:
+            raise ValueError(f"invalid {path} section: " + "; ".join(problems))
+        return cls(**dict(section))
+
+    def budget_m(self, local_experts: int) -> int:
+        """m, the copies per rank: ``extra_experts``, or with "auto" the experts the rank owns (E / EP)."""
+        return local_experts if self.extra_experts == AUTO else int(self.extra_experts)
+
+
+def _int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]:
+    """Every problem of a ``hecate`` section, each naming ``path.key``, the value and what is allowed (pure)."""
+    if not isinstance(section, Mapping):
+        return [f"{path} ({section!r}) must be a JSON object (see docs/hecate.md) or null"]
+    allowed = [f.name for f in fields(HecateConfig)]
+    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
+                for key in section if key not in allowed]
+
+    def bad(key: str, rule: str) -> None:
+        problems.append(f"{path}.{key} ({section[key]!r}) {rule}")
+
+    if "enabled" in section and not isinstance(section["enabled"], bool):
+        bad("enabled", "must be true or false")
+    if "extra_experts" in section and not (section["extra_experts"] == AUTO or _int(section["extra_experts"], 1)):
+        bad("extra_experts", 'must be an integer >= 1 (expert copies per rank) or "auto" (as many as it owns)')
+    if "rematerialize" in section:
+        if not isinstance(section["rematerialize"], bool):
+            bad("rematerialize", "must be true or false")
+        elif section["rematerialize"]:
+            bad("rematerialize", "is not supported yet (re-materialising the copies in backward is not built); "
+                                 "only false is accepted")
+    if "reshard_every" in section:
+        if not _int(section["reshard_every"], 0):
+            bad("reshard_every", "must be an integer >= 0 (steps between re-shardings; 0: never)")
+        elif section["reshard_every"]:
+            bad("reshard_every", "is not supported yet (heterogeneous re-sharding is not built); only 0 is accepted")
+    return problems
+
+
+def enabled_in(section: Mapping[str, Any]) -> bool:
+    """Whether a ``moe_plugins`` section runs Hecate: its ``hecate`` section enabled, or schedule ``hecate``."""
+    hecate = section.get(NAME)
+    on = isinstance(hecate, Mapping) and hecate.get("enabled", True) is True
+    return on or section.get("schedule") == NAME
+
+
+def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List[str]:
+    """How the ``hecate`` section fits the rest of the ``moe_plugins`` section (pure): the schedules, pipeline
+    degree, exchange and ESP degree Hecate runs with, each problem naming the field and its value."""
+    hecate = section.get(NAME)
+    if isinstance(hecate, Mapping) and hecate.get("enabled") is False and section.get("schedule") == NAME:
+        return [f"{path}.{NAME}.enabled (False) contradicts {path}.schedule ('{NAME}'): enable the section or "
+                "name another schedule"]
+    if not enabled_in(section):
+        return []
+    problems = []
+    schedule = section.get("schedule", "baseline")
+    if schedule not in SWITCHES:
+        problems.append(f"{path}.schedule ({schedule!r}) cannot run Hecate ({path}.{NAME} is enabled): Hecate runs "
+                        f"the baseline's data flow only (schedule 'baseline' or '{NAME}'); schedule {schedule!r} "
+                        "with FSSDP is not built")
+    degree = section.get("pipeline_degree", 1)
+    if degree not in (1, "1"):
+        problems.append(f"{path}.pipeline_degree ({degree!r}) must be 1 with Hecate: its exchange is not cut into "
+                        "PipeMoE's chunks yet")
+    if section.get("exchange", "ragged") != "ragged":
+        problems.append(f"{path}.exchange ({section['exchange']!r}) cannot be used with Hecate, which sends only "
+                        "the kept rows (the ragged exchange): drop the key or write 'ragged'")
+    esp = section.get("esp")
+    if _int(esp, 2):
+        problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
+    return problems
+
+
+SECTION_RULES = SectionRules(value=hecate_problems, across=hecate_across)

@@ -1,0 +1,225 @@
+"""Hecate's schedule (``"hecate"``): the baseline's ragged data flow with FSSDP's sparse materialisation.
+
+One call (pipeline degree 1, ESP 1; docs/hecate.md, "The FSSDP layer"):
+
+1. **Gate** (the layer's router) and the ragged route order (``core/ragged.py``): this rank's kept routes per
+   expert.
+2. **Counts.** Those E integers are all-gathered over the EP group (the FSSDP group): one collective and one
+   host read. Their column sums are the global load (what :func:`~moe_plugins.hecate.plan.global_load`'s
+   all-reduce gives), pushed into the layer's :class:`~moe_plugins.hecate.plan.LoadWindow`; and every rank
+   learns every source's counts, so each computes every source's split sizes itself.
+3. **Plan.** Algorithm 1 on the window's mean load: owners = the stock EP owners (``whole_shards``: the layer's
+   own expert parameters stay the owners, so checkpoints stay stock), overlap degree t = E (no attention time is
+   known in the layer), memory budget m = ``extra_experts`` ("auto": E / EP). Every rank plans the same.
+4. **spAG** materialises this rank's copies (its own experts included) from the owners' flat parameters, one
+   uneven all-to-all; its backward is spRS, so the owners' parameters get the sum of all copies' gradients.
+5. **Dispatch.** Each kept route goes to a copy of its expert (local copy, then same node, then remote; even),
+   rows sent destination by destination in one uneven all-to-all (:func:`~moe_plugins.hecate.flow.route_plan`).
+6. **Experts** on the received rows grouped per copy (``expert_rows``), with the copies' weights and the core's
+   functional FFN; **reverse exchange**; the combine of the ragged baseline (``combine_rows``).
+
+Each rank's copies reach the loss on every call (its own experts are always among them, computed on padding
+when no row arrives), so every rank takes part in spRS. Shapes: S tokens, X kept routes of this rank, Q rows it
+receives, C experts it holds a copy of, n rows per copy (padded), M model dim, F elements per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, List, Mapping, Optional, Tuple, Type
+
+import torch
+
+from moe_plugins.core import comm
+from moe_plugins.core.experts import ExpertWeights, partial_ffn
+from moe_plugins.core.ragged import combine_rows, expert_rows, ragged_all_to_all, route_order
+from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
+from moe_plugins.hecate.config import NAME, HecateConfig
+from moe_plugins.hecate.flow import RoutePlan, expert_numel, flat_experts, route_plan, unflat_experts
+from moe_plugins.hecate.plan import LoadWindow, Placement, materialise_budget, plan_placement, stock_homes
+from moe_plugins.hecate.sparse import sparse_all_gather, whole_shards
+
+
+@dataclass(frozen=True)
+class HecateStats:
+    """What one call did on this rank: the ``placement``, the global kept routes per expert ``load_E`` and the
+    rows this rank computed per expert ``rows_E`` (0 for experts it holds no copy of)."""
+
+    placement: Placement
+    load_E: Tuple[int, ...]
+    rows_E: Tuple[int, ...]
+
+    def extra_copies(self) -> int:
+        """Copies beyond the homes (one per expert)."""
+        return sum(len(c) for c in self.placement.copies_E) - len(self.placement.copies_E)
+
+
+@dataclass
+class _Call:
+    routing: Any
+    pos_SK: torch.Tensor
+    plan: RoutePlan
+    copies: ExpertWeights
+
+
+class _State:
+    """A layer's Hecate state, shared with a twin: the load window, the call in flight and the last call's
+    stats (per schedule instance: nothing module-level)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.window = LoadWindow(num_experts=num_experts)
+        self.call: Optional[_Call] = None
+        self.last: Optional[HecateStats] = None
+
+
+class HecateSchedule(Schedule):
+    """FSSDP on the baseline's ragged data flow (module docstring). Options: :attr:`options`
+    (:meth:`configured`, :meth:`from_section`)."""
+
+    name = NAME
+    exchange_mode = "ragged"
+    ragged_chunks = False
+    options: ClassVar[HecateConfig] = HecateConfig()
+
+    @classmethod
+    def configured(cls, options: HecateConfig) -> Type["HecateSchedule"]:
+        """This schedule with ``options`` (a subclass under the same registered name)."""
+        if not isinstance(options, HecateConfig):
+            raise ValueError(f"options ({options!r}) must be a HecateConfig")
+        return type(cls.__name__, (cls,), {"options": options, "__module__": cls.__module__})
+
+    @classmethod
+    def from_section(cls, section: Optional[Mapping[str, Any]],
+                     path: str = "moe_plugins.hecate") -> Type["HecateSchedule"]:
+        """This schedule configured from a ``hecate`` section (None: the defaults); a ValueError names every
+        bad field."""
+        return cls.configured(HecateConfig.from_dict(section, path))
+
+    @classmethod
+    def exchange_variant(cls, exchange: str) -> Optional[Type[Schedule]]:
+        return cls if exchange == "ragged" else None
+
+    @classmethod
+    def layout_problems(cls, groups_layout) -> List[str]:
+        if groups_layout.esp != 1:
+            return [f"schedule '{NAME}' runs at esp 1, not {groups_layout.esp}: copies of ESP shards are not built"]
+        return []
+
+    @classmethod
+    def degree_problems(cls, pipeline_degree: Any) -> List[str]:
+        if pipeline_degree in (1, "1"):
+            return []
+        return [f"schedule '{NAME}' runs pipeline_degree 1, not {pipeline_degree!r}: its exchange is not cut into "
+                "PipeMoE's chunks yet"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._state = _State(self.config.num_experts)
+
+    def twin(self, groups) -> "HecateSchedule":
+        twin = type(self)(self.config, groups, self.rec)
+        twin._state = self._state
+        return twin
+
+    @property
+    def last(self) -> Optional[HecateStats]:
+        """The last call's placement, global load and this rank's computed rows (None before the first)."""
+        return self._state.last
+
+    def notes(self) -> List[str]:
+        last = self._state.last
+        if last is None:
+            return []
+        return [f"hecate: copies per expert {[len(c) for c in last.placement.copies_E]} "
+                f"({last.extra_copies()} beyond the homes)"]
+
+    # ---- the plan --------------------------------------------------------------------------------------
+    def _counts(self, counts_E: torch.Tensor) -> List[List[int]]:
+        """Every EP member's kept routes per expert: one all-gather, one host read."""
+        ep = self.groups.ep
+        counts_E = counts_E.to(torch.int64).contiguous()
+        got = counts_E if ep.size == 1 else self.rec.issue("all_gather", ep, counts_E, "forward")
+        flat, num = got.tolist(), counts_E.numel()                                  # the host read
+        return [flat[r * num:(r + 1) * num] for r in range(ep.size)]
+
+    def _placement(self, counts_RE: List[List[int]]) -> Tuple[Placement, Tuple[int, ...]]:
+        ep, num = self.groups.ep, self.config.num_experts
+        load_E = tuple(sum(col) for col in zip(*counts_RE))
+        self._state.window = self._state.window.push(load_E)
+        budget = materialise_budget(num, self.options.budget_m(num // ep.size), num)
+        nodes_R = tuple(self.groups.layout.node_of(r) for r in ep.ranks)
+        return plan_placement(self._state.window.mean(), stock_homes(num, ep.size), nodes_R, budget), load_E
+
+    # ---- the five steps --------------------------------------------------------------------------------
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        if params.expert_weights is None:
+            raise ValueError(f"schedule '{NAME}' needs LayerParams.expert_weights (this rank's experts as "
+                             "ExpertWeights): the core layer supplies them; the DeepSpeed and Megatron hosts do not "
+                             "yet")
+        cfg, ep = self.config, self.groups.ep
+        routing = params.router(x_SM)
+        order = route_order([routing], cfg.num_experts)
+        counts_RE = self._counts(order.counts_EN[:, 0])
+        placement, load_E = self._placement(counts_RE)
+        plan = route_plan(counts_RE, ep.rank, placement)
+        homes = stock_homes(cfg.num_experts, ep.size)
+        shards = whole_shards(expert_numel(cfg.hidden, cfg.ffn), homes, ep.size)
+        w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec)
+        copies = unflat_experts(w_CF, cfg.hidden, cfg.ffn)
+        self._state.call = _Call(routing, order.pos_NSK[0], plan, copies)
+        rows_E = [0] * cfg.num_experts
+        for e, n in zip(plan.experts, plan.rows_C):
+            rows_E[e] = n
+        self._state.last = HecateStats(placement, load_E, tuple(rows_E))
+        kept = sum(counts_RE[ep.rank])
+        token_X = order.token_X[:kept].index_select(0, _index(plan.perm_X, x_SM.device))
+        return Dispatched(d=x_SM.index_select(0, token_X), cap_dim=0, state=self._state.call,
+                          aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
+        problems = self.degree_problems(degree)
+        if problems:
+            raise ValueError(problems[0])
+        return [dispatched.d]
+
+    def _call(self, step: str, rows: int, side: str) -> _Call:
+        """The call in flight, checked: ``rows`` must be its ``side`` ("send" or "recv") total."""
+        call = self._state.call
+        if call is None:
+            raise ValueError(f"schedule '{NAME}': {step} before prepare")
+        expected = sum(getattr(call.plan, side))
+        if rows != expected:
+            raise ValueError(f"schedule '{NAME}': {step} got {rows} rows, not the {expected} of this call")
+        return call
+
+    def exchange_in(self, d_XM: torch.Tensor) -> torch.Tensor:
+        call = self._call("exchange_in", d_XM.shape[0], "send")
+        return ragged_all_to_all(d_XM, call.plan.send, call.plan.recv, self.groups.ep, self.rec)
+
+    def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
+        call = self._call("expert", e_QM.shape[0], "recv")
+        model_dim, replicas = e_QM.shape[-1], self.groups.mp.size
+        gather, back, rows = expert_rows(call.plan.recv_RC)
+        padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
+        x_CnM = padded.index_select(0, _index(gather, e_QM.device)).view(len(call.plan.experts), rows, model_dim)
+        if replicas > 1:          # MP replicas: every row arrives once per replica (as the baseline)
+            x_CnM = comm.grad_scale(x_CnM, float(replicas))
+        y_CnM = partial_ffn(x_CnM, call.copies, self.config.activation) + call.copies.b2_EM.unsqueeze(1)
+        if replicas > 1:
+            y_CnM = comm.grad_scale(y_CnM, 1.0 / replicas)
+        return y_CnM.reshape(-1, model_dim).index_select(0, _index(back, e_QM.device))
+
+    def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
+        call = self._call("exchange_out", o_QM.shape[0], "recv")
+        return ragged_all_to_all(o_QM, call.plan.recv, call.plan.send, self.groups.ep, self.rec)
+
+    def finish(self, r_XM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        call: _Call = dispatched.state
+        if self._state.call is call:
+            self._state.call = None         # hold nothing of this call (its copies) past the layer
+        order_X = torch.argsort(_index(call.plan.perm_X, r_XM.device))   # back to (expert, slot) order
+        return combine_rows(r_XM.index_select(0, order_X), call.pos_SK, call.routing)
+
+
+def _index(rows, device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)

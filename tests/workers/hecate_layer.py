@@ -1,0 +1,116 @@
+"""Pool jobs for Hecate's layer tests (tests/test_hecate_layer.py): the core layer with schedule ``hecate`` and
+with the baseline (ragged and padded exchanges), on the same weights and tokens."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from moe_plugins.tools.verify import AUX_COEF, VerifySpec
+
+
+def _layer(spec: VerifySpec, groups, schedule, ledger=None):
+    import torch
+
+    from moe_plugins.core.layer import MoELayer
+    from moe_plugins.plugins import default_registry
+    from moe_plugins.tools.verify import make_problem
+
+    layer = MoELayer(spec.moe_config(), groups, schedule=schedule, dtype=torch.float64, registry=default_registry(),
+                     ledger=ledger)
+    prob = make_problem(spec)
+    layer.load_full(prob.wg_EM, prob.full)
+    return layer, prob
+
+
+def _schedules(extra_experts: Any):
+    from moe_plugins.core.schedule import with_exchange
+    from moe_plugins.hecate.config import HecateConfig
+    from moe_plugins.hecate.schedule import HecateSchedule
+    from moe_plugins.plugins import default_registry
+
+    base = default_registry().schedule_class("baseline")
+    return {"hecate": HecateSchedule.configured(HecateConfig(extra_experts=extra_experts)),
+            "ragged": with_exchange(base, "ragged"), "padded": base}
+
+
+def one_call(specs: List[VerifySpec], extra_experts: Any = "auto") -> List[Dict[str, Dict[str, Any]]]:
+    """Per spec, this rank's forward and backward with each schedule (``hecate``, ``ragged``, ``padded``): the
+    fields ``moe_plugins.tools.verify.compare`` reads, plus Hecate's placement, load and computed rows."""
+    import torch
+
+    from moe_plugins.core.groups import process_groups
+    from moe_plugins.core.ledger import CommLedger
+
+    out = []
+    with process_groups(specs[0].layout()) as groups:
+        coords = specs[0].layout().coords(groups.global_rank)
+        for spec in specs:
+            runs = {}
+            for name, schedule in _schedules(extra_experts).items():
+                ledger = CommLedger()
+                layer, prob = _layer(spec, groups, schedule, ledger)
+                x = prob.x_DSM[coords["dp"]].clone().requires_grad_(True)
+                o = layer(x)
+                ((o.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * o.aux_loss).backward()
+                run = {"rank": groups.global_rank, "coords": coords, "y": o.y.detach(), "grad_x": x.grad,
+                       "aux": o.aux_loss.detach(), "counts": o.exp_counts_E, "dropped": int(o.dropped),
+                       "grad_wg": layer.wg_EM.grad, "ledger": ledger.summary(),
+                       "grad_experts": [p.grad for p in (layer.w1_EMH, layer.b1_EH, layer.w2_EHM, layer.b2_EM)]}
+                last = getattr(layer.schedule, "last", None)
+                if last is not None:
+                    run.update(copies_E=last.placement.copies_E, load_E=last.load_E, rows_E=last.rows_E,
+                               extra=last.extra_copies(), notes=layer.schedule.notes())
+                runs[name] = run
+                del layer
+            out.append(runs)
+            torch.manual_seed(0)
+    return out
+
+
+def training(spec: VerifySpec, steps: int, extra_experts: Any = "auto") -> Dict[str, List[float]]:
+    """``steps`` Adam steps of the core layer with ``hecate`` and with the ragged baseline, each from the same
+    weights on the same batches (new tokens every step, drawn from the seed): this rank's losses per step, and
+    its expert parameters after the last step."""
+    import torch
+    import torch.distributed as dist
+
+    from moe_plugins.core.groups import process_groups
+
+    out: Dict[str, Any] = {}
+    with process_groups(spec.layout()) as groups:
+        coords = spec.layout().coords(groups.global_rank)
+        for name, schedule in _schedules(extra_experts).items():
+            if name == "padded":
+                continue
+            layer, prob = _layer(spec, groups, schedule)
+            opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(spec.seed + 99)
+            losses = []
+            for _ in range(steps):
+                x_DSM = prob.x_DSM + 0.1 * torch.randn(prob.x_DSM.shape, generator=gen, dtype=torch.float64)
+                o = layer(x_DSM[coords["dp"]])
+                loss = (o.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * o.aux_loss
+                opt.zero_grad()
+                loss.backward()
+                # the layer's gate is replicated: average its gradient over DP as a host would
+                dist.all_reduce(layer.wg_EM.grad, group=groups.dp.pg)
+                layer.wg_EM.grad /= groups.dp.size
+                opt.step()
+                losses.append(float(loss.detach()))
+            out[name] = {"losses": losses, "params": [p.detach().clone() for p in layer.parameters()],
+                         "extra": getattr(layer.schedule, "last").extra_copies() if name == "hecate" else 0}
+    return out
+
+
+def refused(spec: VerifySpec, degree: int) -> Optional[str]:
+    """The ValueError a Hecate core layer at ``degree`` raises when it is built (None: it was built)."""
+    from moe_plugins.core.groups import process_groups
+    from moe_plugins.core.layer import MoELayer
+    from moe_plugins.hecate.schedule import HecateSchedule
+
+    with process_groups(spec.layout()) as groups:
+        try:
+            MoELayer(spec.moe_config(), groups, schedule=HecateSchedule, pipeline_degree=degree)
+        except ValueError as exc:
+            return str(exc)
+    return None
