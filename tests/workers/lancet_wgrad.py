@@ -66,9 +66,25 @@ def _reduced_grads(engine) -> List[torch.Tensor]:
     return out
 
 
-def train(deferred: bool, steps: int, gas: int) -> Dict[str, Any]:
+def flush_before_epilogue(optimizer, queue: WgradQueue) -> Patcher:
+    """ZeRO's post-backward callback (``run_grad_acc_post_hooks``, queued when backward starts) flushes the queue
+    first, so every deferred gradient reaches its hook before DeepSpeed's epilogue reads the reduced partitions."""
+    state = optimizer._backward_hook_state
+    original = state.run_grad_acc_post_hooks
+
+    def run_grad_acc_post_hooks():
+        queue.flush()
+        return original()
+
+    return Patcher([Patch(state, "run_grad_acc_post_hooks", run_grad_acc_post_hooks)])
+
+
+def train(deferred: bool, steps: int, gas: int, torch_style: bool = False) -> Dict[str, Any]:
     """One fresh ZeRO-2 engine, ``gas`` micro-steps per step; counts each call of the optimizer's per-parameter
-    reduction hook (``process_gradients``, what ZeRO-2's post-accumulate-grad hook calls) per micro-step."""
+    reduction hook (``process_gradients``, what ZeRO-2's post-accumulate-grad hook calls) per micro-step.
+    ``torch_style``: ``loss.backward()`` instead of ``engine.backward(loss)``. DeepSpeed then runs its epilogue
+    from an autograd callback queued when backward starts, ahead of the queue's own end-of-backward flush, so
+    the deferred gradients would miss it: :func:`flush_before_epilogue` is what a host adapter must add."""
     import deepspeed
     torch.manual_seed(0)
     model = ExpertStack()
@@ -90,11 +106,16 @@ def train(deferred: bool, steps: int, gas: int) -> Dict[str, Any]:
         if deferred:
             model.queue = queue
             stack.enter_context(dense_wgrad(queue, {"inp": model.inp, "head": model.head}))
+            if torch_style:
+                stack.enter_context(flush_before_epilogue(optimizer, queue))
         for micro in range(steps * gas):
             calls.clear()
             loss = engine(*batch(micro))
             boundary = engine.is_gradient_accumulation_boundary()
-            engine.backward(loss)
+            if torch_style:
+                (loss / gas).backward()
+            else:
+                engine.backward(loss)
             if boundary:
                 grads.append(_reduced_grads(engine))
             hook_calls.append(dict(sorted(calls.items())))
@@ -105,9 +126,9 @@ def train(deferred: bool, steps: int, gas: int) -> Dict[str, Any]:
             "queue_empty": queue.empty()}
 
 
-def train_pair(steps: int, gas: int):
+def train_pair(steps: int, gas: int, torch_style: bool = False):
     init_deepspeed_comm()
-    return train(False, steps, gas), train(True, steps, gas)
+    return train(False, steps, gas, torch_style), train(True, steps, gas, torch_style)
 
 
 class _Exchange(torch.autograd.Function):
