@@ -116,6 +116,43 @@ def test_stacked_weights_used_in_two_chunks_deliver_once_per_parameter():
     assert queue.empty() and queue.items_run == 2 and queue.deliveries == 1
 
 
+def test_two_forwards_before_their_backwards_deliver_once_per_backward():
+    """Pipeline parallelism's order (1F1B): two micro-batches' forwards, then their backwards one by one. Each
+    backward delivers each parameter once (its two chunk uses together), though the other micro-batch's uses are
+    still counted; a forward whose graph is dropped without backward leaves no use behind."""
+    gen = torch.Generator().manual_seed(4)
+    per_expert = {f"w{e}": torch.randn(M, H, generator=gen, dtype=F64).requires_grad_() for e in range(E)}
+    queue = WgradQueue()
+
+    def forward(x_ENM: torch.Tensor, deferred: bool) -> torch.Tensor:
+        outs = []
+        for chunk in x_ENM.chunk(2, dim=1):
+            w_EMH = torch.stack([per_expert[f"w{e}"] for e in range(E)])
+            outs.append(deferred_bmm(chunk, w_EMH, None, queue) if deferred else torch.bmm(chunk, w_EMH))
+        return torch.cat(outs, 1).tanh().sum()
+
+    xs = [torch.randn(E, 2 * N, M, generator=gen, dtype=F64) for _ in range(2)]
+    for x in xs:
+        forward(x, deferred=False).backward()
+    stock = {name: p.grad.clone() for name, p in per_expert.items()}
+    for p in per_expert.values():
+        p.grad = None
+    hooks = HookCounter(per_expert)
+    losses = [forward(x, deferred=True) for x in xs]
+    assert queue.outstanding_uses == 2 * 2 * E              # 2 micro-batches x 2 chunks, on each expert's weight
+    losses[0].backward()
+    hooks.assert_each(1)
+    assert queue.outstanding_uses == 2 * E and queue.empty()
+    losses[1].backward()
+    hooks.assert_each(2)
+    for name in stock:
+        assert _max_err(stock[name], per_expert[name].grad) <= TOL, name
+    dropped = forward(xs[0], deferred=True)
+    assert queue.outstanding_uses == 2 * E
+    del dropped
+    assert queue.outstanding_uses == 0 and queue.empty()
+
+
 class Probe(torch.autograd.Function):
     """Identity; its backward calls ``action()`` (a point in the middle of backward, like a layer's exchange)."""
 

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from moe_plugins.core.experts import ACTIVATIONS, ExpertWeights
-from moe_plugins.lancet.wgrad_queue import Grads, WgradItem, WgradQueue, best_fit, leaves_of
+from moe_plugins.lancet.wgrad_queue import Grads, Use, WgradItem, WgradQueue, best_fit, leaves_of
 
 __all__ = ["WgradItem", "WgradQueue", "best_fit", "leaves_of", "deferred_bmm", "deferred_linear",
            "deferred_partial_ffn"]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Deferral:
     """What a deferred GEMM's backward hands the queue: the real (non-detached) weight and bias targets."""
 
@@ -40,6 +40,7 @@ class _Deferral:
     bias: Optional[torch.Tensor]
     name: str
     tag: str
+    use: Optional[Use] = None
 
 
 def _pairs(d: _Deferral, dw: torch.Tensor, db: Optional[torch.Tensor]) -> Grads:
@@ -75,7 +76,7 @@ class _DeferredBmm(torch.autograd.Function):
         dx_ENK = torch.bmm(dy_ENH, w_EKH.transpose(1, 2)) if ctx.needs_input_grad[0] else None
         e, n, k = x_ENK.shape
         cost = 2.0 * e * n * k * w_EKH.shape[2] + (e * n * w_EKH.shape[2] if d.bias is not None else 0)
-        d.queue.defer(d.name, cost, partial(_bmm_wgrad, x_ENK, dy_ENH, d), tag=d.tag)
+        d.queue.defer(d.name, cost, partial(_bmm_wgrad, x_ENK, dy_ENH, d), tag=d.tag, use=d.use)
         return dx_ENK, None, None, None, None
 
 
@@ -96,12 +97,23 @@ class _DeferredLinear(torch.autograd.Function):
         n, k = x_flat.shape
         o = dy_flat.shape[1]
         cost = 2.0 * n * k * o + (n * o if d.bias is not None else 0)
-        d.queue.defer(d.name, cost, partial(_linear_wgrad, x_flat, dy_flat, d), tag=d.tag)
+        d.queue.defer(d.name, cost, partial(_linear_wgrad, x_flat, dy_flat, d), tag=d.tag, use=d.use)
         return dx_NK, None, None, None, None
 
 
 def _needs_deferral(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+
+
+def _record(queue: WgradQueue, weight: torch.Tensor, bias: Optional[torch.Tensor], name: str,
+            tag: str) -> _Deferral:
+    """The GEMM's record, with its forward use counted on the queue (released when the record is freed, if
+    its backward never ran)."""
+    if not isinstance(queue, WgradQueue):
+        raise ValueError(f"queue ({type(queue).__name__}) for {name!r} must be a moe_plugins.lancet.WgradQueue")
+    d = _Deferral(queue=queue, weight=weight, bias=bias, name=name, tag=tag)
+    d.use = queue.track([weight, bias], owner=d)
+    return d
 
 
 def _anchor(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -128,8 +140,7 @@ def deferred_bmm(x_ENK: torch.Tensor, w_EKH: torch.Tensor, b_EH: Optional[torch.
     _check_bmm(x_ENK, w_EKH, b_EH, name)
     if not _needs_deferral(w_EKH, b_EH):
         return torch.bmm(x_ENK, w_EKH) if b_EH is None else torch.baddbmm(b_EH.unsqueeze(1), x_ENK, w_EKH)
-    queue.track([w_EKH, b_EH])
-    d = _Deferral(queue=queue, weight=w_EKH, bias=b_EH, name=name, tag=tag)
+    d = _record(queue, w_EKH, b_EH, name, tag)
     detached_b = b_EH.detach() if b_EH is not None else None
     return _DeferredBmm.apply(x_ENK, w_EKH.detach(), detached_b, _anchor(x_ENK), d)
 
@@ -142,8 +153,7 @@ def deferred_linear(x_NK: torch.Tensor, w_OK: torch.Tensor, b_O: Optional[torch.
                          f"{tuple(w_OK.shape)} (out-features, in-features)")
     if not _needs_deferral(w_OK, b_O):
         return F.linear(x_NK, w_OK, b_O)
-    queue.track([w_OK, b_O])
-    d = _Deferral(queue=queue, weight=w_OK, bias=b_O, name=name, tag=tag)
+    d = _record(queue, w_OK, b_O, name, tag)
     detached_b = b_O.detach() if b_O is not None else None
     return _DeferredLinear.apply(x_NK, w_OK.detach(), detached_b, _anchor(x_NK), d)
 

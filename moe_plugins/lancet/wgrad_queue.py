@@ -13,17 +13,30 @@ that reaches the parameters' own AccumulateGrad nodes, so every hook the hosts r
 (``register_post_accumulate_grad_hook``, a hook on the AccumulateGrad node) fires as in stock autograd.
 
 Exactly once. Stock autograd sums every use of a parameter before its AccumulateGrad runs once. The queue keeps
-that: each tracked forward use of a target counts one outstanding use on every parameter (leaf) behind it
-(:meth:`WgradQueue.track`); a computed item takes its uses off, and its gradients wait until every leaf they
+that: each tracked forward use (:meth:`WgradQueue.track`, a :class:`Use`) counts one outstanding use on every
+parameter (leaf) behind its targets; the use is released when its item has run, or when its graph is freed
+without a backward (a weakref finalizer on the GEMM's record). Computed gradients wait until every leaf they
 reach has no outstanding use and shares no leaf with a gradient still waiting for one; then all those are
-delivered in one re-entrant backward. Uses whose backward never ran (a branch outside the loss) are delivered
-by the end-of-backward flush, which also forgets them.
+delivered in one re-entrant backward. So a weight used in several chunks or calls is delivered once, and
+forwards of other micro-batches still awaiting their backward (pipeline parallelism) hold nothing wrongly
+back: the end-of-backward flush delivers whatever waits, and their uses stay counted for their own backward.
+
+One thread: the queue is run from the thread that runs backward (``run_while`` polls a handle that another
+thread, the engine's lane, completes). Deferred parameters are reached by ``backward()`` only, not by
+``torch.autograd.grad(loss, w)`` or ``backward(inputs=...)`` (the outer graph has no edge to them).
+
+Hosts. The flush is an autograd callback queued on the first deferral of a backward, so it runs after
+callbacks queued earlier in the same backward. DeepSpeed's ``engine.backward(loss)`` runs its epilogue after
+``loss.backward()`` returns, after the flush: nothing needed. With ``loss.backward()`` under ZeRO, DeepSpeed
+runs the epilogue from a callback queued when backward starts, before the flush: the host adapter must call
+:meth:`WgradQueue.flush` first (tests/workers/lancet_wgrad.py, ``flush_before_epilogue``).
 
 No module-level state: a queue is an object the caller owns and passes to the deferred GEMMs.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -31,6 +44,15 @@ import torch
 
 # (target, its gradient): what an item's compute returns, for each weight and bias it deferred
 Grads = List[Tuple[torch.Tensor, torch.Tensor]]
+
+
+class Use:
+    """One forward use of deferred targets: the ids of the leaves it counts on. Released once."""
+
+    __slots__ = ("leaf_ids", "released")
+
+    def __init__(self, leaf_ids: Tuple[int, ...]):
+        self.leaf_ids, self.released = leaf_ids, False
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +64,7 @@ class WgradItem:
     compute: Callable[[], Grads]
     tag: str = ""                     # a group the caller can select by (e.g. "experts.3", "dense")
     seq: int = 0                      # queue order (ties in best fit go to the earliest)
+    use: Optional[Use] = None         # the forward use it settles (released when it has run)
 
 
 def leaves_of(target: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -125,26 +148,50 @@ class WgradQueue:
 
     # ---- forward side -----------------------------------------------------------------------------------
 
-    def track(self, targets: Sequence[Optional[torch.Tensor]]) -> None:
-        """A deferred GEMM will use ``targets`` (weights, biases): one outstanding use on each of their leaves.
-        Does nothing where autograd records nothing (grad disabled, or a target needs no gradient)."""
+    def track(self, targets: Sequence[Optional[torch.Tensor]], owner: Any = None) -> Optional[Use]:
+        """A deferred GEMM will use ``targets`` (weights, biases): one outstanding use on each of their leaves,
+        settled by the item that names it (``defer(use=...)``) or, if ``owner`` (the GEMM's record, kept by its
+        graph) is freed first, then. None where autograd records nothing (grad disabled, nothing needs a grad)."""
         if not torch.is_grad_enabled():
+            return None
+        ids = {id(leaf) for t in targets if t is not None and t.requires_grad for leaf in leaves_of(t)}
+        if not ids:
+            return None
+        use = Use(tuple(ids))
+        for leaf_id in use.leaf_ids:
+            self._uses[leaf_id] = self._uses.get(leaf_id, 0) + 1
+        if owner is not None:
+            weakref.finalize(owner, self.release, use)
+        return use
+
+    def release(self, use: Optional[Use]) -> None:
+        """Take ``use`` off its leaves' counts (once; later calls do nothing)."""
+        if use is None or use.released:
             return
-        for target in targets:
-            if target is not None and target.requires_grad:
-                for leaf in leaves_of(target):
-                    self._uses[id(leaf)] = self._uses.get(id(leaf), 0) + 1
+        use.released = True
+        for leaf_id in use.leaf_ids:
+            left = self._uses.get(leaf_id, 0) - 1
+            if left > 0:
+                self._uses[leaf_id] = left
+            else:
+                self._uses.pop(leaf_id, None)
+
+    @property
+    def outstanding_uses(self) -> int:
+        """Forward uses counted on parameters and not settled yet (summed over the parameters)."""
+        return sum(self._uses.values())
 
     # ---- backward side ----------------------------------------------------------------------------------
 
-    def defer(self, name: str, cost: float, compute: Callable[[], Grads], *, tag: str = "") -> WgradItem:
-        """Queue ``compute`` (it returns (target, gradient) pairs). Inside a backward pass, the queue's flush
-        is registered to run when that pass ends (``flush_at_end``)."""
+    def defer(self, name: str, cost: float, compute: Callable[[], Grads], *, tag: str = "",
+              use: Optional[Use] = None) -> WgradItem:
+        """Queue ``compute`` (it returns (target, gradient) pairs; ``use``: the forward use it settles). Inside a
+        backward pass, the queue's flush is registered to run when that pass ends (``flush_at_end``)."""
         if not callable(compute):
             raise ValueError(f"compute for {name!r} ({type(compute).__name__}) must be callable")
         if not cost >= 0:
             raise ValueError(f"cost of {name!r} ({cost}) must be a number >= 0")
-        item = WgradItem(name=name, cost=float(cost), compute=compute, tag=tag, seq=self._seq)
+        item = WgradItem(name=name, cost=float(cost), compute=compute, tag=tag, seq=self._seq, use=use)
         self._seq += 1
         self._items.append(item)
         self._register_flush()
@@ -187,14 +234,14 @@ class WgradQueue:
         return run
 
     def flush(self) -> List[str]:
-        """Run every queued item in queue order, then deliver every gradient still waiting (and forget the
-        outstanding uses of their parameters). Returns the names run."""
+        """Run every queued item in queue order, then deliver every gradient still waiting (uses of other
+        graphs stay counted). Returns the names run."""
         run: List[str] = []
         while self._items:
             item = self._items[0]
             self._run(item)
             run.append(item.name)
-        self._deliver(list(self._waiting), forget_uses=True)
+        self._deliver(list(self._waiting))
         return run
 
     def clear(self) -> None:
@@ -229,12 +276,9 @@ class WgradQueue:
         with torch.no_grad():
             grads = item.compute()
         self.items_run += 1
-        for target, grad in grads:
-            leaves = leaves_of(target)
-            for leaf in leaves:
-                self._uses[id(leaf)] = self._uses.get(id(leaf), 0) - 1
-            self._waiting.append((target, grad, leaves))
-        self._deliver(self._ready(), forget_uses=False)
+        self.release(item.use)
+        self._waiting += [(target, grad, leaves_of(target)) for target, grad in grads]
+        self._deliver(self._ready())
 
     def _ready(self) -> List[Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]]:
         """Waiting gradients whose leaves have no use outstanding and share no leaf with one that is not."""
@@ -249,22 +293,18 @@ class WgradQueue:
                     changed = True
         return [entry for entry in self._waiting if not {id(leaf) for leaf in entry[2]} & blocked]
 
-    def _deliver(self, entries: List[Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]], *,
-                 forget_uses: bool) -> None:
+    def _deliver(self, entries: List[Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, ...]]]) -> None:
         """One re-entrant backward for ``entries``: gradients of one target are summed first."""
         if not entries:
             return
         taken = {id(entry) for entry in entries}
         self._waiting = [entry for entry in self._waiting if id(entry) not in taken]
         summed: Dict[int, List[Any]] = {}
-        for target, grad, leaves in entries:
+        for target, grad, _ in entries:
             if id(target) in summed:
                 summed[id(target)][1] = summed[id(target)][1] + grad
             else:
                 summed[id(target)] = [target, grad]
-            for leaf in leaves:
-                if forget_uses or self._uses.get(id(leaf), 0) <= 0:
-                    self._uses.pop(id(leaf), None)
         with torch.enable_grad():
             roots = [target.view_as(target) if target.grad_fn is None else target for target, _ in summed.values()]
         torch.autograd.backward(roots, [grad for _, grad in summed.values()])
