@@ -10,8 +10,10 @@ the hosts):
   autograd engine callback (``Variable._execution_engine.queue_callback``). Gradients are delivered through a
   re-entrant ``torch.autograd.backward`` on the weight (a leaf through ``w.view_as(w)``), reaching the
   parameter's own AccumulateGrad node, so DeepSpeed ZeRO-1/2's and Megatron DDP's hooks fire as in stock,
-  once per parameter and backward (uses are counted in forward; all of a parameter's uses are delivered
-  together). ``.grad`` is never written.
+  once per parameter and backward: each forward use is counted on the parameters behind the weight, and a
+  parameter's gradients are delivered together once its uses in this backward are all computed (a weight
+  stacked per call or used in several chunks included). ``.grad`` is never written; the deferred GEMM's
+  Function sees the weight detached, so the outer graph never reaches its AccumulateGrad with None.
 - :mod:`moe_plugins.lancet.wgrad`: the deferred GEMMs: ``deferred_bmm`` and ``deferred_partial_ffn`` (the
   core's expert FFN), ``deferred_linear``. Backward computes dX at once and queues dW.
 - :mod:`moe_plugins.lancet.dense`: ``dense_wgrad(queue, named_modules)``, a context manager that wraps plain
@@ -29,6 +31,11 @@ before it; the combine-gradient exchange (the first) overlaps dense dW queued by
 (``tags={"dense"}``). ``budget=`` (the exchange's estimated duration, in the items' cost unit) makes the pick a
 greedy best fit, as in the paper. On CPU the engine runs urgent ops issued from the caller's thread inline,
 so their handles are done on return and ``run_while`` runs nothing: the overlap needs a lane.
+
+Hosts, still to wire: the layer's experts call ``deferred_partial_ffn`` where the core calls ``partial_ffn``
+(DeepSpeed's per-expert Linears stacked per call work as targets); ``dense_wgrad`` wraps the dense Linears the
+config names. DeepSpeed's ``engine.backward`` needs nothing more; ``loss.backward()`` under ZeRO needs the
+adapter to flush the queue ahead of ZeRO's post-backward callback (see ``wgrad_queue``'s docstring).
 """
 
 from moe_plugins.lancet.dense import dense_wgrad
