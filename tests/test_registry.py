@@ -12,6 +12,7 @@ from moe_plugins.core.executor import Sequential
 from moe_plugins.core.layer import resolve_schedule
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.registry import Registry
+from moe_plugins.hecate.config import SECTION_RULES
 from moe_plugins.lina.config import lina_problems
 from moe_plugins.plugins import build_registry, default_registry
 
@@ -42,7 +43,7 @@ def test_catalogue_names_and_roles():
     assert reg.degree_policies() == {"auto": "the cost model's pick", "tune": "that pick checked by timing the layer"}
     assert reg.executor_names() == ["pipelined"]
     assert reg.config_choices() == {"schedules": reg.schedule_names(), "degrees": reg.degree_policies(),
-                                    "sections": {"lina": lina_problems}}
+                                    "sections": {"lina": lina_problems, "hecate": SECTION_RULES}}
 
 
 def test_frozen_and_duplicates_refused():
@@ -78,7 +79,8 @@ def test_schedule_class_by_name_or_subclass():
     assert reg.schedule_class("other") is _Other
     configured = type("Configured", (_Other,), {})
     assert reg.schedule_class(configured) is configured              # a subclass of the registered class of its name
-    with pytest.raises(ValueError, match=r"schedule \('fastest'\) is unknown; allowed: baseline, baseline-tp, other"):
+    with pytest.raises(ValueError,
+                       match=r"schedule \('fastest'\) is unknown; allowed: baseline, baseline-tp, hecate, other"):
         reg.schedule_class("fastest")
     with pytest.raises(ValueError, match=r"must be a name in .* or a subclass of the registered class of its name"):
         reg.schedule_class(type("Stray", (BaselineSchedule,), {"name": "stray"}))

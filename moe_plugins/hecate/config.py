@@ -14,7 +14,9 @@ How the section selects the schedule: an enabled section switches schedule ``bas
 baseline's data flow with FSSDP, :class:`~moe_plugins.hecate.schedule.HecateSchedule`); ``"schedule": "hecate"``
 names the same schedule directly (its options then come from the section, or the defaults). Any other schedule
 (Parm's, ``baseline-tp``) with an enabled section is refused, naming the schedule, and so are a pipeline degree
-other than 1, an explicit ``"exchange": "padded"`` (Hecate sends only the kept rows) and ``esp`` > 1.
+other than 1, an explicit ``"exchange": "padded"`` (Hecate sends only the kept rows) and ``esp`` > 1. Until the
+host adapters run Hecate (they supply no ``LayerParams.expert_weights`` yet), an enabled section is refused with
+a line saying so, so that no host runs the plain baseline in its place.
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List
     esp = section.get("esp")
     if _int(esp, 2):
         problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
+    # The section's only readers are the host adapters, which do not run Hecate yet: refuse rather than let them
+    # run the plain baseline silently. Remove this line when a host supplies LayerParams.expert_weights.
+    problems.append(f"{path}.{NAME}: Hecate runs in the core layer only so far (MoELayer(schedule='{NAME}')); the "
+                    "DeepSpeed and Megatron-core adapters do not run it yet")
     return problems
 
 
