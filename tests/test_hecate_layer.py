@@ -171,6 +171,24 @@ def test_hecate_equals_reference_and_baseline(world, extra):
     assert hot_elsewhere > 0 and drops > 0 and spag_bytes > 0
 
 
+@pytest.mark.parametrize("mp,ep", [(1, 2), (2, 2)], ids=["ep2-expert_dp2", "mp2-ep2"])
+def test_hecate_on_other_layouts(world, mp, ep):
+    """EP 2 with two expert-DP replicas (each EP group plans its own copies; the owners' gradients then sum over
+    expert-DP as usual), and MP 2 (the EP members hold MP replicas of the same tokens, as in the baseline)."""
+    specs = [replace(SPEC, mp=mp, ep=ep, k=2, drop=drop, skew=skew, seed=5, capacity_factor=1.5 if drop else 1.0)
+             for drop, skew in ((True, 0.0), (False, 12.0))]
+    results = world(WORLD).run(one_call, specs)
+    for i, spec in enumerate(specs):
+        ranks = [r[i] for r in results]
+        for name in ("hecate", "ragged"):
+            report = compare(replace(spec, schedule="baseline"), [r[name] for r in ranks])
+            assert report["ok"], (spec, name, {k: v for k, v in report.items() if k.startswith("max_err")})
+        assert all(r["hecate"]["extra"] > 0 for r in ranks)
+        for r in ranks:
+            for key in ("y", "grad_x", "grad_wg"):
+                assert _err(r["hecate"][key], r["ragged"][key]) <= EXACT, (spec, key)
+
+
 def test_hecate_trains_like_the_baseline(world):
     spec = replace(SPEC, k=2, drop=False, skew=2.0, seed=11)
     runs = world(WORLD).run(training, spec, 4)

@@ -36,15 +36,13 @@ def _schedules(extra_experts: Any):
 def one_call(specs: List[VerifySpec], extra_experts: Any = "auto") -> List[Dict[str, Dict[str, Any]]]:
     """Per spec, this rank's forward and backward with each schedule (``hecate``, ``ragged``, ``padded``): the
     fields ``moe_plugins.tools.verify.compare`` reads, plus Hecate's placement, load and computed rows."""
-    import torch
-
     from moe_plugins.core.groups import process_groups
     from moe_plugins.core.ledger import CommLedger
 
     out = []
-    with process_groups(specs[0].layout()) as groups:
-        coords = specs[0].layout().coords(groups.global_rank)
-        for spec in specs:
+    for spec in specs:
+        with process_groups(spec.layout()) as groups:
+            coords = spec.layout().coords(groups.global_rank)
             runs = {}
             for name, schedule in _schedules(extra_experts).items():
                 ledger = CommLedger()
@@ -63,7 +61,6 @@ def one_call(specs: List[VerifySpec], extra_experts: Any = "auto") -> List[Dict[
                 runs[name] = run
                 del layer
             out.append(runs)
-            torch.manual_seed(0)
     return out
 
 
