@@ -25,6 +25,7 @@ from moe_plugins.hecate.sparse import sparse_bytes, whole_shards
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, compare
 from tests.workers.hecate_layer import one_call, refused, training
+from tests.workers.host_reads import reads_per_step
 
 WORLD = 4
 EXACT = 1e-9
@@ -198,6 +199,16 @@ def test_hecate_trains_like_the_baseline(world):
         assert len(set(r["hecate"]["losses"])) == 4                                       # the weights did move
         for ph, pb in zip(r["hecate"]["params"], r["ragged"]["params"]):
             assert _err(ph, pb) <= EXACT
+
+
+def test_one_host_read_per_call(world):
+    """The counts' all-gather is read once per call (the plan and split sizes are computed on the host from it);
+    nothing else reads a tensor value in a steady-state step (dropless: the gate's agreed capacity is read too)."""
+    spec = replace(SPEC, k=2, drop=True, skew=12.0)
+    for per_step in world(WORLD).run(reads_per_step, spec, 3, timeout_s=300):
+        for step in per_step[1:]:
+            (where,) = step
+            assert step[where] == 1 and where.startswith("tolist at schedule") and "prepare" in where, step
 
 
 def test_hecate_layer_refuses_chunks(world):
