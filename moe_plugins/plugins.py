@@ -9,12 +9,12 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Callable, Optional
 
-from moe_plugins import hecate, lina, parm, pipemoe
+from moe_plugins import hecate, lancet, lina, parm, pipemoe
 from moe_plugins.core.baseline import BaselineSchedule
 from moe_plugins.core.baseline_tp import BaselineTPSchedule
 from moe_plugins.core.registry import Registry
 
-PAPERS = (parm, pipemoe, lina, hecate)
+PAPERS = (parm, pipemoe, lina, hecate, lancet)
 
 
 def build_registry(extra: Optional[Callable[[Registry], None]] = None) -> Registry:

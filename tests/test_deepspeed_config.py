@@ -22,7 +22,7 @@ def test_defaults_and_round_trip():
     assert cfg == PluginConfig() and cfg.enabled and cfg.schedule == "baseline" and cfg.pipeline_degree == 1
     full = {"enabled": True, "schedule": "baseline-tp", "pipeline_degree": "auto", "esp": 2, "ranks_per_node": 8,
             "exchange": "ragged", "lina": {"priority": True, "micro_op_mb": 0.5, "packing": 1}, "fssdp": False,
-            "overlap": False, "hecate": None}
+            "overlap": False, "hecate": None, "lancet": {"defer_wgrad": False, "partitions": 1, "dense_wgrad": False}}
     assert PluginConfig.from_dict(full, **default_registry().config_choices()).to_dict() == full
 
 

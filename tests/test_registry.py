@@ -13,6 +13,7 @@ from moe_plugins.core.layer import resolve_schedule
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.registry import Registry
 from moe_plugins.hecate.config import SECTION_RULES
+from moe_plugins.lancet.config import SECTION_RULES as LANCET_RULES
 from moe_plugins.lina.config import lina_problems
 from moe_plugins.plugins import build_registry, default_registry
 
@@ -43,7 +44,8 @@ def test_catalogue_names_and_roles():
     assert reg.degree_policies() == {"auto": "the cost model's pick", "tune": "that pick checked by timing the layer"}
     assert reg.executor_names() == ["pipelined"]
     assert reg.config_choices() == {"schedules": reg.schedule_names(), "degrees": reg.degree_policies(),
-                                    "sections": {"lina": lina_problems, "hecate": SECTION_RULES}}
+                                    "sections": {"lina": lina_problems, "hecate": SECTION_RULES,
+                                                 "lancet": LANCET_RULES}}
 
 
 def test_frozen_and_duplicates_refused():

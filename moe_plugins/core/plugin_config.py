@@ -17,8 +17,10 @@ Schema (documented for users in ``docs/config.md``)::
                                     # "micro_op_mb": "auto", "packing": 1} (a registered section; docs/lina.md)
         "fssdp": false,             # reserved (Hecate)
         "overlap": false,           # reserved (Lancet)
-        "hecate": null              # Hecate's FSSDP: {"enabled": true, "extra_experts": "auto", ...} (a
+        "hecate": null,             # Hecate's FSSDP: {"enabled": true, "extra_experts": "auto", ...} (a
                                     # registered section; docs/hecate.md)
+        "lancet": null              # Lancet's deferred weight gradients: {"defer_wgrad": true, "partitions": 1,
+                                    # "dense_wgrad": false} (a registered section; docs/lancet.md)
     }
 
 :meth:`PluginConfig.from_dict` reports every unknown key and every bad value in one ``ValueError`` that names
@@ -82,6 +84,7 @@ class PluginConfig:
     fssdp: bool = False
     overlap: bool = False
     hecate: Optional[Dict[str, Any]] = field(default=None, hash=False)  # validated by the hecate package
+    lancet: Optional[Dict[str, Any]] = field(default=None, hash=False)  # validated by the lancet package
 
     def __post_init__(self) -> None:
         problems = plugin_config_problems(asdict(self), SECTION)
@@ -109,7 +112,7 @@ class PluginConfig:
 # A registered sub-section (``Registry.add_section``): problems(value, path) -> every problem, each naming
 # path.key, the value and what is allowed.
 SectionCheck = Callable[[Any, str], List[str]]
-PAPER_SECTIONS = ("lina", "hecate")     # PluginConfig's sub-sections a paper registers a check for
+PAPER_SECTIONS = ("lina", "hecate", "lancet")     # PluginConfig's sub-sections a paper registers a check for
 
 
 @dataclass(frozen=True)

@@ -43,4 +43,10 @@ from moe_plugins.lancet.wgrad import deferred_bmm, deferred_linear, deferred_par
 from moe_plugins.lancet.wgrad_queue import WgradItem, WgradQueue, best_fit
 
 __all__ = ["WgradItem", "WgradQueue", "best_fit", "deferred_bmm", "deferred_linear", "deferred_partial_ffn",
-           "dense_wgrad"]
+           "dense_wgrad", "register"]
+
+
+def register(registry) -> None:
+    """Add Lancet's config section (``"lancet": {...}``, :mod:`moe_plugins.lancet.config`) to ``registry``."""
+    from moe_plugins.lancet.config import NAME, SECTION_RULES
+    registry.add_section(NAME, SECTION_RULES, paper=NAME)

@@ -36,6 +36,8 @@ No module-level state: a queue is an object the caller owns and passes to the de
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
@@ -65,6 +67,18 @@ class WgradItem:
     tag: str = ""                     # a group the caller can select by (e.g. "experts.3", "dense")
     seq: int = 0                      # queue order (ties in best fit go to the earliest)
     use: Optional[Use] = None         # the forward use it settles (released when it has run)
+
+
+@dataclass(frozen=True)
+class WgradSpan:
+    """When one item's dW compute ran (``time.perf_counter_ns``, the engine's clock) and during what: ``during``
+    names the exchange it overlapped (its handle's ``what``), or "" (a flush, ``run_some``)."""
+
+    name: str
+    tag: str
+    start_ns: int
+    end_ns: int
+    during: str = ""
 
 
 def leaves_of(target: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -112,10 +126,14 @@ def _current_graph_task() -> int:
 
 class WgradQueue:
     """Deferred weight-gradient work of one model (see the module docstring). ``flush_at_end`` (default):
-    flush when the backward pass that queued an item ends."""
+    flush when the backward pass that queued an item ends. ``record_timeline``: every item run is appended to
+    :attr:`timeline` as a :class:`WgradSpan`."""
 
-    def __init__(self, *, flush_at_end: bool = True):
+    def __init__(self, *, flush_at_end: bool = True, record_timeline: bool = False):
         self.flush_at_end = flush_at_end
+        self.timeline: Optional[List[WgradSpan]] = [] if record_timeline else None
+        self.thread: Optional[int] = None                     # the thread that queued the last item (backward's)
+        self._during = ""
         self._items: List[WgradItem] = []
         self._seq = 0
         self._uses: Dict[int, int] = {}                       # leaf id -> outstanding forward uses
@@ -194,6 +212,7 @@ class WgradQueue:
         item = WgradItem(name=name, cost=float(cost), compute=compute, tag=tag, seq=self._seq, use=use)
         self._seq += 1
         self._items.append(item)
+        self.thread = threading.get_ident()
         self._register_flush()
         return item
 
@@ -232,6 +251,20 @@ class WgradQueue:
             room -= item.cost
             run.append(item.name)
         return run
+
+    def run_all(self, *, tags: Optional[Collection[str]] = None, during: str = "") -> List[str]:
+        """Run every queued item (``tags``: with one of these tags) in queue order, recording ``during`` (what it
+        overlaps) on the timeline. What runs depends on the queue alone, never on timing, so every rank delivers
+        its gradients in the same order (the hosts' reduction hooks need that). Returns the names run."""
+        self._during = during
+        try:
+            run = []
+            for item in self._selected(tags):
+                self._run(item)
+                run.append(item.name)
+            return run
+        finally:
+            self._during = ""
 
     def flush(self) -> List[str]:
         """Run every queued item in queue order, then deliver every gradient still waiting (uses of other
@@ -273,8 +306,11 @@ class WgradQueue:
 
     def _run(self, item: WgradItem) -> None:
         self._items.remove(item)
+        start_ns = time.perf_counter_ns()
         with torch.no_grad():
             grads = item.compute()
+        if self.timeline is not None:
+            self.timeline.append(WgradSpan(item.name, item.tag, start_ns, time.perf_counter_ns(), self._during))
         self.items_run += 1
         self.release(item.use)
         self._waiting += [(target, grad, leaves_of(target)) for target, grad in grads]

@@ -1,0 +1,115 @@
+"""Lancet's section of the ``moe_plugins`` config (``"lancet": {...}``), typed and validated at the boundary.
+
+::
+
+    "lancet": {
+        "defer_wgrad": true,   # the experts' weight gradients are deferred and run while the layer's backward
+                               # exchanges are in flight; false keeps the section but defers nothing
+        "partitions": 1,       # Part 2's batch partitions (not built): only 1 is accepted in this version
+        "dense_wgrad": false   # defer the dense nn.Linear weight gradients too: not wired into the hosts in this
+                               # version (the core's lancet.dense_wgrad context does it by hand); only false
+    }
+
+With ``defer_wgrad`` on, the section runs with schedule ``baseline`` and the padded exchange at any fixed or
+chosen pipeline degree; Parm's schedules, ``baseline-tp``, Hecate and the ragged exchange are refused, naming the
+field and its value (their exchanges are other autograd Functions, which the overlap hook does not reach yet).
+Every problem names ``moe_plugins.lancet.<key>``, the value and what is allowed, before anything is patched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, List, Mapping, Optional, Union
+
+from moe_plugins.core.plugin_config import SectionRules, did_you_mean
+
+NAME = "lancet"
+AUTO = "auto"
+SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the overlap hook
+EXCHANGES = ("padded",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LancetConfig:
+    defer_wgrad: bool = True
+    partitions: Union[int, str] = 1
+    dense_wgrad: bool = False
+
+    @classmethod
+    def from_dict(cls, section: Optional[Mapping[str, Any]], path: str = "moe_plugins.lancet") -> "LancetConfig":
+        """The section (None: the defaults), or one ValueError listing every problem."""
+        if section is None:
+            return cls()
+        problems = lancet_problems(section, path)
+        if problems:
+            raise ValueError(f"invalid {path} section: " + "; ".join(problems))
+        return cls(**dict(section))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def partitions_problem(value: Any, path: str) -> Optional[str]:
+    """Why ``partitions`` is refused (None when it is 1): one line naming the field and the value (pure)."""
+    if _is_int(value) and value == 1:
+        return None
+    if (_is_int(value) and value > 1) or value == AUTO:
+        return (f"{path}.partitions ({value!r}): batch partitions (Lancet's Part 2) are not built; only 1 is "
+                "supported in this version")
+    return (f"{path}.partitions ({value!r}) must be an integer >= 1 or \"auto\"; only 1 is supported in this "
+            "version")
+
+
+def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]:
+    """Every problem of a ``lancet`` section, each naming ``path.key``, the value and what is allowed (pure)."""
+    if not isinstance(section, Mapping):
+        return [f"{path} ({section!r}) must be a JSON object (see docs/lancet.md) or null"]
+    allowed = [f.name for f in fields(LancetConfig)]
+    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
+                for key in section if key not in allowed]
+    if "defer_wgrad" in section and not isinstance(section["defer_wgrad"], bool):
+        problems.append(f"{path}.defer_wgrad ({section['defer_wgrad']!r}) must be true or false")
+    if "partitions" in section:
+        problem = partitions_problem(section["partitions"], path)
+        if problem is not None:
+            problems.append(problem)
+    dense = section.get("dense_wgrad", False)
+    if not isinstance(dense, bool):
+        problems.append(f"{path}.dense_wgrad ({dense!r}) must be true or false; only false is supported in this "
+                        "version")
+    elif dense:
+        problems.append(f"{path}.dense_wgrad (True): deferring the dense layers' weight gradients is not wired into "
+                        "the hosts in this version; only false is accepted (moe_plugins.lancet.dense_wgrad wraps "
+                        "nn.Linear modules by hand)")
+    return problems
+
+
+def enabled_in(section: Mapping[str, Any]) -> bool:
+    """Whether a ``moe_plugins`` section defers weight gradients: a ``lancet`` section with ``defer_wgrad`` on."""
+    lancet = section.get(NAME)
+    return isinstance(lancet, Mapping) and lancet.get("defer_wgrad", True) is True
+
+
+def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List[str]:
+    """How the ``lancet`` section fits the rest of the ``moe_plugins`` section (pure): the schedule and exchange
+    it runs with, and no Hecate, each problem naming the field and its value."""
+    if not enabled_in(section):
+        return []
+    problems = []
+    schedule = section.get("schedule", "baseline")
+    if schedule not in SCHEDULES:
+        problems.append(f"{path}.schedule ({schedule!r}) cannot run with {path}.{NAME}.defer_wgrad: Lancet overlaps "
+                        f"the exchanges of schedule {', '.join(map(repr, SCHEDULES))} only in this version")
+    exchange = section.get("exchange", "padded")
+    if exchange not in EXCHANGES:
+        problems.append(f"{path}.exchange ({exchange!r}) cannot run with {path}.{NAME}.defer_wgrad: only the padded "
+                        "exchange carries the overlap in this version")
+    hecate = section.get("hecate")
+    if isinstance(hecate, Mapping) and hecate.get("enabled", True) is True:
+        problems.append(f"{path}.hecate (enabled) cannot run with {path}.{NAME}.defer_wgrad: Hecate's expert copies "
+                        "do not defer their weight gradients")
+    return problems
+
+
+SECTION_RULES = SectionRules(value=lancet_problems, across=lancet_across)

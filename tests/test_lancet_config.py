@@ -1,0 +1,88 @@
+"""Lancet's ``"lancet"`` section of the ``moe_plugins`` config (moe_plugins/lancet/config.py): defaults, every
+refusal naming the field, the value and what is allowed, refusals across the section, and the pure overlap
+arithmetic of moe_plugins/lancet/overlap.py. One process, no ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
+from moe_plugins.lancet.config import LancetConfig, lancet_problems
+from moe_plugins.lancet.overlap import covered, hidden_fraction, merged, overlap_fraction
+from moe_plugins.plugins import default_registry
+
+CHOICES = default_registry().config_choices()
+
+
+def _parse(section):
+    return PluginConfig.from_dict(section, "moe_plugins", **CHOICES)
+
+
+def test_section_parses_and_defaults():
+    assert LancetConfig.from_dict(None) == LancetConfig(defer_wgrad=True, partitions=1, dense_wgrad=False)
+    cfg = _parse({"lancet": {}, "pipeline_degree": 2})
+    assert cfg.lancet == {} and LancetConfig.from_dict(cfg.lancet).defer_wgrad
+    full = {"defer_wgrad": True, "partitions": 1, "dense_wgrad": False}
+    assert _parse({"lancet": full}).to_dict()["lancet"] == full
+    assert lancet_problems(full) == []
+    # defer_wgrad false keeps the section and constrains nothing
+    assert _parse({"lancet": {"defer_wgrad": False}, "schedule": "parm-s2", "exchange": "padded"}).lancet
+
+
+@pytest.mark.parametrize("value", [2, 4, "auto"])
+def test_partitions_other_than_one_refused_in_one_line(value):
+    problems = lancet_problems({"partitions": value})
+    assert problems == [f"moe_plugins.lancet.partitions ({value!r}): batch partitions (Lancet's Part 2) are not "
+                        "built; only 1 is supported in this version"]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.0, True, "1", "Auto", None, [1]])
+def test_partitions_bad_values_name_what_is_allowed(value):
+    with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \(.*\) must be an integer >= 1 or "
+                                         r"\"auto\"; only 1 is supported in this version"):
+        _parse({"lancet": {"partitions": value}})
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"defer_wgrad": "yes"}, r"moe_plugins\.lancet\.defer_wgrad \('yes'\) must be true or false"),
+    ({"dense_wgrad": 1}, r"moe_plugins\.lancet\.dense_wgrad \(1\) must be true or false"),
+    ({"dense_wgrad": True}, r"moe_plugins\.lancet\.dense_wgrad \(True\): deferring the dense layers' weight "
+                            r"gradients is not wired into the hosts"),
+    ({"defer_wgrads": True}, r"moe_plugins\.lancet\.defer_wgrads is unknown; allowed: defer_wgrad, partitions, "
+                             r"dense_wgrad \(did you mean 'defer_wgrad'\?\)"),
+])
+def test_field_refusals(section, message):
+    with pytest.raises(ValueError, match=message):
+        _parse({"lancet": section})
+
+
+def test_every_problem_at_once_and_not_an_object():
+    problems = plugin_config_problems({"lancet": {"partitions": 3, "dense_wgrad": "no", "x": 1}}, "ds", **CHOICES)
+    assert [p.split(" ")[0] for p in problems] == ["ds.lancet.x", "ds.lancet.partitions", "ds.lancet.dense_wgrad"]
+    with pytest.raises(ValueError, match=r"moe_plugins\.lancet \(\[1\]\) must be a JSON object"):
+        _parse({"lancet": [1]})
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"schedule": "parm-s2"}, r"moe_plugins\.schedule \('parm-s2'\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
+    ({"schedule": "baseline-tp"}, r"moe_plugins\.schedule \('baseline-tp'\) cannot run with"),
+    ({"exchange": "ragged"}, r"moe_plugins\.exchange \('ragged'\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
+    ({"hecate": {}}, r"moe_plugins\.hecate \(enabled\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
+])
+def test_refused_combinations(section, message):
+    with pytest.raises(ValueError, match=message):
+        _parse({"lancet": {}, **section})
+
+
+# ---- the overlap arithmetic (pure) -----------------------------------------------------------------------------
+
+def test_overlap_fractions():
+    assert merged([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]
+    assert covered([(0, 10)], [(2, 4), (3, 6), (12, 20)]) == 4
+    comm, compute = [(0, 10), (20, 30)], [(2, 6), (8, 22), (40, 50)]
+    assert overlap_fraction(comm, compute) == pytest.approx((4 + 2 + 2) / 20)
+    assert hidden_fraction(comm, compute) == pytest.approx(8 / 28)
+    assert overlap_fraction(comm, []) == 0.0 and hidden_fraction([], compute) == 0.0
+    assert overlap_fraction([], compute) == 0.0
+    with pytest.raises(ValueError, match=r"interval \(5, 4\) ends before it starts"):
+        overlap_fraction([(5, 4)], compute)
