@@ -17,17 +17,22 @@ op                      forward                   backward
 A group of size 1 is a no-op and records nothing. Every collective goes through the Recorder's
 communication engine (:mod:`moe_plugins.core.engine`) as an URGENT op, which times and records it; a Recorder
 built without an engine gets an inline, urgent-only one of its own (no process groups, no threads).
+
+Work while an exchange flies: a Recorder may carry ``while_in_flight(handle)``. Then an all-to-all's backward
+(a layer's backward exchange) is issued on the engine's pipeline lane, when it has one, the callback runs on
+this thread while the exchange is in flight, and the result is waited for after it (Lancet runs deferred weight
+gradients there). Without the callback or the lane, the exchange runs inline as any other.
 gloo lacks list-form all_to_all, so only the ``_single`` / flat forms are used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from moe_plugins.core.engine import URGENT, CommEngine
+from moe_plugins.core.engine import PIPELINE, URGENT, CommEngine
 from moe_plugins.core.ops import CommError
 from moe_plugins.core.groups import Group
 from moe_plugins.core.ledger import CommLedger
@@ -42,6 +47,8 @@ class Recorder:
     layer: str
     engine: Optional[CommEngine] = field(default=None, compare=False)
     schedule: str = field(default="", compare=False)
+    # called with the Handle of a backward all-to-all in flight on the pipeline lane (module docstring)
+    while_in_flight: Optional[Callable[[Any], None]] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.engine is None:
@@ -53,6 +60,22 @@ class Recorder:
         try:
             return self.engine.issue(op, group, x, priority=URGENT, reduce=reduce, layer=self.layer, phase=phase,
                                      ledger=self.ledger).wait()
+        except CommError as exc:
+            raise self.failed(exc) from exc
+
+    def issue_overlapped(self, op: str, group: Group, x: torch.Tensor, phase: str) -> torch.Tensor:
+        """``op`` on the engine's pipeline lane, ``while_in_flight(handle)`` run here meanwhile, then its result
+        (:meth:`issue` when there is no callback or no pipeline lane). On the lane's own thread it runs inline."""
+        if self.while_in_flight is None or not self.engine.has_lane(PIPELINE):
+            return self.issue(op, group, x, phase)
+        try:
+            handle = self.engine.issue(op, group, x, priority=URGENT, lane=PIPELINE, layer=self.layer, phase=phase,
+                                       ledger=self.ledger)
+            try:
+                self.while_in_flight(handle)
+            finally:
+                out = handle.wait()          # the exchange is collective: wait for it even if the callback failed
+            return out
         except CommError as exc:
             raise self.failed(exc) from exc
 
@@ -97,6 +120,8 @@ def _all_to_all(x: torch.Tensor, group: Group, rec: Recorder, phase: str) -> tor
     if x.shape[0] % group.size:
         raise ValueError(f"all_to_all: dim 0 ({x.shape[0]}) is not divisible by the {group.kind} group size "
                          f"({group.size})")
+    if phase == "backward":
+        return rec.issue_overlapped("all_to_all", group, x.contiguous(), phase)
     return rec.issue("all_to_all", group, x.contiguous(), phase)
 
 

@@ -98,8 +98,11 @@ def hidden_fraction(exchanges: Iterable[Sequence[int]], compute: Iterable[Sequen
 
 
 def exchange_intervals(timeline: Optional[Iterable], layer: Optional[str] = None, phase: str = "backward",
-                       op: str = "all_to_all") -> List[Interval]:
-    """The (start_ns, end_ns) of an engine timeline's records (``CommRecord``) of ``op`` in ``phase`` (and
-    ``layer``, when given)."""
-    return [(r.start_ns, r.end_ns) for r in (timeline or [])
+                       op: str = "all_to_all", since: str = "start") -> List[Interval]:
+    """The intervals of an engine timeline's records (``CommRecord``) of ``op`` in ``phase`` (and ``layer``, when
+    given), to their ``end_ns``, from ``start_ns`` (the lane thread began the collective) or, with ``since="issue"``,
+    from ``issue_ns`` (the caller queued it on the lane, tens of microseconds earlier on CPU)."""
+    if since not in ("start", "issue"):
+        raise ValueError(f"since ({since!r}) must be 'start' or 'issue'")
+    return [(r.start_ns if since == "start" else r.issue_ns, r.end_ns) for r in (timeline or [])
             if r.op == op and r.phase == phase and (layer is None or r.layer == layer)]
