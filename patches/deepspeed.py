@@ -43,6 +43,7 @@ from moe_plugins.core.schedule import with_exchange
 from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
+from moe_plugins.patches.deepspeed_lancet import LancetHooks
 from moe_plugins.patches.deepspeed_lina import LinaHooks
 from moe_plugins.patches.deepspeed_lina_infer import LinaInferenceHooks
 from moe_plugins.patches.deepspeed_layer import (HostGroups, HostLayerFacts, SwappedLayer, common_value,
@@ -80,7 +81,7 @@ class DeepSpeedPlugin:
         self._engine_config: Optional[PluginConfig] = None
         self._names: Dict[int, str] = {}
         self._ds: Any = None
-        self.lina = LinaHooks()                                  # Lina's gradient micro-ops, per DeepSpeed engine
+        self.lina, self.lancet = LinaHooks(), LancetHooks()      # Lina's gradient micro-ops per engine; Lancet's dW
         self.infer = LinaInferenceHooks(config)                  # Lina's inference schedule (reads the table now)
 
     # -- patching --------------------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class DeepSpeedPlugin:
         try:
             try:
                 self.lina.remove()
+                self.lancet.remove()
                 self.infer.remove()
             finally:
                 self._restore_functions()
@@ -153,10 +155,8 @@ class DeepSpeedPlugin:
         if dist.is_initialized():                    # the job may have torn down the default group already
             for pg in self.built_process_groups():
                 dist.destroy_process_group(pg)
-        self._lanes.clear()
-        self._groups.clear()
-        self._built.clear()
-        self._own_pgs.clear()
+        for held in (self._lanes, self._groups, self._built, self._own_pgs):
+            held.clear()
         self._singletons = None
 
     @property
@@ -273,10 +273,10 @@ class DeepSpeedPlugin:
         moe.deepspeed_moe._set_ep_group(ep_pg)
         cls = with_exchange(self._schedule_class(cfg.schedule, layout, moe, read_profile), cfg.exchange, degree)
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
-        self._layers[moe.deepspeed_moe] = SwappedLayer(
+        self._layers[moe.deepspeed_moe] = self.lancet.attach(cfg, SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None,
-            inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec))
+            inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec)), moe, self._lanes)
         record = {"layer": facts.name, "schedule": cfg.schedule, "exchange": cls.exchange_mode,
                   "pipeline_degree": cfg.pipeline_degree, "mp": layout.mp, "ep": layout.ep, "esp": layout.esp,
                   "num_experts": facts.num_experts, "k": facts.k, "experts_sliced_by_plugin": sliced,

@@ -68,6 +68,7 @@ def test_every_problem_at_once_and_not_an_object():
     ({"schedule": "baseline-tp"}, r"moe_plugins\.schedule \('baseline-tp'\) cannot run with"),
     ({"exchange": "ragged"}, r"moe_plugins\.exchange \('ragged'\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
     ({"hecate": {}}, r"moe_plugins\.hecate \(enabled\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
+    ({"lina": {}}, r"moe_plugins\.lina \(its gradient micro-ops\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
 ])
 def test_refused_combinations(section, message):
     with pytest.raises(ValueError, match=message):

@@ -11,8 +11,8 @@
     }
 
 With ``defer_wgrad`` on, the section runs with schedule ``baseline`` and the padded exchange at any fixed or
-chosen pipeline degree; Parm's schedules, ``baseline-tp``, Hecate and the ragged exchange are refused, naming the
-field and its value (their exchanges are other autograd Functions, which the overlap hook does not reach yet).
+chosen pipeline degree; Parm's schedules, ``baseline-tp``, Hecate, Lina's gradient micro-ops and the ragged
+exchange are refused, naming the field and its value (their exchanges are other autograd Functions, which the overlap hook does not reach yet).
 Every problem names ``moe_plugins.lancet.<key>``, the value and what is allowed, before anything is patched.
 """
 
@@ -105,6 +105,10 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List
     if exchange not in EXCHANGES:
         problems.append(f"{path}.exchange ({exchange!r}) cannot run with {path}.{NAME}.defer_wgrad: only the padded "
                         "exchange carries the overlap in this version")
+    lina = section.get("lina")
+    if isinstance(lina, Mapping) and (set(lina) - {"inference"} or "inference" not in lina):
+        problems.append(f"{path}.lina (its gradient micro-ops) cannot run with {path}.{NAME}.defer_wgrad in this "
+                        "version: their engines are not shared yet")
     hecate = section.get("hecate")
     if isinstance(hecate, Mapping) and hecate.get("enabled", True) is True:
         problems.append(f"{path}.hecate (enabled) cannot run with {path}.{NAME}.defer_wgrad: Hecate's expert copies "
