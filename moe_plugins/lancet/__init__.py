@@ -1,7 +1,7 @@
 """Lancet: weight-gradient and non-MoE computation overlapped with the MoE all-to-all. docs/lancet.md explains it.
 
-Part 1 (#26), deferred weight gradients, as a standalone mechanism (not yet wired into the layer, the engine or
-the hosts):
+Part 1 (#26), deferred weight gradients, wired into the core layer and the DeepSpeed host behind the config's
+``"lancet"`` section (Part 2, batch partitions, is not built):
 
 - :mod:`moe_plugins.lancet.wgrad_queue`: :class:`WgradQueue`, an explicit object (one per model; no module
   state) holding deferred dW work. ``run_some(budget)`` runs the items that fit, greedy best fit by estimated
@@ -18,24 +18,16 @@ the hosts):
   core's expert FFN), ``deferred_linear``. Backward computes dX at once and queues dW.
 - :mod:`moe_plugins.lancet.dense`: ``dense_wgrad(queue, named_modules)``, a context manager that wraps plain
   ``nn.Linear`` modules so their dW is deferred too, refusing (ValueError naming module and type) any other.
-
-How the layer will call it (integration, not done here). The MoE layer's backward issues an exchange on an
-engine lane, which returns a ``Handle``, and, before waiting on it, runs queued work:
-
-    handle = engine.submit(exchange_backward, lane="pipeline")   # the dispatch-gradient all-to-all
-    queue.run_while(handle, tags={f"experts.{layer}"})          # this layer's own expert dW
-    grad = handle.wait()
-
-The dispatch-gradient exchange (the last of a layer's backward) overlaps the layer's own expert dW, queued just
-before it; the combine-gradient exchange (the first) overlaps dense dW queued by the layers after it
-(``tags={"dense"}``). ``budget=`` (the exchange's estimated duration, in the items' cost unit) makes the pick a
-greedy best fit, as in the paper. On CPU the engine runs urgent ops issued from the caller's thread inline,
-so their handles are done on return and ``run_while`` runs nothing: the overlap needs a lane.
-
-Hosts, still to wire: the layer's experts call ``deferred_partial_ffn`` where the core calls ``partial_ffn``
-(DeepSpeed's per-expert Linears stacked per call work as targets); ``dense_wgrad`` wraps the dense Linears the
-config names. DeepSpeed's ``engine.backward`` needs nothing more; ``loss.backward()`` under ZeRO needs the
-adapter to flush the queue ahead of ZeRO's post-backward callback (see ``wgrad_queue``'s docstring).
+- :mod:`moe_plugins.lancet.config`: the ``"lancet"`` section (``defer_wgrad``; ``partitions`` 1 only;
+  ``dense_wgrad`` false only), registered by :func:`register`.
+- :mod:`moe_plugins.lancet.overlap`: :class:`~moe_plugins.lancet.overlap.ExchangeOverlap`, the callback a layer's
+  ``core.comm.Recorder`` carries as ``while_in_flight``: the core's all-to-all backward issues the exchange on the
+  engine's pipeline lane and calls it before waiting; it runs everything queued, in queue order (the same on every
+  rank, so the hosts' gradient hooks fire in the same order). The combine-gradient exchange runs what later layers
+  queued; the dispatch-gradient exchange runs this layer's own expert dW. Pure overlap measures on intervals.
+- :mod:`moe_plugins.lancet.layer`: :class:`~moe_plugins.lancet.layer.LancetMoELayer`, the core layer with its
+  experts' dW deferred. The DeepSpeed host's part is ``patches/deepspeed_lancet.py``. docs/lancet.md says what is
+  overlapped, what is tested and what is not built (Megatron, dense_wgrad on hosts, batch partitions, the bench).
 """
 
 from moe_plugins.lancet.dense import dense_wgrad
