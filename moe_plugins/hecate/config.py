@@ -14,14 +14,17 @@ How the section selects the schedule: an enabled section switches schedule ``bas
 baseline's data flow with FSSDP, :class:`~moe_plugins.hecate.schedule.HecateSchedule`); ``"schedule": "hecate"``
 names the same schedule directly (its options then come from the section, or the defaults). Any other schedule
 (Parm's, ``baseline-tp``) with an enabled section is refused, naming the schedule, and so are a pipeline degree
-other than 1, an explicit ``"exchange": "padded"`` (Hecate sends only the kept rows) and ``esp`` > 1. Until the
-host adapters run Hecate (they supply no ``LayerParams.expert_weights`` yet), an enabled section is refused with
-a line saying so, so that no host runs the plain baseline in its place.
+other than 1, an explicit ``"exchange": "padded"`` (Hecate sends only the kept rows; absent, it is implied) and
+``esp`` > 1. Only the DeepSpeed adapter runs Hecate (it supplies ``LayerParams.expert_weights``): it checks the
+section with :func:`host_rules` for ``"deepspeed"``; every other reader (:data:`SECTION_RULES`, the registry's
+default: the Megatron-core adapter, the launcher) refuses an enabled section with one line, so that no host runs
+the plain baseline in its place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, List, Mapping, Optional, Union
 
 from moe_plugins.core.plugin_config import SectionRules, did_you_mean
@@ -29,6 +32,7 @@ from moe_plugins.core.plugin_config import SectionRules, did_you_mean
 AUTO = "auto"
 NAME = "hecate"                    # the schedule's registered name and the section's key
 SWITCHES = ("baseline", NAME)      # the schedules an enabled section runs as Hecate
+HOSTS = ("deepspeed",)             # the host adapters that run Hecate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,9 +97,10 @@ def enabled_in(section: Mapping[str, Any]) -> bool:
     return on or section.get("schedule") == NAME
 
 
-def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List[str]:
+def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: Optional[str] = None) -> List[str]:
     """How the ``hecate`` section fits the rest of the ``moe_plugins`` section (pure): the schedules, pipeline
-    degree, exchange and ESP degree Hecate runs with, each problem naming the field and its value."""
+    degree, exchange and ESP degree Hecate runs with, and the ``host`` that reads it (one of :data:`HOSTS`; None
+    or another: refused), each problem naming the field and its value."""
     hecate = section.get(NAME)
     if isinstance(hecate, Mapping) and hecate.get("enabled") is False and section.get("schedule") == NAME:
         return [f"{path}.{NAME}.enabled (False) contradicts {path}.schedule ('{NAME}'): enable the section or "
@@ -118,11 +123,16 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List
     esp = section.get("esp")
     if _int(esp, 2):
         problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
-    # The section's only readers are the host adapters, which do not run Hecate yet: refuse rather than let them
-    # run the plain baseline silently. Remove this line when a host supplies LayerParams.expert_weights.
-    problems.append(f"{path}.{NAME}: Hecate runs in the core layer only so far (MoELayer(schedule='{NAME}')); the "
-                    "DeepSpeed and Megatron-core adapters do not run it yet")
+    if host not in HOSTS:     # e.g. Megatron-core: refuse rather than let it run the plain baseline silently
+        problems.append(f"{path}.{NAME}: Hecate is built for DeepSpeed only in this version (moe_plugins.enable() "
+                        f"before deepspeed.initialize, or the core MoELayer(schedule='{NAME}')); the Megatron-core "
+                        "adapter does not run it")
     return problems
 
 
-SECTION_RULES = SectionRules(value=hecate_problems, across=hecate_across)
+def host_rules(host: Optional[str]) -> SectionRules:
+    """The section's checks as read by ``host`` (``"deepspeed"`` runs Hecate; None: a reader that does not)."""
+    return SectionRules(value=hecate_problems, across=partial(hecate_across, host=host))
+
+
+SECTION_RULES = host_rules(None)      # the registry's: readers other than the DeepSpeed adapter refuse Hecate

@@ -79,6 +79,7 @@ class HecateSchedule(Schedule):
     name = NAME
     exchange_mode = "ragged"
     ragged_chunks = False
+    needs_expert_weights = True
     options: ClassVar[HecateConfig] = HecateConfig()
 
     @classmethod
@@ -154,8 +155,8 @@ class HecateSchedule(Schedule):
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         if params.expert_weights is None:
             raise ValueError(f"schedule '{NAME}' needs LayerParams.expert_weights (this rank's experts as "
-                             "ExpertWeights): the core layer supplies them; the DeepSpeed and Megatron hosts do not "
-                             "yet")
+                             "ExpertWeights): the core layer and the DeepSpeed host supply them; the Megatron-core "
+                             "host does not")
         cfg, ep = self.config, self.groups.ep
         routing = params.router(x_SM)
         order = route_order([routing], cfg.num_experts)

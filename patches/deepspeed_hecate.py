@@ -1,0 +1,108 @@
+"""Hecate (FSSDP) on DeepSpeed: what the DeepSpeed adapter (patches/deepspeed.py) needs to run schedule ``hecate``
+on a ``deepspeed.moe`` layer. Pure helpers; nothing here patches anything.
+
+- :func:`config_choices`: the registry's config choices with Hecate's section checked for this host (the registry's
+  own rules refuse an enabled section, for the hosts that do not run Hecate).
+- :func:`hecate_config`: the section as the adapter runs it: with Hecate on, schedule ``hecate`` and the ragged
+  exchange (implied: Hecate sends only the kept rows), after checking that every local expert is
+  ``nn.Sequential(nn.Linear(M, H), GELU|ReLU|SiLU, nn.Linear(H, M))``: a refusal names any other expert module and
+  its type, before the layer is swapped or any group built.
+- :func:`hecate_class`: the schedule class configured with the section's options.
+- :func:`stacked_weights`: ``LayerParams.expert_weights`` per call: the local experts' Linear weights (transposed)
+  and biases stacked. ``torch.stack`` of views copies in forward, and its backward hands each parameter its slice,
+  so each ``nn.Linear`` parameter gets its gradient once per backward (DeepSpeed ZeRO's hooks fire once).
+
+Shapes: E_l local experts, M model dim, H FFN hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Type
+
+import torch
+
+from moe_plugins.core.experts import ExpertWeights
+from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.core.schedule import Schedule
+from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rules
+from moe_plugins.patches.deepspeed_layer import ffn_activation
+from moe_plugins.plugins import default_registry
+
+HOST = "deepspeed"
+_FFN_FORM = "nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M))"
+
+
+def config_choices() -> Dict[str, Any]:
+    """``default_registry().config_choices()`` with the ``hecate`` section checked as the DeepSpeed adapter runs
+    it: ``PluginConfig.from_dict(section, **config_choices())``."""
+    choices = default_registry().config_choices()
+    return {**choices, "sections": {**choices["sections"], NAME: host_rules(HOST)}}
+
+
+def hecate_on(cfg: Optional[PluginConfig]) -> bool:
+    """Whether ``cfg`` runs Hecate: enabled, with an enabled ``hecate`` section or schedule ``hecate``."""
+    return cfg is not None and cfg.enabled and enabled_in({"schedule": cfg.schedule, NAME: cfg.hecate})
+
+
+def expert_problems(experts: torch.nn.ModuleList, hidden: int, prefix: str) -> List[str]:
+    """Every local expert Hecate cannot copy (not Linear -> activation -> Linear on M), naming its module path
+    (``prefix``.i) and type (empty when all can be served)."""
+    return [f"expert {prefix}.{i} ({type(e).__module__}.{type(e).__qualname__}) is not {_FFN_FORM} on M={hidden}: "
+            "Hecate builds its copies from those two Linear layers' weights and biases, and cannot copy another "
+            "module" for i, e in enumerate(experts) if ffn_activation(e, hidden) is None]
+
+
+def hecate_config(cfg: Optional[PluginConfig], moe: torch.nn.Module, name: str) -> Optional[PluginConfig]:
+    """``cfg`` as the adapter runs DeepSpeed MoE layer ``moe`` (named ``name``): unchanged without Hecate; with
+    it, schedule ``hecate`` and the ragged exchange. One ValueError lists every problem: the section's (a
+    PluginConfig given to enable() directly is checked here; its ``exchange`` is taken as implied) and every
+    expert module Hecate cannot copy."""
+    if not hecate_on(cfg):
+        return cfg
+    section = {**cfg.to_dict(), "exchange": "ragged"}
+    problems = host_rules(HOST)(cfg.hecate, f"{SECTION}.{NAME}") if cfg.hecate is not None else []
+    problems += hecate_across(section, SECTION, host=HOST)
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    problems += expert_problems(experts, int(moe.deepspeed_moe.gate.wg.in_features),
+                                f"{name}.deepspeed_moe.experts.deepspeed_experts")
+    if problems:
+        raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {name} with Hecate: " + "; ".join(problems))
+    return replace(cfg, schedule=NAME, exchange="ragged")
+
+
+def hecate_class(cfg: PluginConfig, cls: Type[Schedule]) -> Type[Schedule]:
+    """``cls`` configured with the ``hecate`` section's options when it is Hecate's schedule, else ``cls``."""
+    if cls.name != NAME:
+        return cls
+    return default_registry().schedule_class(NAME).from_section(cfg.hecate)
+
+
+def stacked_weights(experts: torch.nn.ModuleList) -> ExpertWeights:
+    """The local FFN experts (each ``nn.Sequential(Linear(M, H), act, Linear(H, M))``) as ExpertWeights, built
+    from the parameters themselves (gradients flow back to each once). A missing bias is a zero tensor. ZeRO
+    stage 3 partitions the parameters outside the experts' forward: refused, naming the parameter."""
+    fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
+    for i, fc in enumerate(fc1s + fc2s):
+        if hasattr(fc.weight, "ds_id"):
+            raise ValueError(f"Hecate cannot read expert {i % len(fc1s)}'s Linear weight: ZeRO stage 3 partitions it "
+                             "(ds_id set) and Hecate copies the experts outside their forward; use ZeRO stage 0, 1 "
+                             "or 2")
+    return ExpertWeights(w1_EMH=torch.stack([f.weight.t() for f in fc1s]),
+                         b1_EH=torch.stack([_bias(f) for f in fc1s]),
+                         w2_EHM=torch.stack([f.weight.t() for f in fc2s]),
+                         b2_EM=torch.stack([_bias(f) for f in fc2s]))
+
+
+def weights_source(cls: Type[Schedule]) -> Optional[Callable[[torch.nn.Module], ExpertWeights]]:
+    """What a swapped layer calls per forward for ``LayerParams.expert_weights`` (its ``MOELayer``): the stacked
+    local experts where the schedule computes with them, else None (nothing built)."""
+    return _layer_weights if cls.needs_expert_weights else None
+
+
+def _layer_weights(layer: torch.nn.Module) -> ExpertWeights:
+    return stacked_weights(layer.experts.deepspeed_experts)
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
