@@ -41,6 +41,7 @@ from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_p
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.schedule import with_exchange
 from moe_plugins.plugins import default_registry
+from moe_plugins.patches.deepspeed_hecate import config_choices, hecate_class, hecate_config, weights_source
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
 from moe_plugins.patches.deepspeed_lancet import LancetHooks
@@ -176,8 +177,7 @@ class DeepSpeedPlugin:
 
         def _configure_distributed_model(engine, model):
             section = getattr(engine._config, "_param_dict", {}).get(SECTION)
-            found = None if section is None else PluginConfig.from_dict(section, SECTION,
-                                                                            **default_registry().config_choices())
+            found = None if section is None else PluginConfig.from_dict(section, SECTION, **config_choices())
             if plugin.config is not None and found is not None and found != plugin.config:
                 raise ValueError(f"the ds_config {SECTION!r} section {found.to_dict()} conflicts with the config "
                                  f"given to moe_plugins.enable {plugin.config.to_dict()}")
@@ -205,7 +205,7 @@ class DeepSpeedPlugin:
                 logger.info("moe_plugins: DeepSpeed MoE layer %s stays stock (%s)", plugin._name(moe),
                             "no moe_plugins section" if cfg is None else "moe_plugins.enabled is false")
                 return original(moe, use_data_before_expert_parallel_)
-            plugin._swap(moe, cfg, use_data_before_expert_parallel_)
+            plugin._swap(moe, hecate_config(cfg, moe, plugin._name(moe)), use_data_before_expert_parallel_)
 
         _create_process_groups.__wrapped__ = original
         return _create_process_groups
@@ -272,16 +272,16 @@ class DeepSpeedPlugin:
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
         cls = with_exchange(self._schedule_class(cfg.schedule, layout, moe, read_profile), cfg.exchange, degree)
+        cls = hecate_class(cfg, cls)                    # Hecate's options from its section (else cls itself)
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
         self._layers[moe.deepspeed_moe] = self.lancet.attach(cfg, SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
-            slice_activation=facts.ffn_activation if sliced else None,
+            slice_activation=facts.ffn_activation if sliced else None, expert_weights=weights_source(cls),
             inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec)), moe, self._lanes)
-        record = {"layer": facts.name, "schedule": cfg.schedule, "exchange": cls.exchange_mode,
-                  "pipeline_degree": cfg.pipeline_degree, "mp": layout.mp, "ep": layout.ep, "esp": layout.esp,
-                  "num_experts": facts.num_experts, "k": facts.k, "experts_sliced_by_plugin": sliced,
-                  "expert_dp_ranks": list(host.expert_dp_ranks)}
-        self.swaps.append(record)
+        self.swaps.append({"layer": facts.name, "schedule": cfg.schedule, "exchange": cls.exchange_mode,
+                           "pipeline_degree": cfg.pipeline_degree, "mp": layout.mp, "ep": layout.ep, "esp": layout.esp,
+                           "num_experts": facts.num_experts, "k": facts.k, "experts_sliced_by_plugin": sliced,
+                           "expert_dp_ranks": list(host.expert_dp_ranks)})
         log = logger.info if rank == 0 else logger.debug
         log("moe_plugins: DeepSpeed MoE layer %s (E=%d, k=%d) runs schedule %r, %s exchange, pipeline_degree %s, on "
             "layout mp=%d ep=%d esp=%d ranks_per_node=%d%s", facts.name, facts.num_experts, facts.k, cfg.schedule,
@@ -377,7 +377,7 @@ def enable(config: Union[None, PluginConfig, str, os.PathLike, Mapping[str, Any]
     a PluginConfig, or None to let each engine's ds_config section decide. Everything is validated before
     anything is patched; a failed enable leaves DeepSpeed untouched."""
     global _ACTIVE
-    resolved = resolve(config, **default_registry().config_choices())
+    resolved = resolve(config, **config_choices())
     if _ACTIVE is not None:
         raise ValueError("moe_plugins is already enabled for DeepSpeed; call moe_plugins.disable() first")
     ds = import_deepspeed()

@@ -308,7 +308,7 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
 def moe_config(facts: HostLayerFacts) -> MoEConfig:
     return MoEConfig(hidden=facts.hidden, ffn=facts.ffn, num_experts=facts.num_experts, k=facts.k,
                      capacity_factor=facts.capacity_factor, min_capacity=facts.min_capacity,
-                     drop_tokens=facts.drop_tokens)
+                     drop_tokens=facts.drop_tokens, activation=facts.ffn_activation or "gelu")
 
 
 # ---- one swapped layer ---------------------------------------------------------------------------------
@@ -325,6 +325,7 @@ class SwappedLayer:
     slice_activation: Optional[str] = None   # set: the plugin slices DeepSpeed's FFN experts over ESP
     noted: Set[str] = field(default_factory=set)   # why DeepSpeed's own gate routes it (each reason logged once)
     inference: Any = None           # lina.infer.LayerScheduler: Lina's inference schedule of eval-mode forwards
+    expert_weights: Optional[Callable[[torch.nn.Module], ExpertWeights]] = None   # per call (Hecate's copies)
 
     def experts(self, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.slice_activation is None:
@@ -350,7 +351,8 @@ class SwappedLayer:
         if self.inference is not None and layer.training:
             self.inference.clear()                  # weights may change: replicas are moved again in eval
         params = LayerParams(router=GateReplay(layer.gate, used_token, noted=self.noted), experts=self.experts(layer),
-                             partial_experts=self.partial_experts(layer))
+                             partial_experts=self.partial_experts(layer),
+                             expert_weights=None if self.expert_weights is None else self.expert_weights(layer))
         if self.inference is not None and not layer.training:
             y_SM, dispatched = self.inference.forward(x_SM, params.router, partial(_plain, self.schedule, params))
         elif self.pipeline_degree == 1:

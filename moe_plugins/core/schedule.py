@@ -69,7 +69,8 @@ class LayerParams:
     - ``expert_weights`` (optional): this rank's local experts' parameters as :class:`ExpertWeights` (E_l
       experts, this rank's H shard; the tensors themselves, so gradients reach them), for schedules that
       compute with other experts' weights too (Hecate's copies, run by the core's functional FFN
-      ``experts.partial_ffn`` with ``MoEConfig.activation``). The core layer supplies it; the hosts do not yet.
+      ``experts.partial_ffn`` with ``MoEConfig.activation``). The core layer supplies it, and the DeepSpeed host
+      for a schedule with ``needs_expert_weights`` (patches/deepspeed_hecate.py); Megatron's does not.
     """
 
     router: Callable[[torch.Tensor], Routing]
@@ -84,6 +85,8 @@ class Schedule(ABC):
     # the expert step needs the experts' partial (un-reduced) ESP sums, so a host's expert modules that
     # all-reduce inside themselves cannot serve it (Parm's local combine)
     needs_expert_partials: ClassVar[bool] = False
+    # the schedule computes with LayerParams.expert_weights (Hecate's copies): a host builds them for it only
+    needs_expert_weights: ClassVar[bool] = False
     # how the exchange moves the dispatched slots: "padded" (the whole (E, C, M) buffer) or "ragged" (occupied
     # slots only, core/ragged.py); a schedule offers the other through exchange_variant
     exchange_mode: ClassVar[str] = "padded"
