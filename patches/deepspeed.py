@@ -272,7 +272,7 @@ class DeepSpeedPlugin:
             self._ds.groups.expert_tensor_parallel_world_size = esp
         moe.deepspeed_moe._set_ep_group(ep_pg)
         cls = with_exchange(self._schedule_class(cfg.schedule, layout, moe, read_profile), cfg.exchange, degree)
-        cls = hecate_class(cfg, cls)                    # Hecate's options from its section (else cls itself)
+        cls = hecate_class(cfg, cls, moe)               # Hecate's options and activation (else cls itself)
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
         self._layers[moe.deepspeed_moe] = self.lancet.attach(cfg, SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,

@@ -7,7 +7,8 @@ on a ``deepspeed.moe`` layer. Pure helpers; nothing here patches anything.
   exchange (implied: Hecate sends only the kept rows), after checking that every local expert is
   ``nn.Sequential(nn.Linear(M, H), GELU|ReLU|SiLU, nn.Linear(H, M))``: a refusal names any other expert module and
   its type, before the layer is swapped or any group built.
-- :func:`hecate_class`: the schedule class configured with the section's options.
+- :func:`hecate_class`: the schedule class configured with the section's options and the experts' activation
+  (GELU, exact or tanh as GPT-2's ``gelu_new``; ReLU; SiLU).
 - :func:`stacked_weights`: ``LayerParams.expert_weights`` per call: the local experts' Linear weights (transposed)
   and biases stacked. ``torch.stack`` of views copies in forward, and its backward hands each parameter its slice,
   so each ``nn.Linear`` parameter gets its gradient once per backward (DeepSpeed ZeRO's hooks fire once).
@@ -26,11 +27,13 @@ from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
 from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rules
+from moe_plugins.hecate.flow import GELU_TANH
 from moe_plugins.patches.deepspeed_layer import ffn_activation
 from moe_plugins.plugins import default_registry
 
 HOST = "deepspeed"
-_FFN_FORM = "nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.ReLU()|nn.SiLU(), nn.Linear(H, M))"
+_FFN_FORM = ("nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.GELU(approximate='tanh')|nn.ReLU()|nn.SiLU(), "
+             "nn.Linear(H, M))")
 
 
 def config_choices() -> Dict[str, Any]:
@@ -50,7 +53,19 @@ def expert_problems(experts: torch.nn.ModuleList, hidden: int, prefix: str) -> L
     (``prefix``.i) and type (empty when all can be served)."""
     return [f"expert {prefix}.{i} ({type(e).__module__}.{type(e).__qualname__}) is not {_FFN_FORM} on M={hidden}: "
             "Hecate builds its copies from those two Linear layers' weights and biases, and cannot copy another "
-            "module" for i, e in enumerate(experts) if ffn_activation(e, hidden) is None]
+            "module" for i, e in enumerate(experts) if expert_activation(e, hidden) is None]
+
+
+def expert_activation(expert: torch.nn.Module, hidden: int) -> Optional[str]:
+    """The activation's name when ``expert`` is a Linear -> activation -> Linear FFN on M = ``hidden`` that
+    Hecate's copies compute (the adapter's plain FFN form, or GELU's tanh form: ``"gelu_tanh"``), else None."""
+    name = ffn_activation(expert, hidden)
+    if name is not None or not isinstance(expert, torch.nn.Sequential) or len(expert) != 3:
+        return name
+    act = expert[1]
+    if type(act) is torch.nn.GELU and act.approximate == "tanh":
+        return GELU_TANH if ffn_activation(torch.nn.Sequential(expert[0], torch.nn.GELU(), expert[2]), hidden) else None
+    return None
 
 
 def hecate_config(cfg: Optional[PluginConfig], moe: torch.nn.Module, name: str) -> Optional[PluginConfig]:
@@ -64,18 +79,27 @@ def hecate_config(cfg: Optional[PluginConfig], moe: torch.nn.Module, name: str) 
     problems = host_rules(HOST)(cfg.hecate, f"{SECTION}.{NAME}") if cfg.hecate is not None else []
     problems += hecate_across(section, SECTION, host=HOST)
     experts = moe.deepspeed_moe.experts.deepspeed_experts
-    problems += expert_problems(experts, int(moe.deepspeed_moe.gate.wg.in_features),
-                                f"{name}.deepspeed_moe.experts.deepspeed_experts")
+    hidden = int(moe.deepspeed_moe.gate.wg.in_features)
+    problems += expert_problems(experts, hidden, f"{name}.deepspeed_moe.experts.deepspeed_experts")
+    names = sorted({str(expert_activation(e, hidden)) for e in experts})
+    if not problems and len(names) > 1:
+        problems.append(f"the local experts use several activations ({', '.join(names)}); Hecate's copies run one")
     if problems:
         raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {name} with Hecate: " + "; ".join(problems))
     return replace(cfg, schedule=NAME, exchange="ragged")
 
 
-def hecate_class(cfg: PluginConfig, cls: Type[Schedule]) -> Type[Schedule]:
-    """``cls`` configured with the ``hecate`` section's options when it is Hecate's schedule, else ``cls``."""
+def hecate_class(cfg: PluginConfig, cls: Type[Schedule], moe: torch.nn.Module) -> Type[Schedule]:
+    """``cls`` configured with the ``hecate`` section's options and the activation of ``moe``'s experts (checked
+    by :func:`hecate_config`) when it is Hecate's schedule, else ``cls``."""
     if cls.name != NAME:
         return cls
-    return default_registry().schedule_class(NAME).from_section(cfg.hecate)
+    hidden = int(moe.deepspeed_moe.gate.wg.in_features)
+    names = {expert_activation(e, hidden) for e in moe.deepspeed_moe.experts.deepspeed_experts}
+    if len(names) != 1 or None in names:
+        raise ValueError(f"Hecate needs every local expert of one FFN form with one activation; found {names}")
+    hecate = default_registry().schedule_class(NAME)
+    return hecate.configured(hecate.from_section(cfg.hecate).options, activation=names.pop())
 
 
 def stacked_weights(experts: torch.nn.ModuleList) -> ExpertWeights:

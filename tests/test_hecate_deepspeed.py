@@ -44,10 +44,11 @@ def test_the_deepspeed_adapter_reads_the_section_and_other_readers_refuse_it():
         PluginConfig.from_dict({**HECATE, "exchange": "padded"}, **config_choices())
     with pytest.raises(ValueError, match=r"moe_plugins\.hecate: Hecate is built for DeepSpeed only in this version"):
         PluginConfig.from_dict(HECATE, **default_registry().config_choices())     # e.g. the Megatron-core adapter
-    cls = hecate_class(PluginConfig(hecate={"extra_experts": 3}), default_registry().schedule_class("hecate"))
-    assert cls.options.extra_experts == 3 and cls.name == "hecate"
+    tanh = _moe(nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8)))
+    cls = hecate_class(PluginConfig(hecate={"extra_experts": 3}), default_registry().schedule_class("hecate"), tanh)
+    assert cls.options.extra_experts == 3 and cls.name == "hecate" and cls.activation == "gelu_tanh"
     base = default_registry().schedule_class("baseline")
-    assert hecate_class(PluginConfig(), base) is base
+    assert hecate_class(PluginConfig(), base, tanh) is base
 
 
 def _moe(*experts):
@@ -64,12 +65,15 @@ def test_a_plugin_config_given_directly_is_checked_too():
         hecate_config(PluginConfig(hecate={}, pipeline_degree=2), _moe(ffn), "moe")
     with pytest.raises(ValueError, match=r"moe_plugins\.hecate\.extra_experts \(0\) must be an integer >= 1"):
         hecate_config(PluginConfig(hecate={"extra_experts": 0}), _moe(ffn), "moe")
-    odd = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8))
+    odd = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     with pytest.raises(ValueError, match=r"layer moe with Hecate: expert moe\.deepspeed_moe\.experts\.deepspeed_experts"
                                          r"\.1 \(torch\.nn\.modules\.container\.Sequential\) is not nn\.Sequential"):
         hecate_config(PluginConfig(hecate={}), _moe(ffn, odd), "moe")
     with pytest.raises(ValueError, match=r"experts\.0 \(torch\.nn\.modules\.linear\.Linear\) is not"):
         hecate_config(PluginConfig(schedule="hecate"), _moe(nn.Linear(8, 8)), "moe")
+    with pytest.raises(ValueError, match=r"the local experts use several activations \(gelu, relu\)"):
+        hecate_config(PluginConfig(hecate={}), _moe(ffn, nn.Sequential(nn.Linear(8, 16), nn.GELU(),
+                                                                        nn.Linear(16, 8))), "moe")
     assert hecate_config(PluginConfig(), None, "moe") == PluginConfig()       # Hecate off: untouched
 
 
@@ -77,9 +81,13 @@ def test_a_plugin_config_given_directly_is_checked_too():
 
 @pytest.mark.parametrize("combo", [dict(ep=4, k=1, drop=False), dict(ep=4, k=2, drop=True),
                                    dict(ep=4, k=2, drop=False), dict(ep=2, k=1, drop=True),
-                                   dict(ep=2, k=2, drop=False)], ids=str)
+                                   dict(ep=2, k=2, drop=False), dict(ep=4, k=2, drop=False, gelu="tanh")],
+                         ids=str)
 def test_fp64_hecate_equals_stock_deepspeed(world, combo):
-    report = world(WORLD).run(jobs.fp64_against_stock, _spec(**combo), HECATE)[0]
+    """gelu "tanh": the experts use GPT-2's gelu_new (nn.GELU(approximate="tanh")), as the GPT-2 recipe's do."""
+    combo = dict(combo)
+    gelu = combo.pop("gelu", "none")
+    report = world(WORLD).run(jobs.fp64_against_stock, _spec(**combo), HECATE, gelu)[0]
     assert report["ok"], report
     for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
         assert report[key] <= 1e-9, (key, report[key])
@@ -100,6 +108,7 @@ def test_fp64_hecate_equals_stock_deepspeed(world, combo):
         non_owners = [r["rows_E"][hot] for r in group if r["ep_rank"] != hot // e_l]
         assert any(n > 0 for n in non_owners), group                             # non-owners computed its tokens
     assert ranks[0]["load_E"][0] == max(ranks[0]["load_E"])                      # the skewed gate: expert 0 hot
+    assert all(r["activation"] == {"none": "gelu", "tanh": "gelu_tanh"}[gelu] for r in ranks)
     layer = next(iter(report["ledger"].values()))
     assert layer["forward:spag@ep"]["count"] == layer["backward:sprs@ep"]["count"] == 1
     for r in report["ranks"]:          # one forward and backward: each parameter's gradient accumulated once

@@ -39,10 +39,11 @@ def _skew_gate(moe, spec: DeepSpeedVerifySpec, x_DSM: torch.Tensor) -> None:
             moe.deepspeed_moe.gate.wg.weight[0] += spec.skew * mean_M / mean_M.norm()
 
 
-def _side(spec: DeepSpeedVerifySpec, section: Optional[Dict[str, Any]], ledger: Optional[CommLedger]) -> Dict[str, Any]:
-    """verify_deepspeed.run_side (no mpu) with the gate skewed: stock DeepSpeed when ``section`` is None, else the
-    plugin, which also returns what Hecate did on this rank (placement, load, computed rows) and each parameter's
-    gradient accumulations."""
+def _side(spec: DeepSpeedVerifySpec, section: Optional[Dict[str, Any]], ledger: Optional[CommLedger],
+          gelu: str = "none") -> Dict[str, Any]:
+    """verify_deepspeed.run_side (no mpu) with the gate skewed and the experts' GELU approximated by ``gelu``
+    ("tanh": GPT-2's gelu_new): stock DeepSpeed when ``section`` is None, else the plugin, which also returns what
+    Hecate did on this rank (placement, load, computed rows) and each parameter's gradient accumulations."""
     from moe_plugins.patches import deepspeed as adapter
     with ExitStack() as stack:
         groups = stack.enter_context(deepspeed_groups(None))
@@ -50,6 +51,8 @@ def _side(spec: DeepSpeedVerifySpec, section: Optional[Dict[str, Any]], ledger: 
         handle = stack.enter_context(adapter.enable(section, ledger=ledger)) if section is not None else None
         torch.manual_seed(spec.seed)
         moe = build_moe(spec, None)
+        for expert in moe.deepspeed_moe.experts.deepspeed_experts:
+            expert[1] = torch.nn.GELU(approximate=gelu)
         moe.set_deepspeed_parallelism()
         name = moe.expert_group_name
         ep_rank = dist.get_rank(group=groups._EXPERT_PARALLEL_GROUP[name])
@@ -75,19 +78,21 @@ def _side(spec: DeepSpeedVerifySpec, section: Optional[Dict[str, Any]], ledger: 
             schedule = handle._layers[moe.deepspeed_moe].schedule
             last = schedule.last
             out.update(swaps=list(handle.swaps), hecate={
-                "ep_rank": schedule.groups.ep.rank, "ep_ranks": list(schedule.groups.ep.ranks), "copies_E": [list(c) for c in last.placement.copies_E],
-                "load_E": list(last.load_E), "rows_E": list(last.rows_E), "extra": last.extra_copies()})
+                "ep_rank": schedule.groups.ep.rank, "ep_ranks": list(schedule.groups.ep.ranks),
+                "copies_E": [list(c) for c in last.placement.copies_E], "load_E": list(last.load_E),
+                "rows_E": list(last.rows_E), "extra": last.extra_copies(), "activation": schedule.activation})
         return out
 
 
-def fp64_against_stock(spec: DeepSpeedVerifySpec, section: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def fp64_against_stock(spec: DeepSpeedVerifySpec, section: Dict[str, Any],
+                       gelu: str = "none") -> Optional[Dict[str, Any]]:
     """Stock DeepSpeed, then Hecate through the adapter (``section``), on the same tokens, weights (the gate
     skewed by ``spec.skew``) and RNG state. Rank 0 gets verify_deepspeed's report plus, per rank, what Hecate did
     and the gradient accumulations."""
     init_deepspeed_comm()
     ledger = CommLedger()
-    stock = _side(spec, None, None)
-    plugin = _side(spec, section, ledger)
+    stock = _side(spec, None, None, gelu)
+    plugin = _side(spec, section, ledger, gelu)
     mine = {"rank": dist.get_rank(), **compare_sides(stock, plugin), "swaps": plugin["swaps"],
             "expert_grads": (stock["expert_grads"], plugin["expert_grads"]), "ledger": ledger.summary(),
             "hecate": plugin["hecate"], "accumulated": plugin["accumulated"], "params": plugin["params"]}
@@ -140,7 +145,8 @@ def train_counted(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int,
 
 
 def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
-    return {"off": train_counted(stage, None, ep, k, seed, steps), "on": train_counted(stage, plugin, ep, k, seed, steps)}
+    return {"off": train_counted(stage, None, ep, k, seed, steps),
+            "on": train_counted(stage, plugin, ep, k, seed, steps)}
 
 
 def refusal(section: Dict[str, Any]) -> Dict[str, Any]:
