@@ -2,8 +2,8 @@
 4 gloo ranks (EP 4 and EP 2), trained by stock DeepSpeed, by the plugin and by the plugin with ``"lancet":
 {"defer_wgrad": true}``: the reduced gradient partitions equal stock's and the plugin's (<= 1e-12) at every
 boundary, each parameter's ZeRO-2 reduction hook fires once per micro-step, gradient accumulation 2, 20-step
-losses equal within 1e-5, with ``engine.backward`` and with ``loss.backward()`` (the epilogue patch), and DeepSpeed
-restored after disable."""
+losses equal within 1e-5, with ``engine.backward`` and with ``loss.backward()`` (the epilogue patch), pipeline
+degree 1 and 2, and DeepSpeed restored after disable; one case under ZeRO-1."""
 
 from __future__ import annotations
 
@@ -50,6 +50,15 @@ def test_lancet_equals_stock_deepspeed_under_zero2(world, ep, k, steps, gas, tor
         for calls in lancet["hook_calls"]:
             assert calls == dict.fromkeys(params, 1), calls       # once per parameter and micro-step
         assert lancet["hook_calls"] == stock["hook_calls"]
+
+
+def test_lancet_under_zero_1(world):       # (ZeRO 0 reduces no fp64 gradient in DeepSpeed 0.19.8, stock or not)
+    for r in world(WORLD).run(jobs.compare_runs, 2, 2, 3, 2, False, 1, 1, timeout_s=400):
+        stock, lancet = r["stock"], r["lancet"]
+        assert lancet["items_run"] > 0 and lancet["queue_empty"] and lancet["overlap_calls"] == 6
+        for got, want in zip(lancet["grads"], stock["grads"]):
+            assert _max_err(got, want) <= EXACT
+        assert lancet["hook_calls"] == stock["hook_calls"] and set(lancet["hook_calls"][0].values()) == {1}
 
 
 def test_lancet_section_refusals(world):

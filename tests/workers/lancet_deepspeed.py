@@ -18,17 +18,17 @@ from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_
 from tests.workers.deepspeed import TinyMoEModel, batch
 
 
-def ds_config(gas: int, plugin: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def ds_config(gas: int, plugin: Optional[Dict[str, Any]], stage: int = 2) -> Dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": 2}}
+           "zero_optimization": {"stage": stage}}
     if plugin is not None:
         cfg["moe_plugins"] = plugin
     return cfg
 
 
 def _reduced_grads(engine) -> List[torch.Tensor]:
-    """This rank's partitions of the reduced gradients, as ZeRO-2 hands them to the optimizer."""
+    """This rank's partitions of the reduced gradients, as ZeRO-1/2 hand them to the optimizer."""
     out = []
     for i in sorted(engine.optimizer.averaged_gradients):
         g = engine.optimizer.averaged_gradients[i]
@@ -37,9 +37,9 @@ def _reduced_grads(engine) -> List[torch.Tensor]:
 
 
 def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: int, torch_style: bool,
-          seed: int = 3) -> Dict[str, Any]:
-    """A fresh fp64 ZeRO-2 engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and
-    the calls of ZeRO-2's per-parameter reduction hook (``process_gradients``) by parameter name; the reduced
+          seed: int = 3, stage: int = 2) -> Dict[str, Any]:
+    """A fresh fp64 ZeRO-``stage`` (1 or 2) engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and
+    the calls of ZeRO's per-parameter reduction hook (``process_gradients``) by parameter name; the reduced
     gradient partitions at each boundary. ``torch_style``: ``loss.backward()`` instead of ``engine.backward``."""
     import deepspeed
 
@@ -52,7 +52,7 @@ def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: in
         model = TinyMoEModel(ep, k).double()
         init_experts(model.moe, seed, ep_rank=dist.get_rank() % ep, tp_rank=0, tp=1)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(gas, plugin))
+                                               config=ds_config(gas, plugin, stage))
         names = {id(p): n for n, p in engine.module.named_parameters()}
         calls: Dict[str, int] = {}
         original = engine.optimizer.process_gradients
@@ -88,14 +88,15 @@ def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: in
     return out
 
 
-def compare_runs(ep: int, k: int, steps: int, gas: int, torch_style: bool, degree: int = 1) -> Dict[str, Any]:
+def compare_runs(ep: int, k: int, steps: int, gas: int, torch_style: bool, degree: int = 1,
+                 stage: int = 2) -> Dict[str, Any]:
     """Stock DeepSpeed, the plugin, and the plugin with Lancet, each trained the same way (``degree``: PipeMoE's
     pipeline degree; at 2 the exchanges run on the lane thread, so the dW waits for the end-of-backward flush)."""
     init_deepspeed_comm()
     plugin = {"schedule": "baseline", "pipeline_degree": degree}
-    return {"stock": train(None, ep, k, steps, gas, torch_style),
-            "plugin": train(plugin, ep, k, steps, gas, torch_style),
-            "lancet": train({**plugin, "lancet": {"defer_wgrad": True}}, ep, k, steps, gas, torch_style)}
+    return {"stock": train(None, ep, k, steps, gas, torch_style, stage=stage),
+            "plugin": train(plugin, ep, k, steps, gas, torch_style, stage=stage),
+            "lancet": train({**plugin, "lancet": {"defer_wgrad": True}}, ep, k, steps, gas, torch_style, stage=stage)}
 
 
 def refused(section: Dict[str, Any]) -> str:
