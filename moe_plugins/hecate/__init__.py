@@ -1,7 +1,7 @@
 """Hecate (FSSDP): experts sharded over all devices and materialised sparsely where the tokens are.
 docs/hecate.md explains it; the ragged exchange it needs lives in :mod:`moe_plugins.core.ragged`.
 
-Built so far (in the core layer and the config; not yet wired into the hosts):
+Built so far (in the core layer and the config; on DeepSpeed through patches/deepspeed_hecate.py, not on Megatron-core):
 
 - :mod:`moe_plugins.hecate.plan`: Algorithm 1 as pure functions: the per-expert load over the last 5
   iterations (:class:`~moe_plugins.hecate.plan.LoadWindow`, summed over the group by

@@ -124,9 +124,11 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     if _int(esp, 2):
         problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
     if host not in HOSTS:     # e.g. Megatron-core: refuse rather than let it run the plain baseline silently
-        problems.append(f"{path}.{NAME}: Hecate is built for DeepSpeed only in this version (moe_plugins.enable() "
-                        f"before deepspeed.initialize, or the core MoELayer(schedule='{NAME}')); the Megatron-core "
-                        "adapter does not run it")
+        problems.append(f"{path}.{NAME}: Hecate is built for DeepSpeed only in this version, run by the DeepSpeed "
+                        "adapter (moe_plugins.enable() before deepspeed.initialize) or the core "
+                        f"MoELayer(schedule='{NAME}'); this reader (the Megatron-core adapter, or a tool that checks "
+                        "the section without the DeepSpeed adapter's rules: moe-plugins launch, bench rows) does not "
+                        "run it")
     return problems
 
 
