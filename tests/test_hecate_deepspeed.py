@@ -13,7 +13,7 @@ from torch import nn
 from moe_plugins.core.plugin_config import PluginConfig
 from moe_plugins.patches.deepspeed_hecate import config_choices, hecate_class, hecate_config, hecate_on
 from moe_plugins.plugins import default_registry
-from moe_plugins.tools.verify_deepspeed import DeepSpeedVerifySpec, host_spec_problems
+from moe_plugins.tools.verify_deepspeed import DeepSpeedVerifySpec, host_spec_problems, run_rank
 from tests.workers import deepspeed as ds_jobs
 from tests.workers import hecate_deepspeed as jobs
 
@@ -113,6 +113,18 @@ def test_fp64_hecate_equals_stock_deepspeed(world, combo):
     assert layer["forward:spag@ep"]["count"] == layer["backward:sprs@ep"]["count"] == 1
     for r in report["ranks"]:          # one forward and backward: each parameter's gradient accumulated once
         assert r["accumulated"] == {n: 1 for n in r["params"]}, r["accumulated"]
+
+
+@pytest.mark.parametrize("combo", [dict(mp=2, ep=2, k=2, drop=True), dict(mp=2, ep=4, k=1, drop=False)], ids=str)
+def test_fp64_hecate_under_tensor_parallelism_equals_stock(world, combo):
+    """Under an mpu with TP 2 (no expert TP): moe-plugins verify's comparison (the MP replicas compute every row at
+    1/N_MP, as the baseline does; DeepSpeed's sum over expert-DP makes the gradient)."""
+    report = world(WORLD).run(run_rank, _spec(skew=0.0, **combo))[0]
+    assert report["ok"] and report["routing_equal"] and report["expert_ids_equal"], report
+    assert max(report[k] for k in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux")) <= 1e-9
+    assert report["swaps"][0]["schedule"] == "hecate" and report["swaps"][0]["mp"] == 2
+    layer = next(iter(report["ledger"].values()))
+    assert layer["forward:spag@ep"]["count"] == layer["backward:sprs@ep"]["count"] == 1
 
 
 # ---- training, checkpoints, refusals -------------------------------------------------------------------
