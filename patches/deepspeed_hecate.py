@@ -84,6 +84,9 @@ def hecate_config(cfg: Optional[PluginConfig], moe: torch.nn.Module, name: str) 
     names = sorted({str(expert_activation(e, hidden)) for e in experts})
     if not problems and len(names) > 1:
         problems.append(f"the local experts use several activations ({', '.join(names)}); Hecate's copies run one")
+    if isinstance(cfg.lina, dict) and cfg.lina.get("inference") is not None:
+        problems.append(f"{SECTION}.lina.inference cannot be used with Hecate: Lina's inference schedule runs the "
+                        "layer's eval-mode forwards without Hecate's expert weights")
     if problems:
         raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {name} with Hecate: " + "; ".join(problems))
     return replace(cfg, schedule=NAME, exchange="ragged")

@@ -74,6 +74,8 @@ def test_a_plugin_config_given_directly_is_checked_too():
     with pytest.raises(ValueError, match=r"the local experts use several activations \(gelu, relu\)"):
         hecate_config(PluginConfig(hecate={}), _moe(ffn, nn.Sequential(nn.Linear(8, 16), nn.GELU(),
                                                                         nn.Linear(16, 8))), "moe")
+    with pytest.raises(ValueError, match=r"moe_plugins\.lina\.inference cannot be used with Hecate"):
+        hecate_config(PluginConfig(hecate={}, lina={"inference": {}}), _moe(ffn), "moe")
     assert hecate_config(PluginConfig(), None, "moe") == PluginConfig()       # Hecate off: untouched
 
 
