@@ -14,7 +14,7 @@ import pytest
 
 from moe_plugins.lancet.overlap import hidden_fraction, overlap_fraction
 from moe_plugins.tools.verify import VerifySpec, compare
-from tests.workers.lancet_layer import one_call, overlap_run, refused
+from tests.workers.lancet_layer import callback_fails, one_call, overlap_run, refused
 
 WORLD = 4
 EXACT = 1e-12
@@ -90,3 +90,9 @@ def test_other_schedules_refused(world, schedule):
     spec = replace(SPEC, mp=2, ep=2, schedule=schedule)
     for message in world(WORLD).run(refused, spec):
         assert f"schedule ({schedule!r}) cannot run with Lancet: only 'baseline' in this version" in message
+
+
+def test_a_failing_dw_surfaces_and_the_next_step_runs(world):
+    for r in world(WORLD).run(callback_fails, SPEC, timeout_s=120):
+        assert "dW failed" in r["message"]
+        assert r["max_err"] <= EXACT and r["queue_empty"]

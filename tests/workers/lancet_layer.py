@@ -180,3 +180,42 @@ def refused(spec: VerifySpec) -> str:
         except ValueError as exc:
             return str(exc)
     return ""
+
+
+def callback_fails(spec: VerifySpec) -> Dict[str, Any]:
+    """The queue raises while the dispatch-gradient exchange flies: the error reaches ``backward()``, the exchange
+    was still waited for (every rank took part), and after ``queue.clear()`` the next step runs and is exact."""
+    import torch
+
+    from moe_plugins.core.engine import build_engine
+    from moe_plugins.core.groups import process_groups
+    from moe_plugins.lancet.wgrad_queue import WgradQueue
+
+    with process_groups(spec.layout()) as groups:
+        engine = build_engine(groups, pipeline=True, timeout_s=60)
+        try:
+            queue = WgradQueue()
+            plain, lancet, prob = _layers(spec, groups, engine, queue)
+            x_SM = prob.x_DSM[spec.layout().coords(groups.global_rank)["dp"]]
+            run_all = queue.run_all
+
+            def boom(**kwargs):
+                raise RuntimeError("dW failed")
+
+            queue.run_all = boom
+            message = ""
+            try:
+                lancet(x_SM.clone().requires_grad_(True)).y.sum().backward()
+            except RuntimeError as exc:
+                message = str(exc)
+            queue.run_all = run_all
+            queue.clear()
+            for layer in (plain, lancet):
+                for p in _params(layer).values():
+                    p.grad = None
+                layer(x_SM.clone().requires_grad_(True)).y.square().sum().backward()
+            err = max(float((a.grad - b.grad).abs().max()) for a, b in zip(_params(plain).values(),
+                                                                           _params(lancet).values()))
+            return {"message": message, "max_err": err, "queue_empty": queue.empty()}
+        finally:
+            engine.close()
