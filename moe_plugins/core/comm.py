@@ -17,12 +17,12 @@ op                      forward                   backward
 A group of size 1 is a no-op and records nothing. Every collective goes through the Recorder's
 communication engine (:mod:`moe_plugins.core.engine`) as an URGENT op, which times and records it; a Recorder
 built without an engine gets an inline, urgent-only one of its own (no process groups, no threads).
+gloo lacks list-form all_to_all, so only the ``_single`` / flat forms are used.
 
 Work while an exchange flies: a Recorder may carry ``while_in_flight(handle)``. Then an all-to-all's backward
 (a layer's backward exchange) is issued on the engine's pipeline lane, when it has one, the callback runs on
 this thread while the exchange is in flight, and the result is waited for after it (Lancet runs deferred weight
 gradients there). Without the callback or the lane, the exchange runs inline as any other.
-gloo lacks list-form all_to_all, so only the ``_single`` / flat forms are used.
 """
 
 from __future__ import annotations
