@@ -1,8 +1,9 @@
 """Hecate (FSSDP) on DeepSpeed: what the DeepSpeed adapter (patches/deepspeed.py) needs to run schedule ``hecate``
 on a ``deepspeed.moe`` layer. Pure helpers; nothing here patches anything.
 
-- :func:`config_choices`: the registry's config choices with Hecate's section checked for this host (the registry's
-  own rules refuse an enabled section, for the hosts that do not run Hecate).
+- :func:`config_choices`: the registry's config choices with the sections this adapter runs (Hecate's, and
+  Lancet's, patches/deepspeed_lancet.py) checked for this host (the registry's own rules refuse an enabled
+  section, for the hosts that do not run them).
 - :func:`hecate_config`: the section as the adapter runs it: with Hecate on, schedule ``hecate`` and the ragged
   exchange (implied: Hecate sends only the kept rows), after checking that every local expert is
   ``nn.Sequential(nn.Linear(M, H), GELU|ReLU|SiLU, nn.Linear(H, M))``: a refusal names any other expert module and
@@ -28,6 +29,8 @@ from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
 from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rules
 from moe_plugins.hecate.flow import GELU_TANH
+from moe_plugins.lancet.config import NAME as LANCET
+from moe_plugins.lancet.config import host_rules as lancet_host_rules
 from moe_plugins.patches.deepspeed_layer import ffn_activation
 from moe_plugins.plugins import default_registry
 
@@ -40,7 +43,8 @@ def config_choices() -> Dict[str, Any]:
     """``default_registry().config_choices()`` with the ``hecate`` section checked as the DeepSpeed adapter runs
     it: ``PluginConfig.from_dict(section, **config_choices())``."""
     choices = default_registry().config_choices()
-    return {**choices, "sections": {**choices["sections"], NAME: host_rules(HOST)}}
+    return {**choices, "sections": {**choices["sections"], NAME: host_rules(HOST),
+                                    LANCET: lancet_host_rules(HOST)}}
 
 
 def hecate_on(cfg: Optional[PluginConfig]) -> bool:

@@ -284,7 +284,8 @@ def layer_problems(facts: HostLayerFacts, cfg: PluginConfig, world: int, rank: i
     needs_partials = cfg.schedule in registry.schedule_names() and \
         registry.schedule_class(cfg.schedule).needs_expert_partials
     if host_esp > 1 and esp == host_esp and needs_partials:
-        allowed = [n for n in registry.schedule_names() if not registry.schedule_class(n).needs_expert_partials]
+        allowed = [n for n in registry.schedule_names() if not (registry.schedule_class(n).needs_expert_partials
+                                                                or registry.schedule_class(n).needs_expert_weights)]
         problems.append(f"{SECTION}.schedule ({cfg.schedule!r}) cannot run with DeepSpeed's expert tensor "
                         f"parallelism (esp {host_esp}): its local combine needs the experts' partial sums, and "
                         "enable_expert_tensor_parallelism's expert modules all-reduce inside themselves; allowed "

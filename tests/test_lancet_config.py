@@ -9,9 +9,10 @@ import pytest
 from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
 from moe_plugins.lancet.config import LancetConfig, lancet_problems
 from moe_plugins.lancet.overlap import covered, hidden_fraction, merged, overlap_fraction
+from moe_plugins.patches.deepspeed_hecate import config_choices
 from moe_plugins.plugins import default_registry
 
-CHOICES = default_registry().config_choices()
+CHOICES = config_choices()       # the DeepSpeed adapter's rules: it runs the section
 
 
 def _parse(section):
@@ -87,3 +88,13 @@ def test_overlap_fractions():
     assert overlap_fraction([], compute) == 0.0
     with pytest.raises(ValueError, match=r"interval \(5, 4\) ends before it starts"):
         overlap_fraction([(5, 4)], compute)
+
+
+def test_readers_other_than_the_deepspeed_adapter_refuse_the_section():
+    """The registry's own rules (what the Megatron-core adapter checks with) refuse an enabled section, so that
+    Megatron never runs the layer without Lancet silently; a section that defers nothing passes."""
+    with pytest.raises(ValueError, match=r"moe_plugins.lancet: Lancet is built for DeepSpeed only"):
+        PluginConfig.from_dict({"lancet": {}}, "moe_plugins", **default_registry().config_choices())
+    off = PluginConfig.from_dict({"lancet": {"defer_wgrad": False}}, "moe_plugins",
+                                 **default_registry().config_choices())
+    assert off.lancet == {"defer_wgrad": False}

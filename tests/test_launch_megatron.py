@@ -133,3 +133,17 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
     result = [(tmp_path / f"result{r}.txt").read_text() for r in (0, 1)]
     assert result == [f"RESULT {r} False PluginMoELayer baseline-tp 1 [0, 1] (8, 1, 16)" for r in (0, 1)], out.stdout
     assert out.stderr.count("moe_plugins: Megatron-core MoE specs patched by moe-plugins launch") == 1
+
+
+def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_refuses_them(tmp_path):
+    """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); the same
+    sections on Megatron-core are refused before anything starts."""
+    for section in ({"hecate": {"enabled": True}}, {"lancet": {"defer_wgrad": True}}):
+        config = tmp_path / "ds.json"
+        config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "moe_plugins": section}))
+        out = launch("--dry-run", "--config", str(config), "--", "python", "train.py")
+        assert out.returncode == 0, out.stderr
+        refused = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps(section))
+        name = next(iter(section))
+        assert refused.returncode != 0 and f"{name.capitalize()} is built for DeepSpeed only" in refused.stderr, \
+            refused.stderr

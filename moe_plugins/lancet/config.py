@@ -19,6 +19,7 @@ Every problem names ``moe_plugins.lancet.<key>``, the value and what is allowed,
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, List, Mapping, Optional, Union
 
 from moe_plugins.core.plugin_config import SectionRules, did_you_mean
@@ -27,6 +28,7 @@ NAME = "lancet"
 AUTO = "auto"
 SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the overlap hook
 EXCHANGES = ("padded",)
+HOSTS = ("deepspeed",)              # the adapters that run the section (the core layer takes a LancetConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,9 +93,11 @@ def enabled_in(section: Mapping[str, Any]) -> bool:
     return isinstance(lancet, Mapping) and lancet.get("defer_wgrad", True) is True
 
 
-def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List[str]:
+def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: Optional[str] = None) -> List[str]:
     """How the ``lancet`` section fits the rest of the ``moe_plugins`` section (pure): the schedule and exchange
-    it runs with, and no Hecate, each problem naming the field and its value."""
+    it runs with, no Hecate, and the ``host`` that reads it (one of :data:`HOSTS`; None or another: refused, so
+    that the Megatron-core adapter never runs the layer without Lancet silently), each problem naming the field
+    and its value."""
     if not enabled_in(section):
         return []
     problems = []
@@ -113,7 +117,16 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins") -> List
     if isinstance(hecate, Mapping) and hecate.get("enabled", True) is True:
         problems.append(f"{path}.hecate (enabled) cannot run with {path}.{NAME}.defer_wgrad: Hecate's expert copies "
                         "do not defer their weight gradients")
+    if host not in HOSTS:
+        problems.append(f"{path}.{NAME}: Lancet is built for DeepSpeed only in this version, run by the DeepSpeed "
+                        "adapter (moe_plugins.enable() before deepspeed.initialize) or the core LancetMoELayer; this "
+                        "reader (the Megatron-core adapter) does not run it")
     return problems
 
 
-SECTION_RULES = SectionRules(value=lancet_problems, across=lancet_across)
+def host_rules(host: Optional[str]) -> SectionRules:
+    """The section's checks as read by ``host`` (``"deepspeed"`` runs Lancet; None: a reader that does not)."""
+    return SectionRules(value=lancet_problems, across=partial(lancet_across, host=host))
+
+
+SECTION_RULES = host_rules(None)      # the registry's: readers other than the DeepSpeed adapter refuse Lancet

@@ -90,7 +90,8 @@ def adapter_row_problems(spec: RowSpec) -> List[str]:
         return [f"row ({spec.label!r}): {PLUGIN} ({schedule!r}) is not a registered schedule; allowed: "
                 f"{', '.join(names)}"]
     try:
-        section = PluginConfig.from_dict(plugin_section(spec), SECTION, **default_registry().config_choices())
+        from moe_plugins.patches.deepspeed_hecate import config_choices   # the DeepSpeed adapter's rules (Hecate)
+        section = PluginConfig.from_dict(plugin_section(spec), SECTION, **config_choices())
     except ValueError as exc:
         return [f"row ({spec.label!r}): {exc}"]
     return [f"row ({spec.label!r}): {SECTION}.{p}" for p in exchange_problems(

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{CONFIG_ENV}; for Megatron-core pass --megatron")
     if not os.path.isfile(config):
         raise ValueError(f"ds_config ({config!r}) is not a file")
-    section = section_of(load_ds_config(config), **default_registry().config_choices())
+    from moe_plugins.patches.deepspeed_hecate import config_choices   # the DeepSpeed adapter's rules (Hecate)
+    section = section_of(load_ds_config(config), **config_choices())
     if section is None:
         raise ValueError(f"ds_config {config!r} has no {SECTION!r} section: add one to turn the plugin on")
     env = launch_env(cmd, config, os.environ)
