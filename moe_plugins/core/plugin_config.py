@@ -57,6 +57,13 @@ def did_you_mean(word: Any, choices: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def unknown_keys(section: Mapping[str, Any], allowed: Sequence[str], path: str) -> List[str]:
+    """One problem per key of a config ``section`` not in ``allowed``: ``path.key``, the allowed keys and the
+    closest one (pure; the papers' sections use it)."""
+    return [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
+            for key in section if key not in allowed]
+
+
 # Keys a later issue implements: accepted with their "off" value only, so configs can be written ahead.
 RESERVED: Dict[str, str] = {
     "fssdp": "Hecate's fully sharded sparse data parallelism (FSSDP)",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, List, Mapping, Optional, Union
 
-from moe_plugins.core.plugin_config import SectionRules, did_you_mean
+from moe_plugins.core.plugin_config import SectionRules, unknown_keys
 
 AUTO = "auto"
 NAME = "hecate"                    # the schedule's registered name and the section's key
@@ -66,8 +66,7 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
     if not isinstance(section, Mapping):
         return [f"{path} ({section!r}) must be a JSON object (see docs/hecate.md) or null"]
     allowed = [f.name for f in fields(HecateConfig)]
-    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
-                for key in section if key not in allowed]
+    problems = unknown_keys(section, allowed, path)
 
     def bad(key: str, rule: str) -> None:
         problems.append(f"{path}.{key} ({section[key]!r}) {rule}")

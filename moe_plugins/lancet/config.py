@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, List, Mapping, Optional, Union
 
-from moe_plugins.core.plugin_config import SectionRules, did_you_mean
+from moe_plugins.core.plugin_config import SectionRules, unknown_keys
 
 NAME = "lancet"
 AUTO = "auto"
@@ -68,8 +68,7 @@ def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]
     if not isinstance(section, Mapping):
         return [f"{path} ({section!r}) must be a JSON object (see docs/lancet.md) or null"]
     allowed = [f.name for f in fields(LancetConfig)]
-    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
-                for key in section if key not in allowed]
+    problems = unknown_keys(section, allowed, path)
     if "defer_wgrad" in section and not isinstance(section["defer_wgrad"], bool):
         problems.append(f"{path}.defer_wgrad ({section['defer_wgrad']!r}) must be true or false")
     if "partitions" in section:

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, List, Mapping, Optional, Union
 
-from moe_plugins.core.plugin_config import did_you_mean
+from moe_plugins.core.plugin_config import unknown_keys
 
 AUTO = "auto"
 TRAINING_KEYS = ("priority", "micro_op_mb", "packing")
@@ -73,8 +73,7 @@ def lina_problems(section: Any, path: str = "moe_plugins.lina") -> List[str]:
     if not isinstance(section, Mapping):
         return [f"{path} ({section!r}) must be a JSON object"]
     allowed = list(TRAINING_KEYS) + ["inference"]
-    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
-                for key in section if key not in allowed]
+    problems = unknown_keys(section, allowed, path)
 
     def bad(key: str, rule: str) -> None:
         problems.append(f"{path}.{key} ({section[key]!r}) {rule}")
@@ -99,8 +98,7 @@ def inference_problems(section: Any, path: str = "moe_plugins.lina.inference") -
     if not isinstance(section, Mapping):
         return [f"{path} ({section!r}) must be a JSON object (see docs/lina.md, Inference) or null"]
     allowed = [f.name for f in fields(InferenceConfig)]
-    problems = [f"{path}.{key} is unknown; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}"
-                for key in section if key not in allowed]
+    problems = unknown_keys(section, allowed, path)
 
     def bad(key: str, rule: str) -> None:
         problems.append(f"{path}.{key} ({section[key]!r}) {rule}")
