@@ -190,3 +190,15 @@ def engine_sections() -> Dict[str, Any]:
         log.removeHandler(capture)
     out["log"] = capture.lines
     return out
+
+
+def reduced_grads(engine) -> List[torch.Tensor]:
+    """The gradients DeepSpeed hands to the optimizer: ZeRO 0 the parameters' (all-reduced), ZeRO 1/2 this
+    rank's partition (``averaged_gradients``)."""
+    if engine.zero_optimization_stage() == 0:
+        return [p.grad.detach().clone() for p in engine.module.parameters() if p.grad is not None]
+    out = []
+    for i in sorted(engine.optimizer.averaged_gradients):
+        g = engine.optimizer.averaged_gradients[i]
+        out += [t.detach().reshape(-1).clone() for t in (g if isinstance(g, (list, tuple)) else [g])]
+    return out

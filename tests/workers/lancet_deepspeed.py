@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
-from tests.workers.deepspeed import TinyMoEModel, batch
+from tests.workers.deepspeed import TinyMoEModel, batch, reduced_grads
 
 
 def ds_config(gas: int, plugin: Optional[Dict[str, Any]], stage: int = 2) -> Dict[str, Any]:
@@ -25,15 +25,6 @@ def ds_config(gas: int, plugin: Optional[Dict[str, Any]], stage: int = 2) -> Dic
     if plugin is not None:
         cfg["moe_plugins"] = plugin
     return cfg
-
-
-def _reduced_grads(engine) -> List[torch.Tensor]:
-    """This rank's partitions of the reduced gradients, as ZeRO-1/2 hand them to the optimizer."""
-    out = []
-    for i in sorted(engine.optimizer.averaged_gradients):
-        g = engine.optimizer.averaged_gradients[i]
-        out += [t.detach().reshape(-1).clone() for t in (g if isinstance(g, (list, tuple)) else [g])]
-    return out
 
 
 def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: int, torch_style: bool,
@@ -73,7 +64,7 @@ def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: in
             else:
                 engine.backward(loss)
             if boundary:
-                out["grads"].append(_reduced_grads(engine))
+                out["grads"].append(reduced_grads(engine))
             out["hook_calls"].append(dict(sorted(calls.items())))
             engine.step()
             out["losses"].append(float(loss.detach()))

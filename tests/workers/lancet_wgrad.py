@@ -19,6 +19,7 @@ from moe_plugins.core.experts import ExpertWeights, init_full_weights, partial_f
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.lancet import WgradQueue, deferred_partial_ffn, dense_wgrad
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
+from tests.workers.deepspeed import reduced_grads
 
 M, H, E, B, L = 8, 16, 4, 2, 8
 
@@ -55,15 +56,6 @@ def batch(step: int):
     gen = torch.Generator().manual_seed(step * 104729 + dist.get_rank())
     x = torch.randn(B, L, M, generator=gen)
     return x, torch.sin(x.sum(-1, keepdim=True))
-
-
-def _reduced_grads(engine) -> List[torch.Tensor]:
-    """This rank's partition of the reduced gradients, as ZeRO-2 hands it to the optimizer."""
-    out = []
-    for i in sorted(engine.optimizer.averaged_gradients):
-        g = engine.optimizer.averaged_gradients[i]
-        out += [t.detach().reshape(-1).clone() for t in (g if isinstance(g, (list, tuple)) else [g])]
-    return out
 
 
 def flush_before_epilogue(optimizer, queue: WgradQueue) -> Patcher:
@@ -117,7 +109,7 @@ def train(deferred: bool, steps: int, gas: int, torch_style: bool = False) -> Di
             else:
                 engine.backward(loss)
             if boundary:
-                grads.append(_reduced_grads(engine))
+                grads.append(reduced_grads(engine))
             hook_calls.append(dict(sorted(calls.items())))
             engine.step()
             losses.append(float(loss.detach()))

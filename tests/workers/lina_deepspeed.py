@@ -19,6 +19,7 @@ from torch import nn
 
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
+from tests.workers.deepspeed import reduced_grads
 
 V, M, H, E, B, L = 24, 8, 16, 4, 2, 8
 
@@ -74,18 +75,6 @@ def make_engine(cfg: Dict[str, Any], eps: Tuple[int, int] = (2, 2), seed: int = 
     return engine
 
 
-def _reduced_grads(engine) -> List[torch.Tensor]:
-    """The gradients DeepSpeed hands to the optimizer: ZeRO 0 the parameters' (all-reduced), ZeRO 1/2 this
-    rank's partition (``averaged_gradients``)."""
-    if engine.zero_optimization_stage() == 0:
-        return [p.grad.detach().clone() for p in engine.module.parameters() if p.grad is not None]
-    out = []
-    for i in sorted(engine.optimizer.averaged_gradients):
-        g = engine.optimizer.averaged_gradients[i]
-        out += [t.detach().reshape(-1).clone() for t in (g if isinstance(g, (list, tuple)) else [g])]
-    return out
-
-
 def train(engine, gas: int, steps: int) -> Dict[str, Any]:
     losses, grads = [], []
     for step in range(steps):
@@ -95,7 +84,7 @@ def train(engine, gas: int, steps: int) -> Dict[str, Any]:
             boundary = engine.is_gradient_accumulation_boundary()
             engine.backward(loss)
             if boundary:
-                grads.append(_reduced_grads(engine))
+                grads.append(reduced_grads(engine))
             engine.step()
             losses.append(float(loss.detach()))
     return {"losses": losses, "grads": grads}
