@@ -4,8 +4,8 @@ gradients, gate and expert weight gradients, aux loss, routing counts and droppe
 ``TOLERANCE["float64"]``).
 
 What is drawn, per configuration: the layout (ranks per node, MP, EP, ESP of the world), the schedule (an
-equal share for every one registered in ``default_registry()`` and valid on the world, parm-auto and
-parm-tune included), experts, top-k, FFN width, hidden size, token count, capacity factor, min capacity, drop
+equal share for every one registered in ``default_registry()`` and valid on the world, parm-auto, parm-tune
+and hecate included), the exchange (padded or ragged, where the schedule runs it), experts, top-k, FFN width, hidden size, token count, capacity factor, min capacity, drop
 or dropless, gate skew (forces drops and idle experts), the data seed, a cost profile (none, or one of the
 synthetic flavours below, written to a temporary cache dir) and the pipeline degree (1, 2, 3, or a
 registered word, "auto" / "tune", which reads the profile). Each value is drawn among those the project's own
@@ -82,13 +82,17 @@ MODEL_KEYS = {"all_to_all@ep": "all_to_all", "all_to_all@ep_esp": "all_to_all", 
               "gemm": "gemm"}
 
 
+EXCHANGES = ("padded", "ragged")
+
+
 def valid_layouts(world: int, schedule: str = "baseline") -> List[Tuple[int, int, int, int]]:
-    """(ranks_per_node, mp, ep, esp) the project accepts for ``schedule`` on ``world`` (with enough experts
-    for any EP)."""
+    """(ranks_per_node, mp, ep, esp) the project accepts for ``schedule`` on ``world`` with some exchange
+    (with enough experts for any EP)."""
     ds = DIVISORS[world]
     return [(rpn, mp, ep, esp) for rpn in ds for mp in ds for ep in ds for esp in ds
-            if not spec_problems(VerifySpec(world=world, ranks_per_node=rpn, mp=mp, ep=ep, esp=esp,
-                                            experts=world, schedule=schedule), REGISTRY)]
+            if any(not spec_problems(VerifySpec(world=world, ranks_per_node=rpn, mp=mp, ep=ep, esp=esp,
+                                                experts=world, schedule=schedule, exchange=exchange), REGISTRY)
+                   for exchange in EXCHANGES)]
 
 
 def write_profiles(root: Path, worlds: Iterable[int]) -> Dict[str, str]:
@@ -117,6 +121,7 @@ def verify_specs(draw: Callable, world: int, schedule: str, profile_dirs: Sequen
     """One configuration of ``schedule`` on ``world``; ``profile_dirs``: the synthetic profiles' cache dirs."""
     rpn, mp, ep, esp = draw(st.sampled_from(valid_layouts(world, schedule)))
     spec = VerifySpec(world=world, ranks_per_node=rpn, mp=mp, ep=ep, esp=esp, experts=world, schedule=schedule)
+    spec = _draw_valid(draw, spec, "exchange", EXCHANGES)
     spec = _draw_valid(draw, spec, "experts", range(2, 9))
     spec = _draw_valid(draw, spec, "k", range(1, 5))
     spec = _draw_valid(draw, spec, "ffn", (8, 12, 16, 24, 32))
@@ -225,6 +230,7 @@ def dimensions(o: Outcome) -> Dict[str, str]:
     s, r = o.spec, o.report or {}
     bucket = (s.tokens - 1) // 8 * 8
     return {"layout n/mp/ep/esp": f"{s.ranks_per_node}/{s.mp}/{s.ep}/{s.esp}", "schedule": s.schedule,
+            "exchange": s.exchange,
             "ran": "+".join(r.get("ran", ())) or "(tuning)", "pipeline_degree": str(s.pipeline_degree),
             "degrees run": "+".join(map(str, r.get("degrees", ()))) or "(tuning)",
             "profile": Path(s.profile_dir).name if s.profile_dir else "none", "experts/k": f"{s.experts}/{s.k}",
