@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
 
 M, H, E, B, L = 8, 16, 4, 2, 8
@@ -202,3 +203,39 @@ def reduced_grads(engine) -> List[torch.Tensor]:
         g = engine.optimizer.averaged_gradients[i]
         out += [t.detach().reshape(-1).clone() for t in (g if isinstance(g, (list, tuple)) else [g])]
     return out
+
+
+def count_zero_hooks(engine, calls: MutableMapping[str, int]) -> Patcher:
+    """A Patcher (enter it) that counts into ``calls``, per parameter name, each call of ZeRO 1/2's
+    per-parameter reduction hook (``process_gradients``, what its post-accumulate-grad hook calls)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    original = engine.optimizer.process_gradients
+
+    def counted(param, i):
+        calls[names[id(param)]] = calls.get(names[id(param)], 0) + 1
+        return original(param, i)
+
+    return Patcher([Patch(engine.optimizer, "process_gradients", counted)])
+
+
+def micro_steps(engine, micros: int, loss_of: Callable[[int], torch.Tensor], torch_style: bool,
+                calls: Dict[str, int]) -> Tuple[List[float], List[List[torch.Tensor]], List[Dict[str, int]]]:
+    """``micros`` micro-steps (``loss_of(micro)`` each): ``loss.backward()`` (scaled by the accumulation) when
+    ``torch_style``, else ``engine.backward``, then ``engine.step()``. Returns the losses, the reduced gradients
+    at each accumulation boundary (:func:`reduced_grads`) and ``calls`` (cleared per micro-step) as counted."""
+    gas = engine.gradient_accumulation_steps()
+    losses, grads, hook_calls = [], [], []
+    for micro in range(micros):
+        calls.clear()
+        loss = loss_of(micro)
+        boundary = engine.is_gradient_accumulation_boundary()
+        if torch_style:
+            (loss / gas).backward()
+        else:
+            engine.backward(loss)
+        if boundary:
+            grads.append(reduced_grads(engine))
+        hook_calls.append(dict(sorted(calls.items())))
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses, grads, hook_calls

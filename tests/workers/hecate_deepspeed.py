@@ -104,21 +104,13 @@ def fp64_against_stock(spec: DeepSpeedVerifySpec, section: Dict[str, Any],
                                                 for r in gathered]}
 
 
-def _count_zero_hooks(engine) -> Counter:
+def _count_zero_hooks(engine, stack: ExitStack) -> Counter:
     """Counts, per parameter name, DeepSpeed ZeRO 1/2's own gradient hook (``process_gradients``, looked up on
-    the optimizer at each call) where the engine registered it; an empty counter where it did not."""
+    the optimizer at each call) where the engine registered it, until ``stack`` closes; an empty counter where
+    it did not."""
     counts: Counter = Counter()
-    opt = engine.optimizer
-    if not getattr(opt, "_grad_acc_hooks", None):
-        return counts
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    original = opt.process_gradients
-
-    def process_gradients(param, i):
-        counts.update([names[id(param)]])
-        return original(param, i)
-
-    opt.process_gradients = process_gradients
+    if getattr(engine.optimizer, "_grad_acc_hooks", None):
+        stack.enter_context(jobs.count_zero_hooks(engine, counts))
     return counts
 
 
@@ -133,7 +125,7 @@ def train_counted(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int,
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
         engine = jobs.make_engine(stage, plugin, ep, k, seed)
         accumulated = _grad_counter(engine.module.named_parameters())
-        zero_hooks = _count_zero_hooks(engine)
+        zero_hooks = _count_zero_hooks(engine, stack)
         losses = jobs.train(engine, seed, range(steps))
         layer = handle._layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
         extra = layer.schedule.last.extra_copies() if layer is not None else None

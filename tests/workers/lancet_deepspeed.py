@@ -13,9 +13,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
-from tests.workers.deepspeed import TinyMoEModel, batch, reduced_grads
+from tests.workers.deepspeed import TinyMoEModel, batch, count_zero_hooks, micro_steps
 
 
 def ds_config(gas: int, plugin: Optional[Dict[str, Any]], stage: int = 2) -> Dict[str, Any]:
@@ -35,7 +34,7 @@ def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: in
     import deepspeed
 
     import moe_plugins
-    out: Dict[str, Any] = {"losses": [], "grads": [], "hook_calls": []}
+    out: Dict[str, Any] = {}
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
@@ -44,30 +43,15 @@ def train(plugin: Optional[Dict[str, Any]], ep: int, k: int, steps: int, gas: in
         init_experts(model.moe, seed, ep_rank=dist.get_rank() % ep, tp_rank=0, tp=1)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config(gas, plugin, stage))
-        names = {id(p): n for n, p in engine.module.named_parameters()}
         calls: Dict[str, int] = {}
-        original = engine.optimizer.process_gradients
+        stack.enter_context(count_zero_hooks(engine, calls))
 
-        def counted(param, i):
-            calls[names[id(param)]] = calls.get(names[id(param)], 0) + 1
-            return original(param, i)
-
-        stack.enter_context(Patcher([Patch(engine.optimizer, "process_gradients", counted)]))
-        for micro in range(steps * gas):
-            calls.clear()
+        def loss_of(micro: int) -> torch.Tensor:
             torch.manual_seed(seed * 31 + micro)      # the gate's random draws, the same in every run
             x, t = batch(seed, micro)
-            loss = engine(x.double(), t.double())
-            boundary = engine.is_gradient_accumulation_boundary()
-            if torch_style:
-                (loss / gas).backward()
-            else:
-                engine.backward(loss)
-            if boundary:
-                out["grads"].append(reduced_grads(engine))
-            out["hook_calls"].append(dict(sorted(calls.items())))
-            engine.step()
-            out["losses"].append(float(loss.detach()))
+            return engine(x.double(), t.double())
+
+        out["losses"], out["grads"], out["hook_calls"] = micro_steps(engine, steps * gas, loss_of, torch_style, calls)
         lancet = handle.lancet if handle is not None else None
         out["queue_empty"] = lancet is None or lancet.queue is None or lancet.queue.empty()
         out["items_run"] = 0 if lancet is None or lancet.queue is None else lancet.queue.items_run

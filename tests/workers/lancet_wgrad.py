@@ -19,7 +19,7 @@ from moe_plugins.core.experts import ExpertWeights, init_full_weights, partial_f
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.lancet import WgradQueue, deferred_partial_ffn, dense_wgrad
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
-from tests.workers.deepspeed import reduced_grads
+from tests.workers.deepspeed import count_zero_hooks, micro_steps
 
 M, H, E, B, L = 8, 16, 4, 2, 8
 
@@ -81,38 +81,19 @@ def train(deferred: bool, steps: int, gas: int, torch_style: bool = False) -> Di
     torch.manual_seed(0)
     model = ExpertStack()
     queue = WgradQueue()
-    names = {id(p): n for n, p in model.named_parameters()}
-    losses, grads, hook_calls = [], [], []
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(gas))
         optimizer = engine.optimizer
-        original = optimizer.process_gradients
         calls: Dict[str, int] = {}
-
-        def counted(param, i):
-            calls[names[id(param)]] = calls.get(names[id(param)], 0) + 1
-            return original(param, i)
-
-        stack.enter_context(Patcher([Patch(optimizer, "process_gradients", counted)]))
+        stack.enter_context(count_zero_hooks(engine, calls))
         if deferred:
             model.queue = queue
             stack.enter_context(dense_wgrad(queue, {"inp": model.inp, "head": model.head}))
             if torch_style:
                 stack.enter_context(flush_before_epilogue(optimizer, queue))
-        for micro in range(steps * gas):
-            calls.clear()
-            loss = engine(*batch(micro))
-            boundary = engine.is_gradient_accumulation_boundary()
-            if torch_style:
-                (loss / gas).backward()
-            else:
-                engine.backward(loss)
-            if boundary:
-                grads.append(reduced_grads(engine))
-            hook_calls.append(dict(sorted(calls.items())))
-            engine.step()
-            losses.append(float(loss.detach()))
+        losses, grads, hook_calls = micro_steps(engine, steps * gas, lambda micro: engine(*batch(micro)), torch_style,
+                                                calls)
         engine.destroy()
     return {"losses": losses, "grads": grads, "hook_calls": hook_calls, "deferred_items": queue.items_run,
             "queue_empty": queue.empty()}
