@@ -24,11 +24,10 @@ from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
 
-from moe_plugins.core.experts import ExpertWeights
+from moe_plugins.core.experts import GELU_TANH, ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
 from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rules
-from moe_plugins.hecate.flow import GELU_TANH
 from moe_plugins.lancet.config import NAME as LANCET
 from moe_plugins.lancet.config import host_rules as lancet_host_rules
 from moe_plugins.patches.deepspeed_layer import ffn_activation

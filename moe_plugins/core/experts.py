@@ -8,12 +8,15 @@ b2 is added once, after the partials are summed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+GELU_TANH = "gelu_tanh"      # GELU's tanh form: GPT-2's gelu_new, nn.GELU(approximate="tanh")
+ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu, "silu": F.silu, GELU_TANH: partial(F.gelu, approximate="tanh")}
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@
   split from the same integers, so no second exchange of split sizes is needed.
 - :func:`flat_experts` / :func:`unflat_experts`: an expert's parameters as one flat row of F = M H + H + H M + M
   elements (w1, b1, w2, b2), the unit spAG copies.
-- :func:`copies_ffn`: the copies' FFN without b2: the core's ``partial_ffn``, plus ``"gelu_tanh"`` (GPT-2's
-  ``gelu_new``, ``nn.GELU(approximate="tanh")``), which a host's experts may use.
+- :func:`ffn_activation_problems`: whether the copies' FFN (the core's ``partial_ffn``) has a host experts'
+  activation (``"gelu_tanh"`` included: GPT-2's ``gelu_new``).
 
 Letters: R ranks of the EP group (sources and destinations), E experts, C experts copied on this rank (its own
 included, in expert order), X kept routes of this rank, M model dim, H FFN hidden, F elements per expert.
@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from moe_plugins.core.experts import ACTIVATIONS, ExpertWeights, partial_ffn
+from moe_plugins.core.experts import ACTIVATIONS, ExpertWeights
 from moe_plugins.hecate.plan import Placement, dispatch_counts
 
 
@@ -88,19 +87,8 @@ def unflat_experts(w_CF: torch.Tensor, model_dim: int, ffn: int) -> ExpertWeight
     return ExpertWeights(w1_EMH=w1.reshape(num, m, h), b1_EH=b1, w2_EHM=w2.reshape(num, h, m), b2_EM=b2)
 
 
-GELU_TANH = "gelu_tanh"
-
-
 def ffn_activation_problems(activation: str) -> List[str]:
-    """Why the copies cannot use ``activation`` (empty when they can): the core's names or ``"gelu_tanh"``."""
-    if activation in ACTIVATIONS or activation == GELU_TANH:
+    """Why the copies cannot use ``activation`` (empty when they can): one of the core's activations."""
+    if activation in ACTIVATIONS:
         return []
-    return [f"activation ({activation!r}) must be one of {sorted(ACTIVATIONS) + [GELU_TANH]}"]
-
-
-def copies_ffn(x_CnM: torch.Tensor, w: ExpertWeights, activation: str) -> torch.Tensor:
-    """The copies' FFN on their rows, without b2 (``experts.partial_ffn``; ``"gelu_tanh"``: GELU's tanh form)."""
-    if activation != GELU_TANH:
-        return partial_ffn(x_CnM, w, activation)
-    h_CnH = F.gelu(torch.baddbmm(w.b1_EH.unsqueeze(1), x_CnM, w.w1_EMH), approximate="tanh")
-    return torch.bmm(h_CnH, w.w2_EHM)
+    return [f"activation ({activation!r}) must be one of {sorted(ACTIVATIONS)}"]

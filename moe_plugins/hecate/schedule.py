@@ -31,11 +31,11 @@ from typing import Any, ClassVar, List, Mapping, Optional, Tuple, Type
 import torch
 
 from moe_plugins.core import comm
-from moe_plugins.core.experts import ExpertWeights
+from moe_plugins.core.experts import ExpertWeights, partial_ffn
 from moe_plugins.core.ragged import combine_rows, expert_rows, ragged_all_to_all, route_order
 from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
-from moe_plugins.hecate.flow import (RoutePlan, copies_ffn, expert_numel, ffn_activation_problems, flat_experts,
+from moe_plugins.hecate.flow import (RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
                                      route_plan, unflat_experts)
 from moe_plugins.hecate.plan import LoadWindow, Placement, materialise_budget, plan_placement, stock_homes
 from moe_plugins.hecate.sparse import sparse_all_gather, whole_shards
@@ -87,7 +87,7 @@ class HecateSchedule(Schedule):
     @classmethod
     def configured(cls, options: HecateConfig, activation: Optional[str] = None) -> Type["HecateSchedule"]:
         """This schedule with ``options`` (a subclass under the same registered name) and, from a host whose
-        experts use one the core's config does not name (``"gelu_tanh"``), the copies' ``activation``."""
+        experts' activation differs from the layer config's (DeepSpeed's tanh GELU), the copies' ``activation``."""
         if not isinstance(options, HecateConfig):
             raise ValueError(f"options ({options!r}) must be a HecateConfig")
         problems = ffn_activation_problems(activation) if activation is not None else []
@@ -212,7 +212,7 @@ class HecateSchedule(Schedule):
         if replicas > 1:          # MP replicas: every row arrives once per replica (as the baseline)
             x_CnM = comm.grad_scale(x_CnM, float(replicas))
         activation = self.activation or self.config.activation
-        y_CnM = copies_ffn(x_CnM, call.copies, activation) + call.copies.b2_EM.unsqueeze(1)
+        y_CnM = partial_ffn(x_CnM, call.copies, activation) + call.copies.b2_EM.unsqueeze(1)
         if replicas > 1:
             y_CnM = comm.grad_scale(y_CnM, 1.0 / replicas)
         return y_CnM.reshape(-1, model_dim).index_select(0, _index(back, e_QM.device))
