@@ -262,9 +262,9 @@ class DeepSpeedPlugin:
             problems += self.infer.layer_problems(cfg, facts, layout, moe)
         if problems:            # layer_problems lists the layout's problems too: past here the layout is set
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
-        sliced = esp != facts.host_esp
+        sliced, overlap = esp != facts.host_esp, self.lancet.overlap(cfg)   # overlap: Lancet's, else None
         host = self._host_groups(layout, sliced)
-        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile)
+        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile, overlap is not None)
         ep_pg = self._register(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:
@@ -273,11 +273,11 @@ class DeepSpeedPlugin:
         moe.deepspeed_moe._set_ep_group(ep_pg)
         cls = with_exchange(self._schedule_class(cfg.schedule, layout, moe, read_profile), cfg.exchange, degree)
         cls = hecate_class(cfg, cls, moe)               # Hecate's options and activation (else cls itself)
-        schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, schedule=cls.name))
-        self._layers[moe.deepspeed_moe] = self.lancet.attach(cfg, SwappedLayer(
+        schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, cls.name, overlap))
+        self._layers[moe.deepspeed_moe] = self.lancet.attach(SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None, expert_weights=weights_source(cls),
-            inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec)), moe, self._lanes)
+            inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec)), moe)
         self.swaps.append({"layer": facts.name, "schedule": cfg.schedule, "exchange": cls.exchange_mode,
                            "pipeline_degree": cfg.pipeline_degree, "mp": layout.mp, "ep": layout.ep, "esp": layout.esp,
                            "num_experts": facts.num_experts, "k": facts.k, "experts_sliced_by_plugin": sliced,
@@ -298,18 +298,18 @@ class DeepSpeedPlugin:
         profile = read_profile(layout) if registry.is_profiled(name) else None
         return registry.host_schedule_class(name, profile, next(moe.parameters()).element_size(), layout.mp, logger)
 
-    def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, read_profile):
+    def _pipeline(self, value: Union[int, str], layout: ParallelLayout, groups: MoEProcessGroups, read_profile, overlap):
         """PipeMoE's degree (``"auto"`` or ``"tune"``: from the cost profile cached for this layout and device),
-        its executor and the layer's communication engine: one per layout and lanes (collective to build), with
-        a pipeline lane when the degree needs it and a background lane for Lina, shared with Lina's reducer."""
-        background = self.lina.current is not None
-        if value == 1 and not background:
+        its executor and the layer's engine: one per layout and lanes (collective to build), with a pipeline lane
+        when the degree or Lancet's ``overlap`` needs it and a background lane for Lina, shared with its reducer."""
+        background, pipeline = self.lina.current is not None, value != 1 or overlap
+        if not (pipeline or background):
             return 1, None, None
         from moe_plugins.core.engine import build_engine
         from moe_plugins.pipemoe.runner import build_executor
-        key = (layout, value != 1, background)
+        key = (layout, pipeline, background)
         if key not in self._lanes:
-            self._lanes[key] = build_engine(groups, pipeline=value != 1, background=background,
+            self._lanes[key] = build_engine(groups, pipeline=pipeline, background=background,
                                             ledger=self.ledger if background else None)
         comm = self._lanes[key]
         if background:

@@ -7,8 +7,8 @@ run them while they fly (docs/lancet.md).
   core's Patcher and removed in ``finally``), so DeepSpeed's ``Experts.forward`` and the user's modules run as in
   stock, and their dW joins the plugin's queue. A module there that is not a plain ``nn.Linear`` keeps stock
   gradients; an expert without one, or one that is a Linear subclass, is refused at setup, naming it.
-- **Exchanges.** The layer's Recorder carries ``ExchangeOverlap(queue)``; its engine gets a pipeline lane (the
-  plugin's lane engine for the layout, built here when the pipeline degree did not build one), so each backward
+- **Exchanges.** The layer's Recorder is built carrying ``ExchangeOverlap(queue)`` (:meth:`LancetHooks.overlap`),
+  on an engine with a pipeline lane (the plugin's ``_pipeline`` asks for one for it), so each backward
   all-to-all flies on the lane while the queue runs.
 - **The epilogue.** ZeRO-1/2 (DeepSpeed 0.19.8) run their post-backward epilogue from an autograd callback queued
   by the first gradient hook of a backward, ahead of the queue's own end-of-backward flush. While a Lancet layer
@@ -25,12 +25,11 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from moe_plugins.core.engine import PIPELINE, build_engine
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.lancet.config import LancetConfig
@@ -92,34 +91,28 @@ class LancetHooks:
         self.overlaps: List[ExchangeOverlap] = []           # one per layer: how often it ran dW behind an exchange
         self._patcher: Optional[Patcher] = None
 
-    def attach(self, cfg: PluginConfig, swapped: SwappedLayer, moe: nn.Module, lanes: Dict[Any, Any]) -> SwappedLayer:
-        """``swapped`` (DeepSpeed's ``moe``, a ``deepspeed.moe.layer.MoE``) as is, or, with the section's
-        ``defer_wgrad`` on, its Lancet form (collective the first time a layout needs a pipeline lane: every rank sets
-        up the same layers in the same order). ``lanes``: the plugin's engines by (layout, pipeline, background),
-        which the plugin closes."""
+    def overlap(self, cfg: PluginConfig) -> Optional[ExchangeOverlap]:
+        """With the section's ``defer_wgrad`` on, the callback a layer's Recorder carries (``while_in_flight``) on
+        the plugin's queue, for a layer about to be swapped; else None (the layer runs without Lancet)."""
         if cfg.lancet is None or not LancetConfig.from_dict(cfg.lancet).defer_wgrad:
+            return None
+        if self.queue is None:
+            self.queue = WgradQueue()
+        self.overlaps.append(ExchangeOverlap(self.queue))
+        return self.overlaps[-1]
+
+    def attach(self, swapped: SwappedLayer, moe: nn.Module) -> SwappedLayer:
+        """``swapped`` (DeepSpeed's ``moe``, a ``deepspeed.moe.layer.MoE``) as is, or, where its Recorder carries
+        :meth:`overlap`'s callback, its Lancet form (its experts' Linear dW deferred to the queue)."""
+        if swapped.schedule.rec.while_in_flight is None:
             return swapped
         problems = expert_problems(moe.deepspeed_moe, swapped.name, swapped)
         if problems:
             raise ValueError("; ".join(problems))
-        rec = swapped.schedule.rec
-        engine = rec.engine
-        if not engine.has_lane(PIPELINE):
-            key = (swapped.groups.layout, True, False)
-            if key not in lanes:
-                lanes[key] = build_engine(swapped.groups, pipeline=True)
-            engine = lanes[key]
-        if self.queue is None:
-            self.queue = WgradQueue()
-        self.overlaps.append(ExchangeOverlap(self.queue))
-        rec = type(rec)(rec.ledger, rec.layer, engine, schedule=rec.schedule, while_in_flight=self.overlaps[-1])
-        old = swapped.schedule
-        schedule = type(old)(old.config, old.groups, rec)
         self._install()
         self.layers.append(swapped.name)
         logger.info("moe_plugins: DeepSpeed MoE layer %s defers its experts' weight gradients (Lancet)", swapped.name)
-        values = {f.name: getattr(swapped, f.name) for f in fields(swapped)}
-        return LancetSwappedLayer(**{**values, "schedule": schedule}, queue=self.queue)
+        return LancetSwappedLayer(**{f.name: getattr(swapped, f.name) for f in fields(swapped)}, queue=self.queue)
 
     def _install(self) -> None:
         if self._patcher is not None:
