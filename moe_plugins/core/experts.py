@@ -67,10 +67,12 @@ def init_full_weights(num_experts: int, hidden: int, ffn: int, generator: torch.
                          w2_EHM=uniform((num_experts, ffn, hidden), ffn), b2_EM=uniform((num_experts, hidden), ffn))
 
 
-def sharded_experts(x_ElNM: torch.Tensor, *, weights: ExpertWeights, activation: str, esp, rec) -> torch.Tensor:
+def sharded_experts(x_ElNM: torch.Tensor, *, weights: ExpertWeights, activation: str, esp, rec,
+                    ffn: Callable[[torch.Tensor, ExpertWeights, str], torch.Tensor] = partial_ffn) -> torch.Tensor:
     """This rank's expert shard on rows x_ElNM: ESP partial sums all-reduced (forward), input gradient
-    all-reduced (backward, via copy_to), b2 added once. ``esp`` is a groups.Group, ``rec`` a comm.Recorder."""
+    all-reduced (backward, via copy_to), b2 added once. ``esp`` is a groups.Group, ``rec`` a comm.Recorder;
+    ``ffn``: the partial FFN (Lancet passes its deferred-dW form)."""
     from moe_plugins.core import comm
     x_ElNM = comm.copy_to(x_ElNM, esp, rec)
-    y_ElNM = comm.all_reduce(partial_ffn(x_ElNM, weights, activation), esp, rec)
+    y_ElNM = comm.all_reduce(ffn(x_ElNM, weights, activation), esp, rec)
     return y_ElNM + weights.b2_EM.unsqueeze(1)

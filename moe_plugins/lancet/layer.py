@@ -29,7 +29,7 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.engine import PIPELINE
 from moe_plugins.core.executor import Executor
-from moe_plugins.core.experts import ExpertWeights
+from moe_plugins.core.experts import ExpertWeights, sharded_experts
 from moe_plugins.core.groups import Group
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
@@ -42,9 +42,8 @@ from moe_plugins.lancet.wgrad_queue import WgradQueue
 def deferred_sharded_experts(x_ElNM: torch.Tensor, *, weights: ExpertWeights, activation: str, esp: Group,
                              rec: comm.Recorder, queue: WgradQueue, name: str) -> torch.Tensor:
     """The core's ``sharded_experts`` with the FFN's weight gradients deferred to ``queue`` (tag ``name``)."""
-    x_ElNM = comm.copy_to(x_ElNM, esp, rec)
-    partial_ElNM = deferred_partial_ffn(x_ElNM, weights, activation, queue, name=name, tag=name)
-    return comm.all_reduce(partial_ElNM, esp, rec) + weights.b2_EM.unsqueeze(1)
+    return sharded_experts(x_ElNM, weights=weights, activation=activation, esp=esp, rec=rec,
+                           ffn=partial(deferred_partial_ffn, queue=queue, name=name, tag=name))
 
 
 class DeferredExperts(Executor):
