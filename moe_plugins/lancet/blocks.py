@@ -1,0 +1,205 @@
+"""Lancet's block executor (Part 2): the HF GPT-2 blocks after an MoE layer's gate run partition by partition, so
+that one partition's MoE exchange flies while another partition computes (docs/lancet.md).
+
+A *range* starts at an MoE block's gate and ends at the next MoE block's gate (or at the end of the stack): the
+gate needs the whole batch, so the pipeline stops there. For MoE block i with next MoE block j:
+
+1. block i's first half (ln_1, attention, residual, ln_2) on the whole batch, unless the previous range computed it;
+2. the MoE layer gated on the whole batch, every partition's dispatch issued (``start_moe``, e.g.
+   :func:`moe_plugins.lancet.partition.layer_start`), its experts run and its combine issued;
+3. per partition p: its output lands, the residual is added, the dense blocks i+1 .. j-1 run on it whole, and
+   block j's first half; meanwhile the combines of p+1 .. fly;
+4. the partitions' results are joined; the host's loop then calls blocks i+1 .. j-1 (passed through: already
+   run) and block j (its first half already run: it resumes at the gate).
+
+Partitions cut the batch (dim 0) into equal groups of samples, so attention (per sample) is unchanged. Dropout
+masks are replayed from the whole batch (:class:`DropoutReplay`): partition 0 draws each mask for the whole batch
+in the order the unpartitioned forward draws them, and every partition uses its rows. The result equals the
+unpartitioned model's (fp64: <= 1e-12), dropout on.
+
+Known blocks: transformers' ``GPT2Block`` (self-attention only). A forward with a cache, cross-attention or
+``use_cache`` runs stock (HF's GPT-2 passes a fresh cache in every forward unless ``use_cache=False`` or
+``config.use_cache=False``: partitions cannot fill it per partition; a warning says so once). :func:`block_problems` refuses other blocks, and attention dropout outside the eager
+attention (SDPA draws its mask inside the kernel, where it cannot be replayed).
+
+Shapes: B samples, L tokens per sample, M model dim.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_plugins.core.patcher import Patch, Patcher
+
+logger = logging.getLogger("moe_plugins.lancet")
+KNOWN_BLOCKS = ("GPT2Block",)
+
+
+def block_problems(block: nn.Module, where: str) -> List[str]:
+    """Why the executor cannot run ``block`` partition by partition (empty when it can)."""
+    kind = type(block).__name__
+    if kind not in KNOWN_BLOCKS or not all(hasattr(block, n) for n in ("ln_1", "attn", "ln_2", "mlp")):
+        return [f"{where} is a {kind}: Lancet's batch partitions know the blocks {', '.join(KNOWN_BLOCKS)} only "
+                "(transformers' GPT-2); use partitions 1 for this model"]
+    attn = block.attn
+    if getattr(attn, "is_cross_attention", False) or hasattr(block, "crossattention"):
+        return [f"{where}: cross-attention blocks are not supported by Lancet's batch partitions"]
+    impl = getattr(getattr(attn, "config", None), "_attn_implementation", "eager")
+    if attn.attn_dropout.p > 0 and impl != "eager":
+        return [f"{where}: attention dropout ({attn.attn_dropout.p}) under the {impl!r} attention draws its mask "
+                "inside the kernel, where partitions cannot replay it; load the model with "
+                "attn_implementation=\"eager\" or attn_pdrop 0"]
+    return []
+
+
+class DropoutReplay:
+    """``torch.nn.functional.dropout`` while a range runs partitions (patched through the core Patcher, restored
+    in ``finally``): partition 0 draws each call's mask on the whole batch, in call order, and every partition
+    multiplies its rows by it, as the unpartitioned call does (bitwise: the same draws, the same product)."""
+
+    def __init__(self, parts: int):
+        self.parts, self.part, self.calls = parts, 0, 0
+        self.masks: List[torch.Tensor] = []
+        self._original = F.dropout
+
+    def start(self, part: int) -> None:
+        self.part, self.calls = part, 0
+
+    def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+        if not training or p == 0.0:
+            return self._original(input, p, training, inplace)
+        index, self.calls = self.calls, self.calls + 1
+        rows = input.shape[0]
+        if self.part == 0:
+            whole = torch.ones((rows * self.parts,) + tuple(input.shape[1:]), dtype=input.dtype, device=input.device)
+            self.masks.append(self._original(whole, p, True, False))
+        if index >= len(self.masks) or self.masks[index].shape[0] != rows * self.parts:
+            raise ValueError(f"partition {self.part}: dropout call {index} has {rows} rows, not 1/{self.parts} of the "
+                             "whole batch's; every partition must run the same dropout calls in the same order")
+        mask = self.masks[index].narrow(0, self.part * rows, rows)
+        return input.mul_(mask) if inplace else input * mask
+
+    def patched(self) -> Patcher:
+        return Patcher([Patch(F, "dropout", self.dropout)])          # per range call: not logged
+
+
+def _rows(value: Any, batch: int, a: int, b: int) -> Any:
+    """A block argument for samples [a, b): tensors of rank >= 2 with the batch as dim 0 are cut, others kept."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch and batch > 1:
+        return value[a:b]
+    return value
+
+
+def first_half(block: nn.Module, x_BLM: torch.Tensor, attention_mask: Any, kwargs: Dict[str, Any]):
+    """GPT2Block.forward up to its MLP: (x after the attention's residual, ln_2 of it)."""
+    a_BLM, _ = block.attn(block.ln_1(x_BLM), past_key_values=None, attention_mask=attention_mask, use_cache=False,
+                          **kwargs)
+    x_BLM = a_BLM + x_BLM
+    return x_BLM, block.ln_2(x_BLM)
+
+
+StartMoE = Callable[[nn.Module, torch.Tensor, int], Any]     # (block, h_BLM, parts) -> a PartitionedCall
+
+
+class BlockExecutor:
+    """Runs ``blocks`` (an HF GPT-2 stack's ``h``) with batch partitions after each MoE block's gate. ``moe``: the
+    indices of the MoE blocks; ``start_moe``: the host's partitioned MoE call for a block. :meth:`install` sets
+    the blocks' instance forwards (core Patcher, undone by :meth:`remove`)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], moe: Sequence[int], start_moe: StartMoE, parts: int):
+        problems = [p for i, blk in enumerate(blocks) for p in block_problems(blk, f"block {i}")]
+        if not moe:
+            problems.append("the model has no MoE block for Lancet's batch partitions to follow")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.blocks, self.moe, self.start_moe, self.parts = list(blocks), sorted(moe), start_moe, parts
+        self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}   # block j: (input, x, h)
+        self._passed: Dict[int, torch.Tensor] = {}           # dense block in a range: the tensor it passes on
+        self._patcher: Optional[Patcher] = None
+        self.ranges_run = 0
+        self.stock_calls = 0                                 # MoE blocks run stock (a cache, ...)
+
+    def range_of(self, i: int) -> Tuple[List[int], Optional[int]]:
+        """The dense blocks after MoE block i, and the next MoE block (None: the range ends with the stack)."""
+        later = [j for j in self.moe if j > i]
+        end = later[0] if later else len(self.blocks)
+        return list(range(i + 1, end)), (later[0] if later else None)
+
+    def install(self) -> "BlockExecutor":
+        patches = []
+        for i, block in enumerate(self.blocks):
+            run = self._moe_forward if i in self.moe else self._dense_forward
+            original = block.forward
+            patches.append(Patch(block, "forward", lambda *a, _i=i, _o=original, _r=run, **k: _r(_i, _o, *a, **k)))
+        self._patcher = Patcher(patches, logger=logger).apply()
+        return self
+
+    def remove(self) -> None:
+        patcher, self._patcher = self._patcher, None
+        self._stash.clear()
+        self._passed.clear()
+        if patcher is not None:
+            patcher.restore()
+
+    @staticmethod
+    def _stock(args: Tuple, kwargs: Dict[str, Any]) -> bool:
+        past = args[1] if len(args) > 1 else kwargs.get("past_key_values")
+        encoder = args[3] if len(args) > 3 else kwargs.get("encoder_hidden_states")
+        return past is not None or encoder is not None or bool(kwargs.get("use_cache"))
+
+    def _dense_forward(self, i: int, original: Callable, *args, **kwargs):
+        passed = self._passed.pop(i, None)
+        if passed is not None and args and args[0] is passed:
+            return passed
+        return original(*args, **kwargs)
+
+    def _moe_forward(self, i: int, original: Callable, *args, **kwargs):
+        if self._stock(args, kwargs) or self.parts == 1:
+            self._stash.pop(i, None)
+            if not self.stock_calls and self.parts > 1:
+                logger.warning("moe_plugins: Lancet's batch partitions leave a forward with a KV cache, "
+                               "use_cache or cross-attention stock (HF's GPT-2 builds a cache by default: pass "
+                               "use_cache=False, or set config.use_cache=False, in training)")
+            self.stock_calls += 1
+            return original(*args, **kwargs)
+        hidden = args[0]
+        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        extra = {k: v for k, v in kwargs.items()
+                 if k not in ("past_key_values", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+                              "use_cache")}
+        stash = self._stash.pop(i, None)
+        if stash is not None and stash[0] is hidden:
+            x_BLM, h_BLM = stash[1], stash[2]
+        else:
+            x_BLM, h_BLM = first_half(self.blocks[i], hidden, mask, extra)
+        dense, nxt = self.range_of(i)
+        call = self.start_moe(self.blocks[i], h_BLM, self.parts)
+        batch = x_BLM.shape[0]
+        size = batch // self.parts
+        replay = DropoutReplay(self.parts)
+        xs, hs = [], []
+        with replay.patched():
+            for p in range(self.parts):
+                a, b = p * size, (p + 1) * size
+                replay.start(p)
+                mask_p = _rows(mask, batch, a, b)
+                extra_p = {k: _rows(v, batch, a, b) for k, v in extra.items()}
+                x_p = x_BLM[a:b] + call.output(p).view(b - a, *x_BLM.shape[1:])
+                for d in dense:                  # through the module (its hooks), on to the stock forward
+                    x_p = self.blocks[d](x_p, None, mask_p, None, use_cache=False, **extra_p)
+                if nxt is not None:
+                    x_p, h_p = first_half(self.blocks[nxt], x_p, mask_p, extra_p)
+                    hs.append(h_p)
+                xs.append(x_p)
+        out = torch.cat(xs)
+        for d in dense:
+            self._passed[d] = out
+        if nxt is not None:
+            self._stash[nxt] = (out, out, torch.cat(hs))
+        self.ranges_run += 1
+        return out

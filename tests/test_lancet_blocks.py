@@ -1,0 +1,64 @@
+"""Lancet's block executor (moe_plugins/lancet/blocks.py): a tiny HF GPT-2 with two core MoE layers on 4 gloo
+ranks in fp64, dropout on: the loss, the aux loss and every parameter's gradient with the batch cut into 2 and 4
+partitions equal those of the stock forward (<= 1e-12) for the same RNG state; refusals for blocks it does not
+know and for dropout it cannot replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_plugins.lancet.blocks import DropoutReplay, block_problems
+from tests.workers.lancet_blocks import stock_and_partitioned
+
+EXACT = 1e-12
+
+
+def test_dropout_replay_gives_each_partition_its_rows_of_the_whole_mask():
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    torch.manual_seed(3)
+    whole = torch.nn.functional.dropout(x, 0.3, True)
+    torch.manual_seed(3)
+    replay = DropoutReplay(2)
+    with replay.patched():
+        parts = []
+        for p in range(2):
+            replay.start(p)
+            parts.append(torch.nn.functional.dropout(x[2 * p:2 * p + 2], 0.3, True))
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.nn.functional.dropout is not replay.dropout              # restored
+
+
+def test_unknown_blocks_and_unreplayable_dropout_are_refused():
+    from transformers import BertConfig, GPT2Config, GPT2Model
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    bert = BertLayer(BertConfig(hidden_size=8, num_attention_heads=2, intermediate_size=8))
+    assert block_problems(bert, "block 0") == [
+        "block 0 is a BertLayer: Lancet's batch partitions know the blocks GPT2Block only (transformers' GPT-2); "
+        "use partitions 1 for this model"]
+    sdpa = GPT2Model(GPT2Config(n_embd=8, n_layer=1, n_head=2, attn_pdrop=0.1, attn_implementation="sdpa")).h[0]
+    assert "draws its mask inside the kernel" in block_problems(sdpa, "block 0")[0]
+    eager = GPT2Model(GPT2Config(n_embd=8, n_layer=1, n_head=2, attn_pdrop=0.1, attn_implementation="eager")).h[0]
+    assert block_problems(eager, "block 0") == []
+
+
+JOBS = [{"parts": 2, "dropout": 0.1, "batch": 4}, {"parts": 4, "dropout": 0.1, "batch": 4},
+        {"parts": 2, "dropout": 0.0, "batch": 6}]
+
+
+def _err(a, b) -> float:
+    return float((a - b).abs().max())
+
+
+def test_partitioned_blocks_equal_the_stock_forward(world):
+    results = world(4).run(stock_and_partitioned, JOBS, timeout_s=300)
+    for i, job in enumerate(JOBS):
+        for r in (rank[i] for rank in results):
+            for got, want in ((r["parted"], r["stock"]), (r["again"], r["other"])):
+                assert abs(got[0] - want[0]) <= EXACT and abs(got[1] - want[1]) <= EXACT, (job, got[:2], want[:2])
+                assert got[2].keys() == want[2].keys() and len(got[2]) > 20
+                assert max(_err(got[2][n], want[2][n]) for n in want[2]) <= EXACT, job
+            if job["dropout"]:          # the two draws differ: the replay follows the RNG, not a fixed mask
+                assert abs(r["stock"][0] - r["other"][0]) > 1e-6
+            assert r["ranges"] == 2 * 2 and r["restored"]
