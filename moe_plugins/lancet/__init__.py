@@ -28,6 +28,9 @@ Part 1 (#26), deferred weight gradients, wired into the core layer and the DeepS
 - :mod:`moe_plugins.lancet.layer`: :class:`~moe_plugins.lancet.layer.LancetMoELayer`, the core layer with its
   experts' dW deferred. The DeepSpeed host's part is ``patches/deepspeed_lancet.py``. docs/lancet.md says what is
   overlapped, what is tested and what is not built (Megatron, dense_wgrad on hosts, batch partitions, the bench).
+- :mod:`moe_plugins.lancet.plan`: Part 2's planner, pure: the operator partition pass (which runs of ops to split
+  into k batch partitions) over a stage-major one-thread, one-lane executor model; ``moe-plugins plan lancet``
+  (:mod:`moe_plugins.lancet.plan_cli`, registered by :func:`register`, imported when asked for) prints it.
 """
 
 from moe_plugins.lancet.dense import dense_wgrad
@@ -38,7 +41,14 @@ __all__ = ["WgradItem", "WgradQueue", "best_fit", "deferred_bmm", "deferred_line
            "dense_wgrad", "register"]
 
 
+def _planner(subparsers) -> None:
+    from moe_plugins.lancet import plan_cli     # imported when `moe-plugins plan lancet` is asked for
+    plan_cli.register(subparsers)
+
+
 def register(registry) -> None:
-    """Add Lancet's config section (``"lancet": {...}``, :mod:`moe_plugins.lancet.config`) to ``registry``."""
+    """Add Lancet's config section (``"lancet": {...}``, :mod:`moe_plugins.lancet.config`) and its planner
+    (``moe-plugins plan lancet``) to ``registry``."""
     from moe_plugins.lancet.config import NAME, SECTION_RULES
     registry.add_section(NAME, SECTION_RULES, paper=NAME)
+    registry.add_planner("lancet", _planner)
