@@ -150,7 +150,7 @@ class DeepSpeedPlugin:
 
     def _free_groups(self) -> None:
         """Close the pipeline lanes and destroy every process group the plugin built (gloo keeps threads per
-        group). Every rank disables in the same order, as every rank built them in the same order."""
+        group); every rank disables in the same order, as every rank built them."""
         for lane in self._lanes.values():
             lane.close()
         if dist.is_initialized():                    # the job may have torn down the default group already
@@ -160,9 +160,7 @@ class DeepSpeedPlugin:
             held.clear()
         self._singletons = None
 
-    @property
-    def active(self) -> bool:
-        return self._ds is not None
+    active = property(lambda self: self._ds is not None)
 
     def __enter__(self) -> "DeepSpeedPlugin":
         return self
@@ -189,6 +187,7 @@ class DeepSpeedPlugin:
             try:
                 result = original(engine, model)
                 plugin.lina.install(lina, engine, model)
+                plugin.lancet.install_blocks(engine, model, plugin._layers)
                 return result
             finally:
                 plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = previous
@@ -264,7 +263,8 @@ class DeepSpeedPlugin:
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced, overlap = esp != facts.host_esp, self.lancet.overlap(cfg)   # overlap: Lancet's, else None
         host = self._host_groups(layout, sliced)
-        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile, overlap is not None)
+        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile,
+                                            self.lancet.needs_lane(overlap))
         ep_pg = self._register(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:

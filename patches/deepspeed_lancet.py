@@ -16,6 +16,14 @@ run them while they fly (docs/lancet.md).
   the queue (one class patch through the core's Patcher, restored by :meth:`LancetHooks.remove`), so
   ``loss.backward()`` and ``engine.backward(loss)`` both reach the epilogue with every gradient delivered.
 
+- **Batch partitions** (``"partitions": n`` > 1). When DeepSpeed configures a model, the ``torch.nn.ModuleList``
+  of blocks holding the swapped layers gets Lancet's block executor (``moe_plugins.lancet.blocks``; HF GPT-2
+  blocks only, others refused naming the block), checked against the engine's micro-batch (n must divide it).
+  The executor reaches the MoE layer through the block's own ``mlp`` (the user's wrapper keeps its aux loss):
+  with a :class:`PartitionRequest` armed, the swapped layer starts the partitioned call
+  (``moe_plugins.lancet.partition.start_partitions``, DeepSpeed's gate and experts) and returns a placeholder,
+  which must come back out of ``mlp`` untouched (else refused: the wrapper changes the MoE output).
+
 Not here: the experts the plugin slices over ESP itself (``esp`` set without DeepSpeed's expert tensor
 parallelism), Lina together with Lancet (refused by the config), dense layers (``dense_wgrad``: refused).
 """
@@ -25,18 +33,20 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, fields
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.lancet.blocks import BlockExecutor
 from moe_plugins.lancet.config import LancetConfig
 from moe_plugins.lancet.dense import dense_wgrad, wrap_problems
 from moe_plugins.lancet.overlap import ExchangeOverlap
+from moe_plugins.lancet.partition import PartitionedCall, partition_bounds, partitions_problem, start_partitions
 from moe_plugins.lancet.wgrad_queue import WgradQueue
-from moe_plugins.patches.deepspeed_layer import SwappedLayer
+from moe_plugins.patches.deepspeed_layer import GateReplay, SwappedLayer
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
@@ -69,16 +79,57 @@ def _deferred_experts(experts: Callable[[torch.Tensor], torch.Tensor], linears: 
         return experts(x_ElRM)
 
 
+class PartitionRequest:
+    """The block executor's request to the next swapped-layer forward: start a partitioned call of ``parts``
+    partitions and hand it back here (``call``), returning ``placeholder`` to the block's ``mlp``."""
+
+    def __init__(self) -> None:
+        self.parts, self.call, self.placeholder = 0, None, None
+
+    def start(self, block: nn.Module, h_BLM: torch.Tensor, parts: int) -> PartitionedCall:
+        """``block.mlp(h_BLM)`` with the request armed: the partitioned call its swapped layer started."""
+        self.parts, self.call, self.placeholder = parts, None, None
+        try:
+            out = block.mlp(h_BLM)
+        finally:
+            call, placeholder, self.parts, self.call, self.placeholder = self.call, self.placeholder, 0, None, None
+        if call is None:
+            raise ValueError(f"Lancet's batch partitions: {type(block).__name__}.mlp ({type(block.mlp).__name__}) did "
+                             "not call a DeepSpeed MoE layer the plugin swapped")
+        if out is not placeholder:
+            raise ValueError(f"Lancet's batch partitions: {type(block).__name__}.mlp ({type(block.mlp).__name__}) "
+                             "changes the MoE layer's output (a residual MoE, a scale...); partitions need it to return "
+                             "the layer's output as is; use partitions 1")
+        return call
+
+
 @dataclass(frozen=True)
 class LancetSwappedLayer(SwappedLayer):
-    """A swapped layer whose experts' Linear weight gradients are deferred to ``queue``."""
+    """A swapped layer whose experts' Linear weight gradients are deferred to ``queue`` (None: not deferred), and
+    which starts a partitioned call when ``request`` is armed."""
 
     queue: Optional[WgradQueue] = None
+    request: Optional[PartitionRequest] = None
 
     def experts(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.queue is None:
+            return super().experts(layer)
         linears = expert_linears(layer, self.name)
         return lambda x, inner=super().experts(layer): _deferred_experts(inner, linears, self.queue,
                                                                          f"experts.{self.name}", x)
+
+    def forward(self, layer: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
+        request = self.request
+        if request is None or not request.parts or request.call is not None or not layer.training:
+            return super().forward(layer, x, used_token)
+        x_SM = x.reshape(-1, x.shape[-1])
+        bounds = partition_bounds(x.shape[0], request.parts, x_SM.shape[0] // x.shape[0])
+        call = start_partitions(x_SM, bounds, router=GateReplay(layer.gate, used_token, noted=self.noted),
+                                experts=self.experts(layer), groups=self.groups,
+                                num_experts=self.schedule.config.num_experts, rec=self.schedule.rec)
+        layer.l_aux, layer.exp_counts = call.aux_loss, call.exp_counts_E
+        request.call, request.placeholder = call, x.new_empty(x.shape)
+        return request.placeholder
 
 
 class LancetHooks:
@@ -89,30 +140,69 @@ class LancetHooks:
         self.queue: Optional[WgradQueue] = None
         self.layers: List[str] = []
         self.overlaps: List[ExchangeOverlap] = []           # one per layer: how often it ran dW behind an exchange
+        self.request = PartitionRequest()
+        self.executors: List[BlockExecutor] = []
+        self._parts = 1                                      # partitions of the layers being swapped
         self._patcher: Optional[Patcher] = None
 
     def overlap(self, cfg: PluginConfig) -> Optional[ExchangeOverlap]:
         """With the section's ``defer_wgrad`` on, the callback a layer's Recorder carries (``while_in_flight``) on
         the plugin's queue, for a layer about to be swapped; else None (the layer runs without Lancet)."""
-        if cfg.lancet is None or not LancetConfig.from_dict(cfg.lancet).defer_wgrad:
+        lancet = None if cfg.lancet is None else LancetConfig.from_dict(cfg.lancet)
+        self._parts = 1 if lancet is None else lancet.partitions
+        if lancet is None or not lancet.defer_wgrad:
             return None
         if self.queue is None:
             self.queue = WgradQueue()
         self.overlaps.append(ExchangeOverlap(self.queue))
         return self.overlaps[-1]
 
+    def needs_lane(self, overlap: Optional[ExchangeOverlap]) -> bool:
+        """Whether the layer being swapped needs an engine with a pipeline lane: its exchanges carry ``overlap``, or
+        its partitions' exchanges fly on the lane."""
+        return overlap is not None or self._parts > 1
+
     def attach(self, swapped: SwappedLayer, moe: nn.Module) -> SwappedLayer:
         """``swapped`` (DeepSpeed's ``moe``, a ``deepspeed.moe.layer.MoE``) as is, or, where its Recorder carries
         :meth:`overlap`'s callback, its Lancet form (its experts' Linear dW deferred to the queue)."""
-        if swapped.schedule.rec.while_in_flight is None:
+        defer = swapped.schedule.rec.while_in_flight is not None
+        if not defer and self._parts == 1:
             return swapped
-        problems = expert_problems(moe.deepspeed_moe, swapped.name, swapped)
-        if problems:
-            raise ValueError("; ".join(problems))
-        self._install()
+        if defer:
+            problems = expert_problems(moe.deepspeed_moe, swapped.name, swapped)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self._install()
+            logger.info("moe_plugins: DeepSpeed MoE layer %s defers its experts' weight gradients (Lancet)",
+                        swapped.name)
         self.layers.append(swapped.name)
-        logger.info("moe_plugins: DeepSpeed MoE layer %s defers its experts' weight gradients (Lancet)", swapped.name)
-        return LancetSwappedLayer(**{f.name: getattr(swapped, f.name) for f in fields(swapped)}, queue=self.queue)
+        return LancetSwappedLayer(**{f.name: getattr(swapped, f.name) for f in fields(swapped)},
+                                  queue=self.queue if defer else None,
+                                  request=self.request if self._parts > 1 else None)
+
+    def install_blocks(self, engine, model: nn.Module, swapped: Mapping[nn.Module, Any]) -> None:
+        """After DeepSpeed configured ``model`` (its MoE layers swapped): with partitions, the block executor on
+        the ModuleList of blocks that holds the swapped layers (``swapped``: DeepSpeed MOELayer -> swapped layer)."""
+        mine = [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and swapped[m].request]
+        if not mine:
+            return
+        parts = self._parts
+        problem = partitions_problem(int(engine.train_micro_batch_size_per_gpu()), parts,
+                                     f"{SECTION}.lancet.partitions")
+        stacks = [s for s in model.modules() if isinstance(s, nn.ModuleList)
+                  and any(any(m in mine for m in b.modules()) for b in s)]
+        if problem is None and len(stacks) != 1:
+            problem = (f"{SECTION}.lancet.partitions ({parts}): Lancet's batch partitions need the model's MoE layers "
+                       f"in one torch.nn.ModuleList of blocks; found {len(stacks)}")
+        if problem is not None:
+            raise ValueError(problem)
+        blocks = list(stacks[0])
+        moe = [i for i, b in enumerate(blocks) if any(m in mine for m in b.modules())]
+        self.executors.append(BlockExecutor(blocks, moe, self.request.start, parts).install())
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "
+                           "use_cache=False keep a KV cache and run without Lancet's batch partitions")
+        logger.info("moe_plugins: Lancet's batch partitions (%d) run the blocks after MoE blocks %s", parts, moe)
 
     def _install(self) -> None:
         if self._patcher is not None:
@@ -134,9 +224,12 @@ class LancetHooks:
         """Restore DeepSpeed's epilogue and let go of the queue (the plugin closes the engines)."""
         patcher, self._patcher = self._patcher, None
         try:
+            for executor in self.executors:
+                executor.remove()
             if patcher is not None:
                 patcher.restore()
         finally:
+            self.executors = []
             if self.queue is not None:
                 self.queue.clear()
             self.queue, self.layers, self.overlaps = None, [], []

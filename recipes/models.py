@@ -5,7 +5,7 @@ feed-forward block replaced by an MoE layer built by a factory the host provides
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -73,11 +73,15 @@ def expert_mlp(size: ModelSize, activation: nn.Module) -> nn.Module:
     return nn.Sequential(nn.Linear(size.hidden, size.ffn), activation, nn.Linear(size.ffn, size.hidden))
 
 
-def build_gpt2_moe(size: ModelSize, vocab_size: int, moe_factory: MoEFactory, dropout: float = 0.0):
+def build_gpt2_moe(size: ModelSize, vocab_size: int, moe_factory: MoEFactory, dropout: float = 0.0,
+                   attn_implementation: Optional[str] = None):
+    """GPT-2-MoE for training: ``use_cache`` off (no KV cache is built in a training forward; Lancet's batch
+    partitions need that), HF's attention implementation unless ``attn_implementation`` names one."""
     from transformers import GPT2Config, GPT2LMHeadModel
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=size.seq_len, n_embd=size.hidden, n_layer=size.layers,
                      n_head=size.heads, n_inner=size.ffn, resid_pdrop=dropout, embd_pdrop=dropout,
-                     attn_pdrop=dropout)
+                     attn_pdrop=dropout, use_cache=False, **extra)
     model = GPT2LMHeadModel(cfg)
     for i in moe_layer_indices(size):
         expert = expert_mlp(size, nn.GELU(approximate="tanh"))       # GPT-2's gelu_new

@@ -30,17 +30,22 @@ def test_section_parses_and_defaults():
     assert _parse({"lancet": {"defer_wgrad": False}, "schedule": "parm-s2", "exchange": "padded"}).lancet
 
 
-@pytest.mark.parametrize("value", [2, 4, "auto"])
-def test_partitions_other_than_one_refused_in_one_line(value):
-    problems = lancet_problems({"partitions": value})
-    assert problems == [f"moe_plugins.lancet.partitions ({value!r}): batch partitions (Lancet's Part 2) are not "
-                        "built; only 1 is supported in this version"]
+def test_partitions_accepted_and_auto_refused_in_one_line():
+    assert lancet_problems({"partitions": 4}) == [] and _parse({"lancet": {"partitions": 2}}).lancet["partitions"] == 2
+    assert lancet_problems({"partitions": "auto"}) == [
+        "moe_plugins.lancet.partitions ('auto'): the planner's choice (`moe-plugins plan lancet`) is not wired into "
+        "the hosts yet; give an integer >= 1 that divides the micro-batch"]
+    # partitions make the section active even without defer_wgrad: its combinations are checked
+    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \(2\) cannot run with moe_plugins\.lancet\."
+                                         r"partitions \(2\): the partitions replace PipeMoE's capacity chunks"):
+        _parse({"lancet": {"defer_wgrad": False, "partitions": 2}, "pipeline_degree": 2})
+    assert _parse({"lancet": {"defer_wgrad": False, "partitions": 1}, "pipeline_degree": 2}).lancet
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.0, True, "1", "Auto", None, [1]])
 def test_partitions_bad_values_name_what_is_allowed(value):
-    with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \(.*\) must be an integer >= 1 or "
-                                         r"\"auto\"; only 1 is supported in this version"):
+    with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \(.*\) must be an integer >= 1 that "
+                                         r"divides the micro-batch"):
         _parse({"lancet": {"partitions": value}})
 
 
@@ -58,7 +63,7 @@ def test_field_refusals(section, message):
 
 
 def test_every_problem_at_once_and_not_an_object():
-    problems = plugin_config_problems({"lancet": {"partitions": 3, "dense_wgrad": "no", "x": 1}}, "ds", **CHOICES)
+    problems = plugin_config_problems({"lancet": {"partitions": 0, "dense_wgrad": "no", "x": 1}}, "ds", **CHOICES)
     assert [p.split(" ")[0] for p in problems] == ["ds.lancet.x", "ds.lancet.partitions", "ds.lancet.dense_wgrad"]
     with pytest.raises(ValueError, match=r"moe_plugins\.lancet \(\[1\]\) must be a JSON object"):
         _parse({"lancet": [1]})

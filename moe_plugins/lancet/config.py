@@ -5,13 +5,15 @@
     "lancet": {
         "defer_wgrad": true,   # the experts' weight gradients are deferred and run while the layer's backward
                                # exchanges are in flight; false keeps the section but defers nothing
-        "partitions": 1,       # Part 2's batch partitions (not built): only 1 is accepted in this version
+        "partitions": 1,       # Part 2's batch partitions: n >= 1 equal groups of samples, n dividing the
+                               # micro-batch (1: none); "auto" (the planner's choice) is not wired yet
         "dense_wgrad": false   # defer the dense nn.Linear weight gradients too: not wired into the hosts in this
                                # version (the core's lancet.dense_wgrad context does it by hand); only false
     }
 
 With ``defer_wgrad`` on, the section runs with schedule ``baseline`` and the padded exchange at any fixed or
-chosen pipeline degree; Parm's schedules, ``baseline-tp``, Hecate, Lina's gradient micro-ops and the ragged
+chosen pipeline degree; ``partitions`` > 1 (the block executor, ``moe_plugins.lancet.blocks``) needs pipeline
+degree 1 too (the partitions replace PipeMoE's capacity chunks); Parm's schedules, ``baseline-tp``, Hecate, Lina's gradient micro-ops and the ragged
 exchange are refused, naming the field and its value (their exchanges are other autograd Functions, which the overlap hook does not reach yet).
 Every problem names ``moe_plugins.lancet.<key>``, the value and what is allowed, before anything is patched.
 """
@@ -53,14 +55,14 @@ def _is_int(value: Any) -> bool:
 
 
 def partitions_problem(value: Any, path: str) -> Optional[str]:
-    """Why ``partitions`` is refused (None when it is 1): one line naming the field and the value (pure)."""
-    if _is_int(value) and value == 1:
+    """Why ``partitions`` is refused (None for an integer >= 1): one line naming the field and the value (pure).
+    Whether it divides the micro-batch is checked where the batch is known (``lancet.partition``)."""
+    if _is_int(value) and value >= 1:
         return None
-    if (_is_int(value) and value > 1) or value == AUTO:
-        return (f"{path}.partitions ({value!r}): batch partitions (Lancet's Part 2) are not built; only 1 is "
-                "supported in this version")
-    return (f"{path}.partitions ({value!r}) must be an integer >= 1 or \"auto\"; only 1 is supported in this "
-            "version")
+    if value == AUTO:
+        return (f"{path}.partitions ({value!r}): the planner's choice (`moe-plugins plan lancet`) is not wired into "
+                "the hosts yet; give an integer >= 1 that divides the micro-batch")
+    return f"{path}.partitions ({value!r}) must be an integer >= 1 that divides the micro-batch"
 
 
 def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]:
@@ -87,9 +89,15 @@ def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]
 
 
 def enabled_in(section: Mapping[str, Any]) -> bool:
-    """Whether a ``moe_plugins`` section defers weight gradients: a ``lancet`` section with ``defer_wgrad`` on."""
+    """Whether a ``moe_plugins`` section runs Lancet: a ``lancet`` section with ``defer_wgrad`` on or partitions."""
     lancet = section.get(NAME)
-    return isinstance(lancet, Mapping) and lancet.get("defer_wgrad", True) is True
+    return isinstance(lancet, Mapping) and (lancet.get("defer_wgrad", True) is True or partitioned(lancet))
+
+
+def partitioned(lancet: Mapping[str, Any]) -> bool:
+    """Whether a ``lancet`` section cuts the batch into partitions (an integer partitions > 1)."""
+    value = lancet.get("partitions", 1)
+    return _is_int(value) and value > 1
 
 
 def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: Optional[str] = None) -> List[str]:
@@ -116,6 +124,10 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     if isinstance(hecate, Mapping) and hecate.get("enabled", True) is True:
         problems.append(f"{path}.hecate (enabled) cannot run with {path}.{NAME}.defer_wgrad: Hecate's expert copies "
                         "do not defer their weight gradients")
+    if partitioned(section[NAME]) and section.get("pipeline_degree", 1) not in (1, "1"):
+        problems.append(f"{path}.pipeline_degree ({section['pipeline_degree']!r}) cannot run with {path}.{NAME}."
+                        f"partitions ({section[NAME]['partitions']}): the partitions replace PipeMoE's capacity "
+                        "chunks; use pipeline_degree 1")
     if host not in HOSTS:
         problems.append(f"{path}.{NAME}: Lancet is built for DeepSpeed only in this version, run by the DeepSpeed "
                         "adapter (moe_plugins.enable() before deepspeed.initialize) or the core LancetMoELayer; this "

@@ -1,0 +1,90 @@
+"""Jobs for tests/test_lancet_blocks_deepspeed.py, run on pool ranks: the recipes' GPT-2-MoE (HF GPT-2 blocks with
+DeepSpeed's MoE every other block) in fp64 under ZeRO-2 with dropout on, trained by stock DeepSpeed and by the
+plugin with Lancet's batch partitions, from the same weights, batches and RNG state.
+
+Shapes: B samples per rank, L tokens per sample.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Dict, Optional
+
+import torch
+
+from moe_plugins.tools.verify_deepspeed import deepspeed_groups
+from tests.workers.deepspeed import count_zero_hooks, micro_steps
+
+VOCAB, SEQ = 64, 8
+
+
+def _model(bert: bool = False):
+    from deepspeed.moe.layer import MoE
+
+    from recipes import models
+    size = models.ModelSize(layers=4, hidden=16, heads=2, ffn=24, seq_len=SEQ, experts=4, k=2, capacity_factor=1.0)
+
+    def factory(hidden, expert):
+        return MoE(hidden, expert, num_experts=size.experts, ep_size=4, k=size.k, capacity_factor=size.capacity_factor,
+                   min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
+    torch.manual_seed(0)
+    if bert:
+        return models.build_bert_moe(size, VOCAB, factory, dropout=0.1)
+    return models.build_gpt2_moe(size, VOCAB, factory, dropout=0.1, attn_implementation="eager")
+
+
+def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batch: int = 4) -> Dict[str, Any]:
+    """A fresh fp64 ZeRO-2 engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and the
+    ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the executor's ranges."""
+    import deepspeed
+
+    import moe_plugins
+    from recipes.models import moe_aux_loss
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
+              "steps_per_print": 10 ** 6, "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}}
+    if plugin is not None:
+        config["moe_plugins"] = plugin
+    out: Dict[str, Any] = {}
+    with ExitStack() as stack:
+        stack.enter_context(deepspeed_groups(None))
+        handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
+        model = _model().double()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        calls: Dict[str, int] = {}
+        stack.enter_context(count_zero_hooks(engine, calls))
+        rank = torch.distributed.get_rank()
+
+        def loss_of(micro: int) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(1000 * micro + rank)
+            ids = torch.randint(0, VOCAB, (micro_batch, SEQ), generator=gen)
+            torch.manual_seed(77 + micro)                    # dropout's draws, the same in every run
+            o = engine(input_ids=ids, labels=ids)
+            return o.loss + 0.01 * moe_aux_loss(engine.module)
+
+        out["losses"], out["grads"], out["hook_calls"] = micro_steps(engine, steps * gas, loss_of, False, calls)
+        executors = [] if handle is None else handle.lancet.executors
+        out["ranges"] = [e.ranges_run for e in executors]
+        out["stock_calls"] = [e.stock_calls for e in executors]
+        engine.destroy()
+    out["restored"] = all("forward" not in vars(b) for b in model.transformer.h)
+    return out
+
+
+def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False) -> str:
+    """The error deepspeed.initialize raises for ``plugin`` (or "" when none)."""
+    import deepspeed
+
+    import moe_plugins
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}, "moe_plugins": plugin}
+    with ExitStack() as stack:
+        stack.enter_context(deepspeed_groups(None))
+        stack.enter_context(moe_plugins.enable())
+        model = _model(bert)
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except ValueError as exc:
+            return str(exc)
+    return ""
