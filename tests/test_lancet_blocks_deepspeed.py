@@ -30,7 +30,12 @@ def test_partitions_on_deepspeed_equal_stock(world, lancet, steps, gas):
         assert all(_close(a, b, EXACT) for a, b in zip(s["grads"], p["grads"])) and len(s["grads"]) == steps
         assert p["hook_calls"] == s["hook_calls"] and all(set(c.values()) == {1} for c in p["hook_calls"])
         assert p["ranges"] == [2 * steps * gas] and p["stock_calls"] == [0]     # two MoE blocks per forward
-        assert p["restored"]
+        assert p["restored"] and p["queue_empty"]
+        # deferred dW: each partition's dispatch-gradient exchange (per layer and micro-step) ran the queue, its
+        # experts' dW queued just before; a combine-gradient exchange runs it when earlier work is queued
+        exchanges = 2 * lancet["partitions"] * steps * gas
+        deferred = lancet.get("defer_wgrad", True)
+        assert exchanges <= p["overlap_calls"] <= 2 * exchanges if deferred else p["overlap_calls"] == 0
 
 
 def test_bad_partitions_refused_in_one_line(world):

@@ -20,7 +20,9 @@ One call (:func:`start_partitions`), in the order the planner (:mod:`moe_plugins
 
 While partition p's experts run, the dispatches of p+1.. fly; while the caller computes on y_p (the block
 executor runs the following attention and dense layers on it), the combines of p+1.. fly. In backward each
-exchange's gradient is the reverse uneven exchange, run inline in autograd's order (not overlapped).
+exchange's gradient is the reverse uneven exchange, in autograd's order; with Lancet's deferred weight gradients
+(the Recorder's ``while_in_flight``) it flies on the pipeline lane while the queued dW runs
+(:func:`reverse_exchange`), else inline.
 
 Supported: ESP 1 and MP 1 (the baseline's data flow without the ESP all-gather and the replicas); others are
 refused by :func:`partition_layout_problems`. Shapes: S tokens, M model dim, E experts (E_l local), P EP members,
@@ -135,8 +137,26 @@ class _Landed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        p = ctx.pending
-        return uneven_all_to_all(g.contiguous(), p.recv, p.send, p.group, p.rec, "backward"), None
+        return reverse_exchange(g.contiguous(), ctx.pending), None
+
+
+def reverse_exchange(g_QM: torch.Tensor, pending: Pending) -> torch.Tensor:
+    """The gradient of a landed exchange: the reverse uneven exchange. When the layer's Recorder carries a
+    ``while_in_flight`` callback (Lancet's deferred dW) and the engine a pipeline lane, it is issued on the lane and
+    the callback runs while it flies, as the core's all-to-all backward does; else inline."""
+    rec = pending.rec
+    if rec.while_in_flight is None or not rec.engine.has_lane(PIPELINE):
+        return uneven_all_to_all(g_QM, pending.recv, pending.send, pending.group, rec, "backward")
+    try:
+        handle = rec.engine.issue("all_to_all", pending.group, g_QM, lane=PIPELINE, layer=rec.layer,
+                                  phase="backward", ledger=rec.ledger, splits=(pending.recv, pending.send))
+        try:
+            rec.while_in_flight(handle)
+        finally:
+            out = handle.wait()          # the exchange is collective: wait for it even if the callback failed
+        return out
+    except CommError as exc:
+        raise rec.failed(exc) from exc
 
 
 def land(pending: Pending) -> torch.Tensor:

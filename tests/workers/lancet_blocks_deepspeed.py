@@ -66,6 +66,8 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         executors = [] if handle is None else handle.lancet.executors
         out["ranges"] = [e.ranges_run for e in executors]
         out["stock_calls"] = [e.stock_calls for e in executors]
+        out["overlap_calls"] = 0 if handle is None else sum(o.calls for o in handle.lancet.overlaps)
+        out["queue_empty"] = handle is None or handle.lancet.queue is None or handle.lancet.queue.empty()
         engine.destroy()
     out["restored"] = all("forward" not in vars(b) for b in model.transformer.h)
     return out
