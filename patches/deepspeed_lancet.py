@@ -36,12 +36,16 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.core.profile_ops import cached_profile
+from moe_plugins.lancet.auto import AutoPartitions, StackFacts, moe_every_of
 from moe_plugins.lancet.blocks import BlockExecutor
-from moe_plugins.lancet.config import LancetConfig
+from moe_plugins.lancet.config import AUTO, LancetConfig
+from moe_plugins.lancet.plan_cli import costs_from_profile
 from moe_plugins.lancet.dense import dense_wgrad, wrap_problems
 from moe_plugins.lancet.overlap import ExchangeOverlap
 from moe_plugins.lancet.partition import PartitionedCall, partition_bounds, partitions_problem, start_partitions
@@ -79,6 +83,24 @@ def _deferred_experts(experts: Callable[[torch.Tensor], torch.Tensor], linears: 
         return experts(x_ElRM)
 
 
+def auto_partitions(blocks: List[nn.Module], moe: List[int], layer: SwappedLayer,
+                    profile_dir: Optional[str]) -> AutoPartitions:
+    """``"partitions": "auto"``'s policy for a GPT-2 stack whose first MoE layer is ``layer``: the planner's model
+    priced by the cost profile cached in ``profile_dir`` for the layer's layout (a ValueError naming the command
+    that measures it when there is none)."""
+    cfg, layout = layer.schedule.config, layer.groups.layout
+    profile = cached_profile(profile_dir, layout, dist.get_backend(), next(blocks[moe[0]].parameters()).device)
+    if profile is None:
+        raise ValueError(f"{SECTION}.lancet.partitions ('auto') needs the cost profile of layout "
+                         f"{layout.describe()} cached in {profile_dir}: run `moe-plugins profile` on these ranks "
+                         "first, or give an integer")
+    facts = StackFacts(M=cfg.hidden, H=cfg.ffn, heads=int(blocks[moe[0]].attn.num_heads), E=cfg.num_experts, k=cfg.k,
+                       f=cfg.capacity_factor, P=layer.groups.ep.size, layers=len(blocks),
+                       moe_every=moe_every_of(moe, len(blocks)),
+                       element_bytes=next(blocks[moe[0]].parameters()).element_size())
+    return AutoPartitions(facts, costs_from_profile(profile), f"profile {profile.key.slug()}")
+
+
 class PartitionRequest:
     """The block executor's request to the next swapped-layer forward: start a partitioned call of ``parts``
     partitions and hand it back here (``call``), returning ``placeholder`` to the block's ``mlp``."""
@@ -98,7 +120,8 @@ class PartitionRequest:
                              "not call a DeepSpeed MoE layer the plugin swapped")
         if out is not placeholder:
             raise ValueError(f"Lancet's batch partitions: {type(block).__name__}.mlp ({type(block.mlp).__name__}) "
-                             "changes the MoE layer's output (a residual MoE, a scale...); partitions need it to return "
+                             "changes the MoE layer's output (a residual MoE, a scale...); partitions need it to "
+                             "return "
                              "the layer's output as is; use partitions 1")
         return call
 
@@ -160,13 +183,13 @@ class LancetHooks:
     def needs_lane(self, overlap: Optional[ExchangeOverlap]) -> bool:
         """Whether the layer being swapped needs an engine with a pipeline lane: its exchanges carry ``overlap``, or
         its partitions' exchanges fly on the lane."""
-        return overlap is not None or self._parts > 1
+        return overlap is not None or self._parts != 1
 
     def attach(self, swapped: SwappedLayer, moe: nn.Module) -> SwappedLayer:
         """``swapped`` (DeepSpeed's ``moe``, a ``deepspeed.moe.layer.MoE``) as is, or, where its Recorder carries
         :meth:`overlap`'s callback, its Lancet form (its experts' Linear dW deferred to the queue)."""
         defer = swapped.schedule.rec.while_in_flight is not None
-        if not defer and self._parts == 1:
+        if not defer and self._parts == 1:      # (partitions: an int, or "auto")
             return swapped
         if defer:
             problems = expert_problems(moe.deepspeed_moe, swapped.name, swapped)
@@ -178,17 +201,19 @@ class LancetHooks:
         self.layers.append(swapped.name)
         return LancetSwappedLayer(**{f.name: getattr(swapped, f.name) for f in fields(swapped)},
                                   queue=self.queue if defer else None,
-                                  request=self.request if self._parts > 1 else None)
+                                  request=self.request if self._parts != 1 else None)
 
-    def install_blocks(self, engine, model: nn.Module, swapped: Mapping[nn.Module, Any]) -> None:
+    def install_blocks(self, engine, model: nn.Module, swapped: Mapping[nn.Module, Any],
+                       profile_dir: Optional[str] = None) -> None:
         """After DeepSpeed configured ``model`` (its MoE layers swapped): with partitions, the block executor on
-        the ModuleList of blocks that holds the swapped layers (``swapped``: DeepSpeed MOELayer -> swapped layer)."""
+        the ModuleList of blocks that holds the swapped layers (``swapped``: DeepSpeed MOELayer -> swapped layer);
+        ``"auto"`` reads the cost profile cached in ``profile_dir`` for the layers' layout."""
         mine = [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and swapped[m].request]
         if not mine:
             return
         parts = self._parts
-        problem = partitions_problem(int(engine.train_micro_batch_size_per_gpu()), parts,
-                                     f"{SECTION}.lancet.partitions")
+        problem = None if parts == AUTO else partitions_problem(int(engine.train_micro_batch_size_per_gpu()), parts,
+                                                                f"{SECTION}.lancet.partitions")
         stacks = [s for s in model.modules() if isinstance(s, nn.ModuleList)
                   and any(any(m in mine for m in b.modules()) for b in s)]
         if problem is None and len(stacks) != 1:
@@ -198,7 +223,8 @@ class LancetHooks:
             raise ValueError(problem)
         blocks = list(stacks[0])
         moe = [i for i, b in enumerate(blocks) if any(m in mine for m in b.modules())]
-        self.executors.append(BlockExecutor(blocks, moe, self.request.start, parts).install())
+        policy = auto_partitions(blocks, moe, swapped[mine[0]], profile_dir) if parts == AUTO else parts
+        self.executors.append(BlockExecutor(blocks, moe, self.request.start, policy).install())
         if getattr(getattr(model, "config", None), "use_cache", False):
             logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "
                            "use_cache=False keep a KV cache and run without Lancet's batch partitions")

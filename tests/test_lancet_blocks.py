@@ -44,7 +44,7 @@ def test_unknown_blocks_and_unreplayable_dropout_are_refused():
 
 
 JOBS = [{"parts": 2, "dropout": 0.1, "batch": 4}, {"parts": 4, "dropout": 0.1, "batch": 4},
-        {"parts": 2, "dropout": 0.0, "batch": 6}]
+        {"parts": 2, "dropout": 0.0, "batch": 6}, {"parts": "auto", "dropout": 0.1, "batch": 4}]
 
 
 def _err(a, b) -> float:
@@ -62,3 +62,6 @@ def test_partitioned_blocks_equal_the_stock_forward(world):
             if job["dropout"]:          # the two draws differ: the replay follows the RNG, not a fixed mask
                 assert abs(r["stock"][0] - r["other"][0]) > 1e-6
             assert r["ranges"] == 2 * 2 and r["restored"]
+            chosen = set(r["chosen"])
+            wanted = {job["parts"]} if job["parts"] != "auto" else chosen & {2, 4}
+            assert chosen == wanted and len(chosen) == 1, chosen

@@ -38,10 +38,25 @@ def test_partitions_on_deepspeed_equal_stock(world, lancet, steps, gas):
         assert exchanges <= p["overlap_calls"] <= 2 * exchanges if deferred else p["overlap_calls"] == 0
 
 
-def test_bad_partitions_refused_in_one_line(world):
+def test_bad_partitions_refused_in_one_line(world, tmp_path):
     pool = world(4)
     message = pool.run(refused, {"lancet": {"partitions": 3}}, timeout_s=300)[0]
     assert message == ("moe_plugins.lancet.partitions (3) must divide the batch (4 samples per rank): each partition "
                        "holds the same whole samples; use one of [1, 2, 4]"), message
     bert = pool.run(refused, {"lancet": {"partitions": 2, "defer_wgrad": False}}, 4, True, timeout_s=300)[0]
     assert "is a BertLayer: Lancet's batch partitions know the blocks GPT2Block only" in bert, bert
+    auto = pool.run(refused, {"lancet": {"partitions": "auto"}}, 4, False, str(tmp_path), timeout_s=300)[0]
+    assert auto.startswith("moe_plugins.lancet.partitions ('auto') needs the cost profile of layout") and \
+        "run `moe-plugins profile` on these ranks first, or give an integer" in auto, auto
+
+
+def test_auto_partitions_from_a_measured_profile(world, tmp_path):
+    pool = world(4)
+    stock = pool.run(train, None, 2, timeout_s=600)
+    auto = pool.run(train, {"lancet": {"partitions": "auto", "defer_wgrad": False}}, 2, 1, 4, str(tmp_path),
+                    timeout_s=600)
+    for s, a in zip(stock, auto):
+        assert all(_close(x, y, EXACT) for x, y in zip(s["grads"], a["grads"])) and len(a["grads"]) == 2
+        assert len(a["chosen"]) == 1 and len(a["chosen"][0]) == 1 and a["chosen"][0][0] in (1, 2, 4), a["chosen"]
+        assert a["ranges"] == [4] and a["restored"]
+    assert len({tuple(a["chosen"][0]) for a in auto}) == 1          # every rank chose the same from the same file

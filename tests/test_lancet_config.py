@@ -30,11 +30,12 @@ def test_section_parses_and_defaults():
     assert _parse({"lancet": {"defer_wgrad": False}, "schedule": "parm-s2", "exchange": "padded"}).lancet
 
 
-def test_partitions_accepted_and_auto_refused_in_one_line():
+def test_partitions_and_auto_accepted():
     assert lancet_problems({"partitions": 4}) == [] and _parse({"lancet": {"partitions": 2}}).lancet["partitions"] == 2
-    assert lancet_problems({"partitions": "auto"}) == [
-        "moe_plugins.lancet.partitions ('auto'): the planner's choice (`moe-plugins plan lancet`) is not wired into "
-        "the hosts yet; give an integer >= 1 that divides the micro-batch"]
+    assert lancet_problems({"partitions": "auto"}) == []
+    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \(2\) cannot run with moe_plugins\.lancet\."
+                                         r"partitions \(auto\)"):
+        _parse({"lancet": {"partitions": "auto"}, "pipeline_degree": 2})
     # partitions make the section active even without defer_wgrad: its combinations are checked
     with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \(2\) cannot run with moe_plugins\.lancet\."
                                          r"partitions \(2\): the partitions replace PipeMoE's capacity chunks"):
@@ -45,7 +46,7 @@ def test_partitions_accepted_and_auto_refused_in_one_line():
 @pytest.mark.parametrize("value", [0, -1, 1.0, True, "1", "Auto", None, [1]])
 def test_partitions_bad_values_name_what_is_allowed(value):
     with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \(.*\) must be an integer >= 1 that "
-                                         r"divides the micro-batch"):
+                                         r"divides the micro-batch, or \"auto\""):
         _parse({"lancet": {"partitions": value}})
 
 

@@ -24,7 +24,8 @@ SPEC = VerifySpec(
 def test_partition_bounds_cover_whole_samples():
     assert partition_bounds(8, 4, 3) == [(0, 6), (6, 12), (12, 18), (18, 24)]
     assert partition_bounds(5, 1, 2) == [(0, 10)]
-    with pytest.raises(ValueError, match=r"partitions \(3\) must divide the batch \(8 samples per rank\).*\[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"partitions \(3\) must divide the batch \(8 samples per rank\).*"
+                                         r"\[1, 2, 4, 8\]"):
         partition_bounds(8, 3)
     assert partitions_problem(4, 0) == "moe_plugins.lancet.partitions (0) must be an integer >= 1"
     assert partitions_problem(4, True) is not None and partitions_problem(4, 2) is None

@@ -9,6 +9,7 @@ import io
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -328,3 +329,46 @@ def test_plan_lancet_help():
         main(["plan", "lancet", "--help"])
     assert exc.value.code == 0
     assert "operator partition pass" in out.getvalue() and "--max-partitions" in out.getvalue()
+
+
+# ---- the runtime's choice ("partitions": "auto"): the executor's ranges, its time, the choice -------------------
+
+def _stack():
+    return (Op(name="attn0", kind="compute", alpha=0.0, beta=1.0), Op(name="gate", kind="compute", alpha=0.0, beta=0.1,
+                                                                      barrier=True),
+            Op(name="dispatch", kind="comm", alpha=0.0, beta=4.0), Op(name="experts", kind="compute", alpha=0.0, beta=2.0),
+            Op(name="combine", kind="comm", alpha=0.0, beta=4.0), Op(name="attn1", kind="compute", alpha=0.0, beta=3.0))
+
+
+def test_executor_ranges_run_from_each_gate_to_the_next():
+    from moe_plugins.lancet.plan import executor_ranges
+    ops = _stack()
+    assert executor_ranges(ops) == [(2, 6)]
+    two = ops + (Op(name="gate2", kind="compute", alpha=0.0, beta=0.1, barrier=True),
+                 Op(name="d2", kind="comm", alpha=0.0, beta=1.0))
+    assert executor_ranges(two) == [(2, 6), (7, 8)]
+    assert executor_ranges(ops[:2]) == []                     # a gate with nothing after it
+
+
+def test_executor_time_pipelines_the_ranges_and_not_the_backward():
+    from moe_plugins.lancet.plan import executor_time
+    ops = _stack()
+    serial = sum(op.time(1) for op in ops)
+    assert executor_time(ops, 1, "forward") == pytest.approx(serial)
+    assert executor_time(ops, 2, "forward") == pytest.approx(1.1 + segment_time(ops[2:], 2))
+    assert executor_time(ops, 2, "forward") < serial          # the exchanges hide under other partitions
+    back = sum(op.time(1) * (2.0 if op.kind == "compute" else 1.0) for op in ops)
+    assert executor_time(ops, 1, "training") == pytest.approx(serial + back)
+    costly = tuple(replace(op, alpha=0.5) for op in ops)      # alpha paid k times in the unpipelined backward
+    assert executor_time(costly, 2, "training") - executor_time(costly, 2, "forward") == pytest.approx(
+        back + 4 * 0.5 * 2 + 2 * 0.5)                          # 4 range ops x 2 calls, 2 whole-batch ops x 1
+
+
+def test_choose_partitions_follows_the_link_and_the_launch_cost():
+    from moe_plugins.lancet.plan import choose_partitions
+    k, times = choose_partitions(_stack(), [1, 2, 4], "forward")
+    assert k > 1 and times[k] == min(times.values()) and set(times) == {1, 2, 4}
+    launch_bound = tuple(replace(op, alpha=10.0) for op in _stack())
+    assert choose_partitions(launch_bound, [1, 2, 4])[0] == 1
+    with pytest.raises(ValueError, match="ks is empty"):
+        choose_partitions(_stack(), [])

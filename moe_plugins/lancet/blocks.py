@@ -19,7 +19,8 @@ unpartitioned model's (fp64: <= 1e-12), dropout on.
 
 Known blocks: transformers' ``GPT2Block`` (self-attention only). A forward with a cache, cross-attention or
 ``use_cache`` runs stock (HF's GPT-2 passes a fresh cache in every forward unless ``use_cache=False`` or
-``config.use_cache=False``: partitions cannot fill it per partition; a warning says so once). :func:`block_problems` refuses other blocks, and attention dropout outside the eager
+``config.use_cache=False``: partitions cannot fill it per partition; a warning says so once).
+:func:`block_problems` refuses other blocks, and attention dropout outside the eager
 attention (SDPA draws its mask inside the kernel, where it cannot be replayed).
 
 Shapes: B samples, L tokens per sample, M model dim.
@@ -28,7 +29,7 @@ Shapes: B samples, L tokens per sample, M model dim.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -104,14 +105,17 @@ def first_half(block: nn.Module, x_BLM: torch.Tensor, attention_mask: Any, kwarg
 
 
 StartMoE = Callable[[nn.Module, torch.Tensor, int], Any]     # (block, h_BLM, parts) -> a PartitionedCall
+Parts = Union[int, Callable[[torch.Tensor], int]]            # a count, or a policy of the gate's input h_BLM
 
 
 class BlockExecutor:
     """Runs ``blocks`` (an HF GPT-2 stack's ``h``) with batch partitions after each MoE block's gate. ``moe``: the
-    indices of the MoE blocks; ``start_moe``: the host's partitioned MoE call for a block. :meth:`install` sets
-    the blocks' instance forwards (core Patcher, undone by :meth:`remove`)."""
+    indices of the MoE blocks; ``start_moe``: the host's partitioned MoE call for a block; ``parts``: the partition
+    count, or a policy choosing it per call from the gate's input (``moe_plugins.lancet.auto.AutoPartitions``; it
+    must divide the batch). :meth:`install` sets the blocks' instance forwards (core Patcher, undone by
+    :meth:`remove`)."""
 
-    def __init__(self, blocks: Sequence[nn.Module], moe: Sequence[int], start_moe: StartMoE, parts: int):
+    def __init__(self, blocks: Sequence[nn.Module], moe: Sequence[int], start_moe: StartMoE, parts: Parts):
         problems = [p for i, blk in enumerate(blocks) for p in block_problems(blk, f"block {i}")]
         if not moe:
             problems.append("the model has no MoE block for Lancet's batch partitions to follow")
@@ -122,6 +126,7 @@ class BlockExecutor:
         self._passed: Dict[int, torch.Tensor] = {}           # dense block in a range: the tensor it passes on
         self._patcher: Optional[Patcher] = None
         self.ranges_run = 0
+        self.chosen: List[int] = []                          # the partition count of each range run
         self.stock_calls = 0                                 # MoE blocks run stock (a cache, ...)
 
     def range_of(self, i: int) -> Tuple[List[int], Optional[int]]:
@@ -161,7 +166,7 @@ class BlockExecutor:
     def _moe_forward(self, i: int, original: Callable, *args, **kwargs):
         if self._stock(args, kwargs) or self.parts == 1:
             self._stash.pop(i, None)
-            if not self.stock_calls and self.parts > 1:
+            if not self.stock_calls and self.parts != 1:
                 logger.warning("moe_plugins: Lancet's batch partitions leave a forward with a KV cache, "
                                "use_cache or cross-attention stock (HF's GPT-2 builds a cache by default: pass "
                                "use_cache=False, or set config.use_cache=False, in training)")
@@ -178,13 +183,14 @@ class BlockExecutor:
         else:
             x_BLM, h_BLM = first_half(self.blocks[i], hidden, mask, extra)
         dense, nxt = self.range_of(i)
-        call = self.start_moe(self.blocks[i], h_BLM, self.parts)
+        parts = self.parts if isinstance(self.parts, int) else int(self.parts(h_BLM))
+        call = self.start_moe(self.blocks[i], h_BLM, parts)
         batch = x_BLM.shape[0]
-        size = batch // self.parts
-        replay = DropoutReplay(self.parts)
+        size = batch // parts
+        replay = DropoutReplay(parts)
         xs, hs = [], []
         with replay.patched():
-            for p in range(self.parts):
+            for p in range(parts):
                 a, b = p * size, (p + 1) * size
                 replay.start(p)
                 mask_p = _rows(mask, batch, a, b)
@@ -202,4 +208,5 @@ class BlockExecutor:
         if nxt is not None:
             self._stash[nxt] = (out, out, torch.cat(hs))
         self.ranges_run += 1
+        self.chosen.append(parts)
         return out

@@ -6,7 +6,8 @@
         "defer_wgrad": true,   # the experts' weight gradients are deferred and run while the layer's backward
                                # exchanges are in flight; false keeps the section but defers nothing
         "partitions": 1,       # Part 2's batch partitions: n >= 1 equal groups of samples, n dividing the
-                               # micro-batch (1: none); "auto" (the planner's choice) is not wired yet
+                               # micro-batch (1: none); "auto": chosen per batch shape by the planner's model
+                               # from the cost profile cached for the layout (`moe-plugins profile`)
         "dense_wgrad": false   # defer the dense nn.Linear weight gradients too: not wired into the hosts in this
                                # version (the core's lancet.dense_wgrad context does it by hand); only false
     }
@@ -57,12 +58,9 @@ def _is_int(value: Any) -> bool:
 def partitions_problem(value: Any, path: str) -> Optional[str]:
     """Why ``partitions`` is refused (None for an integer >= 1): one line naming the field and the value (pure).
     Whether it divides the micro-batch is checked where the batch is known (``lancet.partition``)."""
-    if _is_int(value) and value >= 1:
+    if (_is_int(value) and value >= 1) or value == AUTO:
         return None
-    if value == AUTO:
-        return (f"{path}.partitions ({value!r}): the planner's choice (`moe-plugins plan lancet`) is not wired into "
-                "the hosts yet; give an integer >= 1 that divides the micro-batch")
-    return f"{path}.partitions ({value!r}) must be an integer >= 1 that divides the micro-batch"
+    return f"{path}.partitions ({value!r}) must be an integer >= 1 that divides the micro-batch, or \"auto\""
 
 
 def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]:
@@ -95,9 +93,9 @@ def enabled_in(section: Mapping[str, Any]) -> bool:
 
 
 def partitioned(lancet: Mapping[str, Any]) -> bool:
-    """Whether a ``lancet`` section cuts the batch into partitions (an integer partitions > 1)."""
+    """Whether a ``lancet`` section cuts the batch into partitions (an integer partitions > 1, or "auto")."""
     value = lancet.get("partitions", 1)
-    return _is_int(value) and value > 1
+    return (_is_int(value) and value > 1) or value == AUTO
 
 
 def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: Optional[str] = None) -> List[str]:

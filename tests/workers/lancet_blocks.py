@@ -86,7 +86,15 @@ def stock_and_partitioned(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     block.mlp.last_aux = call.aux_loss
                     return call
 
-                executor = BlockExecutor(model.transformer.h, [1, 3], start_moe, job["parts"]).install()
+                parts = job["parts"]
+                if parts == "auto":      # the planner's model: exchanges like the compute behind them: k > 1 wins
+                    from moe_plugins.lancet.auto import AutoPartitions, StackFacts
+                    from moe_plugins.lancet.plan import LancetCosts
+                    facts = StackFacts(M=8, H=12, heads=2, E=8, k=2, f=1.0, P=world, layers=4, moe_every=2,
+                                       element_bytes=8)
+                    parts = AutoPartitions(facts, LancetCosts(alpha_a=1e-5, beta_a=1e-6, alpha_c=1e-6, beta_c=1e-7),
+                                           "test costs")
+                executor = BlockExecutor(model.transformer.h, [1, 3], start_moe, parts).install()
                 try:
                     parted = _step(model, ids, seed=5)
                     again = _step(model, ids, seed=6)        # another dropout draw: the executor must follow it
@@ -94,7 +102,7 @@ def stock_and_partitioned(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     executor.remove()
                 other = _step(model, ids, seed=6)
                 out.append({"stock": stock, "parted": parted, "again": again, "other": other,
-                            "ranges": executor.ranges_run,
+                            "ranges": executor.ranges_run, "chosen": executor.chosen,
                             "restored": all("forward" not in vars(b) for b in model.transformer.h)})
             finally:
                 engine.close()

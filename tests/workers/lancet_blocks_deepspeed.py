@@ -33,9 +33,30 @@ def _model(bert: bool = False):
     return models.build_gpt2_moe(size, VOCAB, factory, dropout=0.1, attn_implementation="eager")
 
 
-def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batch: int = 4) -> Dict[str, Any]:
+def measure_profile(handle, profile_dir: str) -> None:
+    """Collective: ``moe-plugins profile``'s measurement (the all-to-all on EP and the GEMM only, few sizes) for the
+    layout the plugin will give the model's layers, cached in ``profile_dir`` for ``handle`` to read."""
+    import torch.distributed as dist
+
+    from moe_plugins.core.costmodel import cache_path
+    from moe_plugins.core.layout import ParallelLayout
+    from moe_plugins.tools.profiler import ProfileSpec, profile_rank
+    world = dist.get_world_size()
+    layout = ParallelLayout(world=world, ranks_per_node=handle.ranks_per_node or world, ep=world)
+    spec = ProfileSpec(layout=layout, sizes_bytes=(2 ** 12, 2 ** 14, 2 ** 16), gemm_rows=(16, 64, 256),
+                       gemm_shape=(1, 16, 24), ops=("gemm", "all_to_all"), groups=("ep",), warmup=1, repeats=2)
+    profile = profile_rank(spec, source="test", progress=False)
+    if profile is not None:
+        profile.save(cache_path(profile_dir, profile.key))
+    dist.barrier()
+    handle.profile_dir = profile_dir
+
+
+def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batch: int = 4,
+          profile_dir: Optional[str] = None) -> Dict[str, Any]:
     """A fresh fp64 ZeRO-2 engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and the
-    ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the executor's ranges."""
+    ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the executor's ranges.
+    ``profile_dir``: a cost profile is measured and cached there first (``"partitions": "auto"``)."""
     import deepspeed
 
     import moe_plugins
@@ -49,6 +70,8 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
+        if profile_dir is not None:
+            measure_profile(handle, profile_dir)
         model = _model().double()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         calls: Dict[str, int] = {}
@@ -66,6 +89,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         executors = [] if handle is None else handle.lancet.executors
         out["ranges"] = [e.ranges_run for e in executors]
         out["stock_calls"] = [e.stock_calls for e in executors]
+        out["chosen"] = [sorted(set(e.chosen)) for e in executors]
         out["overlap_calls"] = 0 if handle is None else sum(o.calls for o in handle.lancet.overlaps)
         out["queue_empty"] = handle is None or handle.lancet.queue is None or handle.lancet.queue.empty()
         engine.destroy()
@@ -73,8 +97,8 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
     return out
 
 
-def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False) -> str:
-    """The error deepspeed.initialize raises for ``plugin`` (or "" when none)."""
+def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False, profile_dir: str = "") -> str:
+    """The error deepspeed.initialize raises for ``plugin`` (or "" when none), reading profiles in ``profile_dir``."""
     import deepspeed
 
     import moe_plugins
@@ -83,7 +107,7 @@ def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False) ->
               "zero_optimization": {"stage": 2}, "moe_plugins": plugin}
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
-        stack.enter_context(moe_plugins.enable())
+        stack.enter_context(moe_plugins.enable()).profile_dir = profile_dir or None
         model = _model(bert)
         try:
             deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -1,0 +1,76 @@
+"""``"partitions": "auto"``: the block executor's partition count chosen per batch shape from the planner's model
+(:mod:`moe_plugins.lancet.plan`) and the cost profile measured on the user's cluster (docs/lancet.md).
+
+For a batch of B samples of L tokens, the GPT-2-MoE op list (:func:`~moe_plugins.lancet.plan.gpt2_moe_ops`) is
+priced with the profile's fitted all-to-all and GEMM lines, and every k that divides B (up to ``max_partitions``)
+is timed as the executor runs it (:func:`~moe_plugins.lancet.plan.executor_time`: its ranges from each gate to the
+next pipelined, its backward not); the least time wins, ties to fewer partitions. One choice per (B, L), kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from moe_plugins.lancet.plan import GPT2MoESizes, LancetCosts, choose_partitions, gpt2_moe_ops
+
+logger = logging.getLogger("moe_plugins.lancet")
+MAX_PARTITIONS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackFacts:
+    """What the planner needs of a GPT-2-MoE stack besides the batch shape (the letters of ``GPT2MoESizes``)."""
+
+    M: int
+    H: int
+    heads: int
+    E: int
+    k: int
+    f: float
+    P: int
+    layers: int
+    moe_every: int
+    element_bytes: int
+
+
+def moe_every_of(moe: Sequence[int], layers: int) -> int:
+    """n when the MoE blocks are exactly every n-th block (blocks n-1, 2n-1, ...), as the planner's op list
+    assumes; a ValueError naming them otherwise."""
+    n = moe[0] + 1 if moe else 0
+    if not moe or list(moe) != [i for i in range(layers) if (i + 1) % n == 0]:
+        raise ValueError(f"moe_plugins.lancet.partitions ('auto') plans stacks whose MoE blocks are every n-th "
+                         f"block (n-1, 2n-1, ...); this model's are {list(moe)} of {layers}: give an integer")
+    return n
+
+
+class AutoPartitions:
+    """The executor's partition policy: ``policy(h_BLM) -> k`` (see the module docstring)."""
+
+    def __init__(self, facts: StackFacts, costs: LancetCosts, source: str, max_partitions: int = MAX_PARTITIONS,
+                 objective: str = "training"):
+        self.facts, self.costs, self.source = facts, costs, source
+        self.max_partitions, self.objective = max_partitions, objective
+        self.choices: Dict[Tuple[int, int], Tuple[int, Dict[int, float]]] = {}
+
+    def allowed(self, samples: int) -> List[int]:
+        return [k for k in range(1, min(self.max_partitions, samples) + 1) if samples % k == 0]
+
+    def choose(self, samples: int, tokens: int) -> int:
+        key = (samples, tokens)
+        if key not in self.choices:
+            f = self.facts
+            sizes = GPT2MoESizes(B=samples, L=tokens, M=f.M, H=f.H, heads=f.heads, E=f.E, k=f.k, f=f.f, P=f.P,
+                                 layers=f.layers, moe_every=f.moe_every, element_bytes=f.element_bytes)
+            self.choices[key] = choose_partitions(gpt2_moe_ops(sizes, self.costs), self.allowed(samples),
+                                                  self.objective)
+            k, times = self.choices[key]
+            logger.info("moe_plugins: Lancet partitions auto: B=%d L=%d -> %d (model times %s; costs from %s)",
+                        samples, tokens, k, {n: f"{t * 1e3:.3f} ms" for n, t in times.items()}, self.source)
+        return self.choices[key][0]
+
+    def __call__(self, h_BLM: torch.Tensor) -> int:
+        return self.choose(h_BLM.shape[0], h_BLM.shape[1] if h_BLM.dim() > 2 else 1)
