@@ -33,7 +33,7 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher, undo_all
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 
-from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems
+from moe_plugins.patches.megatron_config import config_choices, facts_from_args, plugin_problems
 from moe_plugins.patches.megatron_groups import (MegatronGroups, build_megatron_groups, destroy_megatron_groups,
                               groups_from_pg_collection, megatron_groups, token_view)
 from moe_plugins.patches.megatron_specs import TESTED_VERSIONS, spec_style, stock_moe_spec, with_layer_class
@@ -74,8 +74,8 @@ def resolve_plugin(plugin: PluginLike, path: str = SECTION) -> PluginConfig:
             raise ValueError(f"{path} ({text!r}) must be a JSON object or the path of a JSON file")
     if isinstance(plugin, Mapping) and SECTION in plugin:
         return PluginConfig.from_dict(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION,
-                                      **default_registry().config_choices())
-    return PluginConfig.from_dict(plugin, path, **default_registry().config_choices())
+                                      **config_choices())
+    return PluginConfig.from_dict(plugin, path, **config_choices())
 
 
 def _json(text: str, path: str) -> Any:
@@ -89,19 +89,23 @@ def _json(text: str, path: str) -> Any:
 
 def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[MegatronGroups] = None,
                 ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None, lina: Any = None,
-                engines: Any = None) -> Any:
+                engines: Any = None, lancet: Any = None) -> Any:
     """Megatron's MoE layer spec with the layer class swapped for PluginMoELayer (same submodules, so the same
     router, experts and shared experts), in the spec's own style (a ``ModuleSpec`` up to megatron-core 0.17, a
     ``functools.partial`` from 0.18). A disabled config returns the stock spec unchanged. ``lina``: the enabled
     plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP). ``engines``:
-    the :class:`~moe_plugins.patches.megatron_engines.LayoutEngines` pipelined layers run on."""
+    the :class:`~moe_plugins.patches.megatron_engines.LayoutEngines` pipelined layers run on. ``lancet``: the
+    enabled plugin's :class:`~moe_plugins.patches.megatron_lancet.LancetState` (a ``lancet`` section needs it)."""
     if not plugin.enabled:
         return stock_spec
     if plugin.lina is not None and lina is None:
         raise ValueError(f"{SECTION}.lina needs the plugin enabled (enable(), the {FLAG} flag or moe-plugins "
                          "launch), which hooks Megatron's DistributedDataParallel; the spec provider alone does not")
+    from moe_plugins.patches.megatron_lancet import lancet_or_none
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     params = dict(plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
+    if lancet_or_none(plugin, lancet) is not None:
+        params["lancet"] = lancet
     if lina is not None:
         params["lina"] = lina
     if engines is not None:
@@ -179,9 +183,9 @@ class MegatronPlugin:
     :mod:`~moe_plugins.patches.megatron_lina`). Build and train such models inside the ``with``."""
 
     def __init__(self, plugin: PluginConfig, *, groups: Optional[MegatronGroups], ranks_per_node: Optional[int],
-                 ledger: Optional[CommLedger], lina: Any = None, engines: Any = None):
+                 ledger: Optional[CommLedger], lina: Any = None, engines: Any = None, lancet: Any = None):
         self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
-        self.lina, self.engines = lina, engines
+        self.lina, self.engines, self.lancet = lina, engines, lancet
         self.specs_built = 0
         self._patcher: Optional[Patcher] = None
 
@@ -201,7 +205,7 @@ class MegatronPlugin:
             plugin.specs_built += 1
             return plugin_spec(original(*args, **kwargs), plugin.plugin, groups=plugin.groups,
                                ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger, lina=plugin.lina,
-                               engines=plugin.engines)
+                               engines=plugin.engines, lancet=plugin.lancet)
 
         get_moe_module_spec_for_backend.__wrapped__ = original
         return get_moe_module_spec_for_backend
@@ -212,7 +216,7 @@ class MegatronPlugin:
             if patcher is not None:
                 patcher.restore()
         finally:
-            undo_all([owner.close for owner in (self.lina, self.engines) if owner is not None])
+            undo_all([owner.close for owner in (self.lina, self.engines, self.lancet) if owner is not None])
 
     @property
     def active(self) -> bool:
@@ -260,12 +264,14 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     if config.enabled and config.lina is not None:
         from moe_plugins.patches.megatron_lina import LinaState
         lina = LinaState.create(config, package_info.__version__, ledger=ledger, record_timeline=record_timeline)
+    from moe_plugins.patches.megatron_lancet import LancetState, defers_wgrad
+    lancet = LancetState(record_timeline) if defers_wgrad(config) else None
     engines = None
-    if config.enabled and lina is None and default_registry().needs_lane(config.pipeline_degree):
+    if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet):
         from moe_plugins.patches.megatron_engines import LayoutEngines
         engines = LayoutEngines(ledger=ledger, record_timeline=record_timeline)
     handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
-                            engines=engines)
+                            engines=engines, lancet=lancet)
     handle._install(modules)
     _ACTIVE = handle
     logger.info("moe_plugins: Megatron-core %s spec builders patched (config %s)", package_info.__version__,

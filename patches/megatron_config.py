@@ -9,7 +9,7 @@ and a Megatron-LM ``argparse.Namespace`` (training scripts). Each is translated 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.experts import ACTIVATIONS
@@ -72,6 +72,14 @@ def _random_routing(source: Any) -> Tuple[str, ...]:
 def _activation_name(fn: Any) -> str:
     name = getattr(fn, "__name__", "")
     return name if name in ACTIVATIONS else "gelu"     # informational: Megatron's own experts compute
+
+
+def config_choices() -> Dict[str, Any]:
+    """``default_registry().config_choices()`` with the ``lancet`` section checked as the Megatron adapter runs it
+    (defer_wgrad; no batch partitions): ``PluginConfig.from_dict(section, **config_choices())``."""
+    from moe_plugins.lancet.config import NAME, host_rules
+    choices = default_registry().config_choices()
+    return {**choices, "sections": {**choices["sections"], NAME: host_rules("megatron")}}
 
 
 def facts_from_config(config: Any) -> MegatronFacts:

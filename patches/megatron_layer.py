@@ -168,7 +168,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, config: Any, pg_collection: Any, *, groups: MoEProcessGroups, plugin: PluginConfig,
                  router: torch.nn.Module, experts: torch.nn.Module, ledger: Optional[CommLedger], name: str,
-                 profile: Optional[CostProfile] = None, engine: Optional[CommEngine] = None):
+                 profile: Optional[CostProfile] = None, engine: Optional[CommEngine] = None, lancet: Any = None):
         super().__init__(config=config, pg_collection=pg_collection)
         self.groups, self.plugin, self.ledger = groups, plugin, ledger
         self.router, self.experts = router, experts
@@ -178,7 +178,15 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.degree = self.lane.degree
         cls = with_exchange(schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size),
                             plugin.exchange, plugin.pipeline_degree)
-        self.rec = Recorder(ledger, name, self.engine, schedule=cls.name)
+        self.lancet = lancet               # megatron_lancet.LancetState: the experts' dW deferred, run behind exchanges
+        self.overlap = None
+        if lancet is not None:
+            from moe_plugins.patches.megatron_lancet import expert_problems
+            problems = expert_problems(config, experts, name, groups.esp.size)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self.overlap = lancet.overlap(name)
+        self.rec = Recorder(ledger, name, self.engine, schedule=cls.name, while_in_flight=self.overlap)
         self.schedule: Schedule = cls(self.moe_config, groups, self.rec)
         self._pass: Optional[_Pass] = None
 
@@ -189,12 +197,17 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
     def rename(self, name: str) -> None:
         """Ledger name of the layer (Megatron numbers layers after building them). The schedule object stays
         the same: PipeMoE's lane keeps one twin per schedule object."""
-        self.rec = self.schedule.rec = Recorder(self.ledger, name, self.engine, schedule=type(self.schedule).name)
+        self.rec = self.schedule.rec = Recorder(self.ledger, name, self.engine, schedule=type(self.schedule).name,
+                                                while_in_flight=self.overlap)
 
     def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
         esp = self.groups.esp
-        return HostLayerParams(router=MegatronRouting(self.router, x_SM, own),
-                               experts=partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec),
+        experts = partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec)
+        if self.lancet is not None:
+            from moe_plugins.patches.megatron_lancet import deferred_megatron_experts
+            experts = partial(deferred_megatron_experts, experts=self.experts, config=self.config, esp=esp,
+                              rec=self.rec, queue=self.lancet.queue)
+        return HostLayerParams(router=MegatronRouting(self.router, x_SM, own), experts=experts,
                                partial_experts=partial(_run_experts, self.experts))
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -267,17 +280,18 @@ class PluginMoELayer(MoELayer):
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
                  profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None,
-                 engines: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None):
+                 engines: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None, lancet: Any = None):
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
         lookup = partial(find_profile, profile_dir)
-        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup,
+        lane = needs_lane(plugin.pipeline_degree) or lancet is not None     # Lancet's exchanges fly on the lane
+        layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup, lane=lane,
                              has_engine=engine is not None or engines is not None or lina is not None)
         layout_groups = groups_from_pg_collection(pg_collection, layout)
         if lina is not None and engine is None:      # Lina (patches/megatron_lina.py): the layout's shared engine
             engine = lina.engine_for(layout_groups, token_view(layout_groups), lookup)
-        elif engines is not None and engine is None and needs_lane(plugin.pipeline_degree):
+        elif engines is not None and engine is None and lane:
             engine = engines.engine_for(token_view(layout_groups))
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                          **host_layer_kwargs(is_mtp_layer, name))
@@ -285,7 +299,7 @@ class PluginMoELayer(MoELayer):
         self.moe_groups = token_view(layout_groups)
         self.token_dispatcher = ScheduleTokenDispatcher(
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
-            ledger=ledger, name=self._ledger_name(layer_number), engine=engine,
+            ledger=ledger, name=self._ledger_name(layer_number), engine=engine, lancet=lancet,
             profile=lookup(self.moe_groups.layout)
             if degree_needs_profile(plugin.pipeline_degree) or default_registry().is_profiled(plugin.schedule)
             else None)
@@ -296,13 +310,14 @@ class PluginMoELayer(MoELayer):
 
     @staticmethod
     def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],
-               ranks_per_node: Optional[int], profile: ProfileLookup, *, has_engine: bool) -> ParallelLayout:
+               ranks_per_node: Optional[int], profile: ProfileLookup, *, has_engine: bool,
+               lane: bool = False) -> ParallelLayout:
         world, rank = dist.get_world_size(), dist.get_rank()
         rpn = plugin.ranks_per_node or (groups.layout.ranks_per_node if groups is not None else None) \
             or ranks_per_node or world
         facts = facts_from_config(config)
         problems = plugin_problems(facts, plugin, world=world, ranks_per_node=rpn, profile=profile)
-        if not has_engine and needs_lane(plugin.pipeline_degree):
+        if not has_engine and (lane or needs_lane(plugin.pipeline_degree)):
             problems.append(f"pipeline_degree ({plugin.pipeline_degree!r}) runs on an engine's pipeline lane, which "
                             "the layer does not build: pass engines=LayoutEngines() (patches.megatron_engines) to "
                             "get_moe_module_spec, or engine=build_engine(token_view(groups), pipeline=True), or "

@@ -96,11 +96,18 @@ def test_overlap_fractions():
         overlap_fraction([(5, 4)], compute)
 
 
-def test_readers_other_than_the_deepspeed_adapter_refuse_the_section():
-    """The registry's own rules (what the Megatron-core adapter checks with) refuse an enabled section, so that
-    Megatron never runs the layer without Lancet silently; a section that defers nothing passes."""
-    with pytest.raises(ValueError, match=r"moe_plugins.lancet: Lancet is built for DeepSpeed only"):
+def test_readers_other_than_the_host_adapters_refuse_the_section():
+    """The registry's own rules (a reader that is not a host adapter) refuse an enabled section, so that no reader
+    runs the layer without Lancet silently; a section that defers nothing passes. The Megatron-core adapter reads
+    it with its own rules: defer_wgrad runs there, batch partitions do not."""
+    with pytest.raises(ValueError, match=r"moe_plugins.lancet: Lancet runs through the DeepSpeed and Megatron-core "
+                                         r"adapters \(enable\(\)\) or the core LancetMoELayer; this reader does not"):
         PluginConfig.from_dict({"lancet": {}}, "moe_plugins", **default_registry().config_choices())
+    from moe_plugins.patches.megatron_config import config_choices as megatron_choices
+    assert PluginConfig.from_dict({"lancet": {}}, "moe_plugins", **megatron_choices()).lancet == {}
+    with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \('auto'\): batch partitions run HF GPT-2 "
+                                         r"blocks on DeepSpeed only; on megatron use partitions 1"):
+        PluginConfig.from_dict({"lancet": {"partitions": "auto"}}, "moe_plugins", **megatron_choices())
     off = PluginConfig.from_dict({"lancet": {"defer_wgrad": False}}, "moe_plugins",
                                  **default_registry().config_choices())
     assert off.lancet == {"defer_wgrad": False}

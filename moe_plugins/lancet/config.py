@@ -31,7 +31,8 @@ NAME = "lancet"
 AUTO = "auto"
 SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the overlap hook
 EXCHANGES = ("padded",)
-HOSTS = ("deepspeed",)              # the adapters that run the section (the core layer takes a LancetConfig)
+HOSTS = ("deepspeed", "megatron")   # the adapters that run the section (the core layer takes a LancetConfig)
+PARTITION_HOSTS = ("deepspeed",)    # those that run batch partitions (HF GPT-2 blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,15 +128,17 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
                         f"partitions ({section[NAME]['partitions']}): the partitions replace PipeMoE's capacity "
                         "chunks; use pipeline_degree 1")
     if host not in HOSTS:
-        problems.append(f"{path}.{NAME}: Lancet is built for DeepSpeed only in this version, run by the DeepSpeed "
-                        "adapter (moe_plugins.enable() before deepspeed.initialize) or the core LancetMoELayer; this "
-                        "reader (the Megatron-core adapter) does not run it")
+        problems.append(f"{path}.{NAME}: Lancet runs through the DeepSpeed and Megatron-core adapters (enable()) or "
+                        "the core LancetMoELayer; this reader does not run it")
+    elif partitioned(section[NAME]) and host not in PARTITION_HOSTS:
+        problems.append(f"{path}.{NAME}.partitions ({section[NAME]['partitions']!r}): batch partitions run HF GPT-2 "
+                        f"blocks on DeepSpeed only; on {host} use partitions 1 (defer_wgrad runs)")
     return problems
 
 
 def host_rules(host: Optional[str]) -> SectionRules:
-    """The section's checks as read by ``host`` (``"deepspeed"`` runs Lancet; None: a reader that does not)."""
+    """The section's checks as read by ``host`` (one of :data:`HOSTS` runs Lancet; None: a reader that does not)."""
     return SectionRules(value=lancet_problems, across=partial(lancet_across, host=host))
 
 
-SECTION_RULES = host_rules(None)      # the registry's: readers other than the DeepSpeed adapter refuse Lancet
+SECTION_RULES = host_rules(None)      # the registry's: readers other than the host adapters refuse Lancet

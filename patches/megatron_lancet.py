@@ -1,0 +1,119 @@
+"""Lancet on Megatron-core (``"lancet": {"defer_wgrad": true}`` in the ``moe_plugins`` section): the plugin's MoE
+layers compute Megatron's experts with their weight gradients deferred, and the layers' backward exchanges run
+them while they fly (docs/lancet.md).
+
+- **Experts.** Megatron's ``SequentialMLP`` local experts (``linear_fc1`` -> activation -> ``linear_fc2``, the
+  activation as Megatron's MLP applies it, gated linear units included) run through Lancet's ``deferred_linear`` on
+  their own weights: dX at once, dW queued and delivered through autograd, so Megatron's DDP hooks (and
+  ``main_grad``) see each gradient once, as in stock. The ESP reduction is the plugin's (``megatron_experts``).
+- **Exchanges.** The layer's Recorder carries ``ExchangeOverlap(queue)``, on an engine with a pipeline lane (the
+  enabled plugin's :class:`~moe_plugins.patches.megatron_engines.LayoutEngines`), so each backward all-to-all flies
+  on the lane while the queue runs. What is left is flushed when the backward pass ends (before DDP's
+  ``finish_grad_sync``, which the training loop calls after it).
+
+Refused, naming the setting: experts other than ``SequentialMLP`` (grouped GEMMs), fused or Transformer Engine
+activations, biases with expert tensor parallelism, and Lancet's batch partitions (DeepSpeed's HF GPT-2 blocks
+only).
+
+Shapes: E_l local experts, N rows per expert, M model dim, H (H_s) FFN hidden (this rank's shard).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+
+from moe_plugins.core import comm
+from moe_plugins.core.comm import Recorder
+from moe_plugins.core.groups import Group
+from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.lancet.config import LancetConfig
+from moe_plugins.lancet.overlap import ExchangeOverlap
+from moe_plugins.lancet.wgrad import deferred_linear
+from moe_plugins.lancet.wgrad_queue import WgradQueue
+
+logger = logging.getLogger("moe_plugins.megatron")
+
+
+def defers_wgrad(plugin: PluginConfig) -> bool:
+    """Whether the section runs Lancet's deferred weight gradients."""
+    return plugin.enabled and plugin.lancet is not None and LancetConfig.from_dict(plugin.lancet).defer_wgrad
+
+
+def expert_problems(config: Any, experts: torch.nn.Module, name: str, esp: int) -> List[str]:
+    """Why Lancet cannot defer this Megatron layer's expert weight gradients (empty when it can)."""
+    where = f"{SECTION}.lancet.defer_wgrad on Megatron MoE layer {name}"
+    problems = []
+    if type(experts).__name__ != "SequentialMLP" or not hasattr(experts, "local_experts"):
+        problems.append(f"{where}: its experts are a {type(experts).__name__}; Lancet defers SequentialMLP experts "
+                        "only (moe_grouped_gemm off)")
+    for flag in ("bias_activation_fusion", "use_te_activation_func"):
+        if getattr(config, flag, False):
+            problems.append(f"{where}: {flag} ({getattr(config, flag)!r}) must be False (the deferred experts "
+                            "compute Megatron's unfused MLP)")
+    if getattr(config, "add_bias_linear", False) and esp > 1:
+        problems.append(f"{where}: add_bias_linear (True) with expert_tensor_parallel_size ({esp}) > 1: each shard "
+                        "would add the output bias before the ESP sum")
+    return problems
+
+
+def mlp_activation(config: Any, h_NH: torch.Tensor) -> torch.Tensor:
+    """Megatron's MLP activation on fc1's output (its bias added, unfused): ``activation_func``, or its gated
+    linear unit (clamp and offset as Megatron applies them)."""
+    if not config.gated_linear_unit:
+        return config.activation_func(h_NH)
+    x_glu, x_linear = torch.chunk(h_NH, 2, dim=-1)
+    val = getattr(config, "activation_func_clamp_value", None)
+    if val is not None:
+        x_glu, x_linear = x_glu.clamp(min=None, max=val), x_linear.clamp(min=-val, max=val)
+    return config.activation_func(x_glu) * (x_linear + getattr(config, "glu_linear_offset", 0.0))
+
+
+def deferred_megatron_experts(x_ElNM: torch.Tensor, *, experts: torch.nn.Module, config: Any, esp: Group,
+                              rec: Recorder, queue: WgradQueue) -> torch.Tensor:
+    """The core's experts contract (``megatron_layer.megatron_experts``) on ``SequentialMLP``'s local experts, each
+    one's two GEMMs (with their biases, as Megatron's expert MLP adds them) with dW and db deferred to ``queue``."""
+    x_ElNM = comm.copy_to(x_ElNM, esp, rec)
+    tag = f"experts.{rec.layer}"
+    outs = []
+    for e, mlp in enumerate(experts.local_experts):
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        h_NH = deferred_linear(x_ElNM[e], fc1.weight, getattr(fc1, "bias", None), queue, name=f"{rec.layer}.{e}.fc1",
+                               tag=tag)
+        outs.append(deferred_linear(mlp_activation(config, h_NH), fc2.weight, getattr(fc2, "bias", None), queue,
+                                    name=f"{rec.layer}.{e}.fc2", tag=tag))
+    return comm.all_reduce(torch.stack(outs), esp, rec)
+
+
+class LancetState:
+    """The enabled plugin's Lancet state on Megatron: one queue (a model runs one backward at a time) and the
+    overlap callback of each layer built while enabled."""
+
+    def __init__(self, record_timeline: bool = False):
+        self.queue = WgradQueue(record_timeline=record_timeline)
+        self.overlaps: List[ExchangeOverlap] = []
+        self.layers: List[str] = []
+
+    def overlap(self, name: str) -> ExchangeOverlap:
+        """A new layer's ``while_in_flight`` callback on the shared queue."""
+        self.overlaps.append(ExchangeOverlap(self.queue))
+        self.layers.append(name)
+        logger.info("moe_plugins: Megatron MoE layer %s defers its experts' weight gradients (Lancet)", name)
+        return self.overlaps[-1]
+
+    def close(self) -> None:
+        self.queue.clear()
+
+
+def lancet_or_none(plugin: PluginConfig, lancet: Optional[LancetState]) -> Optional[LancetState]:
+    """``lancet`` when the section defers weight gradients; a ValueError when it does but the plugin is not
+    enabled (the spec provider alone has no queue to share)."""
+    if not defers_wgrad(plugin):
+        return None
+    if lancet is None:
+        raise ValueError(f"{SECTION}.lancet needs the plugin enabled (enable(), the Megatron-LM flag or moe-plugins "
+                         "launch), which owns the queue and the engines the layers share; the spec provider alone "
+                         "does not")
+    return lancet

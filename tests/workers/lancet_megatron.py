@@ -1,0 +1,108 @@
+"""Pool jobs for tests/test_lancet_megatron.py: tests/workers/lina_megatron.py's tiny model (dense linears around two
+of the plugin's MoE layers, built through Megatron's own ``get_moe_module_spec`` while the plugin is enabled) in
+Megatron's ``DistributedDataParallel``, once with the ``lancet`` section (the experts' weight gradients deferred)
+and once without, on the same groups, weights and data, under the CPU shims.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
+from moe_plugins.tools.verify_megatron import transformer_config
+from tests.workers.lina_megatron import RANKS_PER_NODE, _batches, _ddp, _net, _spec
+from tests.workers.megatron import adam_steps
+
+
+def _plugin(lancet: Optional[Dict[str, Any]], pipeline_degree: int = 1) -> Dict[str, Any]:
+    section: Dict[str, Any] = {"schedule": "baseline", "pipeline_degree": pipeline_degree}
+    if lancet is not None:
+        section["lancet"] = lancet
+    return section
+
+
+def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline_degree: int = 1,
+              gated: bool = False) -> Dict[str, Any]:
+    """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last) in fp64, each ended by DDP's
+    ``finish_grad_sync``: the largest difference of every ``main_grad`` between the runs with and without Lancet,
+    per step and kind; how many times each parameter's DDP hook ran per backward with Lancet (counted on its
+    gradient accumulator); the queue's state and how often it ran behind an exchange."""
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(tp, ep, "float64")
+    runs, hooks, state = [], [], {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                                       mp=tp, ep=ep)))
+        config = transformer_config(spec, num_layers=2, gated_linear_unit=gated) if gated else \
+            transformer_config(spec, num_layers=2)
+        data = _batches(config.params_dtype, steps * accumulate, seed=11)
+        for section in (None, {"defer_wgrad": True}):
+            with mp.enable(_plugin(section, pipeline_degree), groups=groups) as handle:
+                model = _ddp(config, _net(config, seed=5), groups.pg_collection, bucket_size=200)
+                calls: Dict[str, int] = {}
+                for n, p in model.module.named_parameters():
+                    p.register_post_accumulate_grad_hook(lambda _p, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
+                per_step = []
+                for step in range(steps):
+                    model.zero_grad_buffer()
+                    for mb in range(accumulate):
+                        calls.clear()
+                        with model.no_sync() if mb < accumulate - 1 else nullcontext():
+                            x, t = data[step * accumulate + mb]
+                            F.mse_loss(model(x), t).backward()
+                        if section is not None:
+                            hooks.append(dict(calls))
+                    model.finish_grad_sync()
+                    per_step.append({n: (p.main_grad.clone(), getattr(p, "allreduce", True))
+                                     for n, p in model.module.named_parameters()})
+                runs.append(per_step)
+                if section is not None:
+                    lancet = handle.lancet
+                    state = {"layers": list(lancet.layers), "queue_empty": lancet.queue.empty(),
+                             "items_run": lancet.queue.items_run, "overlap_calls": sum(o.calls for o in lancet.overlaps)}
+    off, on = runs
+    diffs = [{kind: max(float((a - on_step[n][0]).abs().max()) for n, (a, dense) in off_step.items()
+                        if dense == (kind == "dense"))
+              for kind in ("dense", "expert")} for off_step, on_step in zip(off, on)]
+    return {"diffs": diffs, "hooks": hooks, "params": sorted(n for n, _ in on[0].items()), **state,
+            "nonzero": {n: any(float(step[n][0].abs().max()) > 0 for step in on) for n in on[0]}}
+
+
+def train_job(tp: int, ep: int, steps: int = 20) -> Dict[str, Any]:
+    """fp32 Adam through Megatron's DDP (overlapped, small buckets), finalize_model_grads and optimizer: the losses
+    with Lancet and without."""
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(tp, ep, "float32")
+    losses = {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                                       mp=tp, ep=ep)))
+        pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
+        data = (_batches(torch.float32, 4, seed=21) * steps)[:steps]
+        for name, section in (("off", None), ("lancet", {})):
+            with mp.enable(_plugin(section), groups=groups):
+                model = _ddp(config, _net(config, seed=7), pgc, bucket_size=300)
+                losses[name] = adam_steps(model, pgc, data, megatron_optimizer_on_cpu)
+    return losses
+
+
+def refused(section: Dict[str, Any]) -> List[str]:
+    """The errors of enabling the plugin with ``section`` and of building a layer from the bare spec provider."""
+    from moe_plugins.patches import megatron as mp
+    out = []
+    for attempt in (lambda: mp.enable(section).disable(),
+                    lambda: mp.get_moe_module_spec(use_te=False, num_experts=4, plugin=section)):
+        try:
+            attempt()
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append("")
+    return out
