@@ -12,7 +12,9 @@ on a ``deepspeed.moe`` layer. Pure helpers; nothing here patches anything.
   (GELU, exact or tanh as GPT-2's ``gelu_new``; ReLU; SiLU).
 - :func:`stacked_weights`: ``LayerParams.expert_weights`` per call: the local experts' Linear weights (transposed)
   and biases stacked. ``torch.stack`` of views copies in forward, and its backward hands each parameter its slice,
-  so each ``nn.Linear`` parameter gets its gradient once per backward (DeepSpeed ZeRO's hooks fire once).
+  so each ``nn.Linear`` parameter gets its gradient once per backward (DeepSpeed ZeRO's hooks fire once). They
+  can be stacked again from the parameters (``RereadableWeights.reread``): with ``rematerialize`` the backward's
+  re-gather reads them so, and holds no stacked copy of the owned experts from forward to backward.
 
 Shapes: E_l local experts, M model dim, H FFN hidden.
 """
@@ -20,6 +22,7 @@ Shapes: E_l local experts, M model dim, H FFN hidden.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
@@ -28,6 +31,7 @@ from moe_plugins.core.experts import GELU_TANH, ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
 from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rules
+from moe_plugins.hecate.remat import RereadableWeights
 from moe_plugins.lancet.config import NAME as LANCET
 from moe_plugins.lancet.config import host_rules as lancet_host_rules
 from moe_plugins.patches.deepspeed_layer import ffn_activation
@@ -108,20 +112,33 @@ def hecate_class(cfg: PluginConfig, cls: Type[Schedule], moe: torch.nn.Module) -
     return hecate.configured(hecate.from_section(cfg.hecate).options, activation=names.pop())
 
 
-def stacked_weights(experts: torch.nn.ModuleList) -> ExpertWeights:
+def stacked_weights(experts: torch.nn.ModuleList) -> RereadableWeights:
     """The local FFN experts (each ``nn.Sequential(Linear(M, H), act, Linear(H, M))``) as ExpertWeights, built
-    from the parameters themselves (gradients flow back to each once). A missing bias is a zero tensor. ZeRO
-    stage 3 partitions the parameters outside the experts' forward: refused, naming the parameter."""
+    from the parameters themselves (gradients flow back to each once), and stacked again without autograd by
+    ``reread()`` (Hecate's re-materialisation). A missing bias is a zero tensor. ZeRO stage 3 partitions the
+    parameters outside the experts' forward: refused, naming the parameter."""
     fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
     for i, fc in enumerate(fc1s + fc2s):
         if hasattr(fc.weight, "ds_id"):
             raise ValueError(f"Hecate cannot read expert {i % len(fc1s)}'s Linear weight: ZeRO stage 3 partitions it "
                              "(ds_id set) and Hecate copies the experts outside their forward; use ZeRO stage 0, 1 "
                              "or 2")
+    w = _stacked(fc1s, fc2s)
+    sources = tuple(t for fc in fc1s + fc2s for t in (fc.weight, fc.bias) if t is not None)
+    return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=partial(_restacked, fc1s, fc2s),
+                             sources=sources)
+
+
+def _stacked(fc1s: List[torch.nn.Linear], fc2s: List[torch.nn.Linear]) -> ExpertWeights:
     return ExpertWeights(w1_EMH=torch.stack([f.weight.t() for f in fc1s]),
                          b1_EH=torch.stack([_bias(f) for f in fc1s]),
                          w2_EHM=torch.stack([f.weight.t() for f in fc2s]),
                          b2_EM=torch.stack([_bias(f) for f in fc2s]))
+
+
+def _restacked(fc1s: List[torch.nn.Linear], fc2s: List[torch.nn.Linear]) -> ExpertWeights:
+    with torch.no_grad():
+        return _stacked(fc1s, fc2s)
 
 
 def weights_source(cls: Type[Schedule]) -> Optional[Callable[[torch.nn.Module], ExpertWeights]]:

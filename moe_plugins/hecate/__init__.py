@@ -15,6 +15,11 @@ Built so far (in the core layer and the config; on DeepSpeed through patches/dee
 - :mod:`moe_plugins.hecate.flow`: one call's routes to copies and split sizes, and experts as flat rows (pure).
 - :mod:`moe_plugins.hecate.schedule`: the ``hecate`` schedule, the baseline's ragged data flow with FSSDP (plan,
   spAG of the copies, dispatch to copies, spRS of their gradients), exact against the baseline.
+- :mod:`moe_plugins.hecate.remat`: re-materialisation (``rematerialize``): the copies freed after the layer's
+  forward (saved-tensor hooks keep only where they lie) and gathered again by a second spAG right before its
+  backward.
+- :mod:`moe_plugins.hecate.memory`: the copy-memory ledger: every copy tensor's bytes and lifetime per layer
+  (``schedule.memory``), merged over layers into peaks per step and per layer call.
 - :mod:`moe_plugins.hecate.config`: the ``"hecate": {...}`` section of the ``moe_plugins`` config.
 """
 

@@ -6,7 +6,8 @@
         "enabled": true,          # false keeps the section but runs the plain schedule
         "extra_experts": "auto",  # the memory budget m: expert copies per rank beyond its own experts, an
                                   # integer >= 1, or "auto": as many as the rank owns (E / EP)
-        "rematerialize": false,   # reserved: spAG again in backward instead of keeping the copies (not built)
+        "rematerialize": false,   # true: free the copies after the layer's forward and spAG them again right
+                                  # before its backward (less copy memory, one more spAG per layer and step)
         "reshard_every": 0        # reserved: heterogeneous re-sharding every n steps, 0 = never (only 0 now)
     }
 
@@ -75,12 +76,8 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
         bad("enabled", "must be true or false")
     if "extra_experts" in section and not (section["extra_experts"] == AUTO or _int(section["extra_experts"], 1)):
         bad("extra_experts", 'must be an integer >= 1 (expert copies per rank) or "auto" (as many as it owns)')
-    if "rematerialize" in section:
-        if not isinstance(section["rematerialize"], bool):
-            bad("rematerialize", "must be true or false")
-        elif section["rematerialize"]:
-            bad("rematerialize", "is not supported yet (re-materialising the copies in backward is not built); "
-                                 "only false is accepted")
+    if "rematerialize" in section and not isinstance(section["rematerialize"], bool):
+        bad("rematerialize", "must be true or false")
     if "reshard_every" in section:
         if not _int(section["reshard_every"], 0):
             bad("reshard_every", "must be an integer >= 0 (steps between re-shardings; 0: never)")

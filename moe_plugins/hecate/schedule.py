@@ -18,6 +18,10 @@ One call (pipeline degree 1, ESP 1; docs/hecate.md, "The FSSDP layer"):
 6. **Experts** on the received rows grouped per copy (``expert_rows``), with the copies' weights and the core's
    functional FFN; **reverse exchange**; the combine of the ragged baseline (``combine_rows``).
 
+With ``rematerialize`` (moe_plugins/hecate/remat.py) step 6 runs under saved-tensor hooks: the copies are freed
+after it and spAG runs again right before the expert step's backward. Every copy tensor is recorded in the
+layer's copy-memory ledger (:attr:`HecateSchedule.memory`, moe_plugins/hecate/memory.py).
+
 Each rank's copies reach the loss on every call (its own experts are always among them, computed on padding
 when no row arrives), so every rank takes part in spRS. Shapes: S tokens, X kept routes of this rank, Q rows it
 receives, C experts it holds a copy of, n rows per copy (padded), M model dim, F elements per expert.
@@ -25,7 +29,9 @@ receives, C experts it holds a copy of, n rows per copy (padded), M model dim, F
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, List, Mapping, Optional, Tuple, Type
 
 import torch
@@ -37,8 +43,10 @@ from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
 from moe_plugins.hecate.flow import (RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
                                      route_plan, unflat_experts)
+from moe_plugins.hecate.memory import CopyLedger
 from moe_plugins.hecate.plan import LoadWindow, Placement, materialise_budget, plan_placement, stock_homes
-from moe_plugins.hecate.sparse import sparse_all_gather, whole_shards
+from moe_plugins.hecate.remat import OwnedRead, Rematerialiser
+from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, spag_again, whole_shards
 
 
 @dataclass(frozen=True)
@@ -60,17 +68,20 @@ class _Call:
     routing: Any
     pos_SK: torch.Tensor
     plan: RoutePlan
-    copies: ExpertWeights
+    copies: Optional[ExpertWeights]             # dropped after the expert step
+    remat: Optional[Rematerialiser] = None      # with rematerialize: how the backward gathers them again
 
 
 class _State:
-    """A layer's Hecate state, shared with a twin: the load window, the call in flight and the last call's
-    stats (per schedule instance: nothing module-level)."""
+    """A layer's Hecate state, shared with a twin: the load window, the call in flight, the last call's stats,
+    the forward calls so far and the copy-memory ledger (per schedule instance: nothing module-level)."""
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, layer: str) -> None:
         self.window = LoadWindow(num_experts=num_experts)
         self.call: Optional[_Call] = None
         self.last: Optional[HecateStats] = None
+        self.calls = 0
+        self.memory = CopyLedger(layer)
 
 
 class HecateSchedule(Schedule):
@@ -121,7 +132,7 @@ class HecateSchedule(Schedule):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._state = _State(self.config.num_experts)
+        self._state = _State(self.config.num_experts, self.rec.layer)
 
     def twin(self, groups) -> "HecateSchedule":
         twin = type(self)(self.config, groups, self.rec)
@@ -133,12 +144,18 @@ class HecateSchedule(Schedule):
         """The last call's placement, global load and this rank's computed rows (None before the first)."""
         return self._state.last
 
+    @property
+    def memory(self) -> CopyLedger:
+        """This layer's copy-memory ledger on this rank (merge several layers' with ``memory.live_peak``)."""
+        return self._state.memory
+
     def notes(self) -> List[str]:
         last = self._state.last
         if last is None:
             return []
+        remat = "; copies freed after forward, re-gathered in backward" if self.options.rematerialize else ""
         return [f"hecate: copies per expert {[len(c) for c in last.placement.copies_E]} "
-                f"({last.extra_copies()} beyond the homes)"]
+                f"({last.extra_copies()} beyond the homes){remat}"]
 
     # ---- the plan --------------------------------------------------------------------------------------
     def _counts(self, counts_E: torch.Tensor) -> List[List[int]]:
@@ -172,8 +189,8 @@ class HecateSchedule(Schedule):
         homes = stock_homes(cfg.num_experts, ep.size)
         shards = whole_shards(expert_numel(cfg.hidden, cfg.ffn), homes, ep.size)
         w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec)
-        copies = unflat_experts(w_CF, cfg.hidden, cfg.ffn)
-        self._state.call = _Call(routing, order.pos_NSK[0], plan, copies)
+        self._state.call = _Call(routing, order.pos_NSK[0], plan, unflat_experts(w_CF, cfg.hidden, cfg.ffn),
+                                 self._track(w_CF, params, placement, shards))
         rows_E = [0] * cfg.num_experts
         for e, n in zip(plan.experts, plan.rows_C):
             rows_E[e] = n
@@ -182,6 +199,17 @@ class HecateSchedule(Schedule):
         token_X = order.token_X[:kept].index_select(0, _index(plan.perm_X, x_SM.device))
         return Dispatched(d=x_SM.index_select(0, token_X), cap_dim=0, state=self._state.call,
                           aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def _track(self, w_CF: torch.Tensor, params: LayerParams, placement: Placement,
+               shards: ShardSpec) -> Optional[Rematerialiser]:
+        """Record the call's copies in the memory ledger; with ``rematerialize``, how to gather them again."""
+        state = self._state
+        call, state.calls = state.calls, state.calls + 1
+        state.memory.track(w_CF, "forward", call)
+        if not self.options.rematerialize:
+            return None
+        regather = partial(_regather, OwnedRead(params.expert_weights), placement, shards, self.groups.ep, self.rec)
+        return Rematerialiser(w_CF, regather, partial(state.memory.track, phase="backward", call=call))
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         problems = self.degree_problems(degree)
@@ -211,8 +239,12 @@ class HecateSchedule(Schedule):
         x_CnM = padded.index_select(0, _index(gather, e_QM.device)).view(len(call.plan.experts), rows, model_dim)
         if replicas > 1:          # MP replicas: every row arrives once per replica (as the baseline)
             x_CnM = comm.grad_scale(x_CnM, float(replicas))
-        activation = self.activation or self.config.activation
-        y_CnM = partial_ffn(x_CnM, call.copies, activation) + call.copies.b2_EM.unsqueeze(1)
+        activation, copies = self.activation or self.config.activation, call.copies
+        if copies is None:
+            raise ValueError(f"schedule '{NAME}': expert called twice for one call (its copies are freed after use)")
+        with call.remat.hooks() if call.remat is not None else nullcontext():
+            y_CnM = partial_ffn(x_CnM, copies, activation) + copies.b2_EM.unsqueeze(1)
+        call.copies = None        # from here only autograd holds the copies (none of them with rematerialize)
         if replicas > 1:
             y_CnM = comm.grad_scale(y_CnM, 1.0 / replicas)
         return y_CnM.reshape(-1, model_dim).index_select(0, _index(back, e_QM.device))
@@ -227,6 +259,11 @@ class HecateSchedule(Schedule):
             self._state.call = None         # hold nothing of this call (its copies) past the layer
         order_X = torch.argsort(_index(call.plan.perm_X, r_XM.device))   # back to (expert, slot) order
         return combine_rows(r_XM.index_select(0, order_X), call.pos_SK, call.routing)
+
+
+def _regather(owned: OwnedRead, placement: Placement, shards: ShardSpec, group, rec) -> torch.Tensor:
+    with torch.no_grad():
+        return spag_again(flat_experts(owned.read()), placement, shards, group, rec)
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -24,6 +24,10 @@ with c_e copies of B_e bytes: c_e times its Eq. 2 term, the ring AllReduce of it
 
 A rank must let its copies reach the loss (an empty (0, F) output too), or its peers wait in spRS for it.
 
+Re-materialisation (:func:`spag_again`) runs the same spAG again in backward, recorded as ``spag`` in phase
+``backward``: with it a layer's ``spag`` bytes per step double (the price of freeing the copies), ``sprs``'s do
+not change.
+
 Letters: E experts, R ranks of the group, F elements per expert, C experts copied on this rank, O elements
 this rank owns, X elements it sends, Q elements it receives.
 """
@@ -248,6 +252,14 @@ def sprs_raw(g_copies_CF: torch.Tensor, ex: SparseExchange, owned: int, group: G
         (back_O,) = _put((owned,), [(0, s, n) for s, n in ex.send_pieces], g_back_X)
         g_own_O = g_own_O + back_O
     return g_own_O
+
+
+def spag_again(w_owned_O: torch.Tensor, placement: Placement, shards: ShardSpec, group: Group,
+               rec: Recorder) -> torch.Tensor:
+    """The same spAG once more, without autograd, recorded as ``spag`` in phase ``backward``: re-materialisation's
+    re-gather of this rank's copies (C, F) right before the layer's backward (moe_plugins/hecate/remat.py)."""
+    with torch.no_grad():
+        return spag_raw(w_owned_O, sparse_exchange(placement, shards, group.rank), group, rec, "backward")
 
 
 class _SparseAllGather(torch.autograd.Function):

@@ -1,0 +1,130 @@
+"""Hecate's re-materialisation (hecate.txt §3.2, §5.4; ``"hecate": {"rematerialize": true}``): the expert copies
+spAG materialised are freed after the layer's forward and gathered again right before its backward needs them.
+
+How (one :class:`Rematerialiser` per layer call):
+
+- **Forward.** The layer's expert step runs inside :meth:`Rematerialiser.hooks`, PyTorch's
+  ``saved_tensors_hooks``. Autograd saves the copies' weights for the backward of the expert GEMMs (views of the
+  copy tensor ``w_copies_CF``); the pack hook replaces each of those by its view geometry (size, stride,
+  offset) and passes every other saved tensor (activations, token rows) through, detached (autograd re-attaches
+  it on unpack; the tensor itself would make a saved output hold its own node). Nothing else holds the copy
+  tensor past the expert step, so it is freed there.
+- **Backward.** The first unpack of a copy view re-runs spAG for the same placement from the same owners'
+  shards (:func:`~moe_plugins.hecate.sparse.spag_raw`, no autograd; ledger op ``spag`` in phase ``backward``)
+  and serves every view from that one tensor; the tensor is dropped once all views saved in forward were
+  unpacked (autograd frees the views after their GEMM's backward). A second backward (``retain_graph``)
+  re-gathers again.
+- **Gradients** are untouched: the graph still runs from the copies' views to ``W_copies = spAG(W_owned)``,
+  whose backward is spRS into the owners (each owner parameter gets its gradient once, through autograd).
+
+What is kept for the re-gather is the plan (placement, shards, group) and a way to read the owned experts
+again (:class:`OwnedRead`): a host's :class:`RereadableWeights` (DeepSpeed's stacked experts: re-stacked from
+its own parameters, nothing held), else the owned tensors themselves, detached (the core layer's parameters:
+nothing extra). The owned tensors' in-place version counters are checked at the re-gather, so a change between
+forward and backward (which would make the re-gathered copies differ) raises instead of computing silently.
+
+The saved-tensor hooks apply to the expert step only; outer hooks (activation offloading) do not see the
+tensors saved inside it. Letters: C experts copied on this rank, F elements per expert.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+from moe_plugins.core.experts import ExpertWeights
+
+
+@dataclass(frozen=True)
+class RereadableWeights(ExpertWeights):
+    """ExpertWeights a host can build again on demand: ``reread()`` returns the same weights (no autograd) from
+    its own parameters ``sources``, so a re-gather need not keep the built tensors alive."""
+
+    reread: Optional[Callable[[], ExpertWeights]] = None
+    sources: Tuple[torch.Tensor, ...] = ()
+
+
+def _tensors(w: ExpertWeights) -> Tuple[torch.Tensor, ...]:
+    return (w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM)
+
+
+class OwnedRead:
+    """This rank's owned experts as a re-gather reads them in backward (module docstring), with the in-place
+    versions of what it reads, taken at forward."""
+
+    def __init__(self, w: ExpertWeights) -> None:
+        if isinstance(w, RereadableWeights) and w.reread is not None:
+            self._read, watched = w.reread, tuple(w.sources)
+        else:
+            held = ExpertWeights(*(t.detach() for t in _tensors(w)))      # aliases: no copy, same versions
+            self._read, watched = (lambda: held), _tensors(held)
+        self._watched = tuple(t.detach() for t in watched)
+        self._versions = tuple(t._version for t in self._watched)
+
+    def read(self) -> ExpertWeights:
+        now = tuple(t._version for t in self._watched)
+        if now != self._versions:
+            raise RuntimeError(f"Hecate rematerialize: this rank's owned expert tensors were modified in place between "
+                               f"the layer's forward and its backward (versions {list(self._versions)} -> {list(now)}); "
+                               "the re-gathered copies would differ from the forward's. Step the optimizer after "
+                               "backward, or set rematerialize to false")
+        return self._read()
+
+
+@dataclass(frozen=True)
+class _CopyView:
+    """What autograd keeps instead of a view of the copies: where it lies in the copy tensor."""
+
+    size: torch.Size
+    stride: Tuple[int, ...]
+    offset: int
+
+
+class Rematerialiser:
+    """One layer call's copies, freed after its expert step and re-gathered by ``regather()`` (a fresh
+    contiguous (C, F) tensor equal to ``w_copies_CF``) in backward; ``on_gather(w)`` is told of each re-gather
+    (the memory ledger). ``gathers``: re-gathers so far."""
+
+    def __init__(self, w_copies_CF: torch.Tensor, regather: Callable[[], torch.Tensor],
+                 on_gather: Callable[[torch.Tensor], Any]) -> None:
+        if w_copies_CF.dim() != 2 or not w_copies_CF.is_contiguous() or w_copies_CF.storage_offset() != 0:
+            raise RuntimeError(f"Hecate rematerialize needs the copies as one contiguous (C, F) tensor at offset 0; "
+                               f"got shape {tuple(w_copies_CF.shape)}, offset {w_copies_CF.storage_offset()}")
+        self._ptr = w_copies_CF.untyped_storage().data_ptr()
+        self._shape = tuple(w_copies_CF.shape)
+        self._regather, self._on_gather = regather, on_gather
+        self._lock = threading.Lock()
+        self._packed = self._left = 0
+        self._cache: Optional[torch.Tensor] = None
+        self.gathers = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context the expert step runs in (forward only)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device.type == "meta" or t.untyped_storage().data_ptr() != self._ptr:
+            return t.detach()     # not ``t``: an op's saved output would hold its own grad_fn (a reference cycle)
+        self._packed += 1
+        return _CopyView(t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _CopyView):
+            return packed
+        with self._lock:
+            if self._cache is None:
+                w_CF = self._regather()
+                if tuple(w_CF.shape) != self._shape or not w_CF.is_contiguous() or w_CF.storage_offset():
+                    raise RuntimeError(f"Hecate rematerialize: the re-gathered copies have shape {tuple(w_CF.shape)}, "
+                                       f"offset {w_CF.storage_offset()}, not the forward's contiguous {self._shape}")
+                self._on_gather(w_CF)
+                self._cache, self._left = w_CF, self._packed
+                self.gathers += 1
+            view = self._cache.as_strided(packed.size, packed.stride, packed.offset)
+            self._left -= 1
+            if self._left == 0:
+                self._cache = None          # every saved view served: the tensor lives only in autograd's hands
+        return view
