@@ -13,7 +13,11 @@
 - :mod:`.harness`: the parent side that ties them together;
 - the training-step contention bench (Lina, ``--preset lina``): :mod:`.lina_plan` (plan, rows, presets),
   :mod:`.lina_step` (rank side), :mod:`.lina_stats` (per-op all-to-all times, slowdowns, targets),
-  :mod:`.lina_report` and :mod:`.lina_plots` (parent side and outputs).
+  :mod:`.lina_report` and :mod:`.lina_plots` (parent side and outputs);
+- Lancet (#26): the ``lancet`` rows (:mod:`.rows`), the exposed all-to-all time of every timed step
+  (:mod:`.lancet_exposure`), the judgement against the best fixed PipeMoE degree (:mod:`.lancet_report`), and the
+  one-step timeline of ``benchmarks/lancet_timeline.py`` (:mod:`.lancet_step` rank side, :mod:`.lancet_timeline`
+  parent side and picture); :mod:`.stats` holds the reports' shared pure helpers.
 
 Nothing in the training path imports this package.
 """

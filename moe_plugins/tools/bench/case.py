@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -83,6 +83,10 @@ class Row:
     describe: Callable[[], Tuple[str, ...]] = tuple   # after the timed rounds: what an auto row chose
     ran_as: Callable[[], Optional[str]] = lambda: None  # after the timed rounds: the fixed row an auto row ran as
     close: Callable[[], None] = lambda: None   # undo what building it changed outside the row (collective)
+    # exposed all-to-all time (:mod:`.lancet_exposure`): how it is measured (spans | inline | unmeasured), and the
+    # compute spans the row recorded since the last call ((start_ns, end_ns, kind); None: it records none)
+    exposure: str = "inline"
+    compute_spans: Optional[Callable[[], List[Tuple[int, int, str]]]] = None
 
 
 def close_rows(rows: Sequence[Row]) -> None:

@@ -45,6 +45,7 @@ from moe_plugins.core.profile_ops import profile_key
 from moe_plugins.core.schedule import exchange_problems
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.bench.case import CaseData, Row
+from moe_plugins.tools.bench.lancet_exposure import INLINE, UNMEASURED
 from moe_plugins.tools.bench.matrix import RowSpec
 from moe_plugins.tools.bench.traffic import LedgerMeter
 
@@ -173,4 +174,5 @@ def build_adapter_row(spec: RowSpec, data: CaseData, profile: Optional[CostProfi
     mpu, esp = case_mpu(data), data.groups.esp.size
     return Row(label=spec.label, kind="plugin", module=moe, forward=partial(moe_forward, moe),
                meter=LedgerMeter(ledger), scope=lambda: tensor_parallel_scope(mpu, esp),
-               notes=swap_notes(handle), close=handle.disable)
+               notes=swap_notes(handle), close=handle.disable,
+               exposure=INLINE if pipeline_degree(spec) == 1 else UNMEASURED)   # its experts are not timed

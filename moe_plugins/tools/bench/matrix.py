@@ -221,6 +221,8 @@ def plan_problems(plan: BenchPlan, row_problems: Callable[["RowSpec"], List[str]
     return problems
 
 
+LANCET_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "baseline@r=auto", "lancet", "lancet@r=2")
+
 # Named plans. ``committed`` is the run in benchmarks/results/ (2 emulated nodes x 2 ranks, two link rates,
 # the baseline schedule against both stock layers); ``smoke`` is a seconds-long check of the whole path.
 PRESETS: Dict[str, Dict[str, object]] = {
@@ -229,4 +231,12 @@ PRESETS: Dict[str, Dict[str, object]] = {
                       rows=("baseline", "deepspeed", "megatron")),
     "smoke": dict(nodes=2, ranks_per_node=2, rates=("200mbit",), iters=3, warmup=1,
                   cases="S=64,M=32,H=64,E=4,k=2,f=1.0,ep=4", rows=("baseline", "deepspeed", "megatron")),
+    # Lancet (#26): the rows side by side, H = 256 (the link dominates) and 2048 (the experts do) at
+    # 200 Mbit/s and 1 Gbit/s; EP over every rank (2 x 1: ep=2, 2 x 2: ep=4, S halved to stay within ~6 minutes)
+    "lancet-2x1": dict(nodes=2, ranks_per_node=1, rates=("200mbit", "1gbit"), iters=12, warmup=2,
+                       cases="S=1024,M=256,H=256/2048,E=8,k=2,f=1.0,ep=2", rows=LANCET_ROWS),
+    "lancet-2x2": dict(nodes=2, ranks_per_node=2, rates=("200mbit", "1gbit"), iters=12, warmup=2,
+                       cases="S=512,M=256,H=256/2048,E=8,k=2,f=1.0,ep=4", rows=LANCET_ROWS),
+    "lancet-smoke": dict(nodes=2, ranks_per_node=2, rates=("200mbit",), iters=2, warmup=1,
+                         cases="S=64,M=32,H=64,E=4,k=2,f=1.0,ep=4", rows=LANCET_ROWS),
 }

@@ -1,7 +1,8 @@
 """Entry point of one benchmark rank: ``python -m moe_plugins.tools.bench.rank_main JOB.pkl``.
 
 Reads the pickled :class:`~moe_plugins.tools.bench.runner.RankJob` (or the step bench's
-:class:`~moe_plugins.tools.bench.lina_step.StepJob`), joins the gloo group from the torchrun-style
+:class:`~moe_plugins.tools.bench.lina_step.StepJob`, or a job with a ``run_rank()`` method such as
+:class:`~moe_plugins.tools.bench.lancet_step.TimelineJob`), joins the gloo group from the torchrun-style
 variables set by :mod:`.launch`, runs the plan, and on rank 0 writes ``result.json`` next to the job file
 (atomically). Exit code 0 on success, 1 on an error (traceback on stderr).
 """
@@ -31,7 +32,9 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method="env://",
                             timeout=timedelta(seconds=job.plan.collective_timeout_s))
     try:
-        records = run_step_plan(job) if isinstance(job, StepJob) else run_plan(job)
+        run_rank = getattr(job, "run_rank", None)        # a job that runs itself (lancet_step.TimelineJob)
+        records = (run_rank() if callable(run_rank) else run_step_plan(job) if isinstance(job, StepJob)
+                   else run_plan(job))
         if records is not None:
             tmp = job_path.with_name("result.json.tmp")
             tmp.write_text(json.dumps(records))

@@ -11,21 +11,26 @@ Per row of every (case, rate):
   own algorithms included); both in MB = 10^6 bytes;
 - ``link_lb_ms``: the **link lower bound**, model bytes of the busiest node x 8 / shaped rate: the time the
   shaped NIC needs just to send them; ``vs_link_lb`` = median / link_lb_ms (>= 1; near 1 means the row is
-  bound by the link, large means compute or software overhead dominates).
+  bound by the link, large means compute or software overhead dominates);
+- ``a2a_ms``, ``exposed_ms``, ``a2a_overlap``: the step's all-to-all time, the part of it no compute hid, and the
+  hidden share (:mod:`.lancet_exposure`; None where the row's exposure is not measured); groups with a Lancet
+  row are judged against the best fixed PipeMoE degree (:mod:`.lancet_report`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from moe_plugins.plugins import default_registry
+from moe_plugins.tools.bench.lancet_exposure import exposure_stats
+from moe_plugins.tools.bench.lancet_report import judge_group, lancet_lines
 from moe_plugins.tools.bench.matrix import BenchPlan, parse_rate
 from moe_plugins.tools.bench.rows import STOCK_ROWS
+from moe_plugins.tools.bench.stats import fmt_paired, fmt_value, paired_ratio   # noqa: F401 (the report's API)
 
 
 def time_stats(times_s: Sequence[float]) -> Dict[str, float]:
@@ -34,19 +39,6 @@ def time_stats(times_s: Sequence[float]) -> Dict[str, float]:
         raise ValueError("time_stats needs at least one time")
     return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
             "p90_ms": float(np.percentile(a, 90)), "n": int(a.size)}
-
-
-def paired_ratio(times_s: Sequence[float], ref_s: Sequence[float], *, draws: int = 2000,
-                 seed: int = 0) -> Optional[Dict[str, Any]]:
-    """Pure, seeded. Rows are interleaved per round, so round i of every row of a group ran side by side: the
-    median of the per-round ratios ``times_s[i] / ref_s[i]`` cancels the drift a shared 2-core machine adds to
-    both, and its bootstrap 90% interval says how far noise can move it. None when the rounds do not pair."""
-    a, b = np.asarray(times_s, dtype=float), np.asarray(ref_s, dtype=float)
-    if a.size != b.size or a.size < 2:
-        return None
-    ratio = a / b
-    meds = np.median(ratio[np.random.default_rng(seed).integers(0, ratio.size, (draws, ratio.size))], axis=1)
-    return {"median": float(np.median(ratio)), "ci90": [float(np.percentile(meds, 5)), float(np.percentile(meds, 95))]}
 
 
 def per_node(values: Sequence[Optional[int]], ranks_per_node: int, mode: str) -> Optional[List[int]]:
@@ -79,7 +71,9 @@ def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
                        "link_lb_ms": lb, "vs_link_lb": (st["median_ms"] / lb) if lb else None,
                        "max_abs_diff_vs_first": raw["max_abs_diff_vs_first"],
                        "first_row_max_abs": raw["first_row_max_abs"], "times_s": raw["times_s"],
-                       "notes": raw.get("notes", []), "ran_as": raw.get("ran_as")}
+                       "notes": raw.get("notes", []), "ran_as": raw.get("ran_as"),
+                       "model_bytes_per_rank": raw["model_bytes_per_rank"], "exposure": raw.get("exposure"),
+                       **exposure_stats(raw.get("exposure_per_rank"))}
     for label, row in rows.items():
         for stock in STOCK_ROWS:
             ref = rows.get(stock)
@@ -95,7 +89,7 @@ def summarize_group(record: Dict[str, Any], plan: BenchPlan) -> Dict[str, Any]:
                                    "choice_ratio": rows[twin]["median_ms"] / rows[best]["median_ms"] if twin else None,
                                    "twin_ratio": row["median_ms"] / rows[twin]["median_ms"] if twin else None}
     out = {"case": record["case"], "case_label": record["case_label"], "rate": record["rate"],
-           "rows": rows, "skipped": record["skipped"]}
+           "rows": rows, "skipped": record["skipped"], "lancet": judge_group(rows)}
     for key in ("profile", "profile_measurements"):
         if key in record:
             out[key] = record[key]
@@ -146,17 +140,6 @@ def summarize(records: List[Dict[str, Any]], plan: BenchPlan, meta: Dict[str, An
 
 # ---- output ---------------------------------------------------------------------------------------------
 
-def fmt_value(v: Optional[float], digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    return f"{v:.{digits}f}"
-
-
-def fmt_paired(p: Optional[Dict[str, Any]]) -> str:
-    """A :func:`paired_ratio` as ``median (lo–hi)``; ``–`` when there is none."""
-    return "–" if p is None else f"{p['median']:.3f} ({p['ci90'][0]:.3f}–{p['ci90'][1]:.3f})"
-
-
 def header(report: Dict[str, Any], title: str) -> List[str]:
     """A report's Markdown title and its header lines (transport, timing, machine, versions, reproduce)."""
     return [f"# {title}: {report['meta']['title']}", ""] + [f"- {line}" for line in report["meta"]["header_lines"]]
@@ -168,10 +151,14 @@ def markdown(report: Dict[str, Any]) -> str:
             "t/t_X = median over stock layer X's median in the same group; model MB/node = inter-node bytes "
             "of the busiest node in one forward+backward (ledger, or counted collectives for stock layers); "
             "NIC MB/node = measured on the node's NIC; link LB = model bytes x 8 / rate; t/LB = median / link LB; "
-            "max|Δy| = largest output difference from the first row (same weights and tokens).", ""]
+            "a2a ms, exposed a2a ms = the step's all-to-all time and the part of it no compute hid (mean over ranks, "
+            "median over rounds; – where not measured); max|Δy| = largest output difference from the first row "
+            "(same weights and tokens).", ""]
     stock_cols = [s for s in STOCK_ROWS if any(s in g["rows"] for g in report["groups"])]
+    exposed = any(r.get("exposed_ms") is not None for g in report["groups"] for r in g["rows"].values())
     head = (["case", "rate", "row", "time ms (p10–p90)"] + [f"t/t_{s}" for s in stock_cols]
-            + ["model MB/node", "NIC MB/node", "link LB ms", "t/LB", "max|Δy|"])
+            + ["model MB/node", "NIC MB/node", "link LB ms", "t/LB"]
+            + (["a2a ms", "exposed a2a ms"] if exposed else []) + ["max|Δy|"])
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in report["groups"]:
         for label, r in g["rows"].items():
@@ -179,12 +166,15 @@ def markdown(report: Dict[str, Any]) -> str:
                      f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}–{r['p90_ms']:.1f})"]
             cells += [fmt_value(r.get(f"vs_{s}")) for s in stock_cols]
             cells += [fmt_value(r["model_MB_per_node"], 3), fmt_value(r["nic_MB_per_node"], 3), fmt_value(r["link_lb_ms"], 1),
-                      fmt_value(r["vs_link_lb"]), f"{r['max_abs_diff_vs_first']:.1e}"]
+                      fmt_value(r["vs_link_lb"])]
+            cells += [fmt_value(r.get("a2a_ms"), 1), fmt_value(r.get("exposed_ms"), 1)] if exposed else []
+            cells.append(f"{r['max_abs_diff_vs_first']:.1e}")
             out.append("| " + " | ".join(cells) + " |")
         for label, reason in g["skipped"].items():
             out.append(f"| {g['case_label']} | {g['rate']} | {label} | skipped: {reason} |"
                        + " |" * (len(head) - 4))
-    return "\n".join(out + _paired_lines(report, stock_cols) + _auto_lines(report) + _profile_lines(report)) + "\n"
+    return "\n".join(out + _paired_lines(report, stock_cols) + _auto_lines(report) + lancet_lines(report)
+                     + _profile_lines(report)) + "\n"
 
 
 def _paired_lines(report: Dict[str, Any], stock_cols: Sequence[str]) -> List[str]:

@@ -5,7 +5,12 @@ Every schedule in the registry (``moe_plugins.plugins.default_registry()``) is a
 (``parm-s1``, ``parm-s2``, ...) or, for something that is not a schedule, one entry in :data:`ROW_KINDS`.
 The stock layers are rows too: ``deepspeed`` (:mod:`.stock_deepspeed`) and ``megatron``
 (:mod:`.stock_megatron`); ``deepspeed@plugin=<schedule>`` is DeepSpeed's layer swapped by the plugin's DeepSpeed
-adapter, the user's path (:mod:`.deepspeed_adapter_row`).
+adapter, the user's path (:mod:`.deepspeed_adapter_row`). ``lancet`` (option ``r``) is Lancet's core layer
+(``moe_plugins.lancet.layer.LancetMoELayer``, schedule baseline): the experts' weight gradients deferred and run
+while the layer's backward exchanges fly on the case's engine (which then has a pipeline lane).
+
+The project's layers time their experts (:class:`.lancet_exposure.TimedExperts`) so that the runner can tell
+how much all-to-all time no compute hid (the exposed all-to-all time).
 
 Every row of a case starts from the same weights and the same tokens (:class:`CaseData`), so their outputs
 are comparable; the runner reports how far each row's output is from the first row's.
@@ -26,6 +31,8 @@ from moe_plugins.core.executor import Executor
 from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.layer import MoELayer, ScheduleLike
 from moe_plugins.core.ledger import CommLedger
+from moe_plugins.lancet.layer import LancetMoELayer
+from moe_plugins.lancet.wgrad_queue import WgradQueue
 from moe_plugins.core.plugin_config import degree_needs_profile
 from moe_plugins.core.schedule import exchange_problems, with_exchange
 from moe_plugins.pipemoe.degree import AutoDegree
@@ -35,6 +42,7 @@ from moe_plugins.tools.bench.case import CaseData, Row
 from moe_plugins.tools.bench.deepspeed_adapter_row import (OPTIONS as ADAPTER_OPTIONS, PLUGIN as ADAPTER_PLUGIN,
                                                           adapter_row_problems, adapter_rows_problems,
                                                           build_adapter_row)
+from moe_plugins.tools.bench.lancet_exposure import SPANS, SpanLog, TimedExperts, queue_spans
 from moe_plugins.tools.bench.matrix import RowSpec, moe_config, row_schedule
 from moe_plugins.tools.bench.traffic import LedgerMeter
 
@@ -49,11 +57,18 @@ PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on 
 LANE = "engine"              # CaseData.extras key: the layout's one CommEngine (pipeline lane), shared by every row
 
 
+LANCET = "lancet"            # the row of Lancet's core layer
+LANCET_OPTIONS = {"r": "pipeline degree (an int; 'auto' or 'tune' as for the schedules' rows): Lancet with "
+                       "PipeMoE's chunks; schedule baseline, padded exchange"}
+
+
 def needs_profile(spec: RowSpec) -> bool:
     """Rows whose choices come from measured costs: ``parm-auto`` (Algorithm 1) and ``@r=auto`` / ``@r=tune``
-    (PipeMoE), as plugin rows or swapped into DeepSpeed's layer (``deepspeed@plugin=parm-auto``). The runner
-    profiles the link before building them, at every rate, and rebuilds them per rate."""
+    (PipeMoE), as plugin rows, Lancet rows or swapped into DeepSpeed's layer (``deepspeed@plugin=parm-auto``).
+    The runner profiles the link before building them, at every rate, and rebuilds them per rate."""
     registry, schedule = default_registry(), row_schedule(spec)
+    if spec.name == LANCET:
+        return degree_needs_profile(spec.option("r", "1"))
     return schedule in registry.schedule_names() and (registry.is_profiled(schedule)
                                                       or degree_needs_profile(spec.option("r", "1")))
 
@@ -81,11 +96,15 @@ def _schedule(spec: RowSpec, data: CaseData) -> ScheduleLike:
     return with_exchange(cls, spec.option("exchange", "padded"), spec.option("r", "1"))
 
 
-def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
-    ledger = CommLedger()
-    layer = MoELayer(moe_config(data.case), data.groups, schedule=_schedule(spec, data),
-                     executor=_executor(spec, data), ledger=ledger, name=spec.label, dtype=data.dtype,
-                     engine=data.extras.get(LANE))
+def build_plugin_row(spec: RowSpec, data: CaseData, *, layer_cls: Callable[..., MoELayer] = MoELayer,
+                     schedule: Optional[ScheduleLike] = None,
+                     more_spans: Callable[[], List[Tuple[int, int, str]]] = list, notes: Tuple[str, ...] = ()) -> Row:
+    """The project's layer (``layer_cls``, with the row's schedule unless ``schedule`` is given) on the case's
+    weights, its experts timed; ``more_spans``: other compute spans the row records (Lancet's dW)."""
+    ledger, log = CommLedger(), SpanLog()
+    layer = layer_cls(moe_config(data.case), data.groups, schedule=schedule or _schedule(spec, data),
+                      executor=TimedExperts(_executor(spec, data), log, data.groups.esp), ledger=ledger, name=spec.label,
+                      dtype=data.dtype, engine=data.extras.get(LANE))
     layer.load_full(data.wg_EM.to(data.dtype), ExpertWeights(*(t.to(data.dtype) for t in (
         data.full.w1_EMH, data.full.b1_EH, data.full.w2_EHM, data.full.b2_EM))))
 
@@ -93,7 +112,23 @@ def build_plugin_row(spec: RowSpec, data: CaseData) -> Row:
         out = layer(x_SM)
         return out.y, out.aux_loss
     return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger),
-               describe=partial(choice_notes, layer), ran_as=partial(_ran_as, spec, layer))
+               describe=partial(choice_notes, layer), ran_as=partial(_ran_as, spec, layer), notes=notes,
+               exposure=SPANS, compute_spans=lambda: log.take() + more_spans())
+
+
+def build_lancet_row(spec: RowSpec, data: CaseData) -> Row:
+    """``lancet[@r=N]``: Lancet's core layer, schedule baseline, its dW queued per row and run behind the
+    layer's backward exchanges on the case's engine (which must have a pipeline lane: the runner builds one when
+    the plan has a lancet row)."""
+    engine = data.extras.get(LANE)
+    if engine is None or not engine.has_lane("pipeline"):
+        raise ValueError(f"row ({spec.label!r}) needs the case's engine with a pipeline lane "
+                         "(CaseData.extras['engine'] = build_engine(groups, pipeline=True))")
+    queue = WgradQueue(record_timeline=True)
+    return build_plugin_row(spec, data, layer_cls=partial(LancetMoELayer, queue=queue),
+                            schedule=default_registry().schedule_class("baseline"),
+                            more_spans=partial(queue_spans, queue),
+                            notes=("Lancet: expert dW deferred, run behind the dispatch-gradient all-to-all",))
 
 
 def choice_notes(layer: MoELayer) -> Tuple[str, ...]:
@@ -160,11 +195,12 @@ def _build_megatron(spec: RowSpec, data: CaseData) -> Row:
 
 
 ROW_KINDS: Dict[str, RowKind] = {
+    LANCET: RowKind(build_lancet_row, LANCET_OPTIONS, kind="plugin"),
     "deepspeed": RowKind(_build_deepspeed, ADAPTER_OPTIONS),
     "megatron": RowKind(_build_megatron, {"dispatcher": "Megatron's moe_token_dispatcher_type: alltoall "
                                                         "(default) or allgather"}),
 }
-STOCK_ROWS = tuple(ROW_KINDS)
+STOCK_ROWS = tuple(name for name, kind in ROW_KINDS.items() if kind.kind == "stock")
 
 
 def row_kind(name: str) -> Optional[RowKind]:
@@ -180,13 +216,13 @@ def row_problems(spec: RowSpec) -> List[str]:
     if kind is None:
         known = sorted(ROW_KINDS) + default_registry().schedule_names()
         return [f"row ({spec.name!r}) is unknown; allowed: {', '.join(known)} (schedules from "
-                f"the registry, plus the stock layers)"]
+                f"the registry, plus the stock layers and {LANCET})"]
     problems = []
     for key, value in spec.options:
         if key not in kind.options:
             allowed = ", ".join(kind.options) or "none"
             problems.append(f"row ({spec.label!r}): option {key!r} is unknown; allowed: {allowed}")
-    if kind.kind == "plugin" and spec.option("exchange") is not None:
+    if kind.kind == "plugin" and spec.name != LANCET and spec.option("exchange") is not None:
         problems += [f"row ({spec.label!r}): {p}" for p in exchange_problems(
             default_registry().schedule_class(spec.name), spec.option("exchange"), spec.option("r", "1"))]
     if spec.name == "deepspeed":

@@ -10,7 +10,9 @@ For every case the rows are built once, from the same weights and tokens; then f
    from (seed, i), the same on every rank. Slow drifts of a shared machine then hit every row alike, and
    no row always follows the same row (a fixed rotation did that: what a row leaves behind on the link
    and in the caches fell on the same neighbour every round). Each measurement is barrier, time the
-   forward+backward, max-reduce over ranks: the slowest rank's time.
+   forward+backward, max-reduce over ranks: the slowest rank's time. The row's traffic meter is on in every
+   timed step too, so that its all-to-all intervals give each rank's exposed all-to-all time (the all-to-all
+   time its compute hid not: :mod:`.lancet_exposure`).
 
 Rank 0 returns raw measurements; :mod:`.report` turns them into statistics and ratios.
 """
@@ -37,7 +39,8 @@ from moe_plugins.tools.bench.profiles import (gemm_spec_for, link_spec_for, meas
                        profile_summary)
 from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.tools.bench.case import CaseData, Row, close_rows, fwd_bwd, make_case_data
-from moe_plugins.tools.bench.rows import LANE, PROFILE, STOCK_ROWS, build_row, needs_profile
+from moe_plugins.tools.bench.lancet_exposure import begin_exposure, step_exposure
+from moe_plugins.tools.bench.rows import LANCET, LANE, PROFILE, STOCK_ROWS, build_row, needs_profile
 from moe_plugins.tools.bench.traffic import nic_tx_bytes
 
 
@@ -56,8 +59,10 @@ def _emit(job: RankJob, event: Dict[str, Any]) -> None:
 
 
 def _pipelines(spec: RowSpec) -> bool:
-    """Whether a row runs a pipeline degree other than 1 (a plugin row's ``@r=``; stock rows never). A bad
-    degree needs no lane: building that row fails, and the row is skipped with the reason."""
+    """Whether a row needs the pipeline lane: a plugin row's ``@r=`` other than 1 (stock rows never), and every
+    ``lancet`` row. A bad degree needs no lane: building that row fails, and the row is skipped with the reason."""
+    if spec.name == LANCET:           # its backward exchanges fly on the lane while the dW runs
+        return True
     if spec.name in STOCK_ROWS:       # deepspeed@plugin=...,r=N: the adapter builds its own lane, as for a user
         return False
     try:
@@ -163,20 +168,30 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
         for row in round_order(rows, plan.seed, r):
             fwd_bwd(row, data)
     times: Dict[str, List[float]] = {row.label: [] for row in rows}
+    exposure: Dict[str, List[Any]] = {row.label: [] for row in rows}
     for i in range(plan.iters):
         for row in round_order(rows, plan.seed, plan.warmup + i):
             dist.barrier()
-            t0 = time.perf_counter()
-            fwd_bwd(row, data)
-            times[row.label].append(_max_over_ranks(time.perf_counter() - t0))
+            begin_exposure(row)
+            row.meter.start()              # its all-to-all intervals, for the exposed time (lancet_exposure)
+            try:
+                t0 = time.perf_counter()
+                fwd_bwd(row, data)
+                elapsed = time.perf_counter() - t0
+            finally:
+                row.meter.stop()
+            times[row.label].append(_max_over_ranks(elapsed))
+            exposure[row.label].append(step_exposure(row))
     per_rank: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, {k: (v["model_bytes"], v["nic_tx_bytes"]) for k, v in traffic.items()})
+    dist.all_gather_object(per_rank, {k: (v["model_bytes"], v["nic_tx_bytes"], exposure[k])
+                                      for k, v in traffic.items()})
     out = {}
     for row in rows:
         t = traffic[row.label]
         out[row.label] = {"kind": row.kind, "times_s": times[row.label], "traffic_source": t["source"],
                           "model_bytes_per_rank": [p[row.label][0] for p in per_rank],
                           "nic_tx_bytes_per_rank": [p[row.label][1] for p in per_rank],
+                          "exposure": row.exposure, "exposure_per_rank": [p[row.label][2] for p in per_rank],
                           "max_abs_diff_vs_first": t["max_abs_diff"], "first_row_max_abs": t["ref_max_abs"],
                           "notes": list(row.notes) + list(row.describe()), "ran_as": row.ran_as()}
     return out

@@ -8,7 +8,8 @@
   all_gather, reduce_scatter}``, plus the aliases bound at import time by Megatron
   (``tensor_parallel.mappings.dist_all_gather_func`` / ``dist_reduce_scatter_func``) and by DeepSpeed's
   comm backend (``cdb.all_gather_function`` / ``reduce_scatter_function``). Originals are restored in
-  ``finally``;
+  ``finally``. It also times each ``all_to_all_single`` call (``a2a_intervals``: the stock layers' exchanges block
+  the thread that computes, so their whole time is exposed; :mod:`.lancet_exposure`);
 - :func:`nic_tx_bytes`: what actually left this node's NIC (headers, acks and gloo's own algorithms
   included), read from ``/sys/class/net/<nic>/statistics/tx_bytes`` inside the node's namespace.
 
@@ -18,7 +19,8 @@ The link lower bound uses the first two (the model's bytes); the third is report
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,6 +61,7 @@ class CollectiveCounter:
     rank: int
     inter_node_bytes: int = 0
     calls: int = 0
+    a2a_intervals: List[Tuple[int, int]] = field(default_factory=list)   # perf_counter_ns of each all_to_all_single
     _patcher: Optional[Patcher] = None
 
     source = "counter"
@@ -104,6 +107,16 @@ class CollectiveCounter:
     # -- patching ---------------------------------------------------------------------------------------
 
     def _wrap(self, original: Callable, rule: Callable) -> Callable:
+        if rule == self._all_to_all_single:
+            def timed(*args, **kwargs):
+                rule(*args, **kwargs)
+                start = time.perf_counter_ns()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.a2a_intervals.append((start, time.perf_counter_ns()))
+            return timed
+
         def counted(*args, **kwargs):
             rule(*args, **kwargs)
             return original(*args, **kwargs)
@@ -128,6 +141,7 @@ class CollectiveCounter:
 
     def start(self) -> None:
         self.inter_node_bytes, self.calls = 0, 0
+        self.a2a_intervals = []
         if self._patcher is not None:
             raise RuntimeError("CollectiveCounter is already active")
         self._patcher = Patcher([Patch(obj, name, self._wrap(getattr(obj, name), rule))
