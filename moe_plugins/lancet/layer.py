@@ -12,8 +12,8 @@ the core's generic hooks:
 
 The overlap needs an engine with a pipeline lane (``build_engine(groups, pipeline=True)``, collective); without
 one the layer is exact and the queue runs at the end of backward (or at a later exchange). With PipeMoE's
-``Pipelined`` executor the exchanges run on the lane thread, where the queue is not run: exact, and the layer's dW
-runs at the next exchange of an earlier Lancet layer or at the end-of-backward flush.
+``Pipelined`` executor the exchanges run on the lane thread, where the queue is not run; PipeMoE's ``_Fence`` calls
+the same callback on the backward thread while each chunk's backward exchange flies.
 
 Shapes: E_l local experts, N rows per expert, M model dim, S tokens.
 """

@@ -130,6 +130,8 @@ class _Stage:
     forward: Optional[Handle] = None
     backward: Optional[Handle] = None
     shape: Tuple[int, ...] = field(default_factory=tuple)
+    # the layer Recorder's while_in_flight (Lancet's deferred dW): run while this stage's backward flies
+    while_in_flight: Optional[Callable[[Handle], None]] = None
 
     def start(self, x: torch.Tensor) -> "_Stage":
         track = torch.is_grad_enabled() and x.requires_grad
@@ -175,7 +177,8 @@ class _Stage:
 
 class _Fence(torch.autograd.Function):
     """Identity on a stage's input. Backward: wait for the lane's gradient of the stage (launched earlier
-    by ``_Join``) and pass it on; the incoming gradient is ``_Join``'s placeholder."""
+    by ``_Join``) and pass it on; the incoming gradient is ``_Join``'s placeholder. With the layer Recorder's
+    ``while_in_flight`` (core/comm.py), it runs first, while the stage's backward exchange flies on the lane."""
 
     @staticmethod
     def forward(ctx, x, stage):
@@ -184,7 +187,14 @@ class _Fence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _placeholder):
-        return ctx.stage.input_grad(), None
+        stage = ctx.stage
+        if stage.while_in_flight is not None:      # work that needs none of this (Lancet's dW) runs meanwhile
+            try:
+                stage.while_in_flight(stage.backward)
+            finally:
+                gx = stage.input_grad()                # collective on the lane: wait even if the callback failed
+            return gx, None
+        return stage.input_grad(), None
 
 
 class _Join(torch.autograd.Function):
@@ -226,7 +236,9 @@ def run_pipelined(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams, d
     twin, streams = lane.twin(schedule), _Streams(d.device)
     chunks = schedule.chunks(dispatched if sample is None else replace(dispatched, d=d), r)
     # D_1..D_r queue first on the lane (FIFO link); E_i runs here as soon as D_i lands; C_i queues behind.
-    ins = [_Stage(lane, streams, twin.exchange_in).start(c) for c in chunks]
-    outs = [_Stage(lane, streams, twin.exchange_out).start(schedule.expert(s.join(), params)) for s in ins]
+    hook = schedule.rec.while_in_flight
+    ins = [_Stage(lane, streams, twin.exchange_in, while_in_flight=hook).start(c) for c in chunks]
+    outs = [_Stage(lane, streams, twin.exchange_out, while_in_flight=hook).start(schedule.expert(s.join(), params))
+            for s in ins]
     y = schedule.join([s.join() for s in outs], dispatched)
     return _finish(schedule, y, sample, dispatched)
