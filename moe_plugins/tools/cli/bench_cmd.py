@@ -32,8 +32,8 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="time MoE layers side by side on an emulated multi-node cluster",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=None,
-                   help="a named plan (committed, smoke; the training-step bench: lina, lina-smoke); other flags "
-                        "override it")
+                   help="a named plan (committed, smoke, lancet-2x1, lancet-2x2, lancet-smoke, ...; the training-step "
+                        "bench: lina, lina-smoke); other flags override it")
     p.add_argument("--step-model", default=None, metavar="SPEC",
                    help="the training-step bench's network: L=,S=,M=,H=,E=,k=,f=,F= (F: dense width); with rows "
                         "sync, fifo, lina@kib=N (or @mb=X), noreduce, and the hosts deepspeed, deepspeed@lina,kib=N, "
