@@ -47,7 +47,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="presets link, compute, tiny; overrides as preset:key=value,...")
     p.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), metavar="ROW")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=12, help="timed rounds")
+    p.add_argument("--iters", type=int, default=15, help="timed rounds")
     p.add_argument("--zero", type=int, default=1, choices=(1, 2), help="ZeRO stage")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -104,6 +104,9 @@ def _meta(args, transport: str, wall: float, load: List[Any], nodes: int, per_no
              "Handle.wait on the plugin's exchange ops and PipeMoE's exchange stages), mean over ranks; compute that "
              "runs meanwhile (Lancet's dW, the partitions' attention and dense blocks) is not counted; waiting for a "
              "slower peer is",
+             "a2a MB/step: all ranks' all-to-all bytes to other nodes (counted per call; the plugin ledger's agree); "
+             "NIC MB/step: what the node NICs sent (DeepSpeed's gradient reduction and ZeRO's gathers included); link "
+             "use: the busiest node's NIC bytes at the case's rate over the step time",
              f"machine: {os.cpu_count()} CPUs; load average before {load[0]}, after {load[1]}; wall {wall:.0f} s",
              f"versions: python {sys.version.split()[0]}, torch {version('torch')}, deepspeed "
              f"{version('deepspeed')}, transformers {version('transformers')}; git {git}",

@@ -45,8 +45,8 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
 
 
 def test_cases_parse_and_their_problems_are_listed_at_once():
-    case = lm.parse_case("link:rate=200mbit,hidden=64,capacity_factor=1.5")
-    assert (case.rate, case.hidden, case.capacity_factor, case.bound) == ("200mbit", 64, 1.5, "link")
+    case = lm.parse_case("link:rate=200mbit,hidden=64,capacity_factor=1.5,seq_len=64")
+    assert (case.rate, case.hidden, case.capacity_factor, case.bound, case.batch) == ("200mbit", 64, 1.5, "link", 8)
     assert case.capacity() == 384                      # DeepSpeed's top-2: ceil(2 f S / E), S = 8 x 64
     assert case.exchange_bytes() == case.experts * case.capacity() * 64 * 4
     with pytest.raises(ValueError, match=r"preset 'big' is unknown; allowed: link, compute, tiny"):
@@ -109,6 +109,14 @@ def test_summary_picks_the_best_pipemoe_degree_and_judges_the_targets():
     assert parts["step_ratio"] == pytest.approx(760 / 810) and not parts["step_met"]
     assert not parts["exposed_met"] and parts["bytes"].startswith("ragged: 0.80x")
     assert group["rows"]["deepspeed"]["step_vs_deepspeed"] == 1.0 and "targets" not in group["rows"]["baseline"]
+    assert group["stock_blocked_share"] == pytest.approx(600 / 1010) and group["measured_bound"] == "link"
+    assert group["rows"]["deepspeed"]["link_use"] is None                      # no NIC counts (loopback)
+    raw = _raw(rows, steps)
+    for rank_steps in raw["steps_per_rank"]:      # 1,893,750 bytes at 30 Mbit/s = 0.505 s of a 1.01 s step
+        for step in rank_steps["deepspeed"]:
+            step["nic_tx_bytes"] = 1_893_750
+    stock = rep.summarize_case(dict(raw, case=dict(raw["case"], rate="30mbit")))["rows"]["deepspeed"]
+    assert stock["link_use"] == pytest.approx(0.5) and stock["nic_bytes"] == 2 * 1_893_750
 
 
 def test_every_row_end_to_end_on_two_ranks(world, tmp_path):

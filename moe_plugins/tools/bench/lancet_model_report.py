@@ -10,10 +10,15 @@ Per case and row, over the timed rounds (warm-up rounds left out):
 - ``a2a_bytes``: all ranks' all-to-all bytes to other nodes per step (the meter's count from every call's input
   and split sizes); ``ledger_bytes``: the same from the plugin's ledger (0 for the stock row); ``nic_bytes``: what
   the nodes' NICs sent per step (headers, acks and DeepSpeed's gradient reductions included; None on loopback);
+  ``link_use``: the busiest node's NIC bytes of a step at the case's rate, as a share of that step's time (the
+  median over rounds; above 1 the tbf bucket or timing noise; None on loopback);
 - ``loss_final``: the ranks' mean loss at the last round (every row trained the same batches from the same
   weights); ``loss_max_abs_diff``: the largest |loss - the deepspeed row's loss| over every rank and round;
 - ratios to the best PipeMoE degree (the fastest ``baseline@r=N`` row, N >= 2): step, exposed, bytes; and the
   step ratio to the ``deepspeed`` row.
+
+The case's bound as measured: ``link`` when the ``deepspeed`` row is blocked in exchanges for at least half its
+step, else ``compute``; the target applied is the case's declared one, and the Markdown says when they differ.
 
 Targets (issue #26), judged for every ``lancet`` row: exposed <= 0.5x the best PipeMoE degree's; step <= 0.87x
 (``link``-bound case) or <= 1.05x (``compute``-bound); bytes: equal for the padded rows, and for batch
@@ -25,11 +30,13 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
-from moe_plugins.tools.bench.lancet_model import (EXPOSED_TARGET, REFERENCE, STEP_TARGET, ModelCase, parse_row)
+from moe_plugins.tools.bench.lancet_model import EXPOSED_TARGET, REFERENCE, STEP_TARGET, ModelCase, parse_row
+from moe_plugins.tools.bench.matrix import UNSHAPED, parse_rate
 
 MS = 1e6
+MEASURED_LINK_SHARE = 0.5      # a case is link-bound as measured when stock DeepSpeed is blocked >= half its step
 TABLE = ("row", "step ms (p25-p75)", "x best PipeMoE", "x deepspeed", "exposed a2a ms", "x best PipeMoE ",
-         "a2a ms", "hidden", "a2a MB/step", "NIC MB/step", "loss after N", "max |dloss|", "notes")
+         "a2a ms", "hidden", "a2a MB/step", "NIC MB/step", "link use", "loss after N", "max |dloss|", "notes")
 
 
 def _median(values: Sequence[float]) -> float:
@@ -42,7 +49,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 
 def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Optional[List[List[Dict[str, Any]]]],
-                ranks_per_node: int) -> Dict[str, Any]:
+                ranks_per_node: int, rate_bps: Optional[int] = None) -> Dict[str, Any]:
     """One row's figures from every rank's steps (``per_rank[rank][round]``; see the module docstring)."""
     rounds = len(per_rank[0])
     timed = [i for i in range(rounds) if per_rank[0][i]["timed"]]
@@ -56,7 +63,11 @@ def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Opt
         return None if any(v is None for v in values) else int(sum(values))
     exposed = _median([mean_ranks("blocked_ns", i) / MS for i in timed])
     a2a = _median([mean_ranks("union_ns", i) / MS for i in timed])
-    nics = [sum_ranks("nic_tx_bytes", i, range(0, len(per_rank), ranks_per_node)) for i in timed]
+    heads = range(0, len(per_rank), ranks_per_node)          # one rank per node reads the node's NIC
+    nics = [sum_ranks("nic_tx_bytes", i, heads) for i in timed]
+    busiest = [None if n is None else max(per_rank[r][i]["nic_tx_bytes"] for r in heads) for i, n in zip(timed, nics)]
+    link_use = None if rate_bps is None or any(b is None for b in busiest) else \
+        _median([8 * b / rate_bps / (s / 1e3) for b, s in zip(busiest, step)])
     diff = None
     if reference is not None:
         diff = max(abs(mine["loss"] - ref["loss"]) for r, rr in zip(per_rank, reference) for mine, ref in zip(r, rr))
@@ -69,7 +80,7 @@ def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Opt
             "a2a_calls": _median([mean_ranks("calls", i) for i in timed]),
             "a2a_bytes": _median([sum_ranks("inter_node_bytes", i) for i in timed]),
             "ledger_bytes": _median([sum_ranks("ledger_inter_node_bytes", i) for i in timed]),
-            "nic_bytes": None if any(n is None for n in nics) else _median(nics),
+            "nic_bytes": None if any(n is None for n in nics) else _median(nics), "link_use": link_use,
             "loss_per_round": [sum(r[i]["loss"] for r in per_rank) / len(per_rank) for i in range(rounds)],
             "loss_final": sum(r[-1]["loss"] for r in per_rank) / len(per_rank), "loss_max_abs_diff": diff}
 
@@ -97,7 +108,8 @@ def summarize_case(raw: Dict[str, Any]) -> Dict[str, Any]:
     case, rpn = ModelCase(**raw["case"]), raw["ranks_per_node"]
     per_row = {label: [r[label] for r in raw["steps_per_rank"]] for label in raw["rows"]}
     ref_steps = per_row.get(REFERENCE)
-    rows = {label: row_summary(label, steps, ref_steps, rpn) for label, steps in per_row.items()}
+    rate = None if case.rate == UNSHAPED else parse_rate(case.rate)
+    rows = {label: row_summary(label, steps, ref_steps, rpn, rate) for label, steps in per_row.items()}
     for label, row in rows.items():
         row["facts"] = raw["facts_per_rank"][0][label]
         row["facts_agree_across_ranks"] = all(f[label] == row["facts"] for f in raw["facts_per_rank"])
@@ -113,10 +125,12 @@ def summarize_case(raw: Dict[str, Any]) -> Dict[str, Any]:
         if parse_row(label).kind == "lancet":
             row["targets"] = judge(row, rows[best], case.bound)
     losses = [r["loss_max_abs_diff"] for r in rows.values() if r["loss_max_abs_diff"] is not None]
+    share = _ratio(stock["exposed_ms"], stock["step_ms"]) if stock else None
     return {"case": raw["case"], "describe": case.describe(), "bound": case.bound, "rate": case.rate,
             "world": raw["world"], "ranks_per_node": rpn, "warmup": raw["warmup"], "iters": raw["iters"],
             "best_pipemoe": best, "best_baseline_any_degree": any_degree,
-            "stock_blocked_share": _ratio(stock["exposed_ms"], stock["step_ms"]) if stock else None,
+            "stock_blocked_share": share,
+            "measured_bound": None if share is None else "link" if share >= MEASURED_LINK_SHARE else "compute",
             "loss_max_abs_diff": max(losses) if losses else None, "profile": raw.get("profile"),
             "setup_s": raw.get("setup_s"), "rows": rows}
 
@@ -140,20 +154,37 @@ def _notes(row: Dict[str, Any]) -> str:
     return "; ".join(out)
 
 
+def _bound_words(group: Dict[str, Any]) -> str:
+    measured, declared = group.get("measured_bound"), group["bound"]
+    if measured is None:
+        return f"the {declared}-bound target applies (declared; no stock row to measure it)"
+    if measured == declared:
+        return (f"{measured}-bound as measured (link when stock DeepSpeed is blocked in exchanges for >= "
+                f"{MEASURED_LINK_SHARE:.0%} of its step), as declared")
+    return (f"{measured}-bound as measured, NOT the declared {declared}-bound (the {declared}-bound target is "
+            "applied anyway)")
+
+
 def case_markdown(group: Dict[str, Any]) -> List[str]:
     lines = [f"### {group['case']['name']} @ {group['rate']}", "", group["describe"], "",
              f"Best fixed PipeMoE degree (reference): `{group['best_pipemoe']}`; fastest plugin baseline at any "
              f"degree: `{group['best_baseline_any_degree']}`. Stock DeepSpeed was blocked in exchanges "
              f"{_f(100 * group['stock_blocked_share'] if group['stock_blocked_share'] is not None else None)}% of "
-             f"its step. Largest |loss - deepspeed's| over every rank and round: "
+             f"its step: {_bound_words(group)}. Largest |loss - deepspeed's| over every rank and round: "
              f"{_f(group['loss_max_abs_diff'], '.2e')}.", "",
              "| " + " | ".join(TABLE) + " |", "|" + "---|" * len(TABLE)]
+    if group.get("profile"):
+        p = group["profile"]
+        lines[5:5] = ["", f"`partitions=auto` priced from the cost profile measured at the start of this case's run "
+                          f"(all-to-all on EP at {p['sizes_bytes']} bytes, the experts' GEMM {p['gemm_shape']} at "
+                          f"rows {p['gemm_rows']}; {p['seconds']} s); the partition counts it ran are in the notes."]
     for row in group["rows"].values():
         lines.append("| " + " | ".join([
             f"`{row['row']}`", f"{row['step_ms']:.1f} ({row['step_p25_ms']:.0f}-{row['step_p75_ms']:.0f})",
             _f(row["step_vs_best_pipemoe"], ".2f"), _f(row["step_vs_deepspeed"], ".2f"), _f(row["exposed_ms"]),
             _f(row["exposed_vs_best_pipemoe"], ".2f"), _f(row["a2a_ms"]), f"{100 * row['hidden']:.0f}%",
-            _mb(row["a2a_bytes"]), _mb(row["nic_bytes"]), f"{row['loss_final']:.6f}",
+            _mb(row["a2a_bytes"]), _mb(row["nic_bytes"]),
+            "-" if row["link_use"] is None else f"{100 * row['link_use']:.0f}%", f"{row['loss_final']:.6f}",
             _f(row["loss_max_abs_diff"], ".1e"), _notes(row)]) + " |")
     lines += ["", "Targets (against the best PipeMoE degree):", ""]
     for row in group["rows"].values():
