@@ -74,14 +74,17 @@ def expert_mlp(size: ModelSize, activation: nn.Module) -> nn.Module:
 
 
 def build_gpt2_moe(size: ModelSize, vocab_size: int, moe_factory: MoEFactory, dropout: float = 0.0,
-                   attn_implementation: Optional[str] = None):
-    """GPT-2-MoE for training: ``use_cache`` off (no KV cache is built in a training forward; Lancet's batch
-    partitions need that), HF's attention implementation unless ``attn_implementation`` names one."""
+                   attn_implementation: Optional[str] = None, use_cache: Optional[bool] = None):
+    """GPT-2-MoE; HF's attention implementation and ``use_cache`` unless given. HF's GPT-2 builds a KV cache in
+    every forward by default; ``use_cache=False`` builds none (Lancet's batch partitions need that), at the price of
+    HF's packed-sequence check, one host read per forward."""
     from transformers import GPT2Config, GPT2LMHeadModel
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if use_cache is not None:
+        extra["use_cache"] = use_cache
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=size.seq_len, n_embd=size.hidden, n_layer=size.layers,
                      n_head=size.heads, n_inner=size.ffn, resid_pdrop=dropout, embd_pdrop=dropout,
-                     attn_pdrop=dropout, use_cache=False, **extra)
+                     attn_pdrop=dropout, **extra)
     model = GPT2LMHeadModel(cfg)
     for i in moe_layer_indices(size):
         expert = expert_mlp(size, nn.GELU(approximate="tanh"))       # GPT-2's gelu_new

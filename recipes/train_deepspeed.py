@@ -64,16 +64,25 @@ def _seconds(text: str) -> float:
     return value
 
 
-def build_model(args, size: models.ModelSize, vocab_size: int):
+def lancet_partitions(ds_config: Dict[str, Any]) -> bool:
+    """Whether the ds_config's ``moe_plugins`` section asks for Lancet's batch partitions (n > 1 or "auto"), which
+    run GPT-2 forwards that build no KV cache."""
+    section = ds_config.get("moe_plugins")
+    lancet = section.get("lancet") if isinstance(section, dict) else None
+    return isinstance(lancet, dict) and lancet.get("partitions", 1) not in (1, None)
+
+
+def build_model(args, size: models.ModelSize, vocab_size: int, use_cache: Optional[bool] = None):
     from deepspeed.moe.layer import MoE
 
     def factory(hidden, expert):
         return MoE(hidden, expert, num_experts=size.experts, ep_size=args.ep, k=size.k,
                    capacity_factor=size.capacity_factor, min_capacity=0, use_rts=False,
                    top2_2nd_expert_sampling=False)
-    build = models.build_gpt2_moe if args.model == "gpt2-moe" else models.build_bert_moe
     torch.manual_seed(args.seed)                  # same initial weights on every rank and in every run
-    return build(size, vocab_size, factory)
+    if args.model == "gpt2-moe":
+        return models.build_gpt2_moe(size, vocab_size, factory, use_cache=use_cache)
+    return models.build_bert_moe(size, vocab_size, factory)
 
 
 def build_engine(args, size: models.ModelSize, vocab_size: int, ds_config: Dict[str, Any],
@@ -82,7 +91,7 @@ def build_engine(args, size: models.ModelSize, vocab_size: int, ds_config: Dict[
     ``deepspeed.initialize`` with the recipe's optimizer (AdamW, MoE parameter groups split as DeepSpeed needs)."""
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    model = build_model(args, size, vocab_size)
+    model = build_model(args, size, vocab_size, use_cache=False if lancet_partitions(ds_config) else None)
     if adjust is not None:
         adjust(model)
     groups = split_params_into_different_moe_groups_for_optimizer(

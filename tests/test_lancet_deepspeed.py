@@ -34,9 +34,10 @@ def test_lancet_equals_stock_deepspeed_under_zero2(world, ep, k, steps, gas, tor
         stock, plugin, lancet = r["stock"], r["plugin"], r["lancet"]
         assert lancet["lancet_layers"] and not plugin["lancet_layers"]
         assert lancet["items_run"] > 0 and lancet["queue_empty"]
-        # r = 1: each backward ran its dW behind its dispatch exchange; r = 2: on the lane thread, so at the flush
-        # (with loss.backward(), the epilogue patch's flush ahead of ZeRO's epilogue)
-        assert lancet["overlap_calls"] == (steps * gas if degree == 1 else 0)
+        # r = 1: each backward ran its dW behind its dispatch exchange; r = 2: behind the chunks' backward exchanges
+        # in flight on the lane (PipeMoE's _Fence runs the queue while it waits for them)
+        calls = lancet["overlap_calls"]
+        assert calls == steps * gas if degree == 1 else calls >= steps * gas, calls
         assert all(run["epilogue_restored"] for run in (stock, plugin, lancet))
         assert len(lancet["grads"]) == steps
         for got, want in zip(lancet["grads"], plugin["grads"]):

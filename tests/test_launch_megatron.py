@@ -136,14 +136,17 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
 
 
 def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_refuses_them(tmp_path):
-    """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); the same
-    sections on Megatron-core are refused before anything starts."""
-    for section in ({"hecate": {"enabled": True}}, {"lancet": {"defer_wgrad": True}}):
+    """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); on Megatron-core,
+    Hecate and Lancet's batch partitions are refused before anything starts, and Lancet's deferred weight
+    gradients launch (its adapter runs them)."""
+    refusals = {"hecate": "Hecate is built for DeepSpeed only",
+                "lancet": "batch partitions run HF GPT-2 blocks on DeepSpeed only"}
+    for section in ({"hecate": {"enabled": True}}, {"lancet": {"defer_wgrad": True, "partitions": 2}}):
         config = tmp_path / "ds.json"
         config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "moe_plugins": section}))
         out = launch("--dry-run", "--config", str(config), "--", "python", "train.py")
         assert out.returncode == 0, out.stderr
         refused = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps(section))
-        name = next(iter(section))
-        assert refused.returncode != 0 and f"{name.capitalize()} is built for DeepSpeed only" in refused.stderr, \
-            refused.stderr
+        assert refused.returncode != 0 and refusals[next(iter(section))] in refused.stderr, refused.stderr
+    accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"lancet": {}}))
+    assert accepted.returncode == 0 and "'lancet': {}}" in accepted.stderr, accepted.stderr

@@ -70,3 +70,12 @@ def test_on_the_cpu_the_loss_is_the_lm_loss_plus_the_aux_loss():
     out, loss = forward_loss(engine, batch)
     aux = models.moe_aux_loss(engine.module)
     assert float(aux) > 0 and torch.equal(loss, out.loss + 0.01 * aux)
+
+
+def test_the_recipe_builds_gpt2_without_a_cache_only_for_lancet_partitions():
+    from moe_plugins.recipes.train_deepspeed import lancet_partitions
+    assert lancet_partitions({"moe_plugins": {"lancet": {"partitions": 2}}})
+    assert lancet_partitions({"moe_plugins": {"lancet": {"partitions": "auto"}}})
+    assert not lancet_partitions({"moe_plugins": {"lancet": {"partitions": 1}}})
+    assert not lancet_partitions({"moe_plugins": {"lancet": {"defer_wgrad": True}}})
+    assert not lancet_partitions({"moe_plugins": {"schedule": "baseline"}}) and not lancet_partitions({})

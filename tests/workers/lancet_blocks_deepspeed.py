@@ -30,7 +30,7 @@ def _model(bert: bool = False):
     torch.manual_seed(0)
     if bert:
         return models.build_bert_moe(size, VOCAB, factory, dropout=0.1)
-    return models.build_gpt2_moe(size, VOCAB, factory, dropout=0.1, attn_implementation="eager")
+    return models.build_gpt2_moe(size, VOCAB, factory, dropout=0.1, attn_implementation="eager", use_cache=False)
 
 
 def measure_profile(handle, profile_dir: str) -> None:

@@ -69,7 +69,7 @@ def build_model(case: ModelCase, seed: int) -> torch.nn.Module:
                    capacity_factor=case.capacity_factor, eval_capacity_factor=case.capacity_factor, min_capacity=0,
                    use_rts=False, top2_2nd_expert_sampling=False)
     torch.manual_seed(seed)
-    model = models.build_gpt2_moe(size, case.vocab, factory, dropout=0.0)
+    model = models.build_gpt2_moe(size, case.vocab, factory, dropout=0.0, use_cache=False)
     local = case.experts // world
     with torch.no_grad():
         for layer in models.moe_layer_indices(size):
