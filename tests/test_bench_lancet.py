@@ -170,6 +170,6 @@ def test_timeline_plan_problems_name_field_value_and_allowed():
     from moe_plugins.tools.bench.lina_plan import parse_model
     bad = TimelinePlan(model=parse_model("E=6"), variants=("lancet", "fast"), rates=("quick",), iters=0)
     problems = "; ".join(timeline_plan_problems(bad))
-    for needle in ("iters (0) must be a positive integer", "model.experts (6) must be divisible by the world (4",
+    for needle in ("iters (0) must be a positive integer", "model.experts (6) must be divisible by the world size (4)",
                    "variants (lancet, fast) must be one or more of baseline, lancet, lancet+dense", "rate ('quick')"):
         assert needle in problems, needle

@@ -35,10 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_plugins.core.config import MoEConfig
 from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.core.executor import Sequential
-from moe_plugins.core.experts import init_full_weights
 from moe_plugins.core.groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.layout import ParallelLayout
@@ -48,7 +46,8 @@ from moe_plugins.lancet.overlap import exchange_intervals, hidden_fraction, over
 from moe_plugins.lancet.wgrad_queue import WgradQueue
 from moe_plugins.tools.bench.cluster import Cluster, set_rate
 from moe_plugins.tools.bench.lancet_exposure import SpanLog, TimedExperts, a2a_of_records, exposure_of, queue_spans
-from moe_plugins.tools.bench.lina_plan import StepModel
+from moe_plugins.tools.bench.lina_plan import StepModel, network_problems
+from moe_plugins.tools.bench.lina_step import StepNet
 from moe_plugins.tools.bench.matrix import parse_rate
 
 AUX_COEF = 0.01
@@ -85,21 +84,7 @@ class TimelinePlan:
 
 def timeline_plan_problems(plan: TimelinePlan) -> List[str]:
     """Every problem of the plan at once, each naming the field, its value and what is allowed (pure)."""
-    problems = []
-    for name in ("nodes", "ranks_per_node", "iters", "warmup"):
-        value = getattr(plan, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"{name} ({value!r}) must be a positive integer")
-    m = plan.model
-    sizes = [f"model.{name} ({getattr(m, name)!r}) must be >= 1"
-             for name in ("blocks", "tokens", "hidden", "ffn", "experts", "k", "dense_ffn") if getattr(m, name) < 1]
-    problems += sizes
-    world_ok = all(isinstance(v, int) and v >= 1 for v in (plan.nodes, plan.ranks_per_node))
-    if not sizes and world_ok and m.experts % plan.world:
-        problems.append(f"model.experts ({m.experts}) must be divisible by the world ({plan.world} ranks: expert "
-                        "parallel over every rank)")
-    if not sizes and m.k > m.experts:
-        problems.append(f"model.k ({m.k}) must be <= model.experts ({m.experts})")
+    problems = network_problems(plan)
     unknown = [v for v in plan.variants if v not in VARIANTS]
     if unknown or not plan.variants:
         problems.append(f"variants ({', '.join(plan.variants) or 'none'}) must be one or more of "
@@ -114,40 +99,18 @@ def timeline_plan_problems(plan: TimelinePlan) -> List[str]:
     return problems
 
 
-class TimelineNet(nn.Module):
-    """L x (dense pair, MoE layer) + dense head, residual; weights drawn from ``seed`` (every variant the same).
-    ``queue``: Lancet's (None: the plain core layer); the experts are timed into ``log``."""
+class TimelineNet(StepNet):
+    """The training-step bench's network (L x (dense pair, MoE layer) + dense head, residual; weights drawn from
+    ``seed``, every variant the same) whose MoE layers are Lancet's when ``queue`` is given (None: the plain core
+    layer), their experts timed into ``log``."""
 
     def __init__(self, model: StepModel, groups: MoEProcessGroups, engine: CommEngine, seed: int,
                  queue: Optional[WgradQueue], log: SpanLog):
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        m, f = model.hidden, model.dense_ffn
-
-        def pair() -> nn.Sequential:
-            seq = nn.Sequential(nn.Linear(m, f), nn.GELU(), nn.Linear(f, m))
-            with torch.no_grad():
-                for p in seq.parameters():
-                    p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) / p.shape[-1] ** 0.5)
-            return seq
-        config = MoEConfig(hidden=m, ffn=model.ffn, num_experts=model.experts, k=model.k,
-                           capacity_factor=model.capacity_factor, min_capacity=0)
         extra = {} if queue is None else {"queue": queue}
         cls = MoELayer if queue is None else LancetMoELayer
-        self.dense = nn.ModuleList(pair() for _ in range(model.blocks + 1))
-        self.moe = nn.ModuleList(cls(config, groups, engine=engine, executor=TimedExperts(Sequential(), log),
-                                     name=f"moe{i}", **extra) for i in range(model.blocks))
-        for layer in self.moe:
-            full = init_full_weights(model.experts, m, model.ffn, gen)
-            layer.load_full(torch.randn(model.experts, m, generator=gen) / m ** 0.5, full)
-
-    def forward(self, x_SM: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        aux = x_SM.new_zeros(())
-        for dense, moe in zip(self.dense, self.moe):
-            x_SM = x_SM + dense(x_SM)
-            out = moe(x_SM)
-            x_SM, aux = x_SM + out.y, aux + out.aux_loss
-        return x_SM + self.dense[-1](x_SM), aux
+        super().__init__(model, groups, engine, seed,
+                         layer=lambda config, i: cls(config, groups, engine=engine, name=f"moe{i}",
+                                                     executor=TimedExperts(Sequential(), log), **extra))
 
     def dense_linears(self) -> List[Tuple[str, nn.Module]]:
         return [(f"dense.{i}.{name}", module) for i, pair in enumerate(self.dense)

@@ -214,25 +214,34 @@ class StepPlan:
         return self.nodes * self.ranks_per_node
 
 
-def step_plan_problems(plan: StepPlan) -> List[str]:
-    """Every problem with the plan at once, each naming the field and its value."""
+def network_problems(plan: Any) -> List[str]:
+    """The problems of a step bench's counts (nodes, ranks_per_node, iters, warmup) and its network
+    (``plan.model``, a :class:`StepModel` whose MoE layers are expert parallel over every rank), each naming the
+    field and its value (pure; the training-step and Lancet timeline plans share it)."""
     problems = []
     for name in ("nodes", "ranks_per_node", "iters", "warmup"):
         value = getattr(plan, name)
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"{name} ({value!r}) must be a positive integer")
     m = plan.model
-    for name in ("blocks", "tokens", "hidden", "ffn", "experts", "k", "dense_ffn"):
-        if getattr(m, name) < 1:
-            problems.append(f"model.{name} ({getattr(m, name)}) must be >= 1")
-    if not problems:
-        if m.experts % plan.world:
-            problems.append(f"model.experts ({m.experts}) must be divisible by the world size ({plan.world}): "
-                            f"the MoE layers are expert parallel over every rank")
-        if m.k > m.experts:
-            problems.append(f"model.k ({m.k}) must be <= model.experts ({m.experts})")
-        if exchange_bytes(m) == 0:
-            problems.append(f"model.capacity_factor ({m.capacity_factor}) must be > 0")
+    sizes = [f"model.{name} ({getattr(m, name)!r}) must be >= 1"
+             for name in ("blocks", "tokens", "hidden", "ffn", "experts", "k", "dense_ffn") if getattr(m, name) < 1]
+    problems += sizes
+    world_ok = all(isinstance(getattr(plan, n), int) and getattr(plan, n) >= 1
+                   for n in ("nodes", "ranks_per_node"))
+    if not sizes and world_ok and m.experts % plan.world:
+        problems.append(f"model.experts ({m.experts}) must be divisible by the world size ({plan.world}): "
+                        f"the MoE layers are expert parallel over every rank")
+    if not sizes and m.k > m.experts:
+        problems.append(f"model.k ({m.k}) must be <= model.experts ({m.experts})")
+    if not sizes and exchange_bytes(m) == 0:
+        problems.append(f"model.capacity_factor ({m.capacity_factor}) must be > 0")
+    return problems
+
+
+def step_plan_problems(plan: StepPlan) -> List[str]:
+    """Every problem with the plan at once, each naming the field and its value."""
+    problems = network_problems(plan)
     if not plan.rows:
         problems.append("rows is empty")
     labels = [r.label for r in plan.rows]

@@ -53,9 +53,11 @@ TRACE_FIELDS = ("layer", "op", "group", "group_ranks", "bytes", "inter_node_byte
 
 
 class StepNet(nn.Module):
-    """L x (dense pair, MoE layer) + dense head, residual; weights drawn from ``seed``, the same on every rank."""
+    """L x (dense pair, MoE layer) + dense head, residual; weights drawn from ``seed``, the same on every rank.
+    ``layer(config, i)`` builds MoE layer i (default: the core ``MoELayer`` on ``engine``)."""
 
-    def __init__(self, model: StepModel, groups: MoEProcessGroups, engine: CommEngine, seed: int):
+    def __init__(self, model: StepModel, groups: MoEProcessGroups, engine: CommEngine, seed: int,
+                 layer: Optional[Callable[[MoEConfig, int], nn.Module]] = None):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         m, f = model.hidden, model.dense_ffn
@@ -68,9 +70,10 @@ class StepNet(nn.Module):
             return seq
         config = MoEConfig(hidden=m, ffn=model.ffn, num_experts=model.experts, k=model.k,
                            capacity_factor=model.capacity_factor, min_capacity=0)
+        if layer is None:
+            layer = lambda cfg, i: MoELayer(cfg, groups, engine=engine, name=f"moe{i}")   # noqa: E731
         self.dense = nn.ModuleList(pair() for _ in range(model.blocks + 1))
-        self.moe = nn.ModuleList(MoELayer(config, groups, engine=engine, name=f"moe{i}")
-                                 for i in range(model.blocks))
+        self.moe = nn.ModuleList(layer(config, i) for i in range(model.blocks))
         for layer in self.moe:
             full = init_full_weights(model.experts, m, model.ffn, gen)
             layer.load_full(torch.randn(model.experts, m, generator=gen) / m ** 0.5, full)
