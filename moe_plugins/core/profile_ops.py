@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Callable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -48,3 +48,24 @@ def cached_profile(profile_dir: Optional[Union[str, os.PathLike]], layout: Paral
     the one lookup of both hosts and ``verify``. None without a directory or a cached file; a file there that
     cannot be used (corrupt, another layout's, another version): a ValueError naming it."""
     return None if profile_dir is None else load_cached(Path(profile_dir), profile_key(layout, backend, device))
+
+
+def this_device() -> str:
+    """The device name cached profiles are keyed by for this process: the current CUDA device's, else "cpu"."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def newest_cached(cache_dir: Union[str, os.PathLike], device: str, models: Iterable[str],
+                  **degrees: int) -> Optional[Tuple[Path, CostProfile]]:
+    """The newest profile cached in ``cache_dir`` for ``device`` whose key has the layout ``degrees`` given
+    (``ep=2``, ``mp=1``, ...) and that holds every model in ``models`` (the planners' lookup), or None."""
+    cache_dir, wanted = Path(cache_dir), set(models)
+    if not cache_dir.is_dir():
+        return None
+    for path in sorted(cache_dir.glob("profile-*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        profile = CostProfile.load(path)
+        key = profile.key
+        if key.device == device and all(getattr(key, n) == v for n, v in degrees.items()) \
+                and wanted <= set(profile.models):
+            return path, profile
+    return None

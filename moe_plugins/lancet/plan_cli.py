@@ -28,10 +28,11 @@ import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Tuple
 
 from moe_plugins.core.costmodel import (PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, default_cache_dir,
                                         model_problems)
+from moe_plugins.core.profile_ops import newest_cached, this_device
 from moe_plugins.lancet.plan import (BACKWARD_FACTOR, COST_TERMS, INT_SIZES, NOT_ALLOWED, OBJECTIVES, GPT2MoESizes,
                                      LancetCosts, attention_macs, capacity, cost_problems, exchange_bytes,
                                      expert_macs, ffn_macs, gate_macs, gpt2_moe_ops, is_moe_block, plan_segments,
@@ -104,7 +105,7 @@ def resolve_costs(args: argparse.Namespace) -> Tuple[LancetCosts, str]:
     if args.profile:
         return costs_from_profile(CostProfile.load(Path(args.profile))), f"profile {args.profile}"
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    found = find_cached(cache_dir, args.P, this_device())
+    found = newest_cached(cache_dir, this_device(), ("all_to_all@ep", "gemm"), ep=args.P)
     if found is not None:
         path, profile = found
         return costs_from_profile(profile), f"cached profile {path}"
@@ -120,23 +121,6 @@ def costs_from_profile(profile: CostProfile) -> LancetCosts:
     if problems:
         raise ValueError(f"profile {profile.key.slug()} cannot plan: " + "; ".join(problems))
     return LancetCosts(alpha_a=a2a.alpha, beta_a=a2a.beta, alpha_c=gemm.alpha, beta_c=gemm.beta)
-
-
-def this_device() -> str:
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def find_cached(cache_dir: Path, ep: int, device: str) -> Optional[Tuple[Path, CostProfile]]:
-    """The newest cached profile for ``device`` with the all-to-all on an EP group of ``ep`` and the GEMM."""
-    if not cache_dir.is_dir():
-        return None
-    for path in sorted(cache_dir.glob("profile-*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
-        profile = CostProfile.load(path)
-        if (profile.key.device, profile.key.ep) == (device, ep) and \
-                {"all_to_all@ep", "gemm"} <= set(profile.models):
-            return path, profile
-    return None
 
 
 def plan(args: argparse.Namespace) -> dict:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from moe_plugins.core.costmodel import EXCHANGE_PRICING
+from moe_plugins.core.profile_ops import newest_cached, this_device
 from moe_plugins.parm.cost import (DEFAULT_COSTS, DEFAULT_COSTS_SOURCE, AlphaBeta, ParmCosts, ParmShape, break_even_T,
                          choose_schedule, s1_slots, shape_problems)
 
@@ -123,32 +124,13 @@ def base_costs(args: argparse.Namespace) -> Tuple[ParmCosts, str]:
                                       args.exchange_pricing), \
             f"profile {args.profile}"
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    found = find_cached(cache_dir, args.mp, args.ep, args.esp)
+    found = newest_cached(cache_dir, this_device(), ("all_to_all@ep_esp", "all_gather@mp"), mp=args.mp, ep=args.ep,
+                          esp=args.esp)     # the newest with Algorithm 1's two models
     if found is not None:
         path, profile = found
         return ParmCosts.from_profile(profile, args.element_bytes, args.exchange_pricing), f"cached profile {path}"
     return DEFAULT_COSTS, DEFAULT_COSTS_SOURCE + f" (no cached profile with mp={args.mp} ep={args.ep} " \
                                                   f"esp={args.esp} in {cache_dir})"
-
-
-def find_cached(cache_dir: Path, mp: int, ep: int, esp: int):
-    """The newest cached profile for this device and layout degrees that has Algorithm 1's two models."""
-    from moe_plugins.core.costmodel import CostProfile
-    if not cache_dir.is_dir():
-        return None
-    device = _this_device()
-    for path in sorted(cache_dir.glob("profile-*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
-        profile = CostProfile.load(path)
-        k = profile.key
-        if (k.device, k.mp, k.ep, k.esp) == (device, mp, ep, esp) and \
-                {"all_to_all@ep_esp", "all_gather@mp"} <= set(profile.models):
-            return path, profile
-    return None
-
-
-def _this_device() -> str:
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def resolve_costs(args: argparse.Namespace, given: Dict[str, AlphaBeta]) -> Tuple[ParmCosts, str]:

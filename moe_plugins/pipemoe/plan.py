@@ -33,10 +33,11 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Tuple
 
 from moe_plugins.core.costmodel import (EXCHANGE_PRICING, PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, ExchangeCurve,
                          PipeCosts, default_cache_dir)
+from moe_plugins.core.profile_ops import newest_cached, this_device
 from moe_plugins.pipemoe.model import (OBJECTIVES, R_MAX, TIE_TOLERANCE, chunk_costs, choose_degree, objective_time,
                                       plan_workload)
 
@@ -86,27 +87,12 @@ def resolve_costs(args: argparse.Namespace) -> Tuple[PipeCosts, str]:
         profile = CostProfile.load(Path(args.profile))
         return PipeCosts.from_profile(profile, pricing=args.exchange_pricing).check(), f"profile {args.profile}"
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    found = find_cached(cache_dir, args.P, this_device())
+    found = newest_cached(cache_dir, this_device(), ("all_to_all@ep",), ep=args.P)
     if found is not None:
         path, profile = found
         return PipeCosts.from_profile(profile, pricing=args.exchange_pricing).check(), f"cached profile {path}"
     return PAPER_TESTBED, PAPER_TESTBED_SOURCE + f" (no cached profile with ep={args.P} in {cache_dir})"
 
-
-def this_device() -> str:
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def find_cached(cache_dir: Path, ep: int, device: str) -> Optional[Tuple[Path, CostProfile]]:
-    """The newest cached profile for this device with an all-to-all model on an EP group of size ``ep``."""
-    if not cache_dir.is_dir():
-        return None
-    for path in sorted(cache_dir.glob("profile-*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
-        profile = CostProfile.load(path)
-        if profile.key.device == device and profile.key.ep == ep and "all_to_all@ep" in profile.models:
-            return path, profile
-    return None
 
 
 def plan(args: argparse.Namespace) -> dict:
