@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from moe_plugins.core.engine import PIPELINE, URGENT, CommEngine
-from moe_plugins.core.ops import CommError
+from moe_plugins.core.ops import CommError, Splits
 from moe_plugins.core.groups import Group
 from moe_plugins.core.ledger import CommLedger
 
@@ -54,23 +54,26 @@ class Recorder:
         if self.engine is None:
             object.__setattr__(self, "engine", CommEngine())
 
-    def issue(self, op: str, group: Group, x: torch.Tensor, phase: str, reduce: str = "sum") -> torch.Tensor:
-        """Run ``op`` now as an urgent op of this layer (inline, or on the lane whose thread this is). A failure
-        is a CommError that names the layer, the schedule and the collective."""
+    def issue(self, op: str, group: Group, x: torch.Tensor, phase: str, reduce: str = "sum",
+              splits: Splits = None) -> torch.Tensor:
+        """Run ``op`` now as an urgent op of this layer (inline, or on the lane whose thread this is); ``splits``:
+        an uneven all_to_all's (send, receive) rows per member. A failure is a CommError that names the layer, the
+        schedule and the collective."""
         try:
             return self.engine.issue(op, group, x, priority=URGENT, reduce=reduce, layer=self.layer, phase=phase,
-                                     ledger=self.ledger).wait()
+                                     ledger=self.ledger, splits=splits).wait()
         except CommError as exc:
             raise self.failed(exc) from exc
 
-    def issue_overlapped(self, op: str, group: Group, x: torch.Tensor, phase: str) -> torch.Tensor:
+    def issue_overlapped(self, op: str, group: Group, x: torch.Tensor, phase: str,
+                         splits: Splits = None) -> torch.Tensor:
         """``op`` on the engine's pipeline lane, ``while_in_flight(handle)`` run here meanwhile, then its result
         (:meth:`issue` when there is no callback or no pipeline lane). On the lane's own thread it runs inline."""
         if self.while_in_flight is None or not self.engine.has_lane(PIPELINE):
-            return self.issue(op, group, x, phase)
+            return self.issue(op, group, x, phase, splits=splits)
         try:
             handle = self.engine.issue(op, group, x, priority=URGENT, lane=PIPELINE, layer=self.layer, phase=phase,
-                                       ledger=self.ledger)
+                                       ledger=self.ledger, splits=splits)
             try:
                 self.while_in_flight(handle)
             finally:

@@ -42,7 +42,7 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group, MoEProcessGroups
 from moe_plugins.core.ops import CommError
 from moe_plugins.core.ragged import (RouteOrder, combine_rows, exchange_counts, expert_rows, route_order,
-                                     split_sizes, uneven_all_to_all)
+                                     split_sizes)
 
 # ---- pure pieces -----------------------------------------------------------------------------------------
 
@@ -144,19 +144,8 @@ def reverse_exchange(g_QM: torch.Tensor, pending: Pending) -> torch.Tensor:
     """The gradient of a landed exchange: the reverse uneven exchange. When the layer's Recorder carries a
     ``while_in_flight`` callback (Lancet's deferred dW) and the engine a pipeline lane, it is issued on the lane and
     the callback runs while it flies, as the core's all-to-all backward does; else inline."""
-    rec = pending.rec
-    if rec.while_in_flight is None or not rec.engine.has_lane(PIPELINE):
-        return uneven_all_to_all(g_QM, pending.recv, pending.send, pending.group, rec, "backward")
-    try:
-        handle = rec.engine.issue("all_to_all", pending.group, g_QM, lane=PIPELINE, layer=rec.layer,
-                                  phase="backward", ledger=rec.ledger, splits=(pending.recv, pending.send))
-        try:
-            rec.while_in_flight(handle)
-        finally:
-            out = handle.wait()          # the exchange is collective: wait for it even if the callback failed
-        return out
-    except CommError as exc:
-        raise rec.failed(exc) from exc
+    return pending.rec.issue_overlapped("all_to_all", pending.group, g_QM, "backward",
+                                        splits=(pending.recv, pending.send))
 
 
 def land(pending: Pending) -> torch.Tensor:
