@@ -25,9 +25,6 @@ from typing import Any, List, Optional
 
 import torch
 
-from moe_plugins.core import comm
-from moe_plugins.core.comm import Recorder
-from moe_plugins.core.groups import Group
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.lancet.config import LancetConfig
 from moe_plugins.lancet.overlap import ExchangeOverlap
@@ -71,20 +68,20 @@ def mlp_activation(config: Any, h_NH: torch.Tensor) -> torch.Tensor:
     return config.activation_func(x_glu) * (x_linear + getattr(config, "glu_linear_offset", 0.0))
 
 
-def deferred_megatron_experts(x_ElNM: torch.Tensor, *, experts: torch.nn.Module, config: Any, esp: Group,
-                              rec: Recorder, queue: WgradQueue) -> torch.Tensor:
-    """The core's experts contract (``megatron_layer.megatron_experts``) on ``SequentialMLP``'s local experts, each
-    one's two GEMMs (with their biases, as Megatron's expert MLP adds them) with dW and db deferred to ``queue``."""
-    x_ElNM = comm.copy_to(x_ElNM, esp, rec)
-    tag = f"experts.{rec.layer}"
+def deferred_local_experts(experts: torch.nn.Module, x_ElNM: torch.Tensor, *, config: Any, queue: WgradQueue,
+                           layer: str) -> torch.Tensor:
+    """``SequentialMLP``'s local experts on their rows (the ``run`` of ``megatron_layer.megatron_experts``, which adds
+    the ESP reduction), each one's two GEMMs (with their biases, as Megatron's expert MLP adds them) with dW and db
+    deferred to ``queue``."""
+    tag = f"experts.{layer}"
     outs = []
     for e, mlp in enumerate(experts.local_experts):
         fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-        h_NH = deferred_linear(x_ElNM[e], fc1.weight, getattr(fc1, "bias", None), queue, name=f"{rec.layer}.{e}.fc1",
+        h_NH = deferred_linear(x_ElNM[e], fc1.weight, getattr(fc1, "bias", None), queue, name=f"{layer}.{e}.fc1",
                                tag=tag)
         outs.append(deferred_linear(mlp_activation(config, h_NH), fc2.weight, getattr(fc2, "bias", None), queue,
-                                    name=f"{rec.layer}.{e}.fc2", tag=tag))
-    return comm.all_reduce(torch.stack(outs), esp, rec)
+                                    name=f"{layer}.{e}.fc2", tag=tag))
+    return torch.stack(outs)
 
 
 class LancetState:

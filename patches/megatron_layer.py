@@ -124,10 +124,12 @@ def _run_experts(experts: torch.nn.Module, x_ElNM: torch.Tensor) -> torch.Tensor
     return y_RM.reshape(e_l, n, y_RM.shape[-1])
 
 
-def megatron_experts(x_ElNM: torch.Tensor, *, experts: torch.nn.Module, esp: Group, rec: Recorder) -> torch.Tensor:
-    """The core's experts contract: this rank's expert shard, ESP partial sums all-reduced (input gradient
-    all-reduced in backward). Megatron's expert linears do no communication here (``explicit_expert_comm``)."""
-    return comm.all_reduce(_run_experts(experts, comm.copy_to(x_ElNM, esp, rec)), esp, rec)
+def megatron_experts(x_ElNM: torch.Tensor, *, experts: torch.nn.Module, esp: Group, rec: Recorder,
+                     run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _run_experts) -> torch.Tensor:
+    """The core's experts contract: this rank's expert shard (``run(experts, x_ElNM)``: Megatron's expert module, or
+    Lancet's deferred form of it), ESP partial sums all-reduced (input gradient all-reduced in backward). Megatron's
+    expert linears do no communication here (``explicit_expert_comm``)."""
+    return comm.all_reduce(run(experts, comm.copy_to(x_ElNM, esp, rec)), esp, rec)
 
 
 @dataclass(frozen=True)
@@ -202,11 +204,11 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
 
     def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
         esp = self.groups.esp
-        experts = partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec)
+        run = _run_experts
         if self.lancet is not None:
-            from moe_plugins.patches.megatron_lancet import deferred_megatron_experts
-            experts = partial(deferred_megatron_experts, experts=self.experts, config=self.config, esp=esp,
-                              rec=self.rec, queue=self.lancet.queue)
+            from moe_plugins.patches.megatron_lancet import deferred_local_experts
+            run = partial(deferred_local_experts, config=self.config, queue=self.lancet.queue, layer=self.rec.layer)
+        experts = partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec, run=run)
         return HostLayerParams(router=MegatronRouting(self.router, x_SM, own), experts=experts,
                                partial_experts=partial(_run_experts, self.experts))
 
