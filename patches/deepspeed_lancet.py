@@ -121,8 +121,7 @@ class PartitionRequest:
         if out is not placeholder:
             raise ValueError(f"Lancet's batch partitions: {type(block).__name__}.mlp ({type(block.mlp).__name__}) "
                              "changes the MoE layer's output (a residual MoE, a scale...); partitions need it to "
-                             "return "
-                             "the layer's output as is; use partitions 1")
+                             "return the layer's output as is; use partitions 1")
         return call
 
 
