@@ -38,7 +38,6 @@ import torch
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.groups import Group
-from moe_plugins.core.ops import CommError
 
 # ---- pure pieces -----------------------------------------------------------------------------------------
 
@@ -186,14 +185,9 @@ def combine_rows(r_QM: torch.Tensor, pos_SK: torch.Tensor, routing: Routing) -> 
 def uneven_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
                       phase: str = "forward") -> torch.Tensor:
     """One uneven ``all_to_all_single`` along dim 0 (no autograd): ``send[j]`` rows to member j, ``recv[j]`` from
-    it, an urgent op of the layer's engine recorded in its ledger with the true bytes; a failure is a
-    ``CommError`` naming the layer and schedule. A group of one returns a copy."""
-    out = rec.engine.issue("all_to_all", group, x, layer=rec.layer, phase=phase, ledger=rec.ledger,
-                           splits=(tuple(send), tuple(recv)))
-    try:
-        return out.wait()
-    except CommError as exc:      # a peer gone: name the schedule too
-        raise rec.failed(exc) from exc
+    it: :meth:`Recorder.issue` with the splits, an urgent op of the layer's engine recorded in its ledger with the
+    true bytes; a failure is a ``CommError`` naming the layer and schedule. A group of one returns a copy."""
+    return rec.issue("all_to_all", group, x, phase, splits=(tuple(send), tuple(recv)))
 
 
 class _RaggedAllToAll(torch.autograd.Function):
