@@ -28,7 +28,7 @@ import gc
 import json
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,7 +46,7 @@ from moe_plugins.lancet.overlap import exchange_intervals, hidden_fraction, over
 from moe_plugins.lancet.wgrad_queue import WgradQueue
 from moe_plugins.tools.bench.cluster import Cluster, set_rate
 from moe_plugins.tools.bench.lancet_exposure import SpanLog, TimedExperts, a2a_of_records, exposure_of, queue_spans
-from moe_plugins.tools.bench.lina_plan import StepModel, network_problems
+from moe_plugins.tools.bench.lina_plan import StepModel, StepRun, network_problems
 from moe_plugins.tools.bench.lina_step import StepNet
 from moe_plugins.tools.bench.matrix import parse_rate
 
@@ -62,24 +62,14 @@ TRACE_FIELDS = ("layer", "op", "group", "phase", "lane", "bytes", "inter_node_by
 
 
 @dataclass(frozen=True, kw_only=True)
-class TimelinePlan:
-    """What one timeline run measures (the harness reads nodes, ranks_per_node, world, rates, iters, warmup,
-    notes and collective_timeout_s, as for the other benches)."""
+class TimelinePlan(StepRun):
+    """What one timeline run measures: the variants, side by side at each rate (the counts: :class:`StepRun`)."""
 
-    model: StepModel
     nodes: int = 2
     ranks_per_node: int = 2
     variants: Tuple[str, ...] = tuple(VARIANTS)
     rates: Tuple[str, ...] = ("200mbit",)
     iters: int = 5
-    warmup: int = 2
-    seed: int = 0
-    collective_timeout_s: float = 300.0
-    notes: Tuple[str, ...] = field(default=())
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks_per_node
 
 
 def timeline_plan_problems(plan: TimelinePlan) -> List[str]:

@@ -195,15 +195,15 @@ def step_row_problems(spec: StepRowSpec) -> List[str]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepPlan:
-    """One run of the step bench: every rate is one side-by-side group of all rows."""
+class StepRun:
+    """What every step-bench run has: its network (checked by :func:`network_problems`), its counts, and what the
+    harness reads (nodes, ranks_per_node, world, iters, warmup, notes, collective_timeout_s). The training-step
+    :class:`StepPlan` and the Lancet timeline plan add their rows."""
 
+    model: StepModel
     nodes: int
     ranks_per_node: int
-    model: StepModel
-    rows: Tuple[StepRowSpec, ...]
-    rates: Tuple[str, ...]
-    iters: int = 10
+    iters: int
     warmup: int = 2
     seed: int = 0
     collective_timeout_s: float = 300.0
@@ -212,6 +212,15 @@ class StepPlan:
     @property
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan(StepRun):
+    """One run of the step bench: every rate is one side-by-side group of all rows."""
+
+    rows: Tuple[StepRowSpec, ...]
+    rates: Tuple[str, ...]
+    iters: int = 10
 
 
 def network_problems(plan: Any) -> List[str]:
