@@ -184,4 +184,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(main())     # not interpreter finalization: see moe_plugins.core.rank_exit

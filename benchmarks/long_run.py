@@ -175,3 +175,5 @@ def plot(results: Dict[str, Dict[str, Any]], path: Path) -> None:
 
 if __name__ == "__main__":
     main()
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(0)     # not interpreter finalization: see moe_plugins.core.rank_exit

@@ -273,3 +273,5 @@ def plot_cdf(series: Dict[str, List[float]], path: Path, title: str) -> None:
 
 if __name__ == "__main__":
     main()
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(0)     # not interpreter finalization: see moe_plugins.core.rank_exit

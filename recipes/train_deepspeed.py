@@ -189,3 +189,5 @@ def _plugin_summary(plugin) -> Any:
 
 if __name__ == "__main__":
     main()
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(0)     # not interpreter finalization: see moe_plugins.core.rank_exit

@@ -323,3 +323,5 @@ def train_step(model, optimizer, batch: Dict[str, torch.Tensor], pgc: Any, optim
 
 if __name__ == "__main__":
     main()
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(0)     # not interpreter finalization: see moe_plugins.core.rank_exit

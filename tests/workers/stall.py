@@ -137,3 +137,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(0)     # not interpreter finalization: see moe_plugins.core.rank_exit

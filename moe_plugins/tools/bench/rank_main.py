@@ -45,8 +45,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from moe_plugins.core.rank_exit import exit_rank
     try:
-        sys.exit(main())
+        code = main()
     except Exception:  # the parent reads the log tail and reports it
         traceback.print_exc()
-        sys.exit(1)
+        code = 1
+    exit_rank(code)     # not interpreter finalization: see moe_plugins.core.rank_exit

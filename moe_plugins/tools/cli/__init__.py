@@ -34,4 +34,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_plugins.core.rank_exit import exit_rank
+    exit_rank(main())     # not interpreter finalization: see moe_plugins.core.rank_exit
