@@ -2,10 +2,8 @@
 deepspeed.initialize on a one-rank gloo model with a deepspeed.moe layer, one training step. Prints a JSON line."""
 
 import faulthandler
-import gc
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
