@@ -175,30 +175,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def write(args: argparse.Namespace, stored: Dict[str, Any]) -> Dict[str, Any]:
     from moe_plugins.tools.bench import lancet_model_report as rep
+    from moe_plugins.tools.bench.outputs import write_report
     report = {"meta": stored["meta"], "groups": [rep.summarize_case(raw) for raw in stored["raw"]],
               "raw": stored["raw"]}
-    problems = rep.report_problems(report)
-    if problems:
-        raise RuntimeError("the report is malformed: " + "; ".join(problems))
-    stem = args.stem or f"lancet-model-{args.layout}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"{stem}.md").write_text(rep.markdown(report))
-    rep.plot(report, args.out / f"{stem}.png")
-    print(f"wrote {args.out}/{stem}.json, .md, .png")
-    return report
+    return write_report(report, args.out, args.stem or f"lancet-model-{args.layout}", problems=rep.report_problems,
+                        markdown=rep.markdown, plot=rep.plot)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.rank_config:
-        import torch.distributed as dist
-
         from moe_plugins.tools.bench.lancet_model_rank import rank_main
-        rank_main(json.loads(Path(args.rank_config).read_text()))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return 0
+        from moe_plugins.tools.bench.outputs import run_rank_config
+        return run_rank_config(args.rank_config, rank_main)
     if args.from_json:
         stored = json.loads(args.from_json.read_text())
         write(args, {"meta": stored["meta"], "raw": stored["raw"]})

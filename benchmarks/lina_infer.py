@@ -227,26 +227,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def write(args: argparse.Namespace, report: Dict[str, Any]) -> Dict[str, Any]:
     from moe_plugins.tools.bench import lina_infer_report as rep
-    problems = rep.report_problems(report)
-    if problems:
-        raise RuntimeError("the report is malformed: " + "; ".join(problems))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"{args.stem}.md").write_text(rep.markdown(report))
-    rep.plot(report, args.out / f"{args.stem}.png")
-    print(f"wrote {args.out}/{args.stem}.json, .md, .png")
-    return report
+    from moe_plugins.tools.bench.outputs import write_report
+    return write_report(report, args.out, args.stem, problems=rep.report_problems, markdown=rep.markdown,
+                        plot=rep.plot)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.rank_config:
-        import torch.distributed as dist
         from moe_plugins.tools.bench.lina_infer_rank import rank_main
-        rank_main(json.loads(Path(args.rank_config).read_text()))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return 0
+        from moe_plugins.tools.bench.outputs import run_rank_config
+        return run_rank_config(args.rank_config, rank_main)
     problems = arg_problems(args)
     if problems:
         print("lina_infer: " + "; ".join(problems), file=sys.stderr)

@@ -151,8 +151,8 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=1500.0)
     args = p.parse_args()
     if args.rank_config:
-        rank_main(json.loads(Path(args.rank_config).read_text()))
-        return 0
+        from moe_plugins.tools.bench.outputs import run_rank_config
+        return run_rank_config(args.rank_config, rank_main)
     from moe_plugins.tools.bench.launch import signals_raise
     with signals_raise():            # SIGTERM/SIGHUP unwind, so the ranks are stopped and the namespaces removed
         return run(args)
