@@ -187,7 +187,7 @@ class DeepSpeedPlugin:
             try:
                 result = original(engine, model)
                 plugin.lina.install(lina, engine, model)
-                plugin.lancet.install_blocks(engine, model, plugin._layers, plugin.profile_dir or None)
+                plugin.lancet.install_model(engine, model, plugin._layers, plugin.profile_dir or None)
                 return result
             finally:
                 plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = previous

@@ -24,8 +24,15 @@ run them while they fly (docs/lancet.md).
   (``moe_plugins.lancet.partition.start_partitions``, DeepSpeed's gate and experts) and returns a placeholder,
   which must come back out of ``mlp`` untouched (else refused: the wrapper changes the MoE output).
 
+- **Dense layers** (``"dense_wgrad": true``). When DeepSpeed configures a model, its ``nn.Linear`` and HF
+  ``Conv1D`` modules outside the swapped MoE layers defer their dW to the same queue
+  (``moe_plugins.lancet.dense.dense_patcher``: instance forwards through the core's Patcher, restored by
+  :meth:`LancetHooks.remove`); a weight tied to another module (GPT-2's LM head) stays stock, a Linear subclass
+  or a parametrized one is refused naming it. The queue runs them behind the next backward exchange, or flushes
+  them before the epilogue (the dense layers below the first MoE layer).
+
 Not here: the experts the plugin slices over ESP itself (``esp`` set without DeepSpeed's expert tensor
-parallelism), Lina together with Lancet (refused by the config), dense layers (``dense_wgrad``: refused).
+parallelism), Lina together with Lancet (refused by the config).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from moe_plugins.lancet.auto import AutoPartitions, StackFacts, moe_every_of
 from moe_plugins.lancet.blocks import BlockExecutor
 from moe_plugins.lancet.config import AUTO, LancetConfig
 from moe_plugins.lancet.plan_cli import costs_from_profile
-from moe_plugins.lancet.dense import dense_wgrad, wrap_problems
+from moe_plugins.lancet.dense import dense_patcher, dense_wgrad, model_dense_modules, wrap_problems
 from moe_plugins.lancet.overlap import ExchangeOverlap
 from moe_plugins.lancet.partition import PartitionedCall, partition_bounds, partitions_problem, start_partitions
 from moe_plugins.lancet.wgrad_queue import WgradQueue
@@ -161,17 +168,21 @@ class LancetHooks:
     def __init__(self) -> None:
         self.queue: Optional[WgradQueue] = None
         self.layers: List[str] = []
+        self.dense: List[str] = []                           # the dense modules whose dW it defers (dense_wgrad)
         self.overlaps: List[ExchangeOverlap] = []           # one per layer: how often it ran dW behind an exchange
         self.request = PartitionRequest()
         self.executors: List[BlockExecutor] = []
         self._parts = 1                                      # partitions of the layers being swapped
+        self._dense = False                                  # dense_wgrad of the layers being swapped
         self._patcher: Optional[Patcher] = None
+        self._dense_patchers: List[Patcher] = []             # one per model configured with dense_wgrad
 
     def overlap(self, cfg: PluginConfig) -> Optional[ExchangeOverlap]:
         """With the section's ``defer_wgrad`` on, the callback a layer's Recorder carries (``while_in_flight``) on
         the plugin's queue, for a layer about to be swapped; else None (the layer runs without Lancet)."""
         lancet = None if cfg.lancet is None else LancetConfig.from_dict(cfg.lancet)
         self._parts = 1 if lancet is None else lancet.partitions
+        self._dense = lancet is not None and lancet.dense_wgrad
         if lancet is None or not lancet.defer_wgrad:
             return None
         if self.queue is None:
@@ -202,11 +213,18 @@ class LancetHooks:
                                   queue=self.queue if defer else None,
                                   request=self.request if self._parts != 1 else None)
 
+    def install_model(self, engine, model: nn.Module, swapped: Mapping[nn.Module, Any],
+                      profile_dir: Optional[str] = None) -> None:
+        """After DeepSpeed configured ``model`` (its MoE layers swapped; ``swapped``: DeepSpeed MOELayer -> swapped
+        layer): the block executor (:meth:`install_blocks`), then the dense layers' dW deferral
+        (:meth:`install_dense`)."""
+        self.install_blocks(engine, model, swapped, profile_dir)
+        self.install_dense(model, swapped)
+
     def install_blocks(self, engine, model: nn.Module, swapped: Mapping[nn.Module, Any],
                        profile_dir: Optional[str] = None) -> None:
-        """After DeepSpeed configured ``model`` (its MoE layers swapped): with partitions, the block executor on
-        the ModuleList of blocks that holds the swapped layers (``swapped``: DeepSpeed MOELayer -> swapped layer);
-        ``"auto"`` reads the cost profile cached in ``profile_dir`` for the layers' layout."""
+        """With partitions, the block executor on the ModuleList of blocks that holds the swapped layers; ``"auto"``
+        reads the cost profile cached in ``profile_dir`` for the layers' layout."""
         mine = [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and swapped[m].request]
         if not mine:
             return
@@ -228,6 +246,22 @@ class LancetHooks:
             logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "
                            "use_cache=False keep a KV cache and run without Lancet's batch partitions")
         logger.info("moe_plugins: Lancet's batch partitions (%d) run the blocks after MoE blocks %s", parts, moe)
+
+    def install_dense(self, model: nn.Module, swapped: Mapping[nn.Module, Any]) -> None:
+        """With ``dense_wgrad``: ``model``'s Linear and Conv1D modules outside its Lancet layers defer their dW to
+        the queue (tied weights stay stock, logged); a module it cannot wrap is refused, naming every one."""
+        mine = [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and swapped[m].queue]
+        if not self._dense or not mine:
+            return
+        found, tied = model_dense_modules(model, mine)
+        try:
+            patcher = dense_patcher(self.queue, found, logger=logger)
+        except ValueError as exc:
+            raise ValueError(f"{SECTION}.lancet.dense_wgrad (True): {exc}") from exc
+        self._dense_patchers.append(patcher.apply())
+        self.dense += [name for name, _ in found]
+        logger.info("moe_plugins: Lancet defers the weight gradients of %d dense modules%s", len(found),
+                    f"; tied to another module's weight, left stock: {', '.join(tied)}" if tied else "")
 
     def _install(self) -> None:
         if self._patcher is not None:
@@ -251,10 +285,12 @@ class LancetHooks:
         try:
             for executor in self.executors:
                 executor.remove()
+            for dense in reversed(self._dense_patchers):
+                dense.restore()
             if patcher is not None:
                 patcher.restore()
         finally:
-            self.executors = []
+            self.executors, self._dense_patchers, self.dense = [], [], []
             if self.queue is not None:
                 self.queue.clear()
             self.queue, self.layers, self.overlaps = None, [], []

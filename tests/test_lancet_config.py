@@ -53,8 +53,8 @@ def test_partitions_bad_values_name_what_is_allowed(value):
 @pytest.mark.parametrize("section,message", [
     ({"defer_wgrad": "yes"}, r"moe_plugins\.lancet\.defer_wgrad \('yes'\) must be true or false"),
     ({"dense_wgrad": 1}, r"moe_plugins\.lancet\.dense_wgrad \(1\) must be true or false"),
-    ({"dense_wgrad": True}, r"moe_plugins\.lancet\.dense_wgrad \(True\): deferring the dense layers' weight "
-                            r"gradients is not wired into the hosts"),
+    ({"dense_wgrad": True, "defer_wgrad": False}, r"moe_plugins\.lancet\.dense_wgrad \(True\) needs "
+                                                  r"moe_plugins\.lancet\.defer_wgrad true"),
     ({"defer_wgrads": True}, r"moe_plugins\.lancet\.defer_wgrads is unknown; allowed: defer_wgrad, partitions, "
                              r"dense_wgrad \(did you mean 'defer_wgrad'\?\)"),
 ])
@@ -108,6 +108,12 @@ def test_readers_other_than_the_host_adapters_refuse_the_section():
     with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \('auto'\): batch partitions run HF GPT-2 "
                                          r"blocks on DeepSpeed only; on megatron use partitions 1"):
         PluginConfig.from_dict({"lancet": {"partitions": "auto"}}, "moe_plugins", **megatron_choices())
+    with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.dense_wgrad \(True\): the dense layers' weight "
+                                         r"gradients are deferred on DeepSpeed only; on megatron use false"):
+        PluginConfig.from_dict({"lancet": {"dense_wgrad": True}}, "moe_plugins", **megatron_choices())
+    from moe_plugins.patches.deepspeed_hecate import config_choices as deepspeed_choices
+    assert PluginConfig.from_dict({"lancet": {"dense_wgrad": True}}, "moe_plugins",
+                                  **deepspeed_choices()).lancet == {"dense_wgrad": True}
     off = PluginConfig.from_dict({"lancet": {"defer_wgrad": False}}, "moe_plugins",
                                  **default_registry().config_choices())
     assert off.lancet == {"defer_wgrad": False}

@@ -348,3 +348,33 @@ def test_run_while_overlaps_an_engine_exchange_on_two_ranks(world):
         assert out["exchanged"] == [float(rank), 10.0 + rank]
         assert out["max_err"] <= TOL and out["queue_empty"]
     assert results[0]["in_flight_before"] and results[0]["ran"] == ["head"]
+
+
+def test_hf_conv1d_deferred_equals_stock_and_tied_weights_stay_stock():
+    """transformers' Conv1D (HF GPT-2's projections, weight (in, out)) wrapped by dense_wgrad: fp64 gradients equal
+    stock's, each hook once per backward, bias included, 3-d input. model_dense_modules finds Linear and Conv1D
+    outside the excluded subtree and leaves a weight tied to another module's (an LM head) to stock."""
+    from transformers.pytorch_utils import Conv1D
+
+    from moe_plugins.lancet.dense import model_dense_modules
+    torch.manual_seed(3)
+    stock = nn.Sequential(Conv1D(H, M), nn.GELU(), Conv1D(M, H)).double()
+    ours = copy.deepcopy(stock)
+    stock_hooks, hooks = HookCounter(dict(stock.named_parameters())), HookCounter(dict(ours.named_parameters()))
+    x = torch.randn(2, N, M, dtype=F64)
+    stock(x).square().sum().backward()
+    queue = WgradQueue()
+    with dense_wgrad(queue, [(n, m) for n, m in ours.named_children() if isinstance(m, Conv1D)]):
+        y = ours(x)
+        assert torch.equal(y, stock(x))                   # the same addmm as Conv1D.forward: bitwise
+        y.square().sum().backward()
+    _compare_params(stock, ours)
+    stock_hooks.assert_each(1)
+    hooks.assert_each(1)
+    assert queue.empty() and queue.items_run == 2 and all("forward" not in vars(m) for m in ours)
+
+    emb, head, moe = nn.Embedding(5, M), nn.Linear(M, 5, bias=False), nn.ModuleDict({"wg": nn.Linear(M, 2)})
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "proj": Conv1D(M, M), "fc": nn.Linear(M, M), "moe": moe, "head": head})
+    found, tied = model_dense_modules(model, [moe])
+    assert [n for n, _ in found] == ["proj", "fc"] and tied == ["head"]

@@ -8,8 +8,9 @@
         "partitions": 1,       # Part 2's batch partitions: n >= 1 equal groups of samples, n dividing the
                                # micro-batch (1: none); "auto": chosen per batch shape by the planner's model
                                # from the cost profile cached for the layout (`moe-plugins profile`)
-        "dense_wgrad": false   # defer the dense nn.Linear weight gradients too: not wired into the hosts in this
-                               # version (the core's lancet.dense_wgrad context does it by hand); only false
+        "dense_wgrad": false   # defer the model's dense weight gradients too (its nn.Linear and HF Conv1D
+                               # modules outside the MoE layers; tied ones stay stock): DeepSpeed only, with
+                               # defer_wgrad on
     }
 
 With ``defer_wgrad`` on, the section runs with schedule ``baseline`` and the padded exchange at any fixed or
@@ -33,6 +34,7 @@ SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the ov
 EXCHANGES = ("padded",)
 HOSTS = ("deepspeed", "megatron")   # the adapters that run the section (the core layer takes a LancetConfig)
 PARTITION_HOSTS = ("deepspeed",)    # those that run batch partitions (HF GPT-2 blocks)
+DENSE_HOSTS = ("deepspeed",)        # those that wrap the model's dense layers (dense_wgrad)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,12 +80,10 @@ def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]
             problems.append(problem)
     dense = section.get("dense_wgrad", False)
     if not isinstance(dense, bool):
-        problems.append(f"{path}.dense_wgrad ({dense!r}) must be true or false; only false is supported in this "
-                        "version")
-    elif dense:
-        problems.append(f"{path}.dense_wgrad (True): deferring the dense layers' weight gradients is not wired into "
-                        "the hosts in this version; only false is accepted (moe_plugins.lancet.dense_wgrad wraps "
-                        "nn.Linear modules by hand)")
+        problems.append(f"{path}.dense_wgrad ({dense!r}) must be true or false")
+    elif dense and section.get("defer_wgrad", True) is False:
+        problems.append(f"{path}.dense_wgrad (True) needs {path}.defer_wgrad true: the dense weight gradients run "
+                        "from the queue behind the MoE layers' backward exchanges")
     return problems
 
 
@@ -130,9 +130,13 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     if host not in HOSTS:
         problems.append(f"{path}.{NAME}: Lancet runs through the DeepSpeed and Megatron-core adapters (enable()) or "
                         "the core LancetMoELayer; this reader does not run it")
-    elif partitioned(section[NAME]) and host not in PARTITION_HOSTS:
-        problems.append(f"{path}.{NAME}.partitions ({section[NAME]['partitions']!r}): batch partitions run HF GPT-2 "
-                        f"blocks on DeepSpeed only; on {host} use partitions 1 (defer_wgrad runs)")
+    else:
+        if partitioned(section[NAME]) and host not in PARTITION_HOSTS:
+            problems.append(f"{path}.{NAME}.partitions ({section[NAME]['partitions']!r}): batch partitions run HF "
+                            f"GPT-2 blocks on DeepSpeed only; on {host} use partitions 1 (defer_wgrad runs)")
+        if section[NAME].get("dense_wgrad") is True and host not in DENSE_HOSTS:
+            problems.append(f"{path}.{NAME}.dense_wgrad (True): the dense layers' weight gradients are deferred on "
+                            f"DeepSpeed only; on {host} use false (defer_wgrad runs)")
     return problems
 
 

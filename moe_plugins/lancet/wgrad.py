@@ -6,7 +6,9 @@ Shapes: E experts, N rows per expert (or tokens), M model dim, H FFN hidden, K i
 - :func:`deferred_bmm`: ``x_ENK @ w_EKH (+ b_EH)``, the expert FFN's GEMMs (``torch.baddbmm`` / ``torch.bmm``);
 - :func:`deferred_partial_ffn`: the core's ``experts.partial_ffn`` (b2 stays with the caller, after the ESP sum);
 - :func:`deferred_linear`: ``F.linear`` (``nn.Linear``'s forward; :func:`moe_plugins.lancet.dense.dense_wgrad`
-  wraps modules with it).
+  wraps modules with it);
+- :func:`deferred_addmm`: ``torch.addmm(b, x, w)`` with the weight stored (in, out), transformers' ``Conv1D``
+  forward (HF GPT-2's attention and MLP projections; ``dense_wgrad`` wraps those with it).
 
 The autograd Function sees the weight and bias *detached*: the host's parameter never gets an edge in the
 outer graph, so its AccumulateGrad (and the hooks there) runs only when the queue delivers the gradient through
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from moe_plugins.core.experts import ACTIVATIONS, ExpertWeights
 from moe_plugins.lancet.wgrad_queue import Grads, Use, WgradItem, WgradQueue, best_fit, leaves_of
 
-__all__ = ["WgradItem", "WgradQueue", "best_fit", "leaves_of", "deferred_bmm", "deferred_linear",
+__all__ = ["WgradItem", "WgradQueue", "best_fit", "leaves_of", "deferred_addmm", "deferred_bmm", "deferred_linear",
            "deferred_partial_ffn"]
 
 
@@ -58,6 +60,11 @@ def _bmm_wgrad(x_ENK: torch.Tensor, dy_ENH: torch.Tensor, d: _Deferral) -> Grads
 def _linear_wgrad(x_NK: torch.Tensor, dy_NO: torch.Tensor, d: _Deferral) -> Grads:
     dw_OK = dy_NO.t().mm(x_NK)
     return _pairs(d, dw_OK, dy_NO.sum(0) if d.bias is not None else None)
+
+
+def _addmm_wgrad(x_NK: torch.Tensor, dy_NO: torch.Tensor, d: _Deferral) -> Grads:
+    dw_KO = x_NK.t().mm(dy_NO)
+    return _pairs(d, dw_KO, dy_NO.sum(0) if d.bias is not None else None)
 
 
 class _DeferredBmm(torch.autograd.Function):
@@ -98,6 +105,25 @@ class _DeferredLinear(torch.autograd.Function):
         o = dy_flat.shape[1]
         cost = 2.0 * n * k * o + (n * o if d.bias is not None else 0)
         d.queue.defer(d.name, cost, partial(_linear_wgrad, x_flat, dy_flat, d), tag=d.tag, use=d.use)
+        return dx_NK, None, None, None, None
+
+
+class _DeferredAddmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NK, w_KO, b_O, anchor, d: _Deferral):
+        ctx.d = d
+        ctx.save_for_backward(x_NK, w_KO)
+        return torch.mm(x_NK, w_KO) if b_O is None else torch.addmm(b_O, x_NK, w_KO)
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NK, w_KO = ctx.saved_tensors
+        d: _Deferral = ctx.d
+        dx_NK = dy_NO.mm(w_KO.t()) if ctx.needs_input_grad[0] else None
+        n, k = x_NK.shape
+        o = w_KO.shape[1]
+        cost = 2.0 * n * k * o + (n * o if d.bias is not None else 0)
+        d.queue.defer(d.name, cost, partial(_addmm_wgrad, x_NK, dy_NO, d), tag=d.tag, use=d.use)
         return dx_NK, None, None, None, None
 
 
@@ -156,6 +182,20 @@ def deferred_linear(x_NK: torch.Tensor, w_OK: torch.Tensor, b_O: Optional[torch.
     d = _record(queue, w_OK, b_O, name, tag)
     detached_b = b_O.detach() if b_O is not None else None
     return _DeferredLinear.apply(x_NK, w_OK.detach(), detached_b, _anchor(x_NK), d)
+
+
+def deferred_addmm(x_NK: torch.Tensor, w_KO: torch.Tensor, b_O: Optional[torch.Tensor], queue: WgradQueue, *,
+                   name: str = "addmm", tag: str = "dense") -> torch.Tensor:
+    """``torch.addmm(b_O, x_NK, w_KO)`` (``torch.mm`` without a bias; x 2-d, the weight (in, out) as transformers'
+    ``Conv1D`` stores it) with dW and db deferred to ``queue``."""
+    if w_KO.dim() != 2 or x_NK.dim() != 2 or x_NK.shape[1] != w_KO.shape[0]:
+        raise ValueError(f"deferred_addmm {name!r}: x {tuple(x_NK.shape)} does not match weight "
+                         f"{tuple(w_KO.shape)} (x 2-d (N, in), weight (in, out))")
+    if not _needs_deferral(w_KO, b_O):
+        return torch.mm(x_NK, w_KO) if b_O is None else torch.addmm(b_O, x_NK, w_KO)
+    d = _record(queue, w_KO, b_O, name, tag)
+    detached_b = b_O.detach() if b_O is not None else None
+    return _DeferredAddmm.apply(x_NK, w_KO.detach(), detached_b, _anchor(x_NK), d)
 
 
 def deferred_partial_ffn(x_ENM: torch.Tensor, w: ExpertWeights, activation: str, queue: WgradQueue, *,

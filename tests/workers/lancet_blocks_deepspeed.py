@@ -53,7 +53,7 @@ def measure_profile(handle, profile_dir: str) -> None:
 
 
 def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batch: int = 4,
-          profile_dir: Optional[str] = None) -> Dict[str, Any]:
+          profile_dir: Optional[str] = None, stage: int = 2) -> Dict[str, Any]:
     """A fresh fp64 ZeRO-2 engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and the
     ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the executor's ranges.
     ``profile_dir``: a cost profile is measured and cached there first (``"partitions": "auto"``)."""
@@ -63,7 +63,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
     from recipes.models import moe_aux_loss
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
               "steps_per_print": 10 ** 6, "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
-              "zero_optimization": {"stage": 2}}
+              "zero_optimization": {"stage": stage}}
     if plugin is not None:
         config["moe_plugins"] = plugin
     out: Dict[str, Any] = {}
@@ -92,13 +92,16 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["chosen"] = [sorted(set(e.chosen)) for e in executors]
         out["overlap_calls"] = 0 if handle is None else sum(o.calls for o in handle.lancet.overlaps)
         out["queue_empty"] = handle is None or handle.lancet.queue is None or handle.lancet.queue.empty()
+        out["dense"] = [] if handle is None else list(handle.lancet.dense)
         engine.destroy()
-    out["restored"] = all("forward" not in vars(b) for b in model.transformer.h)
+    out["restored"] = all("forward" not in vars(m) for m in model.modules())     # blocks and dense modules
     return out
 
 
-def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False, profile_dir: str = "") -> str:
-    """The error deepspeed.initialize raises for ``plugin`` (or "" when none), reading profiles in ``profile_dir``."""
+def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False, profile_dir: str = "",
+            subclass: bool = False) -> str:
+    """The error deepspeed.initialize raises for ``plugin`` (or "" when none), reading profiles in ``profile_dir``;
+    ``subclass``: block 0's attention projection is a subclass of transformers' Conv1D."""
     import deepspeed
 
     import moe_plugins
@@ -109,6 +112,14 @@ def refused(plugin: Dict[str, Any], micro_batch: int = 4, bert: bool = False, pr
         stack.enter_context(deepspeed_groups(None))
         stack.enter_context(moe_plugins.enable()).profile_dir = profile_dir or None
         model = _model(bert)
+        if subclass:
+            from transformers.pytorch_utils import Conv1D
+
+            class ScaledConv1D(Conv1D):
+                def forward(self, x):
+                    return 2 * super().forward(x)
+            attn = model.transformer.h[0].attn
+            attn.c_proj = ScaledConv1D(*attn.c_proj.weight.shape[::-1])
         try:
             deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         except ValueError as exc:
