@@ -29,6 +29,10 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
     assert auto.section() == {"schedule": "baseline", "pipeline_degree": 1,
                               "lancet": {"defer_wgrad": True, "partitions": "auto"}} and not auto.padded
     assert lm.parse_row("lancet@r=2,dw=0").section()["lancet"] == {"defer_wgrad": False, "partitions": 1}
+    assert lm.parse_row("lancet@partitions=2,dense=1").section()["lancet"] == {"defer_wgrad": True, "partitions": 2,
+                                                                               "dense_wgrad": True}
+    with pytest.raises(ValueError, match=r"option dense \('2'\) must be 0 or 1"):
+        lm.parse_row("lancet@dense=2")
     with pytest.raises(ValueError, match=r"row \('lancet@r=2,partitions=2'\): partitions \(2\) need pipeline "
                                          r"degree r 1"):
         lm.parse_row("lancet@r=2,partitions=2")

@@ -29,7 +29,7 @@ from moe_plugins.tools.bench.matrix import parse_rate
 
 KINDS = ("deepspeed", "baseline", "lancet")
 OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r",),
-                                                           "lancet": ("r", "partitions", "dw")})
+                                                           "lancet": ("r", "partitions", "dw", "dense")})
 AUTO = "auto"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
                 "lancet@partitions=4", "lancet@partitions=auto", "lancet@r=2")
@@ -42,13 +42,14 @@ EXPOSED_TARGET = 0.5                            # exposed all-to-all / the best 
 @dataclass(frozen=True)
 class ModelRow:
     """One parsed row: its label as given, its kind and options (``r``: pipeline degree; ``partitions``: an int
-    or ``"auto"``; ``dw``: defer the experts' weight gradients)."""
+    or ``"auto"``; ``dw``: defer the experts' weight gradients; ``dense``: the dense layers' too, ``dense_wgrad``)."""
 
     label: str
     kind: str
     r: int = 1
     partitions: Union[int, str] = 1
     dw: bool = True
+    dense: bool = False
 
     @property
     def pipemoe_candidate(self) -> bool:
@@ -67,6 +68,8 @@ class ModelRow:
         out: Dict[str, Any] = {"schedule": "baseline", "pipeline_degree": self.r}
         if self.kind == "lancet":
             out["lancet"] = {"defer_wgrad": self.dw, "partitions": self.partitions}
+            if self.dense:
+                out["lancet"]["dense_wgrad"] = True
         return out
 
 
@@ -91,9 +94,9 @@ def parse_row(label: str) -> ModelRow:
             raise ValueError(f"row ({label!r}): option {key} is given twice")
         if key == "partitions":
             values[key] = AUTO if value == AUTO else _int_option(label, key, value, 1)
-        elif key == "dw":
+        elif key in ("dw", "dense"):
             if value not in ("0", "1"):
-                raise ValueError(f"row ({label!r}): option dw ({value!r}) must be 0 or 1")
+                raise ValueError(f"row ({label!r}): option {key} ({value!r}) must be 0 or 1")
             values[key] = value == "1"
         else:
             values[key] = _int_option(label, key, value, 1)
