@@ -18,8 +18,9 @@ run them while they fly (docs/lancet.md).
 
 - **Batch partitions** (``"partitions": n`` > 1). When DeepSpeed configures a model, the ``torch.nn.ModuleList``
   of blocks holding the swapped layers gets Lancet's block executor (``moe_plugins.lancet.blocks``; HF GPT-2
-  blocks only, others refused naming the block), checked against the engine's micro-batch (n must divide it).
-  The executor reaches the MoE layer through the block's own ``mlp`` (the user's wrapper keeps its aux loss):
+  blocks and the recipes' BERT-MoE layers, others refused naming the block), checked against the engine's
+  micro-batch (n must divide it). The executor reaches the MoE layer through the block's own module (GPT-2's
+  ``mlp``, BERT's ``output.block``; the user's wrapper keeps its aux loss):
   with a :class:`PartitionRequest` armed, the swapped layer starts the partitioned call
   (``moe_plugins.lancet.partition.start_partitions``, DeepSpeed's gate and experts) and returns a placeholder,
   which must come back out of ``mlp`` untouched (else refused: the wrapper changes the MoE output).
@@ -50,6 +51,7 @@ from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.lancet.auto import AutoPartitions, StackFacts, moe_every_of
+from moe_plugins.lancet.block_kinds import kind_of
 from moe_plugins.lancet.blocks import BlockExecutor
 from moe_plugins.lancet.config import AUTO, LancetConfig
 from moe_plugins.lancet.plan_cli import costs_from_profile
@@ -92,16 +94,17 @@ def _deferred_experts(experts: Callable[[torch.Tensor], torch.Tensor], linears: 
 
 def auto_partitions(blocks: List[nn.Module], moe: List[int], layer: SwappedLayer,
                     profile_dir: Optional[str]) -> AutoPartitions:
-    """``"partitions": "auto"``'s policy for a GPT-2 stack whose first MoE layer is ``layer``: the planner's model
-    priced by the cost profile cached in ``profile_dir`` for the layer's layout (a ValueError naming the command
-    that measures it when there is none)."""
+    """``"partitions": "auto"``'s policy for a GPT-2 or BERT stack whose first MoE layer is ``layer``: the
+    planner's model priced by the cost profile cached in ``profile_dir`` for the layer's layout (a ValueError naming
+    the command that measures it when there is none)."""
     cfg, layout = layer.schedule.config, layer.groups.layout
     profile = cached_profile(profile_dir, layout, dist.get_backend(), next(blocks[moe[0]].parameters()).device)
     if profile is None:
         raise ValueError(f"{SECTION}.lancet.partitions ('auto') needs the cost profile of layout "
                          f"{layout.describe()} cached in {profile_dir}: run `moe-plugins profile` on these ranks "
                          "first, or give an integer")
-    facts = StackFacts(M=cfg.hidden, H=cfg.ffn, heads=int(blocks[moe[0]].attn.num_heads), E=cfg.num_experts, k=cfg.k,
+    first = blocks[moe[0]]
+    facts = StackFacts(M=cfg.hidden, H=cfg.ffn, heads=kind_of(first).heads(first), E=cfg.num_experts, k=cfg.k,
                        f=cfg.capacity_factor, P=layer.groups.ep.size, layers=len(blocks),
                        moe_every=moe_every_of(moe, len(blocks)),
                        element_bytes=next(blocks[moe[0]].parameters()).element_size())
@@ -116,19 +119,21 @@ class PartitionRequest:
         self.parts, self.call, self.placeholder = 0, None, None
 
     def start(self, block: nn.Module, h_BLM: torch.Tensor, parts: int) -> PartitionedCall:
-        """``block.mlp(h_BLM)`` with the request armed: the partitioned call its swapped layer started."""
+        """The block's MoE call (``block.mlp(h_BLM)`` in GPT-2, ``block.output.block(h_BLM)`` in the recipes' BERT)
+        with the request armed: the partitioned call its swapped layer started."""
+        kind = kind_of(block)
         self.parts, self.call, self.placeholder = parts, None, None
         try:
-            out = block.mlp(h_BLM)
+            out = kind.moe_call(block, h_BLM)
         finally:
             call, placeholder, self.parts, self.call, self.placeholder = self.call, self.placeholder, 0, None, None
+        where = f"{type(block).__name__}.{kind.moe_path}"
         if call is None:
-            raise ValueError(f"Lancet's batch partitions: {type(block).__name__}.mlp ({type(block.mlp).__name__}) did "
-                             "not call a DeepSpeed MoE layer the plugin swapped")
+            raise ValueError(f"Lancet's batch partitions: {where} did not call a DeepSpeed MoE layer the plugin "
+                             "swapped")
         if out is not placeholder:
-            raise ValueError(f"Lancet's batch partitions: {type(block).__name__}.mlp ({type(block.mlp).__name__}) "
-                             "changes the MoE layer's output (a residual MoE, a scale...); partitions need it to "
-                             "return the layer's output as is; use partitions 1")
+            raise ValueError(f"Lancet's batch partitions: {where} changes the MoE layer's output (a residual MoE, a "
+                             "scale...); partitions need it to return the layer's output as is; use partitions 1")
         return call
 
 

@@ -92,12 +92,16 @@ def build_gpt2_moe(size: ModelSize, vocab_size: int, moe_factory: MoEFactory, dr
     return model
 
 
-def build_bert_moe(size: ModelSize, vocab_size: int, moe_factory: MoEFactory, dropout: float = 0.0):
+def build_bert_moe(size: ModelSize, vocab_size: int, moe_factory: MoEFactory, dropout: float = 0.0,
+                   attn_implementation: Optional[str] = None):
+    """BERT-MoE (masked LM); HF's attention implementation unless given (Lancet's batch partitions with attention
+    dropout need ``"eager"``, whose dropout they can replay)."""
     from transformers import BertConfig, BertForMaskedLM
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     cfg = BertConfig(vocab_size=vocab_size, hidden_size=size.hidden, num_hidden_layers=size.layers,
                      num_attention_heads=size.heads, intermediate_size=size.ffn,
                      max_position_embeddings=size.seq_len, hidden_dropout_prob=dropout,
-                     attention_probs_dropout_prob=dropout)
+                     attention_probs_dropout_prob=dropout, **extra)
     model = BertForMaskedLM(cfg)
     for i in moe_layer_indices(size):
         layer = model.bert.encoder.layer[i]

@@ -33,10 +33,20 @@ def test_unknown_blocks_and_unreplayable_dropout_are_refused():
     from transformers import BertConfig, GPT2Config, GPT2Model
     from transformers.models.bert.modeling_bert import BertLayer
 
-    bert = BertLayer(BertConfig(hidden_size=8, num_attention_heads=2, intermediate_size=8))
-    assert block_problems(bert, "block 0") == [
-        "block 0 is a BertLayer: Lancet's batch partitions know the blocks GPT2Block only (transformers' GPT-2); "
-        "use partitions 1 for this model"]
+    other = torch.nn.TransformerEncoderLayer(8, 2)
+    assert block_problems(other, "block 0") == [
+        "block 0 is a TransformerEncoderLayer: Lancet's batch partitions know the blocks GPT2Block, BertLayer only "
+        "(transformers' GPT-2 and BERT); use partitions 1 for this model"]
+    eager_bert = BertConfig(hidden_size=8, num_attention_heads=2, intermediate_size=8, attn_implementation="eager")
+    bert = BertLayer(eager_bert)
+    assert block_problems(bert, "block 1") == []                         # a dense BERT layer runs whole
+    assert block_problems(bert, "block 1", moe=True) == [              # an MoE one needs the recipes' MoE output
+        "block 1 is a BertLayer whose MoE output is a BertOutput, not the recipes' BertMoEOutput (intermediate an "
+        "nn.Identity; output.block the MoE, then LayerNorm(h + dropout(MoE(h)))): Lancet's batch partitions cannot "
+        "split it; use partitions 1"]
+    sdpa_bert = BertLayer(BertConfig(hidden_size=8, num_attention_heads=2, intermediate_size=8,
+                                     attn_implementation="sdpa"))
+    assert "draws its mask inside the kernel" in block_problems(sdpa_bert, "block 0")[0]
     sdpa = GPT2Model(GPT2Config(n_embd=8, n_layer=1, n_head=2, attn_pdrop=0.1, attn_implementation="sdpa")).h[0]
     assert "draws its mask inside the kernel" in block_problems(sdpa, "block 0")[0]
     eager = GPT2Model(GPT2Config(n_embd=8, n_layer=1, n_head=2, attn_pdrop=0.1, attn_implementation="eager")).h[0]

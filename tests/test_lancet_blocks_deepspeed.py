@@ -2,7 +2,8 @@
 GPT-2-MoE on 4 gloo ranks in fp64 under ZeRO-2, dropout on: the reduced gradients equal stock DeepSpeed's
 (<= 1e-12) at 2 and 4 partitions (and with the experts' dW deferred too), each ZeRO-2 hook once per parameter and
 micro-step, gradient accumulation over 2 micro-steps, 20-step losses within 1e-5 of stock; the blocks restored on
-disable; partitions that do not divide the micro-batch and a BERT model refused in one line."""
+disable; the same for the recipes' BERT-MoE (post-LN BertLayers); partitions that do not divide the micro-batch
+refused in one line."""
 
 from __future__ import annotations
 
@@ -61,13 +62,28 @@ def test_partitions_on_deepspeed_equal_stock(world, lancet, steps, gas, stage):
         assert exchanges <= p["overlap_calls"] <= 2 * exchanges if deferred else p["overlap_calls"] == 0
 
 
+@pytest.mark.parametrize("lancet,steps,gas", [({"partitions": 2, "defer_wgrad": False}, 20, 1),
+                                              ({"partitions": 4}, 3, 2)], ids=["parts2-20steps", "parts4-dw-gas2"])
+def test_partitions_on_bert_equal_stock(world, lancet, steps, gas):
+    """The recipes' BERT-MoE (BertLayer: attention, then the MoE output LayerNorm(h + dropout(MoE(h)))), eager
+    attention, dropout 0.1 everywhere: partitioned like GPT-2, stock's gradients and losses."""
+    pool = world(4)
+    stock = pool.run(train, None, steps, gas, 4, None, 2, True, timeout_s=600)
+    plugin = pool.run(train, {"schedule": "baseline", "lancet": lancet}, steps, gas, 4, None, 2, True, timeout_s=600)
+    for s, p in zip(stock, plugin):
+        assert p["blocks"] == ["BertLayer"] * 4
+        assert max(abs(a - b) for a, b in zip(s["losses"], p["losses"])) <= 1e-5, (s["losses"], p["losses"])
+        assert all(_close(a, b, EXACT) for a, b in zip(s["grads"], p["grads"])) and len(s["grads"]) == steps
+        assert p["hook_calls"] == s["hook_calls"] and all(set(c.values()) == {1} for c in p["hook_calls"])
+        assert p["ranges"] == [2 * steps * gas] and p["stock_calls"] == [0] and p["chosen"] == [[lancet["partitions"]]]
+        assert p["restored"] and p["queue_empty"]
+
+
 def test_bad_partitions_refused_in_one_line(world, tmp_path):
     pool = world(4)
     message = pool.run(refused, {"lancet": {"partitions": 3}}, timeout_s=300)[0]
     assert message == ("moe_plugins.lancet.partitions (3) must divide the batch (4 samples per rank): each partition "
                        "holds the same whole samples; use one of [1, 2, 4]"), message
-    bert = pool.run(refused, {"lancet": {"partitions": 2, "defer_wgrad": False}}, 4, True, timeout_s=300)[0]
-    assert "is a BertLayer: Lancet's batch partitions know the blocks GPT2Block only" in bert, bert
     dense = pool.run(refused, {"lancet": {"dense_wgrad": True}}, 4, False, "", True, timeout_s=300)[0]
     assert dense.startswith("moe_plugins.lancet.dense_wgrad (True): dense_wgrad cannot wrap: transformer.h.0.attn."
                             "c_proj (") and "ScaledConv1D) is not a plain torch.nn.Linear or transformers' Conv1D" \

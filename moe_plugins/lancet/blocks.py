@@ -4,11 +4,13 @@ that one partition's MoE exchange flies while another partition computes (docs/l
 A *range* starts at an MoE block's gate and ends at the next MoE block's gate (or at the end of the stack): the
 gate needs the whole batch, so the pipeline stops there. For MoE block i with next MoE block j:
 
-1. block i's first half (ln_1, attention, residual, ln_2) on the whole batch, unless the previous range computed it;
+1. block i's part before its MoE layer (GPT-2: ln_1, attention, residual, ln_2; BERT: attention) on the whole
+   batch, unless the previous range computed it;
 2. the MoE layer gated on the whole batch, every partition's dispatch issued (``start_moe``, e.g.
    :func:`moe_plugins.lancet.partition.layer_start`), its experts run and its combine issued;
-3. per partition p: its output lands, the residual is added, the dense blocks i+1 .. j-1 run on it whole, and
-   block j's first half; meanwhile the combines of p+1 .. fly;
+3. per partition p: its output lands, block i is finished (GPT-2: the residual; BERT: dropout, residual, LayerNorm),
+   the dense blocks i+1 .. j-1 run on it whole, and block j's part before its MoE layer; meanwhile the combines of
+   p+1 .. fly;
 4. the partitions' results are joined; the host's loop then calls blocks i+1 .. j-1 (passed through: already
    run) and block j (its first half already run: it resumes at the gate).
 
@@ -17,11 +19,12 @@ masks are replayed from the whole batch (:class:`DropoutReplay`): partition 0 dr
 in the order the unpartitioned forward draws them, and every partition uses its rows. The result equals the
 unpartitioned model's (fp64: <= 1e-12), dropout on.
 
-Known blocks: transformers' ``GPT2Block`` (self-attention only). A forward with a cache, cross-attention or
-``use_cache`` runs stock (HF's GPT-2 passes a fresh cache in every forward unless ``use_cache=False`` or
+Known blocks (:mod:`moe_plugins.lancet.block_kinds`): transformers' ``GPT2Block`` and ``BertLayer`` (its MoE blocks
+with the recipes' MoE output); a stack is of one kind. A forward with a cache, cross-attention or ``use_cache``
+runs stock (HF's GPT-2 passes a fresh cache in every forward unless ``use_cache=False`` or
 ``config.use_cache=False``: partitions cannot fill it per partition; a warning says so once).
-:func:`block_problems` refuses other blocks, and attention dropout outside the eager
-attention (SDPA draws its mask inside the kernel, where it cannot be replayed).
+:func:`block_problems` refuses other blocks, and attention dropout outside the eager attention (SDPA draws its
+mask inside the kernel, where it cannot be replayed).
 
 Shapes: B samples, L tokens per sample, M model dim.
 """
@@ -36,26 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.lancet.block_kinds import kind_of, stack_problems, unknown_problem
 
 logger = logging.getLogger("moe_plugins.lancet")
-KNOWN_BLOCKS = ("GPT2Block",)
 
 
-def block_problems(block: nn.Module, where: str) -> List[str]:
-    """Why the executor cannot run ``block`` partition by partition (empty when it can)."""
-    kind = type(block).__name__
-    if kind not in KNOWN_BLOCKS or not all(hasattr(block, n) for n in ("ln_1", "attn", "ln_2", "mlp")):
-        return [f"{where} is a {kind}: Lancet's batch partitions know the blocks {', '.join(KNOWN_BLOCKS)} only "
-                "(transformers' GPT-2); use partitions 1 for this model"]
-    attn = block.attn
-    if getattr(attn, "is_cross_attention", False) or hasattr(block, "crossattention"):
-        return [f"{where}: cross-attention blocks are not supported by Lancet's batch partitions"]
-    impl = getattr(getattr(attn, "config", None), "_attn_implementation", "eager")
-    if attn.attn_dropout.p > 0 and impl != "eager":
-        return [f"{where}: attention dropout ({attn.attn_dropout.p}) under the {impl!r} attention draws its mask "
-                "inside the kernel, where partitions cannot replay it; load the model with "
-                "attn_implementation=\"eager\" or attn_pdrop 0"]
-    return []
+def block_problems(block: nn.Module, where: str, moe: bool = False) -> List[str]:
+    """Why the executor cannot run ``block`` (an MoE block when ``moe``) partition by partition (empty when it can)."""
+    kind = kind_of(block)
+    return [unknown_problem(block, where)] if kind is None else kind.problems(block, where, moe)
 
 
 class DropoutReplay:
@@ -96,32 +88,26 @@ def _rows(value: Any, batch: int, a: int, b: int) -> Any:
     return value
 
 
-def first_half(block: nn.Module, x_BLM: torch.Tensor, attention_mask: Any, kwargs: Dict[str, Any]):
-    """GPT2Block.forward up to its MLP: (x after the attention's residual, ln_2 of it)."""
-    a_BLM, _ = block.attn(block.ln_1(x_BLM), past_key_values=None, attention_mask=attention_mask, use_cache=False,
-                          **kwargs)
-    x_BLM = a_BLM + x_BLM
-    return x_BLM, block.ln_2(x_BLM)
-
-
 StartMoE = Callable[[nn.Module, torch.Tensor, int], Any]     # (block, h_BLM, parts) -> a PartitionedCall
 Parts = Union[int, Callable[[torch.Tensor], int]]            # a count, or a policy of the gate's input h_BLM
 
 
 class BlockExecutor:
-    """Runs ``blocks`` (an HF GPT-2 stack's ``h``) with batch partitions after each MoE block's gate. ``moe``: the
-    indices of the MoE blocks; ``start_moe``: the host's partitioned MoE call for a block; ``parts``: the partition
+    """Runs ``blocks`` (an HF GPT-2 stack's ``h``, a BERT encoder's ``layer``) with batch partitions after each MoE
+    block's gate. ``moe``: the indices of the MoE blocks; ``start_moe``: the host's partitioned MoE call for a block
+    (its kind's ``moe_call`` with the host's request armed); ``parts``: the partition
     count, or a policy choosing it per call from the gate's input (``moe_plugins.lancet.auto.AutoPartitions``; it
     must divide the batch). :meth:`install` sets the blocks' instance forwards (core Patcher, undone by
     :meth:`remove`)."""
 
     def __init__(self, blocks: Sequence[nn.Module], moe: Sequence[int], start_moe: StartMoE, parts: Parts):
-        problems = [p for i, blk in enumerate(blocks) for p in block_problems(blk, f"block {i}")]
+        problems = stack_problems(list(blocks), list(moe))
         if not moe:
             problems.append("the model has no MoE block for Lancet's batch partitions to follow")
         if problems:
             raise ValueError("; ".join(problems))
         self.blocks, self.moe, self.start_moe, self.parts = list(blocks), sorted(moe), start_moe, parts
+        self.kind = kind_of(self.blocks[0])
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}   # block j: (input, x, h)
         self._passed: Dict[int, torch.Tensor] = {}           # dense block in a range: the tensor it passes on
         self._patcher: Optional[Patcher] = None
@@ -151,12 +137,6 @@ class BlockExecutor:
         if patcher is not None:
             patcher.restore()
 
-    @staticmethod
-    def _stock(args: Tuple, kwargs: Dict[str, Any]) -> bool:
-        past = args[1] if len(args) > 1 else kwargs.get("past_key_values")
-        encoder = args[3] if len(args) > 3 else kwargs.get("encoder_hidden_states")
-        return past is not None or encoder is not None or bool(kwargs.get("use_cache"))
-
     def _dense_forward(self, i: int, original: Callable, *args, **kwargs):
         passed = self._passed.pop(i, None)
         if passed is not None and args and args[0] is passed:
@@ -164,7 +144,8 @@ class BlockExecutor:
         return original(*args, **kwargs)
 
     def _moe_forward(self, i: int, original: Callable, *args, **kwargs):
-        if self._stock(args, kwargs) or self.parts == 1:
+        kind, read = self.kind, self.kind.read(args, kwargs)
+        if read.stock or self.parts == 1:
             self._stash.pop(i, None)
             if not self.stock_calls and self.parts != 1:
                 logger.warning("moe_plugins: Lancet's batch partitions leave a forward with a KV cache, "
@@ -172,16 +153,12 @@ class BlockExecutor:
                                "use_cache=False, or set config.use_cache=False, in training)")
             self.stock_calls += 1
             return original(*args, **kwargs)
-        hidden = args[0]
-        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
-        extra = {k: v for k, v in kwargs.items()
-                 if k not in ("past_key_values", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
-                              "use_cache")}
+        hidden, mask, extra = read.hidden, read.mask, read.extra
         stash = self._stash.pop(i, None)
         if stash is not None and stash[0] is hidden:
             x_BLM, h_BLM = stash[1], stash[2]
         else:
-            x_BLM, h_BLM = first_half(self.blocks[i], hidden, mask, extra)
+            x_BLM, h_BLM = kind.before(self.blocks[i], hidden, mask, extra)
         dense, nxt = self.range_of(i)
         parts = self.parts if isinstance(self.parts, int) else int(self.parts(h_BLM))
         call = self.start_moe(self.blocks[i], h_BLM, parts)
@@ -195,11 +172,11 @@ class BlockExecutor:
                 replay.start(p)
                 mask_p = _rows(mask, batch, a, b)
                 extra_p = {k: _rows(v, batch, a, b) for k, v in extra.items()}
-                x_p = x_BLM[a:b] + call.output(p).view(b - a, *x_BLM.shape[1:])
+                x_p = kind.after(self.blocks[i], x_BLM[a:b], call.output(p).view(b - a, *x_BLM.shape[1:]))
                 for d in dense:                  # through the module (its hooks), on to the stock forward
-                    x_p = self.blocks[d](x_p, None, mask_p, None, use_cache=False, **extra_p)
+                    x_p = kind.whole(self.blocks[d], x_p, mask_p, extra_p)
                 if nxt is not None:
-                    x_p, h_p = first_half(self.blocks[nxt], x_p, mask_p, extra_p)
+                    x_p, h_p = kind.before(self.blocks[nxt], x_p, mask_p, extra_p)
                     hs.append(h_p)
                 xs.append(x_p)
         out = torch.cat(xs)

@@ -33,7 +33,7 @@ AUTO = "auto"
 SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the overlap hook
 EXCHANGES = ("padded",)
 HOSTS = ("deepspeed", "megatron")   # the adapters that run the section (the core layer takes a LancetConfig)
-PARTITION_HOSTS = ("deepspeed",)    # those that run batch partitions (HF GPT-2 blocks)
+PARTITION_HOSTS = ("deepspeed",)    # those that run batch partitions (HF GPT-2 and BERT blocks)
 DENSE_HOSTS = ("deepspeed",)        # those that wrap the model's dense layers (dense_wgrad)
 
 

@@ -29,7 +29,7 @@ def _model(bert: bool = False):
                    min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
     torch.manual_seed(0)
     if bert:
-        return models.build_bert_moe(size, VOCAB, factory, dropout=0.1)
+        return models.build_bert_moe(size, VOCAB, factory, dropout=0.1, attn_implementation="eager")
     return models.build_gpt2_moe(size, VOCAB, factory, dropout=0.1, attn_implementation="eager", use_cache=False)
 
 
@@ -53,7 +53,7 @@ def measure_profile(handle, profile_dir: str) -> None:
 
 
 def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batch: int = 4,
-          profile_dir: Optional[str] = None, stage: int = 2) -> Dict[str, Any]:
+          profile_dir: Optional[str] = None, stage: int = 2, bert: bool = False) -> Dict[str, Any]:
     """A fresh fp64 ZeRO-2 engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and the
     ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the executor's ranges.
     ``profile_dir``: a cost profile is measured and cached there first (``"partitions": "auto"``)."""
@@ -72,7 +72,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
         if profile_dir is not None:
             measure_profile(handle, profile_dir)
-        model = _model().double()
+        model = _model(bert).double()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         calls: Dict[str, int] = {}
         stack.enter_context(count_zero_hooks(engine, calls))
@@ -95,6 +95,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["dense"] = [] if handle is None else list(handle.lancet.dense)
         engine.destroy()
     out["restored"] = all("forward" not in vars(m) for m in model.modules())     # blocks and dense modules
+    out["blocks"] = [type(b).__name__ for b in (model.bert.encoder.layer if bert else model.transformer.h)]
     return out
 
 

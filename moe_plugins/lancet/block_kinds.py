@@ -1,0 +1,184 @@
+"""The transformer blocks Lancet's executor (:mod:`moe_plugins.lancet.blocks`) knows, and how it runs each around
+its MoE layer. A kind reads a block's forward arguments (:meth:`read`), runs its part before the MoE layer on the
+whole batch (:meth:`before`: the tensor the MoE output joins, and the MoE input h), calls the MoE layer
+(:meth:`moe_call`), finishes a partition after it (:meth:`after`) and calls a whole dense block on a partition
+(:meth:`whole`). Every part goes through the block's own submodules (their hooks fire), as the stock forward does.
+
+- **GPT2Block** (transformers' GPT-2, pre-LN): before: x = x + attn(ln_1(x)), h = ln_2(x); MoE layer:
+  ``block.mlp(h)``; after: x + MoE(h).
+- **BertLayer** (transformers' BERT, post-LN) with the recipes' MoE output (``recipes.models.BertMoEOutput``:
+  ``intermediate`` an ``nn.Identity``, ``output`` computing LayerNorm(h + dropout(MoE(h))) with submodules
+  ``block``, ``dropout`` and ``LayerNorm``): before: h = attention(x)[0]; MoE layer: ``block.output.block(h)``;
+  after: output.LayerNorm(h + output.dropout(MoE(h))). Dense BertLayers run whole.
+
+The papers' packages import no host framework: blocks are told apart by their class name and submodules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+CONSUMED = ("past_key_values", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "use_cache")
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """A block forward's arguments as the executor reads them: ``stock`` when it must run unpartitioned (a KV
+    cache, cross-attention, ``use_cache``)."""
+
+    hidden: torch.Tensor
+    mask: Any
+    extra: Dict[str, Any]
+    stock: bool
+
+
+def _extra(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k not in CONSUMED}
+
+
+def _arg(args: Tuple, kwargs: Dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _dropout_problem(where: str, p: float, config: Any) -> List[str]:
+    impl = getattr(config, "_attn_implementation", "eager")
+    if p > 0 and impl != "eager":
+        return [f"{where}: attention dropout ({p}) under the {impl!r} attention draws its mask inside the kernel, "
+                "where partitions cannot replay it; load the model with attn_implementation=\"eager\" or attention "
+                "dropout 0"]
+    return []
+
+
+class GPT2Kind:
+    name = "GPT2Block"
+    moe_path = "mlp"
+
+    @staticmethod
+    def matches(block: nn.Module) -> bool:
+        return type(block).__name__ == "GPT2Block" and all(hasattr(block, n) for n in ("ln_1", "attn", "ln_2", "mlp"))
+
+    @staticmethod
+    def problems(block: nn.Module, where: str, moe: bool) -> List[str]:
+        attn = block.attn
+        if getattr(attn, "is_cross_attention", False) or hasattr(block, "crossattention"):
+            return [f"{where}: cross-attention blocks are not supported by Lancet's batch partitions"]
+        return _dropout_problem(where, attn.attn_dropout.p, getattr(attn, "config", None))
+
+    @staticmethod
+    def read(args: Tuple, kwargs: Dict[str, Any]) -> BlockCall:
+        past, mask = _arg(args, kwargs, 1, "past_key_values"), _arg(args, kwargs, 2, "attention_mask")
+        encoder = _arg(args, kwargs, 3, "encoder_hidden_states")
+        stock = past is not None or encoder is not None or bool(kwargs.get("use_cache"))
+        return BlockCall(args[0] if args else kwargs["hidden_states"], mask, _extra(kwargs), stock)
+
+    @staticmethod
+    def before(block: nn.Module, x_BLM: torch.Tensor, mask: Any, extra: Dict[str, Any]):
+        a_BLM, _ = block.attn(block.ln_1(x_BLM), past_key_values=None, attention_mask=mask, use_cache=False, **extra)
+        x_BLM = a_BLM + x_BLM
+        return x_BLM, block.ln_2(x_BLM)
+
+    @staticmethod
+    def moe_call(block: nn.Module, h_BLM: torch.Tensor) -> Any:
+        return block.mlp(h_BLM)
+
+    @staticmethod
+    def after(block: nn.Module, x_BLM: torch.Tensor, moe_BLM: torch.Tensor) -> torch.Tensor:
+        return x_BLM + moe_BLM
+
+    @staticmethod
+    def whole(block: nn.Module, x_BLM: torch.Tensor, mask: Any, extra: Dict[str, Any]) -> torch.Tensor:
+        return block(x_BLM, None, mask, None, use_cache=False, **extra)
+
+    @staticmethod
+    def heads(block: nn.Module) -> int:
+        return int(block.attn.num_heads)
+
+
+class BertKind:
+    name = "BertLayer"
+    moe_path = "output.block"
+
+    @staticmethod
+    def matches(block: nn.Module) -> bool:
+        return type(block).__name__ == "BertLayer" and all(hasattr(block, n) for n in ("attention", "intermediate",
+                                                                                      "output"))
+
+    @staticmethod
+    def problems(block: nn.Module, where: str, moe: bool) -> List[str]:
+        if getattr(block, "add_cross_attention", False) or hasattr(block, "crossattention"):
+            return [f"{where}: cross-attention blocks are not supported by Lancet's batch partitions"]
+        out = block.output
+        if moe and not (isinstance(block.intermediate, nn.Identity)
+                        and all(hasattr(out, n) for n in ("block", "dropout", "LayerNorm"))):
+            return [f"{where} is a BertLayer whose MoE output is a {type(out).__name__}, not the recipes' "
+                    "BertMoEOutput (intermediate an nn.Identity; output.block the MoE, then LayerNorm(h + "
+                    "dropout(MoE(h)))): Lancet's batch partitions cannot split it; use partitions 1"]
+        if moe and getattr(block, "chunk_size_feed_forward", 0):
+            return [f"{where}: chunk_size_feed_forward ({block.chunk_size_feed_forward}) cuts the MoE block's "
+                    "feed-forward along the sequence; Lancet's batch partitions need it 0"]
+        self_attn = block.attention.self
+        return _dropout_problem(where, self_attn.dropout.p, getattr(self_attn, "config", None))
+
+    @staticmethod
+    def read(args: Tuple, kwargs: Dict[str, Any]) -> BlockCall:
+        mask, encoder = _arg(args, kwargs, 1, "attention_mask"), _arg(args, kwargs, 2, "encoder_hidden_states")
+        past = _arg(args, kwargs, 4, "past_key_values")
+        stock = past is not None or encoder is not None or bool(kwargs.get("use_cache"))
+        return BlockCall(args[0] if args else kwargs["hidden_states"], mask, _extra(kwargs), stock)
+
+    @staticmethod
+    def before(block: nn.Module, x_BLM: torch.Tensor, mask: Any, extra: Dict[str, Any]):
+        h_BLM = block.attention(x_BLM, mask, **extra)[0]
+        return h_BLM, h_BLM
+
+    @staticmethod
+    def moe_call(block: nn.Module, h_BLM: torch.Tensor) -> Any:
+        return block.output.block(h_BLM)
+
+    @staticmethod
+    def after(block: nn.Module, h_BLM: torch.Tensor, moe_BLM: torch.Tensor) -> torch.Tensor:
+        out = block.output
+        return out.LayerNorm(h_BLM + out.dropout(moe_BLM))
+
+    @staticmethod
+    def whole(block: nn.Module, x_BLM: torch.Tensor, mask: Any, extra: Dict[str, Any]) -> torch.Tensor:
+        return block(x_BLM, mask, None, **extra)
+
+    @staticmethod
+    def heads(block: nn.Module) -> int:
+        return int(block.attention.self.num_attention_heads)
+
+
+KINDS = (GPT2Kind, BertKind)
+
+
+def kind_of(block: nn.Module) -> Optional[type]:
+    """The kind of ``block`` (None: one the executor does not know)."""
+    return next((kind for kind in KINDS if kind.matches(block)), None)
+
+
+def unknown_problem(block: nn.Module, where: str) -> str:
+    return (f"{where} is a {type(block).__name__}: Lancet's batch partitions know the blocks "
+            f"{', '.join(k.name for k in KINDS)} only (transformers' GPT-2 and BERT); use partitions 1 for this model")
+
+
+def stack_problems(blocks: List[nn.Module], moe: List[int]) -> List[str]:
+    """Why the executor cannot run this stack (empty when it can): every block of one known kind, each one's own
+    problems (``moe``: the indices of the MoE blocks)."""
+    problems = []
+    kinds = set()
+    for i, block in enumerate(blocks):
+        kind = kind_of(block)
+        if kind is None:
+            problems.append(unknown_problem(block, f"block {i}"))
+            continue
+        kinds.add(kind.name)
+        problems += kind.problems(block, f"block {i}", i in moe)
+    if len(kinds) > 1:
+        problems.append(f"the stack mixes the block kinds {', '.join(sorted(kinds))}: Lancet's batch partitions run "
+                        "one kind per stack")
+    return problems
