@@ -80,3 +80,30 @@ def test_deepspeed_adapter_row_takes_the_exchange():
     assert "moe_plugins.exchange ('raged') must be 'padded' or 'ragged'" in problem
     (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@exchange=ragged"))
     assert "option 'exchange' is unknown for the stock layer" in problem
+
+
+def test_hecate_rows_with_and_without_rematerialization(world):
+    """``hecate@remat=1`` beside ``hecate`` (both on the ragged exchange) on 4 gloo ranks: the same function as the
+    ragged baseline; the rematerialised row sends more (the copies gathered again in backward); its notes say so and
+    give the copies' peak from the schedule's memory ledger (one layer: the same peak, the copies live from its
+    forward to its backward either way); a remat value other than 0 or 1 is refused."""
+    from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig
+    from moe_plugins.tools.bench.runner import RankJob
+    from tests.workers.bench import run_bench_plan
+    (problem,) = rows.row_problems(matrix.parse_row("hecate@remat=2"))
+    assert "row ('hecate@remat=2'): remat ('2') must be 0 or 1" in problem
+    assert "option 'remat' is unknown" in rows.row_problems(matrix.parse_row("baseline@remat=1"))[0]
+    case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=8, k=2, drop_tokens=False, ep=4, skew=0.75)
+    plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=2, warmup=1,
+                     rows=(matrix.parse_row("baseline@exchange=ragged"), matrix.parse_row("hecate@exchange=ragged"),
+                           matrix.parse_row("hecate@exchange=ragged,remat=1")))
+    (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
+    assert group["skipped"] == {}
+    kept, remat = group["rows"]["hecate@exchange=ragged"], group["rows"]["hecate@exchange=ragged,remat=1"]
+    for row in (kept, remat):
+        assert row["max_abs_diff_vs_first"] <= 1e-5 * max(1.0, row["first_row_max_abs"])
+    assert all(r >= k for k, r in zip(kept["model_bytes_per_rank"], remat["model_bytes_per_rank"]))
+    assert sum(remat["model_bytes_per_rank"]) > sum(kept["model_bytes_per_rank"])
+    assert "re-gathered in backward" in remat["notes"][0] and "re-gathered" not in kept["notes"][0]
+    peaks = [float(row["notes"][-1].split()[2]) for row in (kept, remat)]
+    assert kept["notes"][-1].startswith("copies' peak") and 0 < peaks[1] <= peaks[0], peaks

@@ -21,7 +21,7 @@ Shapes: S tokens per rank, M model dim, E experts, H FFN hidden.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -31,6 +31,7 @@ from moe_plugins.core.executor import Executor
 from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.layer import MoELayer, ScheduleLike
 from moe_plugins.core.ledger import CommLedger
+from moe_plugins.hecate.config import HecateConfig
 from moe_plugins.lancet.layer import LancetMoELayer
 from moe_plugins.lancet.wgrad_queue import WgradQueue
 from moe_plugins.core.plugin_config import degree_needs_profile
@@ -56,6 +57,10 @@ PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'aut
 PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
 LANE = "engine"              # CaseData.extras key: the layout's one CommEngine (pipeline lane), shared by every row
 
+
+HECATE = "hecate"            # Hecate's schedule, with its row option remat
+HECATE_OPTIONS = {**PLUGIN_OPTIONS, "remat": "1: rematerialize (the copies freed after forward and gathered again "
+                                             "in backward); 0 (default): kept"}
 
 LANCET = "lancet"            # the row of Lancet's core layer
 LANCET_OPTIONS = {"r": "pipeline degree (an int; 'auto' or 'tune' as for the schedules' rows): Lancet with "
@@ -114,6 +119,16 @@ def build_plugin_row(spec: RowSpec, data: CaseData, *, layer_cls: Callable[..., 
     return Row(label=spec.label, kind="plugin", module=layer, forward=forward, meter=LedgerMeter(ledger),
                describe=partial(choice_notes, layer), ran_as=partial(_ran_as, spec, layer), notes=notes,
                exposure=SPANS, compute_spans=lambda: log.take() + more_spans())
+
+
+def build_hecate_row(spec: RowSpec, data: CaseData) -> Row:
+    """``hecate[@remat=1]``: the hecate schedule configured with ``rematerialize``; its notes give the copies'
+    peak bytes on this rank (the schedule's memory ledger)."""
+    row = build_plugin_row(spec, data, schedule=_schedule(spec, data).configured(
+        HecateConfig(rematerialize=spec.option("remat", "0") == "1")))
+    layer, describe = row.module, row.describe
+    return replace(row, describe=lambda: tuple(describe()) + (
+        f"copies' peak {layer.schedule.memory.peak_bytes / 2 ** 20:.2f} MiB on this rank",))
 
 
 def build_lancet_row(spec: RowSpec, data: CaseData) -> Row:
@@ -196,6 +211,7 @@ def _build_megatron(spec: RowSpec, data: CaseData) -> Row:
 
 ROW_KINDS: Dict[str, RowKind] = {
     LANCET: RowKind(build_lancet_row, LANCET_OPTIONS, kind="plugin"),
+    HECATE: RowKind(build_hecate_row, HECATE_OPTIONS, kind="plugin"),
     "deepspeed": RowKind(_build_deepspeed, ADAPTER_OPTIONS),
     "megatron": RowKind(_build_megatron, {"dispatcher": "Megatron's moe_token_dispatcher_type: alltoall "
                                                         "(default) or allgather"}),
@@ -225,6 +241,8 @@ def row_problems(spec: RowSpec) -> List[str]:
     if kind.kind == "plugin" and spec.name != LANCET and spec.option("exchange") is not None:
         problems += [f"row ({spec.label!r}): {p}" for p in exchange_problems(
             default_registry().schedule_class(spec.name), spec.option("exchange"), spec.option("r", "1"))]
+    if spec.name == HECATE and spec.option("remat", "0") not in ("0", "1"):
+        problems.append(f"row ({spec.label!r}): remat ({spec.option('remat')!r}) must be 0 or 1")
     if spec.name == "deepspeed":
         problems += adapter_row_problems(spec)
     if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):
