@@ -41,6 +41,27 @@ def test_skew_gate_makes_expert_0_the_first_choice_of_the_hot_share_only():
         assert bool((top_SK[:hot, 0] == 0).all()) and not bool((top_SK[hot:] == 0).any())
 
 
+def test_drift_case_key_and_gate_move_the_hot_expert_every_n_rounds():
+    from moe_plugins.tools.bench.case import CaseData, drift_gate
+    (case,) = matrix.parse_cases("S=40,M=16,H=16,E=6,k=2,drop=false,skew=0.6,drift=3")
+    assert case.drift == 3 and case.label.endswith("dropless skew0.6 drift3")
+    bad = [matrix.parse_cases(text)[0] for text in ("S=8,M=8,H=8,E=4,drift=2", "S=8,M=8,H=8,E=4,skew=0.5,drift=-1",
+                                                    "S=8,M=4,H=8,E=8,skew=0.5,drift=2")]
+    assert ["drift (2) moves the hot expert: it needs skew > 0" in " ".join(matrix.case_problems(bad[0], 4, 2)),
+            "drift (-1) must be >= 0" in " ".join(matrix.case_problems(bad[1], 4, 2)),
+            "it needs E (8) <= M (4)" in " ".join(matrix.case_problems(bad[2], 4, 2))] == [True] * 3
+    gen = torch.Generator().manual_seed(1)
+    x_SM, wg_EM = torch.randn(40, 16, generator=gen), torch.randn(6, 16, generator=gen) / 4
+    sets, wg2_EM = drift_gate(x_SM, wg_EM, 0.6, torch.Generator().manual_seed(5))
+    for e, x_e in enumerate(sets):
+        top_SK = (x_e @ wg2_EM.T).topk(2, dim=1).indices
+        assert bool((top_SK[:24, 0] == e).all()) and not bool((top_SK[24:] == e).any()), e
+    data = CaseData(case=case, groups=None, wg_EM=wg2_EM, full=None, x_SM=sets[0], g_SM=x_SM, dtype=torch.float32,
+                    x_hot=tuple(sets))
+    assert [next(i for i, s in enumerate(sets) if s is data.tokens(r)) for r in range(0, 21, 3)] == [0, 1, 2, 3, 4, 5, 0]
+    assert data.tokens(2) is sets[0] and data.tokens(4) is sets[1]
+
+
 def test_ragged_row_in_the_bench_on_a_dropless_skewed_case(world):
     """The rank side of ``moe-plugins bench`` on 4 gloo ranks (loopback): stock DeepSpeed, the padded baseline,
     the ragged baseline and DeepSpeed's layer swapped with the ragged exchange compute the same function on a dropless case where expert 0 is 3/4 of the first

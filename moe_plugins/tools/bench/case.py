@@ -33,6 +33,14 @@ class CaseData:
     g_SM: torch.Tensor           # upstream gradient for those tokens
     dtype: torch.dtype
     extras: Dict[str, object] = field(default_factory=dict)   # per-case host objects, e.g. singleton groups
+    x_hot: Tuple[torch.Tensor, ...] = ()   # with drift: the tokens with expert e hot, per e (x_SM is e = 0's)
+
+    def tokens(self, round_index: int) -> torch.Tensor:
+        """The tokens of round ``round_index`` (0: the traffic round): ``x_SM``, or with drift the set whose hot
+        expert is ``(round_index // drift) % E``."""
+        if not self.x_hot:
+            return self.x_SM
+        return self.x_hot[(round_index // self.case.drift) % len(self.x_hot)]
 
 
 def make_case_data(case: CaseConfig, groups: MoEProcessGroups, seed: int, dtype: str) -> CaseData:
@@ -44,9 +52,14 @@ def make_case_data(case: CaseConfig, groups: MoEProcessGroups, seed: int, dtype:
     gen_x = torch.Generator().manual_seed(seed * 100_003 + 1 + block)
     x_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
     g_SM = torch.randn(case.tokens, case.hidden, generator=gen_x)
+    td = TORCH_DTYPES[dtype]
+    if case.skew and case.drift:
+        hot, wg_EM = drift_gate(x_SM, wg_EM, case.skew, torch.Generator().manual_seed(seed * 100_003))
+        x_hot = tuple(x.to(td) for x in hot)
+        return CaseData(case=case, groups=groups, wg_EM=wg_EM, full=full, x_SM=x_hot[0], g_SM=g_SM.to(td), dtype=td,
+                        x_hot=x_hot)
     if case.skew:
         x_SM, wg_EM = skew_gate(x_SM, wg_EM, case.skew, torch.Generator().manual_seed(seed * 100_003))
-    td = TORCH_DTYPES[dtype]
     return CaseData(case=case, groups=groups, wg_EM=wg_EM, full=full, x_SM=x_SM.to(td), g_SM=g_SM.to(td), dtype=td)
 
 
@@ -64,6 +77,25 @@ def skew_gate(x_SM: torch.Tensor, wg_EM: torch.Tensor, share: float, gen: torch.
     wg_EM = wg_EM - (wg_EM @ u_M).unsqueeze(1) * u_M
     wg_EM[0] += margin * u_M
     return x_SM, wg_EM
+
+
+def drift_gate(x_SM: torch.Tensor, wg_EM: torch.Tensor, share: float, gen: torch.Generator,
+               margin: float = 3.0) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """One token set per expert e in which e is the first choice of the first ``round(share S)`` tokens and of no
+    other, for one gate (pure). Each expert gets a unit direction u_e of its own (orthonormal, drawn from ``gen``,
+    E <= M): the gate row e holds ``margin`` u_e and nothing else along the directions; in set e the hot tokens hold
+    +``margin`` along u_e, the others -``margin``, and none holds anything along the other directions: expert e's
+    logit moves by +-margin^2 and the others' are unchanged, as :func:`skew_gate` does for expert 0."""
+    U_EM = torch.linalg.qr(torch.randn(x_SM.shape[1], wg_EM.shape[0], generator=gen))[0].T
+    base_SM = x_SM - (x_SM @ U_EM.T) @ U_EM
+    wg_EM = wg_EM - (wg_EM @ U_EM.T) @ U_EM + margin * U_EM
+    hot = round(share * x_SM.shape[0])
+    sets = []
+    for e in range(wg_EM.shape[0]):
+        sign_S1 = torch.full((x_SM.shape[0], 1), -margin)
+        sign_S1[:hot] = margin
+        sets.append(base_SM + sign_S1 * U_EM[e])
+    return sets, wg_EM
 
 
 @dataclass
@@ -102,11 +134,12 @@ def close_rows(rows: Sequence[Row]) -> None:
         raise failure
 
 
-def fwd_bwd(row: Row, data: CaseData) -> torch.Tensor:
-    """One forward and backward of ``row`` on this rank's tokens; returns the output (detached)."""
+def fwd_bwd(row: Row, data: CaseData, round_index: int = 0) -> torch.Tensor:
+    """One forward and backward of ``row`` on this rank's tokens of round ``round_index``; returns the output
+    (detached)."""
     row.module.zero_grad(set_to_none=True)
     part = row.tokens if row.tokens is not None else slice(None)
-    x_SM = data.x_SM[part].detach().clone().requires_grad_(True)
+    x_SM = data.tokens(round_index)[part].detach().clone().requires_grad_(True)
     with row.scope():
         y_SM, aux = row.forward(x_SM)
         ((y_SM * data.g_SM[part]).float().sum() + AUX_COEF * aux.float()).backward()

@@ -43,13 +43,15 @@ class CaseConfig:
     ep: int = 1
     esp: int = 1
     skew: float = 0.0           # the share of tokens whose first choice is expert 0 (0: the plain random gate)
+    drift: int = 0              # with skew: the hot expert moves on to the next one every ``drift`` rounds (0: stays)
 
     @property
     def label(self) -> str:
         drop = "" if self.drop_tokens else " dropless"
         skew = f" skew{self.skew:g}" if self.skew else ""
+        drift = f" drift{self.drift}" if self.drift else ""
         return (f"S{self.tokens} M{self.hidden} H{self.ffn} E{self.experts} k{self.k} f{self.capacity_factor:g} "
-                f"mp{self.mp} ep{self.ep} esp{self.esp}{drop}{skew}")
+                f"mp{self.mp} ep{self.ep} esp{self.esp}{drop}{skew}{drift}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +129,7 @@ def parse_row(text: str) -> RowSpec:
 CASE_KEYS: Dict[str, Tuple[str, type]] = {
     "S": ("tokens", int), "M": ("hidden", int), "H": ("ffn", int), "E": ("experts", int), "k": ("k", int),
     "f": ("capacity_factor", float), "min_capacity": ("min_capacity", int), "drop": ("drop_tokens", bool),
-    "mp": ("mp", int), "ep": ("ep", int), "esp": ("esp", int), "skew": ("skew", float),
+    "mp": ("mp", int), "ep": ("ep", int), "esp": ("esp", int), "skew": ("skew", float), "drift": ("drift", int),
 }
 
 
@@ -175,6 +177,13 @@ def case_problems(case: CaseConfig, world: int, ranks_per_node: int) -> List[str
         problems.append(f"S ({case.tokens}) must be >= 1")
     if not 0.0 <= case.skew <= 1.0:
         problems.append(f"skew ({case.skew:g}) must be between 0 and 1 (the hot expert's share of first choices)")
+    if case.drift < 0:
+        problems.append(f"drift ({case.drift}) must be >= 0 (rounds before the hot expert moves on; 0: it stays)")
+    elif case.drift and not case.skew:
+        problems.append(f"drift ({case.drift}) moves the hot expert: it needs skew > 0")
+    elif case.drift and case.experts > case.hidden:
+        problems.append(f"drift ({case.drift}) gives each expert a gate direction of its own: it needs E "
+                        f"({case.experts}) <= M ({case.hidden})")
     if problems:
         return [f"case [{case.label}]: {p}" for p in problems]
     layout = ParallelLayout(world=world, ranks_per_node=ranks_per_node, mp=case.mp, ep=case.ep, esp=case.esp)

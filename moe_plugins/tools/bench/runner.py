@@ -166,7 +166,7 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
     traffic = _traffic_round(rows, data, ifname, failed)
     for r in range(1, plan.warmup):
         for row in round_order(rows, plan.seed, r):
-            fwd_bwd(row, data)
+            fwd_bwd(row, data, r)
     times: Dict[str, List[float]] = {row.label: [] for row in rows}
     exposure: Dict[str, List[Any]] = {row.label: [] for row in rows}
     for i in range(plan.iters):
@@ -176,7 +176,7 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
             row.meter.start()              # its all-to-all intervals, for the exposed time (lancet_exposure)
             try:
                 t0 = time.perf_counter()
-                fwd_bwd(row, data)
+                fwd_bwd(row, data, plan.warmup + i)
                 elapsed = time.perf_counter() - t0
             finally:
                 row.meter.stop()
