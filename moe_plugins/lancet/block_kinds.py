@@ -53,13 +53,31 @@ def _dropout_problem(where: str, p: float, config: Any) -> List[str]:
     return []
 
 
-class GPT2Kind:
+class _Kind:
+    """What every kind shares: :meth:`matches` (the class ``name`` with the ``submodules``) and :meth:`read`, from
+    where its forward takes the mask, cross-attention input and cache positionally (``positions``: name -> index)."""
+
+    name = ""
+    submodules: Tuple[str, ...] = ()
+    positions: Dict[str, int] = {}
+
+    @classmethod
+    def matches(cls, block: nn.Module) -> bool:
+        return type(block).__name__ == cls.name and all(hasattr(block, n) for n in cls.submodules)
+
+    @classmethod
+    def read(cls, args: Tuple, kwargs: Dict[str, Any]) -> BlockCall:
+        mask, encoder, past = (_arg(args, kwargs, cls.positions[name], name)
+                               for name in ("attention_mask", "encoder_hidden_states", "past_key_values"))
+        stock = past is not None or encoder is not None or bool(kwargs.get("use_cache"))
+        return BlockCall(args[0] if args else kwargs["hidden_states"], mask, _extra(kwargs), stock)
+
+
+class GPT2Kind(_Kind):
     name = "GPT2Block"
     moe_path = "mlp"
-
-    @staticmethod
-    def matches(block: nn.Module) -> bool:
-        return type(block).__name__ == "GPT2Block" and all(hasattr(block, n) for n in ("ln_1", "attn", "ln_2", "mlp"))
+    submodules = ("ln_1", "attn", "ln_2", "mlp")
+    positions = {"past_key_values": 1, "attention_mask": 2, "encoder_hidden_states": 3}
 
     @staticmethod
     def problems(block: nn.Module, where: str, moe: bool) -> List[str]:
@@ -67,13 +85,6 @@ class GPT2Kind:
         if getattr(attn, "is_cross_attention", False) or hasattr(block, "crossattention"):
             return [f"{where}: cross-attention blocks are not supported by Lancet's batch partitions"]
         return _dropout_problem(where, attn.attn_dropout.p, getattr(attn, "config", None))
-
-    @staticmethod
-    def read(args: Tuple, kwargs: Dict[str, Any]) -> BlockCall:
-        past, mask = _arg(args, kwargs, 1, "past_key_values"), _arg(args, kwargs, 2, "attention_mask")
-        encoder = _arg(args, kwargs, 3, "encoder_hidden_states")
-        stock = past is not None or encoder is not None or bool(kwargs.get("use_cache"))
-        return BlockCall(args[0] if args else kwargs["hidden_states"], mask, _extra(kwargs), stock)
 
     @staticmethod
     def before(block: nn.Module, x_BLM: torch.Tensor, mask: Any, extra: Dict[str, Any]):
@@ -98,14 +109,11 @@ class GPT2Kind:
         return int(block.attn.num_heads)
 
 
-class BertKind:
+class BertKind(_Kind):
     name = "BertLayer"
     moe_path = "output.block"
-
-    @staticmethod
-    def matches(block: nn.Module) -> bool:
-        return type(block).__name__ == "BertLayer" and all(hasattr(block, n) for n in ("attention", "intermediate",
-                                                                                      "output"))
+    submodules = ("attention", "intermediate", "output")
+    positions = {"attention_mask": 1, "encoder_hidden_states": 2, "past_key_values": 4}
 
     @staticmethod
     def problems(block: nn.Module, where: str, moe: bool) -> List[str]:
@@ -122,13 +130,6 @@ class BertKind:
                     "feed-forward along the sequence; Lancet's batch partitions need it 0"]
         self_attn = block.attention.self
         return _dropout_problem(where, self_attn.dropout.p, getattr(self_attn, "config", None))
-
-    @staticmethod
-    def read(args: Tuple, kwargs: Dict[str, Any]) -> BlockCall:
-        mask, encoder = _arg(args, kwargs, 1, "attention_mask"), _arg(args, kwargs, 2, "encoder_hidden_states")
-        past = _arg(args, kwargs, 4, "past_key_values")
-        stock = past is not None or encoder is not None or bool(kwargs.get("use_cache"))
-        return BlockCall(args[0] if args else kwargs["hidden_states"], mask, _extra(kwargs), stock)
 
     @staticmethod
     def before(block: nn.Module, x_BLM: torch.Tensor, mask: Any, extra: Dict[str, Any]):
