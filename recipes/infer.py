@@ -273,5 +273,7 @@ def plot_cdf(series: Dict[str, List[float]], path: Path, title: str) -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():
+        dist.destroy_process_group()      # NCCL wants it before exit; gloo frees its groups
     from moe_plugins.core.rank_exit import exit_rank
     exit_rank(0)     # not interpreter finalization: see moe_plugins.core.rank_exit
