@@ -247,7 +247,7 @@ class LancetHooks:
         moe = [i for i, b in enumerate(blocks) if any(m in mine for m in b.modules())]
         policy = auto_partitions(blocks, moe, swapped[mine[0]], profile_dir) if parts == AUTO else parts
         self.executors.append(BlockExecutor(blocks, moe, self.request.start, policy).install())
-        if getattr(getattr(model, "config", None), "use_cache", False):
+        if self.executors[-1].kind.caches and getattr(getattr(model, "config", None), "use_cache", False):
             logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "
                            "use_cache=False keep a KV cache and run without Lancet's batch partitions")
         logger.info("moe_plugins: Lancet's batch partitions (%d) run the blocks after MoE blocks %s", parts, moe)

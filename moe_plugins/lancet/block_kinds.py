@@ -76,6 +76,7 @@ class _Kind:
 class GPT2Kind(_Kind):
     name = "GPT2Block"
     moe_path = "mlp"
+    caches = True           # HF's GPT-2 passes a KV cache to its blocks unless use_cache is off
     submodules = ("ln_1", "attn", "ln_2", "mlp")
     positions = {"past_key_values": 1, "attention_mask": 2, "encoder_hidden_states": 3}
 
@@ -112,6 +113,7 @@ class GPT2Kind(_Kind):
 class BertKind(_Kind):
     name = "BertLayer"
     moe_path = "output.block"
+    caches = False          # an encoder: no cache reaches its layers (a decoder BERT's is run stock, as GPT-2's)
     submodules = ("attention", "intermediate", "output")
     positions = {"attention_mask": 1, "encoder_hidden_states": 2, "past_key_values": 4}
 
