@@ -147,6 +147,13 @@ def _anchor(x: torch.Tensor) -> Optional[torch.Tensor]:
     return None if x.requires_grad else x.new_empty(0).requires_grad_()
 
 
+def _apply_deferred(fn: type, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    queue: WgradQueue, name: str, tag: str) -> torch.Tensor:
+    """``fn`` (a deferred GEMM Function) on ``x`` and the detached weight and bias, with the GEMM's record."""
+    d = _record(queue, weight, bias, name, tag)
+    return fn.apply(x, weight.detach(), bias.detach() if bias is not None else None, _anchor(x), d)
+
+
 def _check_bmm(x_ENK: torch.Tensor, w_EKH: torch.Tensor, b_EH: Optional[torch.Tensor], name: str) -> None:
     problems = []
     if x_ENK.dim() != 3 or w_EKH.dim() != 3:
@@ -166,9 +173,7 @@ def deferred_bmm(x_ENK: torch.Tensor, w_EKH: torch.Tensor, b_EH: Optional[torch.
     _check_bmm(x_ENK, w_EKH, b_EH, name)
     if not _needs_deferral(w_EKH, b_EH):
         return torch.bmm(x_ENK, w_EKH) if b_EH is None else torch.baddbmm(b_EH.unsqueeze(1), x_ENK, w_EKH)
-    d = _record(queue, w_EKH, b_EH, name, tag)
-    detached_b = b_EH.detach() if b_EH is not None else None
-    return _DeferredBmm.apply(x_ENK, w_EKH.detach(), detached_b, _anchor(x_ENK), d)
+    return _apply_deferred(_DeferredBmm, x_ENK, w_EKH, b_EH, queue, name, tag)
 
 
 def deferred_linear(x_NK: torch.Tensor, w_OK: torch.Tensor, b_O: Optional[torch.Tensor], queue: WgradQueue, *,
@@ -179,9 +184,7 @@ def deferred_linear(x_NK: torch.Tensor, w_OK: torch.Tensor, b_O: Optional[torch.
                          f"{tuple(w_OK.shape)} (out-features, in-features)")
     if not _needs_deferral(w_OK, b_O):
         return F.linear(x_NK, w_OK, b_O)
-    d = _record(queue, w_OK, b_O, name, tag)
-    detached_b = b_O.detach() if b_O is not None else None
-    return _DeferredLinear.apply(x_NK, w_OK.detach(), detached_b, _anchor(x_NK), d)
+    return _apply_deferred(_DeferredLinear, x_NK, w_OK, b_O, queue, name, tag)
 
 
 def deferred_addmm(x_NK: torch.Tensor, w_KO: torch.Tensor, b_O: Optional[torch.Tensor], queue: WgradQueue, *,
@@ -193,9 +196,7 @@ def deferred_addmm(x_NK: torch.Tensor, w_KO: torch.Tensor, b_O: Optional[torch.T
                          f"{tuple(w_KO.shape)} (x 2-d (N, in), weight (in, out))")
     if not _needs_deferral(w_KO, b_O):
         return torch.mm(x_NK, w_KO) if b_O is None else torch.addmm(b_O, x_NK, w_KO)
-    d = _record(queue, w_KO, b_O, name, tag)
-    detached_b = b_O.detach() if b_O is not None else None
-    return _DeferredAddmm.apply(x_NK, w_KO.detach(), detached_b, _anchor(x_NK), d)
+    return _apply_deferred(_DeferredAddmm, x_NK, w_KO, b_O, queue, name, tag)
 
 
 def deferred_partial_ffn(x_ENM: torch.Tensor, w: ExpertWeights, activation: str, queue: WgradQueue, *,
