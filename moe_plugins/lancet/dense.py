@@ -36,18 +36,20 @@ def _type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _is_conv1d_class(cls: type) -> bool:
+    """transformers' ``Conv1D`` class, by its name and module: the papers' packages import no host framework."""
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
 def is_conv1d(module: Any) -> bool:
-    """transformers' ``Conv1D`` exactly (``torch.addmm(bias, x, weight)``, weight (in, out)), by its class's name
-    and module: the papers' packages import no host framework."""
-    cls = type(module)
-    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils" and hasattr(module, "nf")
+    """transformers' ``Conv1D`` exactly (``torch.addmm(bias, x, weight)``, weight (in, out))."""
+    return _is_conv1d_class(type(module)) and hasattr(module, "nf")
 
 
 def is_linear_like(module: Any) -> bool:
     """A module computing a dense GEMM of its own weight: a ``torch.nn.Linear`` or ``Conv1D``, or a subclass of
     either (which :func:`wrap_problems` refuses)."""
-    return isinstance(module, nn.Linear) or any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils"
-                                                for c in type(module).__mro__)
+    return isinstance(module, nn.Linear) or any(_is_conv1d_class(c) for c in type(module).__mro__)
 
 
 def wrap_problems(name: str, module: Any) -> List[str]:
