@@ -106,8 +106,7 @@ def auto_partitions(blocks: List[nn.Module], moe: List[int], layer: SwappedLayer
     first = blocks[moe[0]]
     facts = StackFacts(M=cfg.hidden, H=cfg.ffn, heads=kind_of(first).heads(first), E=cfg.num_experts, k=cfg.k,
                        f=cfg.capacity_factor, P=layer.groups.ep.size, layers=len(blocks),
-                       moe_every=moe_every_of(moe, len(blocks)),
-                       element_bytes=next(blocks[moe[0]].parameters()).element_size())
+                       moe_every=moe_every_of(moe, len(blocks)), element_bytes=next(first.parameters()).element_size())
     return AutoPartitions(facts, costs_from_profile(profile), f"profile {profile.key.slug()}")
 
 
@@ -164,6 +163,12 @@ class LancetSwappedLayer(SwappedLayer):
         layer.l_aux, layer.exp_counts = call.aux_loss, call.exp_counts_E
         request.call, request.placeholder = call, x.new_empty(x.shape)
         return request.placeholder
+
+
+def _lancet_layers(model: nn.Module, swapped: Mapping[nn.Module, Any], field: str) -> List[nn.Module]:
+    """``model``'s DeepSpeed MoE layers swapped as a :class:`LancetSwappedLayer` whose ``field`` is set (``queue``:
+    deferring dW; ``request``: running partitions)."""
+    return [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and getattr(swapped[m], field)]
 
 
 class LancetHooks:
@@ -230,7 +235,7 @@ class LancetHooks:
                        profile_dir: Optional[str] = None) -> None:
         """With partitions, the block executor on the ModuleList of blocks that holds the swapped layers; ``"auto"``
         reads the cost profile cached in ``profile_dir`` for the layers' layout."""
-        mine = [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and swapped[m].request]
+        mine = _lancet_layers(model, swapped, "request")
         if not mine:
             return
         parts = self._parts
@@ -255,7 +260,7 @@ class LancetHooks:
     def install_dense(self, model: nn.Module, swapped: Mapping[nn.Module, Any]) -> None:
         """With ``dense_wgrad``: ``model``'s Linear and Conv1D modules outside its Lancet layers defer their dW to
         the queue (tied weights stay stock, logged); a module it cannot wrap is refused, naming every one."""
-        mine = [m for m in model.modules() if isinstance(swapped.get(m), LancetSwappedLayer) and swapped[m].queue]
+        mine = _lancet_layers(model, swapped, "queue")
         if not self._dense or not mine:
             return
         found, tied = model_dense_modules(model, mine)
