@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.groups import group_timeout
+from moe_plugins.lancet.config import partitioned
 from moe_plugins.recipes import data, models, report
 
 AUX_COEF = 0.01
@@ -69,7 +70,7 @@ def lancet_partitions(ds_config: Dict[str, Any]) -> bool:
     run GPT-2 forwards that build no KV cache."""
     section = ds_config.get("moe_plugins")
     lancet = section.get("lancet") if isinstance(section, dict) else None
-    return isinstance(lancet, dict) and lancet.get("partitions", 1) not in (1, None)
+    return isinstance(lancet, dict) and partitioned(lancet)
 
 
 def build_model(args, size: models.ModelSize, vocab_size: int, use_cache: Optional[bool] = None):
