@@ -223,7 +223,7 @@ class StepPlan(StepRun):
     iters: int = 10
 
 
-def network_problems(plan: Any) -> List[str]:
+def network_problems(plan: StepRun) -> List[str]:
     """The problems of a step bench's counts (nodes, ranks_per_node, iters, warmup) and its network
     (``plan.model``, a :class:`StepModel` whose MoE layers are expert parallel over every rank), each naming the
     field and its value (pure; the training-step and Lancet timeline plans share it)."""
