@@ -14,11 +14,11 @@ Hook points, checked against DeepSpeed 0.19.8 (docs/deepspeed.md lists what each
   read), give the EP group to the gate, and swap the layer to its schedule.
 - ``deepspeed.moe.sharded_moe.MOELayer.forward``: patched to run the schedule for swapped layers (its
   ``_AllToAll``, ``drop_tokens`` and ``gather_tokens`` are then unused); layers not swapped run the original.
-- ``deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model``: wrapped so that the engine's own
-  ds_config ``moe_plugins`` section decides what is on while its layers are set up.
+- ``deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model``: wrapped so that the engine's own ds_config
+  ``moe_plugins`` section decides what is on while its layers are set up.
 
-Everything is patched by :func:`enable` and restored by :meth:`DeepSpeedPlugin.disable` (the functions are put
-back as the identical objects, and DeepSpeed's group registry as it was). Validation runs before any patch.
+Everything is patched by :func:`enable` and restored by :meth:`DeepSpeedPlugin.disable` (the functions are put back
+as the identical objects, DeepSpeed's group registry as it was). Validation runs before any patch.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_p
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.schedule import with_exchange
 from moe_plugins.plugins import default_registry
-from moe_plugins.patches.deepspeed_hecate import config_choices, hecate_class, hecate_config, weights_source
+from moe_plugins.patches.deepspeed_hecate import (HecateBlockHooks, config_choices, hecate_class, hecate_config,
+                                                  prefetch_on, weights_source)
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
 from moe_plugins.patches.deepspeed_lancet import LancetHooks
@@ -82,7 +83,7 @@ class DeepSpeedPlugin:
         self._engine_config: Optional[PluginConfig] = None
         self._names: Dict[int, str] = {}
         self._ds: Any = None
-        self.lina, self.lancet = LinaHooks(), LancetHooks()      # Lina's gradient micro-ops per engine; Lancet's dW
+        self.lina, self.lancet, self.hecate = LinaHooks(), LancetHooks(), HecateBlockHooks()   # their model hooks
         self.infer = LinaInferenceHooks(config)                  # Lina's inference schedule (reads the table now)
 
     # -- patching --------------------------------------------------------------------------------------
@@ -110,8 +111,7 @@ class DeepSpeedPlugin:
             if self._etp_before is not None:
                 groups.expert_tensor_parallel_world_size = self._etp_before
         finally:
-            self._registered.clear()
-            self._etp_before = None
+            self._registered, self._etp_before = [], None
 
     def disable(self) -> None:
         """Restore DeepSpeed: the patched functions (identical objects) and its group registry, and destroy the
@@ -122,9 +122,8 @@ class DeepSpeedPlugin:
             return
         try:
             try:
-                self.lina.remove()
-                self.lancet.remove()
-                self.infer.remove()
+                for hooks in (self.lina, self.lancet, self.hecate, self.infer):     # in this order
+                    hooks.remove()
             finally:
                 self._restore_functions()
         finally:
@@ -188,6 +187,7 @@ class DeepSpeedPlugin:
                 result = original(engine, model)
                 plugin.lina.install(lina, engine, model)
                 plugin.lancet.install_model(engine, model, plugin._layers, plugin.profile_dir or None)
+                plugin.hecate.install(model, plugin._layers)
                 return result
             finally:
                 plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = previous
@@ -263,8 +263,8 @@ class DeepSpeedPlugin:
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced, overlap = esp != facts.host_esp, self.lancet.overlap(cfg)   # overlap: Lancet's, else None
         host = self._host_groups(layout, sliced)
-        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile,
-                                            self.lancet.needs_lane(overlap))
+        lanes = self.lancet.needs_lane(overlap) or prefetch_on(cfg)     # Lancet's or Hecate's early gather
+        degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile, lanes)
         ep_pg = self._register(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:

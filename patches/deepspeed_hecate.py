@@ -10,6 +10,8 @@ on a ``deepspeed.moe`` layer. Pure helpers; nothing here patches anything.
   its type, before the layer is swapped or any group built.
 - :func:`hecate_class`: the schedule class configured with the section's options and the experts' activation
   (GELU, exact or tanh as GPT-2's ``gelu_new``; ReLU; SiLU).
+- :class:`HecateBlockHooks`: with ``prefetch``, a forward pre-hook on the block holding each Hecate layer issues
+  the layer's early gather (moe_plugins/hecate/early.py) when the block starts.
 - :func:`stacked_weights`: ``LayerParams.expert_weights`` per call: the local experts' Linear weights (transposed)
   and biases stacked. ``torch.stack`` of views copies in forward, and its backward hands each parameter its slice,
   so each ``nn.Linear`` parameter gets its gradient once per backward (DeepSpeed ZeRO's hooks fire once). They
@@ -21,9 +23,10 @@ Shapes: E_l local experts, M model dim, H FFN hidden.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 
 import torch
 
@@ -37,6 +40,7 @@ from moe_plugins.lancet.config import host_rules as lancet_host_rules
 from moe_plugins.patches.deepspeed_layer import ffn_activation
 from moe_plugins.plugins import default_registry
 
+logger = logging.getLogger(__name__)
 HOST = "deepspeed"
 _FFN_FORM = ("nn.Sequential(nn.Linear(M, H), nn.GELU()|nn.GELU(approximate='tanh')|nn.ReLU()|nn.SiLU(), "
              "nn.Linear(H, M))")
@@ -153,3 +157,47 @@ def _layer_weights(layer: torch.nn.Module) -> ExpertWeights:
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor:
     return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+
+
+def prefetch_on(cfg: Optional[PluginConfig]) -> bool:
+    """Whether ``cfg`` runs Hecate with its early gather (which needs an engine with a pipeline lane)."""
+    return hecate_on(cfg) and isinstance(cfg.hecate, dict) and cfg.hecate.get("prefetch") is True
+
+
+class HecateBlockHooks:
+    """Hecate's early gather in the model: for each swapped layer whose schedule prefetches, a forward pre-hook
+    on the block that holds it (its nearest ancestor held in a ``torch.nn.ModuleList``: the model's list of
+    transformer blocks) issues the layer's spAG when the block starts, so that the work before the layer (the
+    attention) hides it. A layer outside such a list issues it at its own call. :meth:`remove` takes them off."""
+
+    def __init__(self) -> None:
+        self.handles: List[Any] = []
+
+    def install(self, model: torch.nn.Module, swapped: Mapping[torch.nn.Module, Any]) -> None:
+        """After DeepSpeed configured ``model`` (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
+        names = {m: n for n, m in model.named_modules()}
+        held = {child: parent for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
+                for child in parent.children()}
+        parent_of = {child: parent for parent in model.modules() for child in parent.children()}
+        for moe, layer in list(swapped.items()):
+            if moe not in names or not getattr(getattr(layer.schedule, "options", None), "prefetch", False):
+                continue
+            block = moe
+            while block is not None and block not in held:
+                block = parent_of.get(block)
+            if block is None:
+                logger.info("moe_plugins: Hecate layer %s is in no ModuleList of blocks: its early gather is issued "
+                            "at the layer's own call", names[moe])
+                continue
+            self.handles.append(block.register_forward_pre_hook(partial(_prefetch, layer, moe)))
+            logger.info("moe_plugins: Hecate layer %s gathers its copies early, when block %s starts", names[moe],
+                        names[block])
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _prefetch(layer: Any, moe: torch.nn.Module, block: torch.nn.Module, args: Any) -> None:
+    layer.prefetch(moe)

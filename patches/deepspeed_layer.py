@@ -341,6 +341,11 @@ class SwappedLayer:
         return partial(sliced_expert_partials, layer.experts.deepspeed_experts, self.groups.esp,
                        self.slice_activation)
 
+    def prefetch(self, layer: torch.nn.Module) -> None:
+        """The schedule's work before the layer's gate (Hecate's early gather), from the block's pre-hook."""
+        with torch.no_grad():
+            self.schedule.prefetch(None if self.expert_weights is None else self.expert_weights(layer))
+
     def forward(self, layer: torch.nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
         if used_token is not None and self.groups.esp.size > 1:
             raise ValueError(f"MoE layer {self.name}: used_token is not supported with esp ({self.groups.esp.size})"

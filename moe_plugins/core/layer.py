@@ -108,6 +108,11 @@ class MoELayer(nn.Module):
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w1_EMH, self.b1_EH, self.w2_EHM, self.b2_EM)
 
+    def prefetch(self) -> None:
+        """Start the schedule's work that may run before this layer's call (Hecate's early gather): call it
+        at the start of the block that holds the layer, so that the work before the layer hides it."""
+        self.schedule.prefetch(self.expert_weights)
+
     @torch.no_grad()
     def load_full(self, wg_EM: torch.Tensor, full: ExpertWeights) -> None:
         """Copy this rank's shard out of full (unsharded) weights."""

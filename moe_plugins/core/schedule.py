@@ -105,6 +105,11 @@ class Schedule(ABC):
         with per-call state that its exchanges read shares that state with the twin."""
         return type(self)(self.config, groups, self.rec)
 
+    def prefetch(self, weights: Optional[ExpertWeights]) -> None:
+        """Work to start before the layer's gate, while the work before the layer runs (Hecate's early gather
+        of expert copies); called from a block's forward pre-hook or ``MoELayer.prefetch``. Default: nothing."""
+        return None
+
     def exchange(self, d: torch.Tensor) -> Optional[Exchange]:
         """What one exchange of the dispatched tensor ``d`` moves; None when the schedule does not say (a
         cost model then refuses it)."""

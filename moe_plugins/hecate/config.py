@@ -8,6 +8,9 @@
                                   # integer >= 1, or "auto": as many as the rank owns (E / EP)
         "rematerialize": false,   # true: free the copies after the layer's forward and spAG them again right
                                   # before its backward (less copy memory, one more spAG per layer and step)
+        "prefetch": false,        # true: plan from the previous calls' load and issue spAG before the gate, on
+                                  # the engine's pipeline lane, at the start of the layer's transformer block,
+                                  # with the overlap degree t measured (moe_plugins/hecate/early.py)
         "reshard_every": 0        # reserved: heterogeneous re-sharding every n steps, 0 = never (only 0 now)
     }
 
@@ -41,6 +44,7 @@ class HecateConfig:
     enabled: bool = True
     extra_experts: Union[int, str] = AUTO
     rematerialize: bool = False
+    prefetch: bool = False
     reshard_every: int = 0
 
     @classmethod
@@ -76,8 +80,9 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
         bad("enabled", "must be true or false")
     if "extra_experts" in section and not (section["extra_experts"] == AUTO or _int(section["extra_experts"], 1)):
         bad("extra_experts", 'must be an integer >= 1 (expert copies per rank) or "auto" (as many as it owns)')
-    if "rematerialize" in section and not isinstance(section["rematerialize"], bool):
-        bad("rematerialize", "must be true or false")
+    for key in ("rematerialize", "prefetch"):
+        if key in section and not isinstance(section[key], bool):
+            bad(key, "must be true or false")
     if "reshard_every" in section:
         if not _int(section["reshard_every"], 0):
             bad("reshard_every", "must be an integer >= 0 (steps between re-shardings; 0: never)")

@@ -18,6 +18,11 @@ One call (pipeline degree 1, ESP 1; docs/hecate.md, "The FSSDP layer"):
 6. **Experts** on the received rows grouped per copy (``expert_rows``), with the copies' weights and the core's
    functional FFN; **reverse exchange**; the combine of the ragged baseline (``combine_rows``).
 
+With ``prefetch`` (moe_plugins/hecate/early.py) steps 3 and 4 come first: :meth:`HecateSchedule.prefetch` plans
+from the previous calls' load with the measured overlap degree t and issues the spAG on the engine's pipeline
+lane (from the block's forward pre-hook, or at the start of the call); step 2 then only feeds the window and
+carries each rank's t_r, and the call waits for the gather after its route plan.
+
 With ``rematerialize`` (moe_plugins/hecate/remat.py) step 6 runs under saved-tensor hooks: the copies are freed
 after it and spAG runs again right before the expert step's backward. Every copy tensor is recorded in the
 layer's copy-memory ledger (:attr:`HecateSchedule.memory`, moe_plugins/hecate/memory.py).
@@ -41,12 +46,13 @@ from moe_plugins.core.experts import ExpertWeights, partial_ffn
 from moe_plugins.core.ragged import combine_rows, expert_rows, ragged_all_to_all, route_order
 from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
+from moe_plugins.hecate.early import EarlyGather, OverlapMeter, agreed_overlap, issue_early
 from moe_plugins.hecate.flow import (RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
                                      route_plan, unflat_experts)
 from moe_plugins.hecate.memory import CopyLedger
 from moe_plugins.hecate.plan import LoadWindow, Placement, materialise_budget, plan_placement, stock_homes
 from moe_plugins.hecate.remat import OwnedRead, Rematerialiser
-from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, spag_again, whole_shards
+from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, sparse_exchange, spag_again, whole_shards
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,10 @@ class _State:
         self.last: Optional[HecateStats] = None
         self.calls = 0
         self.memory = CopyLedger(layer)
+        self.early: Optional[EarlyGather] = None    # prefetch: the gather issued for the next call
+        self.meter = OverlapMeter()                 # prefetch: this rank's hiding time and bandwidth
+        self.overlap: Optional[int] = None          # prefetch: the agreed overlap degree t (None: not yet)
+        self.expert_bytes = 1                       # prefetch: one expert's bytes (set when a gather is issued)
 
 
 class HecateSchedule(Schedule):
@@ -145,6 +155,11 @@ class HecateSchedule(Schedule):
         return self._state.last
 
     @property
+    def overlap(self) -> Optional[int]:
+        """With ``prefetch``: the overlap degree t every rank agreed on at the last call (None before it)."""
+        return self._state.overlap
+
+    @property
     def memory(self) -> CopyLedger:
         """This layer's copy-memory ledger on this rank (merge several layers' with ``memory.live_peak``)."""
         return self._state.memory
@@ -154,25 +169,80 @@ class HecateSchedule(Schedule):
         if last is None:
             return []
         remat = "; copies freed after forward, re-gathered in backward" if self.options.rematerialize else ""
+        early = f"; gathered early, overlap degree t {self._state.overlap}" if self.options.prefetch else ""
         return [f"hecate: copies per expert {[len(c) for c in last.placement.copies_E]} "
-                f"({last.extra_copies()} beyond the homes){remat}"]
+                f"({last.extra_copies()} beyond the homes){remat}{early}"]
 
     # ---- the plan --------------------------------------------------------------------------------------
     def _counts(self, counts_E: torch.Tensor) -> List[List[int]]:
-        """Every EP member's kept routes per expert: one all-gather, one host read."""
-        ep = self.groups.ep
+        """Every EP member's kept routes per expert (with ``prefetch``, then its overlap degree t_r, which
+        sets the agreed t): one all-gather, one host read."""
+        ep, state = self.groups.ep, self._state
         counts_E = counts_E.to(torch.int64).contiguous()
+        if self.options.prefetch:
+            degree = state.meter.degree(state.expert_bytes)
+            counts_E = torch.cat([counts_E, counts_E.new_tensor([degree])])
         got = counts_E if ep.size == 1 else self.rec.issue("all_gather", ep, counts_E, "forward")
         flat, num = got.tolist(), counts_E.numel()                                  # the host read
-        return [flat[r * num:(r + 1) * num] for r in range(ep.size)]
+        rows = [flat[r * num:(r + 1) * num] for r in range(ep.size)]
+        if self.options.prefetch:
+            state.overlap = agreed_overlap([row.pop() for row in rows], self.config.num_experts)
+        return rows
 
-    def _placement(self, counts_RE: List[List[int]]) -> Tuple[Placement, Tuple[int, ...]]:
-        ep, num = self.groups.ep, self.config.num_experts
+    def _placement(self, counts_RE: List[List[int]],
+                   early: Optional[EarlyGather]) -> Tuple[Placement, Tuple[int, ...]]:
+        """This call's placement (the early gather's, planned before this call's load was known) and its load."""
         load_E = tuple(sum(col) for col in zip(*counts_RE))
         self._state.window = self._state.window.push(load_E)
-        budget = materialise_budget(num, self.options.budget_m(num // ep.size), num)
+        if early is not None:
+            return early.placement, load_E
+        return self._plan(self.config.num_experts), load_E
+
+    def _plan(self, overlap: int) -> Placement:
+        """Algorithm 1 on the window's mean load with overlap degree ``overlap``."""
+        ep, num = self.groups.ep, self.config.num_experts
+        budget = materialise_budget(overlap, self.options.budget_m(num // ep.size), num)
         nodes_R = tuple(self.groups.layout.node_of(r) for r in ep.ranks)
-        return plan_placement(self._state.window.mean(), stock_homes(num, ep.size), nodes_R, budget), load_E
+        return plan_placement(self._state.window.mean(), stock_homes(num, ep.size), nodes_R, budget)
+
+    def _shards(self) -> ShardSpec:
+        cfg = self.config
+        return whole_shards(expert_numel(cfg.hidden, cfg.ffn), stock_homes(cfg.num_experts, self.groups.ep.size),
+                            self.groups.ep.size)
+
+    # ---- the early gather ------------------------------------------------------------------------------
+    def prefetch(self, weights: Optional[ExpertWeights]) -> None:
+        """With ``prefetch``: plan the next call from the previous calls' load (the first call: the homes only)
+        with the agreed overlap degree, and issue its spAG on the engine's pipeline lane now. A gather still
+        pending (issued for a call that never ran) is waited for and dropped first. Without it: nothing."""
+        if not self.options.prefetch or weights is None:
+            return
+        state = self._state
+        if state.early is not None:
+            state.early.drain()
+            state.early = None
+        overlap = 0 if not state.window.loads_WE else (state.overlap if state.overlap is not None
+                                                       else self.config.num_experts)
+        placement = self._plan(overlap)
+        with torch.no_grad():
+            w_owned_O = flat_experts(weights)
+        state.expert_bytes = expert_numel(self.config.hidden, self.config.ffn) * w_owned_O.element_size()
+        ex = sparse_exchange(placement, self._shards(), self.groups.ep.rank)
+        state.early = issue_early(w_owned_O, placement, ex, self.groups.ep, self.rec)
+
+    def _take_early(self, weights: ExpertWeights) -> Optional[EarlyGather]:
+        if not self.options.prefetch:
+            return None
+        if self._state.early is None:           # no block hook issued it: issue it now (only the gate hides it)
+            self.prefetch(weights)
+        early, self._state.early = self._state.early, None
+        return early
+
+    def _received(self, early: EarlyGather, like: torch.Tensor) -> torch.Tensor:
+        recv_Q, hide_ns, took_ns = early.received(like, self.rec)
+        if early.hidden:
+            self._state.meter.measure(hide_ns, took_ns, early.wire_bytes)
+        return recv_Q
 
     # ---- the five steps --------------------------------------------------------------------------------
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
@@ -181,14 +251,20 @@ class HecateSchedule(Schedule):
                              "ExpertWeights): the core layer and the DeepSpeed host supply them; the Megatron-core "
                              "host does not")
         cfg, ep = self.config, self.groups.ep
-        routing = params.router(x_SM)
-        order = route_order([routing], cfg.num_experts)
-        counts_RE = self._counts(order.counts_EN[:, 0])
-        placement, load_E = self._placement(counts_RE)
-        plan = route_plan(counts_RE, ep.rank, placement)
-        homes = stock_homes(cfg.num_experts, ep.size)
-        shards = whole_shards(expert_numel(cfg.hidden, cfg.ffn), homes, ep.size)
-        w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec)
+        early = self._take_early(params.expert_weights)
+        try:
+            routing = params.router(x_SM)
+            order = route_order([routing], cfg.num_experts)
+            counts_RE = self._counts(order.counts_EN[:, 0])
+            placement, load_E = self._placement(counts_RE, early)
+            plan = route_plan(counts_RE, ep.rank, placement)
+            received = None if early is None else self._received(early, x_SM)
+        except BaseException:
+            if early is not None:
+                early.drain()           # its lane stays in step; the call fails as it would have
+            raise
+        shards = self._shards()
+        w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec, received)
         self._state.call = _Call(routing, order.pos_NSK[0], plan, unflat_experts(w_CF, cfg.hidden, cfg.ffn),
                                  self._track(w_CF, params, placement, shards))
         rows_E = [0] * cfg.num_experts

@@ -35,7 +35,7 @@ this rank owns, X elements it sends, Q elements it receives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -236,10 +236,13 @@ def _put(sizes: Sequence[int], pieces: Sequence[Piece], g_X: torch.Tensor) -> Li
 
 
 def spag_raw(w_owned_O: torch.Tensor, ex: SparseExchange, group: Group, rec: Recorder,
-             phase: str = "forward") -> torch.Tensor:
-    """spAG without autograd: ``w_copies_CF`` from this rank's owned buffer."""
-    send_X = _take([w_owned_O], [(0, s, n) for s, n in ex.send_pieces], w_owned_O)
-    recv_Q = _exchange(send_X, ex.send, ex.recv, group, rec, SPAG, phase) if group.size > 1 else send_X
+             phase: str = "forward", received: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """spAG without autograd: ``w_copies_CF`` from this rank's owned buffer (``received``: the exchange's result,
+    when it ran earlier: Hecate's early gather, moe_plugins/hecate/early.py)."""
+    recv_Q = received
+    if recv_Q is None:
+        send_X = _take([w_owned_O], [(0, s, n) for s, n in ex.send_pieces], w_owned_O)
+        recv_Q = _exchange(send_X, ex.send, ex.recv, group, rec, SPAG, phase) if group.size > 1 else send_X
     return _take([recv_Q, w_owned_O], ex.copy_pieces, w_owned_O).view(len(ex.experts), ex.numel)
 
 
@@ -264,20 +267,23 @@ def spag_again(w_owned_O: torch.Tensor, placement: Placement, shards: ShardSpec,
 
 class _SparseAllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w_owned_O, ex, group, rec):
+    def forward(ctx, w_owned_O, ex, group, rec, received):
         ctx.ex, ctx.group, ctx.rec, ctx.owned = ex, group, rec, w_owned_O.numel()
-        return spag_raw(w_owned_O, ex, group, rec, "forward")
+        return spag_raw(w_owned_O, ex, group, rec, "forward", received)
 
     @staticmethod
     def backward(ctx, g_copies_CF):
-        return sprs_raw(g_copies_CF.contiguous(), ctx.ex, ctx.owned, ctx.group, ctx.rec, "backward"), None, None, None
+        g_owned_O = sprs_raw(g_copies_CF.contiguous(), ctx.ex, ctx.owned, ctx.group, ctx.rec, "backward")
+        return g_owned_O, None, None, None, None
 
 
 def sparse_all_gather(w_owned_O: torch.Tensor, placement: Placement, shards: ShardSpec, group: Group,
-                      rec: Recorder) -> torch.Tensor:
+                      rec: Recorder, received: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``w_copies_CF = spAG(w_owned_O)``: full copies (C, F) of the experts ``placement`` gives this rank (in
     expert order, :meth:`Placement.experts_on`), from every rank's owned shards; backward is spRS into
-    ``w_owned_O``'s gradient. Collective over ``group``: every member calls it with the same placement."""
+    ``w_owned_O``'s gradient. Collective over ``group``: every member calls it with the same placement, unless
+    the exchange ran earlier (``received``: its result, from the same values of ``w_owned_O``; then nothing is
+    sent here)."""
     problems = []
     if placement.num_ranks != group.size:
         problems.append(f"placement has {placement.num_ranks} ranks, the {group.kind} group {group.size}")
@@ -287,4 +293,7 @@ def sparse_all_gather(w_owned_O: torch.Tensor, placement: Placement, shards: Sha
     if problems:
         raise ValueError("sparse_all_gather: " + "; ".join(problems))
     ex = sparse_exchange(placement, shards, group.rank)
-    return _SparseAllGather.apply(w_owned_O, ex, group, rec)
+    if received is not None and received.shape != (sum(ex.recv),):
+        raise ValueError(f"sparse_all_gather: received (shape {tuple(received.shape)}) must hold the "
+                         f"{sum(ex.recv)} elements this placement sends this rank")
+    return _SparseAllGather.apply(w_owned_O, ex, group, rec, received)

@@ -93,8 +93,13 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["overlap_calls"] = 0 if handle is None else sum(o.calls for o in handle.lancet.overlaps)
         out["queue_empty"] = handle is None or handle.lancet.queue is None or handle.lancet.queue.empty()
         out["dense"] = [] if handle is None else list(handle.lancet.dense)
+        hecate = [] if handle is None else [s.schedule for s in handle._layers.values() if hasattr(s.schedule, "last")]
+        out["hecate"] = [{"extra": s.last.extra_copies(), "overlap": s.overlap, "notes": s.notes()} for s in hecate]
+        out["prefetch_hooks"] = 0 if handle is None else len(handle.hecate.handles)
         engine.destroy()
     out["restored"] = all("forward" not in vars(m) for m in model.modules())     # blocks and dense modules
+    out["pre_hooks"] = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()   # DeepSpeed's own, and
+                        if m._forward_pre_hooks}                                            # none of Hecate's
     out["blocks"] = [type(b).__name__ for b in (model.bert.encoder.layer if bert else model.transformer.h)]
     return out
 
