@@ -40,9 +40,20 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
         lm.parse_row("baseline@partitions=2")
     with pytest.raises(ValueError, match=r"option r \('0'\) must be an integer >= 1"):
         lm.parse_row("baseline@r=0")
+    # Hecate's rows and their reference: the ragged baseline; neither sends the padded exchange
+    ragged = lm.parse_row("baseline@exchange=ragged")
+    assert ragged.section() == {"schedule": "baseline", "pipeline_degree": 1, "exchange": "ragged"} and not ragged.padded
+    early = lm.parse_row("hecate@prefetch=1")
+    assert early.section() == {"schedule": "baseline", "pipeline_degree": 1,
+                               "hecate": {"enabled": True, "prefetch": True}} and not early.padded
+    assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False}
+    with pytest.raises(ValueError, match=r"option exchange \('even'\) must be padded or ragged"):
+        lm.parse_row("baseline@exchange=even")
+    with pytest.raises(ValueError, match=r"option 'r=2' is unknown for hecate; allowed: prefetch"):
+        lm.parse_row("hecate@r=2")
     assert lm.rows_problems(list(lm.DEFAULT_ROWS)) == []
     problems = lm.rows_problems(["baseline", "lancet", "lancet", "pipe"])
-    assert "row ('pipe'): 'pipe' is unknown; allowed: deepspeed, baseline, lancet" in problems
+    assert "row ('pipe'): 'pipe' is unknown; allowed: deepspeed, baseline, lancet, hecate" in problems
     assert "row 'lancet' is listed twice" in problems
     assert any("must include 'deepspeed'" in p for p in problems)
     assert any("at least one PipeMoE candidate" in p for p in problems)
@@ -60,6 +71,13 @@ def test_cases_parse_and_their_problems_are_listed_at_once():
     assert any("experts (6) must be a multiple of the world (4)" in p for p in problems)
     assert any("rate ('fast') must be a positive number" in p for p in problems)
     assert any("partitions (3) must divide batch (4)" in p for p in problems)
+    skewed = lm.parse_case("link:skew=0.4,drop=0")
+    assert (skewed.skew, skewed.drop) == (0.4, 0) and "dropless, gate skew 0.4" in skewed.describe()
+    problems = lm.case_problems(dataclasses.replace(skewed, skew=0.7, drop=2), 4, [])
+    assert any("skew (0.7) must lie in (1/E, 1/k]" in p for p in problems)
+    assert any("drop (2) must be 0 (dropless) or 1" in p for p in problems)
+    with pytest.raises(ValueError, match=r"skew \('lots'\) must be a number"):
+        lm.parse_case("link:skew=lots")
     assert lm.parse_layout("2x2") == (2, 2)
     with pytest.raises(ValueError, match=r"layout \('1x4'\) must be NxR"):
         lm.parse_layout("1x4")
@@ -162,3 +180,34 @@ def test_every_row_end_to_end_on_two_ranks(world, tmp_path):
     assert rep.report_problems(report) == [] and (tmp_path / "out" / "t.png").stat().st_size > 0
     text = (tmp_path / "out" / "t.md").read_text()
     assert all(f"`{label}`" in text for label in lm.DEFAULT_ROWS) and "Targets" in text
+
+
+def test_the_gate_skew_hits_its_share_on_layer_norm_like_inputs():
+    """``skew_gate`` bisects gamma so that the gate sends ``share`` of the top-k routes to expert 0 for inputs
+    N(0, I) + d; on fresh inputs of that law it does, and more gamma gives more share."""
+    import torch
+    from torch import nn
+
+    from moe_plugins.tools.bench.lancet_model_rank import hot_share, skew_gate
+
+    class Block(nn.Module):         # the two modules skew_gate touches: ln_2 and the MoE gate's wg
+        def __init__(self):
+            super().__init__()
+            self.ln_2 = nn.LayerNorm(32)
+            gate = nn.Module()
+            gate.wg = nn.Linear(32, 4, bias=False)
+            moe = nn.Module()
+            moe.deepspeed_moe = nn.Module()
+            moe.deepspeed_moe.gate = gate
+            self.mlp = nn.Module()
+            self.mlp.moe = moe
+
+    torch.manual_seed(0)
+    block = Block()
+    w0 = block.mlp.moe.deepspeed_moe.gate.wg.weight.detach().clone()
+    gamma = skew_gate(block, 0.4, 2, seed=3)
+    d = block.ln_2.bias.detach()
+    assert abs(float(d.norm()) - 1.0) < 1e-6 and gamma > 0
+    assert torch.allclose(block.mlp.moe.deepspeed_moe.gate.wg.weight[0], w0[0] + gamma * d)
+    assert abs(hot_share(w0, d, gamma, 2, seed=11) - 0.4) < 0.02        # fresh draws: the aimed share
+    assert hot_share(w0, d, 0.0, 2) < hot_share(w0, d, gamma, 2) < hot_share(w0, d, 4 * gamma, 2)

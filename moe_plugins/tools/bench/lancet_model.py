@@ -13,6 +13,9 @@ Rows (``name`` or ``name@key=value,...``):
   not given); the rows with N >= 2 are the PipeMoE candidates the report picks the best of;
 - ``lancet`` (``@r=N``, ``@partitions=n|auto``, ``@dw=0|1``): schedule ``baseline`` with the section
   ``"lancet": {"defer_wgrad": dw, "partitions": n}`` (dw 1 unless given) at pipeline degree N.
+- ``baseline@exchange=ragged``: the baseline sending only the kept routes (Hecate's reference);
+- ``hecate`` / ``hecate@prefetch=1``: ``"hecate": {"enabled": true, "prefetch": ...}`` (Hecate's FSSDP, with its
+  early gather issued when each MoE block starts).
 
 Shapes: B samples per rank, L tokens per sample, M hidden, H expert FFN width, E experts, k routes per token,
 f capacity factor.
@@ -27,9 +30,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from moe_plugins.tools.bench.matrix import parse_rate
 
-KINDS = ("deepspeed", "baseline", "lancet")
-OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r",),
-                                                           "lancet": ("r", "partitions", "dw", "dense")})
+KINDS = ("deepspeed", "baseline", "lancet", "hecate")
+OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r", "exchange"),
+                                                           "lancet": ("r", "partitions", "dw", "dense"),
+                                                           "hecate": ("prefetch",)})
 AUTO = "auto"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
                 "lancet@partitions=4", "lancet@partitions=auto", "lancet@r=2")
@@ -42,7 +46,8 @@ EXPOSED_TARGET = 0.5                            # exposed all-to-all / the best 
 @dataclass(frozen=True)
 class ModelRow:
     """One parsed row: its label as given, its kind and options (``r``: pipeline degree; ``partitions``: an int
-    or ``"auto"``; ``dw``: defer the experts' weight gradients; ``dense``: the dense layers' too, ``dense_wgrad``)."""
+    or ``"auto"``; ``dw``: defer the experts' weight gradients; ``dense``: the dense layers' too, ``dense_wgrad``;
+    ``exchange``: the baseline's; ``prefetch``: Hecate's early gather)."""
 
     label: str
     kind: str
@@ -50,6 +55,8 @@ class ModelRow:
     partitions: Union[int, str] = 1
     dw: bool = True
     dense: bool = False
+    exchange: str = "padded"
+    prefetch: bool = False
 
     @property
     def pipemoe_candidate(self) -> bool:
@@ -58,14 +65,19 @@ class ModelRow:
 
     @property
     def padded(self) -> bool:
-        """Whether it sends the padded (E, C, M) exchange; batch partitions send only the kept routes (ragged)."""
-        return self.partitions == 1
+        """Whether it sends the padded (E, C, M) exchange; batch partitions, the ragged exchange and Hecate send only
+        the kept routes."""
+        return self.partitions == 1 and self.exchange == "padded" and self.kind != "hecate"
 
     def section(self) -> Optional[Dict[str, Any]]:
         """The ``moe_plugins`` section of the row's ds_config (None: stock DeepSpeed)."""
         if self.kind == "deepspeed":
             return None
         out: Dict[str, Any] = {"schedule": "baseline", "pipeline_degree": self.r}
+        if self.exchange != "padded":
+            out["exchange"] = self.exchange
+        if self.kind == "hecate":
+            out["hecate"] = {"enabled": True, "prefetch": self.prefetch}
         if self.kind == "lancet":
             out["lancet"] = {"defer_wgrad": self.dw, "partitions": self.partitions}
             if self.dense:
@@ -94,7 +106,11 @@ def parse_row(label: str) -> ModelRow:
             raise ValueError(f"row ({label!r}): option {key} is given twice")
         if key == "partitions":
             values[key] = AUTO if value == AUTO else _int_option(label, key, value, 1)
-        elif key in ("dw", "dense"):
+        elif key == "exchange":
+            if value not in ("padded", "ragged"):
+                raise ValueError(f"row ({label!r}): option exchange ({value!r}) must be padded or ragged")
+            values[key] = value
+        elif key in ("dw", "dense", "prefetch"):
             if value not in ("0", "1"):
                 raise ValueError(f"row ({label!r}): option {key} ({value!r}) must be 0 or 1")
             values[key] = value == "1"
@@ -154,6 +170,8 @@ class ModelCase:
     capacity_factor: float = 1.0
     vocab: int = 512
     moe_every: int = 2
+    drop: int = 1                  # 1: DeepSpeed drops routes past the capacity; 0: dropless (padded to the largest)
+    skew: float = 0.0              # > 0: each MoE gate biased towards expert 0, aiming at this share of the routes
 
     def capacity(self) -> int:
         """C: DeepSpeed's capacity per expert for S = B L tokens (top-2: ceil(2 f S / E); top-1: ceil(f S / E))."""
@@ -170,7 +188,8 @@ class ModelCase:
     def describe(self) -> str:
         return (f"{self.name} ({self.bound}-bound target): GPT-2-MoE {self.layers} blocks (MoE every "
                 f"{self.moe_every}: {self.moe_layers()} MoE layers), M {self.hidden}, heads {self.heads}, H "
-                f"{self.ffn}, E {self.experts}, k {self.k}, f {self.capacity_factor:g}, vocab {self.vocab}; "
+                f"{self.ffn}, E {self.experts}, k {self.k}, f {self.capacity_factor:g}"
+                f"{'' if self.drop else ' dropless'}{f', gate skew {self.skew:g}' if self.skew else ''}, vocab {self.vocab}; "
                 f"B {self.batch} x L {self.seq_len} per rank; link {self.rate}; padded exchange "
                 f"{self.exchange_bytes() / 1024:.0f} KiB per rank")
 
@@ -207,8 +226,11 @@ def parse_case(text: str) -> ModelCase:
             if not re.fullmatch(r"\d+", value):
                 raise ValueError(f"case ({text!r}): {key} ({value!r}) must be a positive integer")
             changes[key] = int(value)
-        elif key == "capacity_factor":
-            changes[key] = float(value)
+        elif key in ("capacity_factor", "skew"):
+            try:
+                changes[key] = float(value)
+            except ValueError:
+                raise ValueError(f"case ({text!r}): {key} ({value!r}) must be a number") from None
         else:
             changes[key] = value
     return replace(case, **changes)
@@ -217,7 +239,8 @@ def parse_case(text: str) -> ModelCase:
 def case_problems(case: ModelCase, world: int, rows: List[ModelRow]) -> List[str]:
     """Every problem of a case on ``world`` ranks (EP = world) with these rows, at once."""
     where = f"case {case.name!r}"
-    problems = [f"{where}: {n} ({getattr(case, n)}) must be >= 1" for n in _INT_FIELDS if getattr(case, n) < 1]
+    problems = [f"{where}: {n} ({getattr(case, n)}) must be >= 1" for n in _INT_FIELDS
+                if n != "drop" and getattr(case, n) < 1]
     if problems:
         return problems
     if case.bound not in BOUNDS:
@@ -232,6 +255,11 @@ def case_problems(case: ModelCase, world: int, rows: List[ModelRow]) -> List[str
         problems.append(f"{where}: hidden ({case.hidden}) must be a multiple of heads ({case.heads})")
     if case.k not in (1, 2):
         problems.append(f"{where}: k ({case.k}) must be 1 or 2 (DeepSpeed's gates)")
+    if case.drop not in (0, 1):
+        problems.append(f"{where}: drop ({case.drop}) must be 0 (dropless) or 1")
+    if case.skew and not 1 / case.experts < case.skew <= 1 / case.k:
+        problems.append(f"{where}: skew ({case.skew:g}) must lie in (1/E, 1/k] = ({1 / case.experts:g}, "
+                        f"{1 / case.k:g}]: the hot expert's share of the routes, each token routing to it once")
     if not case.moe_layers():
         problems.append(f"{where}: layers ({case.layers}) hold no MoE block at moe_every {case.moe_every}")
     for row in rows:

@@ -67,7 +67,7 @@ def build_model(case: ModelCase, seed: int) -> torch.nn.Module:
     def factory(hidden: int, expert: torch.nn.Module) -> torch.nn.Module:
         return MoE(hidden, expert, num_experts=case.experts, ep_size=world, k=case.k,
                    capacity_factor=case.capacity_factor, eval_capacity_factor=case.capacity_factor, min_capacity=0,
-                   use_rts=False, top2_2nd_expert_sampling=False)
+                   use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=bool(case.drop))
     torch.manual_seed(seed)
     model = models.build_gpt2_moe(size, case.vocab, factory, dropout=0.0, use_cache=False)
     local = case.experts // world
@@ -79,7 +79,40 @@ def build_model(case: ModelCase, seed: int) -> torch.nn.Module:
                 for name, p in expert.named_parameters():
                     drawn = torch.randn(p.shape, generator=gen) * 0.02
                     p.copy_(torch.zeros_like(p) if name.endswith("bias") else drawn)
+            if case.skew:
+                skew_gate(model.transformer.h[layer], case.skew, case.k, seed * 7 + layer)
     return model
+
+
+def hot_share(w_EM: torch.Tensor, d_M: torch.Tensor, gamma: float, k: int, samples: int = 8192,
+              seed: int = 0) -> float:
+    """The share of top-``k`` routes that a gate ``w_EM`` with ``gamma`` d added to expert 0's row sends to
+    expert 0, for inputs N(0, I) + d (a LayerNorm's output with its bias shifted by the unit vector d)."""
+    gen = torch.Generator().manual_seed(seed)
+    x_NM = torch.randn(samples, w_EM.shape[1], generator=gen) + d_M
+    w = w_EM.clone()
+    w[0] += gamma * d_M
+    top_NK = (x_NM @ w.t()).topk(k, dim=1).indices
+    return float((top_NK == 0).sum()) / (samples * k)
+
+
+def skew_gate(block: torch.nn.Module, share: float, k: int, seed: int) -> float:
+    """Bias the MoE block's gate towards expert 0: its ``ln_2`` bias shifted by a unit vector d (seeded) and
+    gamma d added to the gate's expert-0 row, gamma bisected so that :func:`hot_share` is ``share`` (the shares
+    measured in the run are the report's). Returns gamma."""
+    wg = block.mlp.moe.deepspeed_moe.gate.wg.weight
+    gen = torch.Generator().manual_seed(seed)
+    d_M = torch.randn(wg.shape[1], generator=gen)
+    d_M /= d_M.norm()
+    low, high = 0.0, 64.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if hot_share(wg.detach(), d_M, mid, k) < share else (low, mid)
+    gamma = (low + high) / 2
+    with torch.no_grad():
+        block.ln_2.bias += d_M
+        wg[0] += gamma * d_M
+    return gamma
 
 
 def ds_config(row: ModelRow, case: ModelCase, zero: int, lr: float) -> Dict[str, Any]:
@@ -121,8 +154,10 @@ def measure_profile(plugin: Any, case: ModelCase, profile_dir: str, ranks_per_no
 class BuiltRow:
     """A row's engine and its step; ``executors`` / ``overlaps``: the Lancet objects its engine added."""
 
-    def __init__(self, row: ModelRow, engine: Any, executors: List[Any], overlaps: List[Any]):
+    def __init__(self, row: ModelRow, engine: Any, executors: List[Any], overlaps: List[Any],
+                 schedules: List[Any] = ()):
         self.row, self.engine, self.executors, self.overlaps = row, engine, executors, overlaps
+        self.schedules = list(schedules)         # its swapped layers' schedules (Hecate's notes)
 
     def step(self, ids: torch.Tensor) -> float:
         from moe_plugins.recipes.models import moe_aux_loss
@@ -132,10 +167,19 @@ class BuiltRow:
         self.engine.step()
         return float(loss.detach())
 
+    def hot_share(self) -> Optional[float]:
+        """Expert 0's share of this rank's routes in the last step (the gates' counts before drops), over the
+        MoE layers."""
+        counts = [m.exp_counts for m in self.engine.module.modules() if type(m).__name__ == "MOELayer"
+                  and isinstance(getattr(m, "exp_counts", None), torch.Tensor)]
+        total = sum(float(c.sum()) for c in counts)
+        return sum(float(c[0]) for c in counts) / total if total else None
+
     def lancet_facts(self) -> Dict[str, Any]:
         return {"chosen_partitions": sorted({k for e in self.executors for k in e.chosen}),
                 "ranges_run": sum(e.ranges_run for e in self.executors),
-                "dw_behind_exchange_calls": sum(o.calls for o in self.overlaps)}
+                "dw_behind_exchange_calls": sum(o.calls for o in self.overlaps),
+                "schedule_notes": [n for s in self.schedules for n in s.notes()]}
 
 
 def build_row(row: ModelRow, case: ModelCase, plugin: Any, stack: ExitStack, seed: int, zero: int,
@@ -146,7 +190,9 @@ def build_row(row: ModelRow, case: ModelCase, plugin: Any, stack: ExitStack, see
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(row, case, zero, lr))
     stack.callback(engine.destroy)
-    return BuiltRow(row, engine, plugin.lancet.executors[ex0:], plugin.lancet.overlaps[ov0:])
+    swapped = [plugin._layers.get(m) for m in model.modules()]
+    return BuiltRow(row, engine, plugin.lancet.executors[ex0:], plugin.lancet.overlaps[ov0:],
+                    [s.schedule for s in swapped if s is not None])
 
 
 def _ledger_step(ledger: CommLedger) -> Dict[str, int]:
@@ -169,9 +215,11 @@ def run_rounds(rows: List[BuiltRow], case: ModelCase, cfg: Dict[str, Any], meter
             t0 = time.perf_counter()
             loss = by_label[label].step(ids)
             elapsed = time.perf_counter() - t0
+            share = by_label[label].hot_share()
             tx1 = nic_tx_bytes(ifname)
             figures = meter.stop().to_dict()
             out[label].append({"round": i, "timed": i >= cfg["warmup"], "step_s": elapsed, "loss": loss,
+                               "hot_share": share,
                                "nic_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
                                **figures, **_ledger_step(ledger)})
         progress(i + 1)

@@ -68,6 +68,7 @@ def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Opt
     busiest = [None if n is None else max(per_rank[r][i]["nic_tx_bytes"] for r in heads) for i, n in zip(timed, nics)]
     link_use = None if rate_bps is None or any(b is None for b in busiest) else \
         _median([8 * b / rate_bps / (s / 1e3) for b, s in zip(busiest, step)])
+    shares = [r[i].get("hot_share") for r in per_rank for i in timed]
     diff = None
     if reference is not None:
         diff = max(abs(mine["loss"] - ref["loss"]) for r, rr in zip(per_rank, reference) for mine, ref in zip(r, rr))
@@ -82,7 +83,8 @@ def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Opt
             "ledger_bytes": _median([sum_ranks("ledger_inter_node_bytes", i) for i in timed]),
             "nic_bytes": None if any(n is None for n in nics) else _median(nics), "link_use": link_use,
             "loss_per_round": [sum(r[i]["loss"] for r in per_rank) / len(per_rank) for i in range(rounds)],
-            "loss_final": sum(r[-1]["loss"] for r in per_rank) / len(per_rank), "loss_max_abs_diff": diff}
+            "loss_final": sum(r[-1]["loss"] for r in per_rank) / len(per_rank), "loss_max_abs_diff": diff,
+            "hot_share": None if not shares or None in shares else sum(shares) / len(shares)}
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -149,6 +151,9 @@ def _notes(row: Dict[str, Any]) -> str:
         out.append(f"partitions run {facts['chosen_partitions']}")
     if facts["dw_behind_exchange_calls"]:
         out.append(f"dW behind {facts['dw_behind_exchange_calls']} exchanges")
+    out += [n.replace("|", "/") for n in facts.get("schedule_notes", [])]
+    if row.get("hot_share") is not None:
+        out.append(f"expert 0 takes {100 * row['hot_share']:.0f}% of the routes")
     if row.get("other_wait_ms"):
         out.append(f"other waits {row['other_wait_ms']:.1f} ms")
     return "; ".join(out)
