@@ -189,7 +189,8 @@ class ModelCase:
         return (f"{self.name} ({self.bound}-bound target): GPT-2-MoE {self.layers} blocks (MoE every "
                 f"{self.moe_every}: {self.moe_layers()} MoE layers), M {self.hidden}, heads {self.heads}, H "
                 f"{self.ffn}, E {self.experts}, k {self.k}, f {self.capacity_factor:g}"
-                f"{'' if self.drop else ' dropless'}{f', gate skew {self.skew:g}' if self.skew else ''}, vocab {self.vocab}; "
+                f"{'' if self.drop else ' dropless'}{f', gate skew {self.skew:g}' if self.skew else ''}, "
+                f"vocab {self.vocab}; "
                 f"B {self.batch} x L {self.seq_len} per rank; link {self.rate}; padded exchange "
                 f"{self.exchange_bytes() / 1024:.0f} KiB per rank")
 
