@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from moe_plugins.tools.verify import AUX_COEF, VerifySpec
+from moe_plugins.tools.verify import VerifySpec
 
 
 def training(spec: VerifySpec, steps: int, work_s: float, fail_at: int = -1) -> Dict[str, Any]:
@@ -17,7 +17,6 @@ def training(spec: VerifySpec, steps: int, work_s: float, fail_at: int = -1) -> 
     import time
 
     import torch
-    import torch.distributed as dist
 
     from moe_plugins.core.engine import build_engine
     from moe_plugins.core.groups import process_groups
@@ -28,6 +27,7 @@ def training(spec: VerifySpec, steps: int, work_s: float, fail_at: int = -1) -> 
     from moe_plugins.hecate.schedule import HecateSchedule
     from moe_plugins.plugins import default_registry
     from moe_plugins.tools.verify import make_problem
+    from tests.workers.hecate_layer import adam_step
 
     schedules = {"early": HecateSchedule.configured(HecateConfig(prefetch=True)),
                  "ragged": with_exchange(default_registry().schedule_class("baseline"), "ragged")}
@@ -58,13 +58,7 @@ def training(spec: VerifySpec, steps: int, work_s: float, fail_at: int = -1) -> 
                     time.sleep(work_s)                  # the work before the layer (attention, in a block)
                     x = x_DSM[coords["dp"]].clone().requires_grad_(True)
                     o = layer(x)
-                    loss = (o.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * o.aux_loss
-                    opt.zero_grad()
-                    loss.backward()
-                    dist.all_reduce(layer.wg_EM.grad, group=groups.dp.pg)
-                    layer.wg_EM.grad /= groups.dp.size
-                    opt.step()
-                    run["losses"].append(float(loss.detach()))
+                    run["losses"].append(adam_step(layer, opt, o, prob.g_DSM[coords["dp"]], groups))
                     run["y"].append(o.y.detach())
                     run["grad_x"].append(x.grad)
                     last = getattr(layer.schedule, "last", None)

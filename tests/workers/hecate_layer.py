@@ -69,7 +69,6 @@ def training(spec: VerifySpec, steps: int, extra_experts: Any = "auto") -> Dict[
     weights on the same batches (new tokens every step, drawn from the seed): this rank's losses per step, and
     its expert parameters after the last step."""
     import torch
-    import torch.distributed as dist
 
     from moe_plugins.core.groups import process_groups
 
@@ -86,17 +85,24 @@ def training(spec: VerifySpec, steps: int, extra_experts: Any = "auto") -> Dict[
             for _ in range(steps):
                 x_DSM = prob.x_DSM + 0.1 * torch.randn(prob.x_DSM.shape, generator=gen, dtype=torch.float64)
                 o = layer(x_DSM[coords["dp"]])
-                loss = (o.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * o.aux_loss
-                opt.zero_grad()
-                loss.backward()
-                # the layer's gate is replicated: average its gradient over DP as a host would
-                dist.all_reduce(layer.wg_EM.grad, group=groups.dp.pg)
-                layer.wg_EM.grad /= groups.dp.size
-                opt.step()
-                losses.append(float(loss.detach()))
+                losses.append(adam_step(layer, opt, o, prob.g_DSM[coords["dp"]], groups))
             out[name] = {"losses": losses, "params": [p.detach().clone() for p in layer.parameters()],
                          "extra": getattr(layer.schedule, "last").extra_copies() if name == "hecate" else 0}
     return out
+
+
+def adam_step(layer, opt, o, g_SM, groups) -> float:
+    """One optimizer step of a core layer's output ``o`` against upstream gradient ``g_SM``; returns the loss."""
+    import torch.distributed as dist
+
+    loss = (o.y * g_SM).sum() + AUX_COEF * o.aux_loss
+    opt.zero_grad()
+    loss.backward()
+    # the layer's gate is replicated: average its gradient over DP as a host would
+    dist.all_reduce(layer.wg_EM.grad, group=groups.dp.pg)
+    layer.wg_EM.grad /= groups.dp.size
+    opt.step()
+    return float(loss.detach())
 
 
 def refused(spec: VerifySpec, degree: int) -> Optional[str]:
