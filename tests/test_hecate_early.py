@@ -14,7 +14,7 @@ import pytest
 
 from moe_plugins.hecate.config import HecateConfig, hecate_problems
 from moe_plugins.hecate.early import UNKNOWN, OverlapMeter, agreed_overlap
-from moe_plugins.hecate.plan import overlap_degree
+from moe_plugins.hecate.plan import overlap_degree, paying_experts
 from moe_plugins.tools.verify import VerifySpec
 from tests.workers import hecate_early as jobs
 
@@ -44,6 +44,17 @@ def test_agreed_overlap_is_the_smallest_known_degree():
     assert agreed_overlap([0, 7], 8) == 0                       # nothing can hide: no copies
     with pytest.raises(ValueError, match="degrees_R"):
         agreed_overlap([3, -2], 8)
+
+
+def test_paying_experts_weigh_saved_token_bytes_against_the_copies():
+    # 2 load row_bytes > R expert_bytes: 2 x 3000 x 256 = 1.5 MB > 4 x 66 kB; 2 x 100 x 256 = 51 kB is not
+    assert paying_experts([3000, 100, 0, 600], row_bytes=256, expert_bytes=66_000, num_ranks=4) == 2
+    assert paying_experts([3000, 100], row_bytes=1024, expert_bytes=1 << 20, num_ranks=4) == 1   # 1 MB experts
+    assert paying_experts([515.0], row_bytes=1, expert_bytes=1, num_ranks=1030) == 0            # equal: no gain
+    with pytest.raises(ValueError, match="row_bytes"):
+        paying_experts([1], row_bytes=0, expert_bytes=1, num_ranks=1)
+    with pytest.raises(ValueError, match="load_E"):
+        paying_experts([-1], row_bytes=1, expert_bytes=1, num_ranks=1)
 
 
 def test_config_takes_prefetch():
@@ -76,7 +87,7 @@ def test_early_gather_trains_as_the_baseline(world, fail_at):
         assert len(forward) == STEPS + (1 if fail_at >= 0 else 0)
         assert {lane for lane, _, _ in forward} == {"pipeline"}
         assert sum(b for _, _, b in forward) > 0
-        assert "gathered early, overlap degree t" in early["notes"][0]
+        assert "gathered early, planned with t" in early["notes"][0]
         if fail_at >= 0:
             assert early["refused"] == ["MoE layer input has no tokens"]
 

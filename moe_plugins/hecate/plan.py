@@ -4,7 +4,8 @@
    integers over the FSSDP group (one all-reduce through the layer's Recorder, so every rank plans the same) and
    :class:`LoadWindow` averages the last ``width`` iterations (Hecate: w = 5).
 2. **Budget.** :func:`overlap_degree`: t = floor(T_non-MoE * bw / expert_bytes), the copies a rank can receive
-   while the non-MoE work before the layer runs; :func:`materialise_budget` applies Algorithm 1's line 1,
+   while the non-MoE work before the layer runs (and, this reproduction's addition, :func:`paying_experts`: the
+   experts whose copies save more token bytes than they cost, hidden or not); :func:`materialise_budget` applies Algorithm 1's line 1,
    t <- min(t, E), m <- min(m, t), with m the memory budget ``extra_experts`` (copies per rank).
 3. **Placement.** :func:`plan_placement`: if t <= m the top-t experts go to every rank; otherwise the |D| m
    slots are given to the top-t experts by load (:func:`assign_slots`) and each expert's copies are placed
@@ -99,6 +100,22 @@ def overlap_degree(non_moe_s: float, bandwidth_bytes_per_s: float, expert_bytes:
     if problems:
         raise ValueError("invalid overlap degree inputs: " + "; ".join(problems))
     return int(math.floor(non_moe_s * bandwidth_bytes_per_s / expert_bytes))
+
+
+def paying_experts(load_E: Sequence[float], row_bytes: int, expert_bytes: int, num_ranks: int) -> int:
+    """How many experts save more bytes than a copy on every rank costs (this reproduction's addition to the
+    overlap degree, used by the early gather: a copy worth making even where its gather is not hidden).
+
+    Copied to all R ranks, an expert's routes from the R - 1 ranks that do not own it stay local: per step
+    load_e (R - 1) / R rows each way in forward (dispatch and combine) and again in backward, 4 row_bytes each.
+    The copies cost spAG plus spRS: 2 (R - 1) expert_bytes. So an expert pays when
+    2 load_e row_bytes > R expert_bytes."""
+    if not (_positive_int(row_bytes) and _positive_int(expert_bytes) and _positive_int(num_ranks)):
+        raise ValueError(f"row_bytes ({row_bytes!r}), expert_bytes ({expert_bytes!r}) and num_ranks "
+                         f"({num_ranks!r}) must be integers >= 1")
+    if any(not (isinstance(n, (int, float)) and n >= 0) for n in load_E):
+        raise ValueError(f"load_E ({list(load_E)}) must be numbers >= 0")
+    return sum(1 for n in load_E if 2 * n * row_bytes > num_ranks * expert_bytes)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ One call (pipeline degree 1, ESP 1; docs/hecate.md, "The FSSDP layer"):
    functional FFN; **reverse exchange**; the combine of the ragged baseline (``combine_rows``).
 
 With ``prefetch`` (moe_plugins/hecate/early.py) steps 3 and 4 come first: :meth:`HecateSchedule.prefetch` plans
-from the previous calls' load with the measured overlap degree t and issues the spAG on the engine's pipeline
+from the previous calls' load with t = max(the measured overlap degree, the experts whose copies pay for
+themselves: :func:`~moe_plugins.hecate.plan.paying_experts`) and issues the spAG on the engine's pipeline
 lane (from the block's forward pre-hook, or at the start of the call); step 2 then only feeds the window and
 carries each rank's t_r, and the call waits for the gather after its route plan.
 
@@ -50,7 +51,8 @@ from moe_plugins.hecate.early import EarlyGather, OverlapMeter, agreed_overlap, 
 from moe_plugins.hecate.flow import (RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
                                      route_plan, unflat_experts)
 from moe_plugins.hecate.memory import CopyLedger
-from moe_plugins.hecate.plan import LoadWindow, Placement, materialise_budget, plan_placement, stock_homes
+from moe_plugins.hecate.plan import (LoadWindow, Placement, materialise_budget, paying_experts, plan_placement,
+                                     stock_homes)
 from moe_plugins.hecate.remat import OwnedRead, Rematerialiser
 from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, sparse_exchange, spag_again, whole_shards
 
@@ -92,6 +94,7 @@ class _State:
         self.meter = OverlapMeter()                 # prefetch: this rank's hiding time and bandwidth
         self.overlap: Optional[int] = None          # prefetch: the agreed overlap degree t (None: not yet)
         self.expert_bytes = 1                       # prefetch: one expert's bytes (set when a gather is issued)
+        self.planned = 0                            # prefetch: the t the last early gather was planned with
 
 
 class HecateSchedule(Schedule):
@@ -169,7 +172,9 @@ class HecateSchedule(Schedule):
         if last is None:
             return []
         remat = "; copies freed after forward, re-gathered in backward" if self.options.rematerialize else ""
-        early = f"; gathered early, overlap degree t {self._state.overlap}" if self.options.prefetch else ""
+        state = self._state
+        early = (f"; gathered early, planned with t {state.planned} (hidden-time t now {state.overlap})"
+                 if self.options.prefetch else "")
         return [f"hecate: copies per expert {[len(c) for c in last.placement.copies_E]} "
                 f"({last.extra_copies()} beyond the homes){remat}{early}"]
 
@@ -221,12 +226,16 @@ class HecateSchedule(Schedule):
         if state.early is not None:
             state.early.drain()
             state.early = None
-        overlap = 0 if not state.window.loads_WE else (state.overlap if state.overlap is not None
-                                                       else self.config.num_experts)
-        placement = self._plan(overlap)
         with torch.no_grad():
             w_owned_O = flat_experts(weights)
         state.expert_bytes = expert_numel(self.config.hidden, self.config.ffn) * w_owned_O.element_size()
+        overlap = 0
+        if state.window.loads_WE:         # t: what hides under the work before the layer, or pays for itself
+            paying = paying_experts(state.window.mean(), self.config.hidden * w_owned_O.element_size(),
+                                    state.expert_bytes, self.groups.ep.size)
+            overlap = max(paying, state.overlap if state.overlap is not None else self.config.num_experts)
+        state.planned = overlap
+        placement = self._plan(overlap)
         ex = sparse_exchange(placement, self._shards(), self.groups.ep.rank)
         state.early = issue_early(w_owned_O, placement, ex, self.groups.ep, self.rec)
 
