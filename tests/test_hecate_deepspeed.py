@@ -61,8 +61,10 @@ def test_a_plugin_config_given_directly_is_checked_too():
     ffn = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     assert hecate_config(PluginConfig(hecate={}), _moe(ffn), "moe") == PluginConfig(
         hecate={}, schedule="hecate", exchange="ragged")
-    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \(2\) must be 1 with Hecate"):
-        hecate_config(PluginConfig(hecate={}, pipeline_degree=2), _moe(ffn), "moe")
+    assert hecate_config(PluginConfig(hecate={}, pipeline_degree=2), _moe(ffn), "moe").pipeline_degree == 2
+    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \('auto'\) must be an integer >= 1 "
+                                         r"with Hecate"):
+        hecate_config(PluginConfig(hecate={}, pipeline_degree="auto"), _moe(ffn), "moe")
     with pytest.raises(ValueError, match=r"moe_plugins\.hecate\.extra_experts \(0\) must be an integer >= 1"):
         hecate_config(PluginConfig(hecate={"extra_experts": 0}), _moe(ffn), "moe")
     odd = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
@@ -83,13 +85,16 @@ def test_a_plugin_config_given_directly_is_checked_too():
 
 @pytest.mark.parametrize("combo", [dict(ep=4, k=1, drop=False), dict(ep=4, k=2, drop=True),
                                    dict(ep=4, k=2, drop=False), dict(ep=2, k=1, drop=True),
-                                   dict(ep=2, k=2, drop=False), dict(ep=4, k=2, drop=False, gelu="tanh")],
+                                   dict(ep=2, k=2, drop=False), dict(ep=4, k=2, drop=False, gelu="tanh"),
+                                   dict(ep=4, k=2, drop=False, degree=3), dict(ep=4, k=1, drop=True, degree=3)],
                          ids=str)
 def test_fp64_hecate_equals_stock_deepspeed(world, combo):
-    """gelu "tanh": the experts use GPT-2's gelu_new (nn.GELU(approximate="tanh")), as the GPT-2 recipe's do."""
+    """gelu "tanh": the experts use GPT-2's gelu_new (nn.GELU(approximate="tanh")), as the GPT-2 recipe's do.
+    degree 3: PipeMoE's chunks (each piece routed on its own, the copies shared), on the engine's pipeline lane."""
     combo = dict(combo)
-    gelu = combo.pop("gelu", "none")
-    report = world(WORLD).run(jobs.fp64_against_stock, _spec(**combo), HECATE, gelu)[0]
+    gelu, degree = combo.pop("gelu", "none"), combo.pop("degree", 1)
+    section = {**HECATE, "pipeline_degree": degree}
+    report = world(WORLD).run(jobs.fp64_against_stock, _spec(**combo), section, gelu)[0]
     assert report["ok"], report
     for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
         assert report[key] <= 1e-9, (key, report[key])
@@ -113,6 +118,8 @@ def test_fp64_hecate_equals_stock_deepspeed(world, combo):
     assert all(r["activation"] == {"none": "gelu", "tanh": "gelu_tanh"}[gelu] for r in ranks)
     layer = next(iter(report["ledger"].values()))
     assert layer["forward:spag@ep"]["count"] == layer["backward:sprs@ep"]["count"] == 1
+    assert layer["forward:all_to_all@ep"]["count"] == 2 * degree        # each piece: dispatch and combine
+    assert report["swaps"][0]["pipeline_degree"] == degree
     for r in report["ranks"]:          # one forward and backward: each parameter's gradient accumulated once
         assert r["accumulated"] == {n: 1 for n in r["params"]}, r["accumulated"]
 

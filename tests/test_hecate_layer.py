@@ -106,8 +106,10 @@ def test_config_section_parses():
     ({"hecate": [1]}, r"moe_plugins\.hecate \(\[1\]\) must be a JSON object"),
     ({"schedule": "parm-s2", "hecate": {}}, r"moe_plugins\.schedule \('parm-s2'\) cannot run Hecate"),
     ({"schedule": "baseline-tp", "hecate": {"enabled": True}}, r"schedule \('baseline-tp'\) cannot run Hecate"),
-    ({"hecate": {}, "pipeline_degree": 2}, r"pipeline_degree \(2\) must be 1 with Hecate"),
-    ({"schedule": "hecate", "pipeline_degree": "auto"}, r"pipeline_degree \('auto'\) must be 1 with Hecate"),
+    ({"hecate": {"rematerialize": True}, "pipeline_degree": 2},
+     r"pipeline_degree \(2\) must be 1 with moe_plugins\.hecate\.rematerialize"),
+    ({"schedule": "hecate", "pipeline_degree": "auto"}, r"pipeline_degree \('auto'\) must be an integer >= 1 with "
+                                                        r"Hecate"),
     ({"hecate": {}, "exchange": "padded"}, r"exchange \('padded'\) cannot be used with Hecate"),
     ({"hecate": {}, "esp": 2}, r"esp \(2\) must be 1 or null with Hecate"),
     ({"schedule": "hecate", "hecate": {"enabled": False}}, r"hecate\.enabled \(False\) contradicts"),
@@ -119,8 +121,11 @@ def test_config_refusals(section, message):
 
 def test_schedule_refusals():
     assert hecate_problems({"extra_experts": 2, "reshard_every": 0}) == []
-    assert exchange_problems(HecateSchedule, "ragged", 2) == [
-        "schedule 'hecate' runs pipeline_degree 1, not 2: its exchange is not cut into PipeMoE's chunks yet"]
+    assert exchange_problems(HecateSchedule, "ragged", 3) == []                  # PipeMoE's chunks
+    assert exchange_problems(HecateSchedule.from_section({"rematerialize": True}), "ragged", 2) == [
+        "schedule 'hecate' with rematerialize runs pipeline_degree 1, not 2: the re-gather is built for one expert "
+        "step per call"]
+    assert "give an integer" in exchange_problems(HecateSchedule, "ragged", "auto")[0]
     assert "runs the ragged exchange only" in exchange_problems(HecateSchedule, "padded")[0]
     layout = replace(SPEC, ep=2, esp=2).layout()
     assert default_registry().schedule_problems("hecate", layout) == [
@@ -211,6 +216,32 @@ def test_one_host_read_per_call(world):
             assert step[where] == 1 and where.startswith("tolist at schedule") and "prepare" in where, step
 
 
-def test_hecate_layer_refuses_chunks(world):
-    messages = world(WORLD).run(refused, SPEC, 2)
-    assert all(m is not None and "schedule 'hecate' runs pipeline_degree 1, not 2" in m for m in messages)
+CHUNKED = [replace(SPEC, k=2, drop=False, skew=12.0, seed=5), replace(SPEC, k=1, drop=True, skew=12.0, seed=4,
+                                                                         capacity_factor=1.5),
+           replace(SPEC, k=2, drop=True, seed=6, capacity_factor=1.5)]
+
+
+@pytest.mark.parametrize("degree", [3, 8])
+def test_hecate_with_pipemoe_chunks_equals_reference_and_baseline(world, degree):
+    """PipeMoE's chunks (degree 3; 8: more chunks than some experts' routes): each piece routed on its own over
+    the shared copies, one spAG per call, its exchanges on the pipeline lane; outputs and all gradients equal the
+    reference and the ragged baseline at degree 1 (<= 1e-9), every kept route computed once."""
+    results = world(WORLD).run(one_call, CHUNKED, "auto", degree)
+    for i, spec in enumerate(CHUNKED):
+        ranks = [r[i] for r in results]
+        report = compare(replace(spec, schedule="baseline"), [r["hecate"] for r in ranks])
+        assert report["ok"], (spec, {k: v for k, v in report.items() if k.startswith("max_err")})
+        for r in ranks:
+            h, b = r["hecate"], r["ragged"]
+            assert torch.equal(h["counts"], b["counts"]) and h["dropped"] == b["dropped"]
+            for key in ("y", "grad_x", "grad_wg"):
+                assert _err(h[key], b[key]) <= EXACT, (spec, key)
+            assert all(_err(gh, gb) <= EXACT for gh, gb in zip(h["grad_experts"], b["grad_experts"]))
+            led = h["ledger"]["moe"]
+            assert led["forward:spag@ep"]["count"] == led["backward:sprs@ep"]["count"] == 1
+            assert led["forward:all_to_all@ep"]["count"] == 2 * degree
+        h0 = ranks[0]["hecate"]
+        assert h0["extra"] > 0 and all(r["hecate"]["copies_E"] == h0["copies_E"] for r in ranks)
+        assert [sum(r["hecate"]["rows_E"][e] for r in ranks) for e in range(spec.experts)] == list(h0["load_E"])
+    messages = world(WORLD).run(refused, SPEC, 2, True)            # rematerialize: degree 1 only
+    assert all(m is not None and "with rematerialize runs pipeline_degree 1, not 2" in m for m in messages)

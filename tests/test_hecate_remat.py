@@ -54,7 +54,8 @@ def test_config_accepts_rematerialize_with_the_same_rules():
     for section, message in (({"hecate": {"rematerialize": "yes"}}, r"rematerialize \('yes'\) must be true or false"),
                              ({"hecate": {"rematerialize": True, "reshard_every": 5}},
                               r"reshard_every \(5\) is not supported yet"),
-                             ({**REMAT, "pipeline_degree": 2}, r"pipeline_degree \(2\) must be 1 with Hecate"),
+                             ({**REMAT, "pipeline_degree": 2}, r"pipeline_degree \(2\) must be 1 with "
+                                                               r"moe_plugins\.hecate\.rematerialize"),
                              ({**REMAT, "schedule": "parm-s2"}, r"schedule \('parm-s2'\) cannot run Hecate")):
         with pytest.raises(ValueError, match=message):
             PluginConfig.from_dict(section, **config_choices())

@@ -18,7 +18,8 @@ How the section selects the schedule: an enabled section switches schedule ``bas
 baseline's data flow with FSSDP, :class:`~moe_plugins.hecate.schedule.HecateSchedule`); ``"schedule": "hecate"``
 names the same schedule directly (its options then come from the section, or the defaults). Any other schedule
 (Parm's, ``baseline-tp``) with an enabled section is refused, naming the schedule, and so are a pipeline degree
-other than 1, an explicit ``"exchange": "padded"`` (Hecate sends only the kept rows; absent, it is implied) and
+word (``"auto"``, ``"tune"``; integers run PipeMoE's chunks), a degree other than 1 with ``rematerialize``, an
+explicit ``"exchange": "padded"`` (Hecate sends only the kept rows; absent, it is implied) and
 ``esp`` > 1. Only the DeepSpeed adapter runs Hecate (it supplies ``LayerParams.expert_weights``): it checks the
 section with :func:`host_rules` for ``"deepspeed"``; every other reader (:data:`SECTION_RULES`, the registry's
 default: the Megatron-core adapter, the launcher) refuses an enabled section with one line, so that no host runs
@@ -115,9 +116,13 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
                         f"the baseline's data flow only (schedule 'baseline' or '{NAME}'); schedule {schedule!r} "
                         "with FSSDP is not built")
     degree = section.get("pipeline_degree", 1)
-    if degree not in (1, "1"):
-        problems.append(f"{path}.pipeline_degree ({degree!r}) must be 1 with Hecate: its exchange is not cut into "
-                        "PipeMoE's chunks yet")
+    fixed = _int(degree, 1) or (isinstance(degree, str) and degree.isdigit() and int(degree) >= 1)
+    if not fixed:
+        problems.append(f"{path}.pipeline_degree ({degree!r}) must be an integer >= 1 with Hecate: a degree chosen "
+                        "per call (\"auto\", \"tune\") could differ between ranks, whose rows differ")
+    elif int(degree) != 1 and isinstance(hecate, Mapping) and hecate.get("rematerialize") is True:
+        problems.append(f"{path}.pipeline_degree ({degree!r}) must be 1 with {path}.{NAME}.rematerialize: the "
+                        "re-gather is built for one expert step per call")
     if section.get("exchange", "ragged") != "ragged":
         problems.append(f"{path}.exchange ({section['exchange']!r}) cannot be used with Hecate, which sends only "
                         "the kept rows (the ragged exchange): drop the key or write 'ragged'")

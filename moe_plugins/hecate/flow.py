@@ -6,6 +6,7 @@
   routes of a copy being a contiguous run of the expert's kept routes (lower copy rank first); the rows travel
   destination by destination, expert by expert, in one uneven all-to-all. Every rank computes every source's
   split from the same integers, so no second exchange of split sizes is needed.
+- :func:`piece_plans`: the call cut into PipeMoE's chunks, each routed on its own (degree 1: the whole call).
 - :func:`flat_experts` / :func:`unflat_experts`: an expert's parameters as one flat row of F = M H + H + H M + M
   elements (w1, b1, w2, b2), the unit spAG copies.
 - :func:`ffn_activation_problems`: whether the copies' FFN (the core's ``partial_ffn``) has a host experts'
@@ -23,6 +24,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from moe_plugins.core.experts import ACTIVATIONS, ExpertWeights
+from moe_plugins.core.schedule import chunk_bounds
 from moe_plugins.hecate.plan import Placement, dispatch_counts
 
 
@@ -92,3 +94,33 @@ def ffn_activation_problems(activation: str) -> List[str]:
     if activation in ACTIVATIONS:
         return []
     return [f"activation ({activation!r}) must be one of {sorted(ACTIVATIONS)}"]
+
+
+@dataclass(frozen=True)
+class PiecePlan:
+    """One piece of a call (the whole call, or one of PipeMoE's chunks): ``rows``, the rows this rank sends in
+    it, in send order (indices into its kept rows in (expert, slot) order), and the piece's :class:`RoutePlan`."""
+
+    rows: Tuple[int, ...]
+    plan: RoutePlan
+
+
+def piece_plans(counts_RE: Sequence[Sequence[int]], rank: int, placement: Placement, degree: int) -> List[PiecePlan]:
+    """The call cut into ``degree`` pieces (pure). Piece [a, b) (``chunk_bounds`` over the largest count any
+    source has for any expert, so every rank cuts the same) takes, of each source's kept routes for each expert,
+    those ranked a..min(n, b)-1, and is routed on its own (:func:`route_plan` of its counts): each source splits
+    each piece's routes over the expert's copies. Degree 1: the whole call, one piece."""
+    if not (isinstance(degree, int) and degree >= 1):
+        raise ValueError(f"degree ({degree!r}) must be an integer >= 1")
+    if degree == 1:
+        whole = route_plan(counts_RE, rank, placement)
+        return [PiecePlan(whole.perm_X, whole)]
+    slots = max((n for row in counts_RE for n in row), default=0)
+    starts_E = [sum(counts_RE[rank][:e]) for e in range(len(counts_RE[rank]))]
+    pieces = []
+    for a, b in chunk_bounds(slots, degree):
+        counts_c = [[max(0, min(n, b) - a) for n in row] for row in counts_RE]
+        local = [starts_E[e] + a + j for e, n in enumerate(counts_c[rank]) for j in range(n)]
+        plan = route_plan(counts_c, rank, placement)
+        pieces.append(PiecePlan(tuple(local[i] for i in plan.perm_X), plan))
+    return pieces

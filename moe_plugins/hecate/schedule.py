@@ -1,6 +1,7 @@
 """Hecate's schedule (``"hecate"``): the baseline's ragged data flow with FSSDP's sparse materialisation.
 
-One call (pipeline degree 1, ESP 1; docs/hecate.md, "The FSSDP layer"):
+One call (ESP 1; docs/hecate.md, "The FSSDP layer"; at PipeMoE's integer pipeline degree r > 1 steps 5 and 6 run
+per piece, :func:`~moe_plugins.hecate.flow.piece_plans`, the copies shared by every piece):
 
 1. **Gate** (the layer's router) and the ragged route order (``core/ragged.py``): this rank's kept routes per
    expert.
@@ -36,9 +37,9 @@ receives, C experts it holds a copy of, n rows per copy (padded), M model dim, F
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, List, Mapping, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 
@@ -48,8 +49,8 @@ from moe_plugins.core.ragged import combine_rows, expert_rows, ragged_all_to_all
 from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
 from moe_plugins.hecate.early import EarlyGather, OverlapMeter, agreed_overlap, issue_early
-from moe_plugins.hecate.flow import (RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
-                                     route_plan, unflat_experts)
+from moe_plugins.hecate.flow import (PiecePlan, RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
+                                     piece_plans, unflat_experts)
 from moe_plugins.hecate.memory import CopyLedger
 from moe_plugins.hecate.plan import (LoadWindow, Placement, materialise_budget, paying_experts, plan_placement,
                                      stock_homes)
@@ -75,9 +76,12 @@ class HecateStats:
 class _Call:
     routing: Any
     pos_SK: torch.Tensor
-    plan: RoutePlan
-    copies: Optional[ExpertWeights]             # dropped after the expert step
+    counts_RE: List[List[int]]                  # every member's kept routes per expert (the host read)
+    placement: Placement
+    pieces: List[PiecePlan]                     # the whole call, or PipeMoE's chunks (Schedule.chunks)
+    copies: Optional[ExpertWeights]             # dropped after the last piece's expert step
     remat: Optional[Rematerialiser] = None      # with rematerialize: how the backward gathers them again
+    taken: Dict[str, int] = field(default_factory=lambda: {"exchange_in": 0, "expert": 0, "exchange_out": 0})
 
 
 class _State:
@@ -103,7 +107,7 @@ class HecateSchedule(Schedule):
 
     name = NAME
     exchange_mode = "ragged"
-    ragged_chunks = False
+    ragged_chunks = True
     needs_expert_weights = True
     options: ClassVar[HecateConfig] = HecateConfig()
     activation: ClassVar[Optional[str]] = None     # the copies' activation; None: MoEConfig.activation
@@ -140,8 +144,10 @@ class HecateSchedule(Schedule):
     def degree_problems(cls, pipeline_degree: Any) -> List[str]:
         if pipeline_degree in (1, "1"):
             return []
-        return [f"schedule '{NAME}' runs pipeline_degree 1, not {pipeline_degree!r}: its exchange is not cut into "
-                "PipeMoE's chunks yet"]
+        if cls.options.rematerialize:
+            return [f"schedule '{NAME}' with rematerialize runs pipeline_degree 1, not {pipeline_degree!r}: the "
+                    "re-gather is built for one expert step per call"]
+        return []
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -266,7 +272,7 @@ class HecateSchedule(Schedule):
             order = route_order([routing], cfg.num_experts)
             counts_RE = self._counts(order.counts_EN[:, 0])
             placement, load_E = self._placement(counts_RE, early)
-            plan = route_plan(counts_RE, ep.rank, placement)
+            pieces = piece_plans(counts_RE, ep.rank, placement, 1)
             received = None if early is None else self._received(early, x_SM)
         except BaseException:
             if early is not None:
@@ -274,15 +280,11 @@ class HecateSchedule(Schedule):
             raise
         shards = self._shards()
         w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec, received)
-        self._state.call = _Call(routing, order.pos_NSK[0], plan, unflat_experts(w_CF, cfg.hidden, cfg.ffn),
-                                 self._track(w_CF, params, placement, shards))
-        rows_E = [0] * cfg.num_experts
-        for e, n in zip(plan.experts, plan.rows_C):
-            rows_E[e] = n
-        self._state.last = HecateStats(placement, load_E, tuple(rows_E))
-        kept = sum(counts_RE[ep.rank])
-        token_X = order.token_X[:kept].index_select(0, _index(plan.perm_X, x_SM.device))
-        return Dispatched(d=x_SM.index_select(0, token_X), cap_dim=0, state=self._state.call,
+        self._state.call = _Call(routing, order.pos_NSK[0], counts_RE, placement, pieces,
+                                 unflat_experts(w_CF, cfg.hidden, cfg.ffn), self._track(w_CF, params, placement, shards))
+        self._state.last = HecateStats(placement, load_E, _rows_E(pieces, cfg.num_experts))
+        kept = sum(counts_RE[ep.rank])          # d: this rank's kept rows in (expert, slot) order
+        return Dispatched(d=x_SM.index_select(0, order.token_X[:kept]), cap_dim=0, state=self._state.call,
                           aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
 
     def _track(self, w_CF: torch.Tensor, params: LayerParams, placement: Placement,
@@ -297,31 +299,50 @@ class HecateSchedule(Schedule):
         return Rematerialiser(w_CF, regather, partial(state.memory.track, phase="backward", call=call))
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
+        """The pieces in send order: the whole call, or PipeMoE's ``degree`` chunks (``flow.piece_plans``)."""
         problems = self.degree_problems(degree)
         if problems:
             raise ValueError(problems[0])
-        return [dispatched.d]
+        call: _Call = dispatched.state
+        if degree != 1:
+            call.pieces = piece_plans(call.counts_RE, self.groups.ep.rank, call.placement, degree)
+            last = self._state.last
+            if last is not None:
+                self._state.last = HecateStats(last.placement, last.load_E, _rows_E(call.pieces, len(last.load_E)))
+        return [dispatched.d.index_select(0, _index(p.rows, dispatched.d.device)) for p in call.pieces]
 
-    def _call(self, step: str, rows: int, side: str) -> _Call:
-        """The call in flight, checked: ``rows`` must be its ``side`` ("send" or "recv") total."""
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        """The pieces' rows back in (expert, slot) order."""
+        rows = _index([r for p in dispatched.state.pieces for r in p.rows], outs[0].device)
+        return torch.cat(outs).index_select(0, torch.argsort(rows))
+
+    def _piece(self, step: str, rows: int, side: str) -> Tuple[_Call, RoutePlan]:
+        """The call in flight and its next piece for ``step``, checked: ``rows`` must be the piece's ``side``
+        ("send" or "recv") total."""
         call = self._state.call
         if call is None:
             raise ValueError(f"schedule '{NAME}': {step} before prepare")
-        expected = sum(getattr(call.plan, side))
-        if rows != expected:
-            raise ValueError(f"schedule '{NAME}': {step} got {rows} rows, not the {expected} of this call")
-        return call
+        index = call.taken[step]
+        if index >= len(call.pieces):
+            raise ValueError(f"schedule '{NAME}': {step} called more often than the call has pieces "
+                             f"({len(call.pieces)})")
+        plan = call.pieces[index].plan
+        if rows != sum(getattr(plan, side)):
+            raise ValueError(f"schedule '{NAME}': {step} got {rows} rows, not the {sum(getattr(plan, side))} of "
+                             f"piece {index} of {len(call.pieces)}; run the pieces through Schedule.chunks and join")
+        call.taken[step] = index + 1
+        return call, plan
 
     def exchange_in(self, d_XM: torch.Tensor) -> torch.Tensor:
-        call = self._call("exchange_in", d_XM.shape[0], "send")
-        return ragged_all_to_all(d_XM, call.plan.send, call.plan.recv, self.groups.ep, self.rec)
+        _, plan = self._piece("exchange_in", d_XM.shape[0], "send")
+        return ragged_all_to_all(d_XM, plan.send, plan.recv, self.groups.ep, self.rec)
 
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        call = self._call("expert", e_QM.shape[0], "recv")
+        call, plan = self._piece("expert", e_QM.shape[0], "recv")
         model_dim, replicas = e_QM.shape[-1], self.groups.mp.size
-        gather, back, rows = expert_rows(call.plan.recv_RC)
+        gather, back, rows = expert_rows(plan.recv_RC)
         padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
-        x_CnM = padded.index_select(0, _index(gather, e_QM.device)).view(len(call.plan.experts), rows, model_dim)
+        x_CnM = padded.index_select(0, _index(gather, e_QM.device)).view(len(plan.experts), rows, model_dim)
         if replicas > 1:          # MP replicas: every row arrives once per replica (as the baseline)
             x_CnM = comm.grad_scale(x_CnM, float(replicas))
         activation, copies = self.activation or self.config.activation, call.copies
@@ -329,26 +350,35 @@ class HecateSchedule(Schedule):
             raise ValueError(f"schedule '{NAME}': expert called twice for one call (its copies are freed after use)")
         with call.remat.hooks() if call.remat is not None else nullcontext():
             y_CnM = partial_ffn(x_CnM, copies, activation) + copies.b2_EM.unsqueeze(1)
-        call.copies = None        # from here only autograd holds the copies (none of them with rematerialize)
+        if call.taken["expert"] == len(call.pieces):
+            call.copies = None    # from here only autograd holds the copies (none of them with rematerialize)
         if replicas > 1:
             y_CnM = comm.grad_scale(y_CnM, 1.0 / replicas)
         return y_CnM.reshape(-1, model_dim).index_select(0, _index(back, e_QM.device))
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
-        call = self._call("exchange_out", o_QM.shape[0], "recv")
-        return ragged_all_to_all(o_QM, call.plan.recv, call.plan.send, self.groups.ep, self.rec)
+        _, plan = self._piece("exchange_out", o_QM.shape[0], "recv")
+        return ragged_all_to_all(o_QM, plan.recv, plan.send, self.groups.ep, self.rec)
 
     def finish(self, r_XM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call: _Call = dispatched.state
         if self._state.call is call:
             self._state.call = None         # hold nothing of this call (its copies) past the layer
-        order_X = torch.argsort(_index(call.plan.perm_X, r_XM.device))   # back to (expert, slot) order
-        return combine_rows(r_XM.index_select(0, order_X), call.pos_SK, call.routing)
+        return combine_rows(r_XM, call.pos_SK, call.routing)      # r_XM in (expert, slot) order (join)
 
 
 def _regather(owned: OwnedRead, placement: Placement, shards: ShardSpec, group, rec) -> torch.Tensor:
     with torch.no_grad():
         return spag_again(flat_experts(owned.read()), placement, shards, group, rec)
+
+
+def _rows_E(pieces: List[PiecePlan], num_experts: int) -> Tuple[int, ...]:
+    """Rows this rank computes per expert over the pieces (0 for experts it holds no copy of)."""
+    rows_E = [0] * num_experts
+    for piece in pieces:
+        for e, n in zip(piece.plan.experts, piece.plan.rows_C):
+            rows_E[e] += n
+    return tuple(rows_E)
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -8,15 +8,16 @@ from typing import Any, Dict, List, Optional
 from moe_plugins.tools.verify import AUX_COEF, VerifySpec
 
 
-def _layer(spec: VerifySpec, groups, schedule, ledger=None):
+def _layer(spec: VerifySpec, groups, schedule, ledger=None, executor=None):
     import torch
 
     from moe_plugins.core.layer import MoELayer
     from moe_plugins.plugins import default_registry
     from moe_plugins.tools.verify import make_problem
 
+    degree = 1 if executor is None else executor.degree
     layer = MoELayer(spec.moe_config(), groups, schedule=schedule, dtype=torch.float64, registry=default_registry(),
-                     ledger=ledger)
+                     ledger=ledger, pipeline_degree=degree, executor=executor)
     prob = make_problem(spec)
     layer.load_full(prob.wg_EM, prob.full)
     return layer, prob
@@ -33,20 +34,25 @@ def _schedules(extra_experts: Any):
             "ragged": with_exchange(base, "ragged"), "padded": base}
 
 
-def one_call(specs: List[VerifySpec], extra_experts: Any = "auto") -> List[Dict[str, Dict[str, Any]]]:
+def one_call(specs: List[VerifySpec], extra_experts: Any = "auto", degree: int = 1) -> List[Dict[str, Dict[str, Any]]]:
     """Per spec, this rank's forward and backward with each schedule (``hecate``, ``ragged``, ``padded``): the
-    fields ``moe_plugins.tools.verify.compare`` reads, plus Hecate's placement, load and computed rows."""
+    fields ``moe_plugins.tools.verify.compare`` reads, plus Hecate's placement, load and computed rows. ``degree``
+    > 1: Hecate runs PipeMoE's chunks (an executor on an engine with a pipeline lane), the others degree 1."""
+    from moe_plugins.core.engine import build_engine
     from moe_plugins.core.groups import process_groups
     from moe_plugins.core.ledger import CommLedger
+    from moe_plugins.pipemoe.runner import build_executor
 
     out = []
     for spec in specs:
         with process_groups(spec.layout()) as groups:
             coords = spec.layout().coords(groups.global_rank)
             runs = {}
+            engine = build_engine(groups, pipeline=True) if degree > 1 else None
             for name, schedule in _schedules(extra_experts).items():
                 ledger = CommLedger()
-                layer, prob = _layer(spec, groups, schedule, ledger)
+                executor = build_executor(degree, None, engine) if engine is not None and name == "hecate" else None
+                layer, prob = _layer(spec, groups, schedule, ledger, executor)
                 x = prob.x_DSM[coords["dp"]].clone().requires_grad_(True)
                 o = layer(x)
                 ((o.y * prob.g_DSM[coords["dp"]]).sum() + AUX_COEF * o.aux_loss).backward()
@@ -60,6 +66,8 @@ def one_call(specs: List[VerifySpec], extra_experts: Any = "auto") -> List[Dict[
                                extra=last.extra_copies(), notes=layer.schedule.notes())
                 runs[name] = run
                 del layer
+            if engine is not None:
+                engine.close()
             out.append(runs)
     return out
 
@@ -105,15 +113,24 @@ def adam_step(layer, opt, o, g_SM, groups) -> float:
     return float(loss.detach())
 
 
-def refused(spec: VerifySpec, degree: int) -> Optional[str]:
-    """The ValueError a Hecate core layer at ``degree`` raises when it is built (None: it was built)."""
+def refused(spec: VerifySpec, degree: int, remat: bool = False) -> Optional[str]:
+    """The ValueError a Hecate core layer at ``degree`` (with ``rematerialize`` if ``remat``) raises when it is
+    built (None: it was built)."""
+    from moe_plugins.core.engine import build_engine
     from moe_plugins.core.groups import process_groups
     from moe_plugins.core.layer import MoELayer
+    from moe_plugins.hecate.config import HecateConfig
     from moe_plugins.hecate.schedule import HecateSchedule
+    from moe_plugins.pipemoe.runner import build_executor
 
+    schedule = HecateSchedule.configured(HecateConfig(rematerialize=remat))
     with process_groups(spec.layout()) as groups:
+        engine = build_engine(groups, pipeline=True)
         try:
-            MoELayer(spec.moe_config(), groups, schedule=HecateSchedule, pipeline_degree=degree)
+            MoELayer(spec.moe_config(), groups, schedule=schedule, pipeline_degree=degree,
+                     executor=build_executor(degree, None, engine))
         except ValueError as exc:
             return str(exc)
+        finally:
+            engine.close()
     return None
