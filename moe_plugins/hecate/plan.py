@@ -5,8 +5,9 @@
    :class:`LoadWindow` averages the last ``width`` iterations (Hecate: w = 5).
 2. **Budget.** :func:`overlap_degree`: t = floor(T_non-MoE * bw / expert_bytes), the copies a rank can receive
    while the non-MoE work before the layer runs (and, this reproduction's addition, :func:`paying_experts`: the
-   experts whose copies save more token bytes than they cost, hidden or not); :func:`materialise_budget` applies Algorithm 1's line 1,
-   t <- min(t, E), m <- min(m, t), with m the memory budget ``extra_experts`` (copies per rank).
+   experts whose copies save more token bytes than they cost, hidden or not); :func:`materialise_budget`
+   applies Algorithm 1's line 1, t <- min(t, E), m <- min(m, t), with m the memory budget ``extra_experts``
+   (copies per rank).
 3. **Placement.** :func:`plan_placement`: if t <= m the top-t experts go to every rank; otherwise the |D| m
    slots are given to the top-t experts by load (:func:`assign_slots`) and each expert's copies are placed
    node-first (:func:`place_copies`). The result contains the home placement (P' is a superset of P).

@@ -281,7 +281,8 @@ class HecateSchedule(Schedule):
         shards = self._shards()
         w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec, received)
         self._state.call = _Call(routing, order.pos_NSK[0], counts_RE, placement, pieces,
-                                 unflat_experts(w_CF, cfg.hidden, cfg.ffn), self._track(w_CF, params, placement, shards))
+                                 unflat_experts(w_CF, cfg.hidden, cfg.ffn),
+                                 self._track(w_CF, params, placement, shards))
         self._state.last = HecateStats(placement, load_E, _rows_E(pieces, cfg.num_experts))
         kept = sum(counts_RE[ep.rank])          # d: this rank's kept rows in (expert, slot) order
         return Dispatched(d=x_SM.index_select(0, order.token_X[:kept]), cap_dim=0, state=self._state.call,
