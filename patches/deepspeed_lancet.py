@@ -53,7 +53,8 @@ from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.lancet.auto import AutoPartitions, StackFacts, moe_every_of
 from moe_plugins.lancet.block_kinds import kind_of
 from moe_plugins.lancet.blocks import BlockExecutor
-from moe_plugins.lancet.config import AUTO, LancetConfig
+from moe_plugins.lancet.config import AUTO, TUNE, WORDS, LancetConfig
+from moe_plugins.lancet.tune import TunedPartitions
 from moe_plugins.lancet.plan_cli import costs_from_profile
 from moe_plugins.lancet.dense import dense_patcher, dense_wgrad, model_dense_modules, wrap_problems
 from moe_plugins.lancet.overlap import ExchangeOverlap
@@ -239,7 +240,7 @@ class LancetHooks:
         if not mine:
             return
         parts = self._parts
-        problem = None if parts == AUTO else partitions_problem(int(engine.train_micro_batch_size_per_gpu()), parts,
+        problem = None if parts in WORDS else partitions_problem(int(engine.train_micro_batch_size_per_gpu()), parts,
                                                                 f"{SECTION}.lancet.partitions")
         stacks = [s for s in model.modules() if isinstance(s, nn.ModuleList)
                   and any(any(m in mine for m in b.modules()) for b in s)]
@@ -250,12 +251,13 @@ class LancetHooks:
             raise ValueError(problem)
         blocks = list(stacks[0])
         moe = [i for i, b in enumerate(blocks) if any(m in mine for m in b.modules())]
-        policy = auto_partitions(blocks, moe, swapped[mine[0]], profile_dir) if parts == AUTO else parts
+        policy = (auto_partitions(blocks, moe, swapped[mine[0]], profile_dir) if parts == AUTO
+                  else TunedPartitions(swapped[mine[0]].groups) if parts == TUNE else parts)
         self.executors.append(BlockExecutor(blocks, moe, self.request.start, policy).install())
         if self.executors[-1].kind.caches and getattr(getattr(model, "config", None), "use_cache", False):
             logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "
                            "use_cache=False keep a KV cache and run without Lancet's batch partitions")
-        logger.info("moe_plugins: Lancet's batch partitions (%d) run the blocks after MoE blocks %s", parts, moe)
+        logger.info("moe_plugins: Lancet's batch partitions (%s) run the blocks after MoE blocks %s", parts, moe)
 
     def install_dense(self, model: nn.Module, swapped: Mapping[nn.Module, Any]) -> None:
         """With ``dense_wgrad``: ``model``'s Linear and Conv1D modules outside its Lancet layers defer their dW to

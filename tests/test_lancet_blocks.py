@@ -75,3 +75,19 @@ def test_partitioned_blocks_equal_the_stock_forward(world):
             chosen = set(r["chosen"])
             wanted = {job["parts"]} if job["parts"] != "auto" else chosen & {2, 4}
             assert chosen == wanted and len(chosen) == 1, chosen
+
+
+def test_tuned_partitions_climb_and_pick_the_fewest_near_the_fastest():
+    from moe_plugins.lancet.tune import best_candidate, next_candidate
+
+    allowed = [1, 2, 4, 8]
+    assert next_candidate(allowed, {}) == 1
+    assert next_candidate(allowed, {1: 10.0}) == 2
+    assert next_candidate(allowed, {1: 10.0, 2: 8.0}) == 4                # faster: climb on
+    assert next_candidate(allowed, {1: 10.0, 2: 8.0, 4: 9.0}) is None     # slower: stop
+    assert next_candidate(allowed, {1: 10.0, 2: 8.0, 4: 7.0, 8: 6.0}) is None   # no larger count left
+    assert next_candidate([], {}) is None
+    assert best_candidate({1: 10.0, 2: 8.0, 4: 9.0}) == 2
+    assert best_candidate({1: 10.0, 2: 9.95, 4: 9.9}) == 2                # 2 within 1% of the fastest: fewer
+    with pytest.raises(ValueError, match="at least one"):
+        best_candidate({})

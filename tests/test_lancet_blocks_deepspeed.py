@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_plugins.lancet.tune import best_candidate
 from tests.workers.lancet_blocks_deepspeed import refused, train
 
 EXACT = 1e-12
@@ -103,3 +104,23 @@ def test_auto_partitions_from_a_measured_profile(world, tmp_path):
         assert len(a["chosen"]) == 1 and len(a["chosen"][0]) == 1 and a["chosen"][0][0] in (1, 2, 4), a["chosen"]
         assert a["ranges"] == [4] and a["restored"]
     assert len({tuple(a["chosen"][0]) for a in auto}) == 1          # every rank chose the same from the same file
+
+
+def test_tuned_partitions_time_the_ranges_and_stay_exact(world):
+    """``"partitions": "tune"``: the executor tries 1, 2, 4 partitions (the divisors of the micro-batch, upwards
+    while faster), timing its own ranges, and keeps the fastest; every step equals stock's whatever it ran (fp64,
+    ZeRO-2, dropout on: reduced gradients <= 1e-12, losses <= 1e-5), and every rank decides the same."""
+    steps, pool = 12, world(4)
+    stock = pool.run(train, None, steps, 1, 4, None, 2, timeout_s=600)
+    plugin = pool.run(train, {"schedule": "baseline", "lancet": {"partitions": "tune", "defer_wgrad": False}},
+                      steps, 1, 4, None, 2, timeout_s=600)
+    decided = {repr(p["tuned"]) for p in plugin}
+    assert len(decided) == 1, decided                                   # the same choice on every rank
+    for s, p in zip(stock, plugin):
+        assert max(abs(a - b) for a, b in zip(s["losses"], p["losses"])) <= 1e-5, (s["losses"], p["losses"])
+        assert all(_close(a, b, EXACT) for a, b in zip(s["grads"], p["grads"])) and len(p["grads"]) == steps
+        assert p["hook_calls"] == s["hook_calls"] and p["restored"]
+        ((choice, times),) = p["tuned"][0].values()                    # one batch shape, training
+        assert choice in (1, 2, 4) and 1 in times and set(times) <= {1, 2, 4} and len(times) >= 2, p["tuned"]
+        assert set(times) <= set(p["chosen"][0]) and choice == best_candidate(times)   # what ran; the fewest near
+        assert p["chosen"][0][-1] <= 4 and p["ranges"] == [2 * steps]                 # the fastest measured

@@ -115,6 +115,16 @@ class BlockExecutor:
         self.chosen: List[int] = []                          # the partition count of each range run
         self.stock_calls = 0                                 # MoE blocks run stock (a cache, ...)
 
+    def _choose(self, h_BLM: torch.Tensor) -> Tuple[int, Any]:
+        """The partition count for this range, and its clock when a tuning policy times it (else None)."""
+        if isinstance(self.parts, int):
+            return self.parts, None
+        timed = getattr(self.parts, "timed", None)
+        if timed is not None:
+            parts, sample = timed(h_BLM)
+            return int(parts), sample
+        return int(self.parts(h_BLM)), None
+
     def range_of(self, i: int) -> Tuple[List[int], Optional[int]]:
         """The dense blocks after MoE block i, and the next MoE block (None: the range ends with the stack)."""
         later = [j for j in self.moe if j > i]
@@ -160,7 +170,9 @@ class BlockExecutor:
         else:
             x_BLM, h_BLM = kind.before(self.blocks[i], hidden, mask, extra)
         dense, nxt = self.range_of(i)
-        parts = self.parts if isinstance(self.parts, int) else int(self.parts(h_BLM))
+        parts, sample = self._choose(h_BLM)
+        if sample is not None:            # "tune": this range is timed, from its gate input's gradient back
+            h_BLM = sample.wrap_input(h_BLM)
         call = self.start_moe(self.blocks[i], h_BLM, parts)
         batch = x_BLM.shape[0]
         size = batch // parts
@@ -179,11 +191,14 @@ class BlockExecutor:
                     x_p, h_p = kind.before(self.blocks[nxt], x_p, mask_p, extra_p)
                     hs.append(h_p)
                 xs.append(x_p)
-        out = torch.cat(xs)
+        out, h_next = torch.cat(xs), (torch.cat(hs) if nxt is not None else None)
+        if sample is not None:            # the range's forward ends here; its backward starts at these gradients
+            out = sample.wrap_output(out)
+            h_next = None if h_next is None else sample.wrap_output(h_next)
         for d in dense:
             self._passed[d] = out
         if nxt is not None:
-            self._stash[nxt] = (out, out, torch.cat(hs))
+            self._stash[nxt] = (out, out, h_next)
         self.ranges_run += 1
         self.chosen.append(parts)
         return out

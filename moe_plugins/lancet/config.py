@@ -7,7 +7,8 @@
                                # exchanges are in flight; false keeps the section but defers nothing
         "partitions": 1,       # Part 2's batch partitions: n >= 1 equal groups of samples, n dividing the
                                # micro-batch (1: none); "auto": chosen per batch shape by the planner's model
-                               # from the cost profile cached for the layout (`moe-plugins profile`)
+                               # from the cost profile cached for the layout (`moe-plugins profile`); "tune":
+                               # chosen per batch shape by timing the executor's own ranges (lancet/tune.py)
         "dense_wgrad": false   # defer the model's dense weight gradients too (its nn.Linear and HF Conv1D
                                # modules outside the MoE layers; tied ones stay stock): DeepSpeed only, with
                                # defer_wgrad on
@@ -30,6 +31,8 @@ from moe_plugins.core.plugin_config import SectionRules, unknown_keys
 
 NAME = "lancet"
 AUTO = "auto"
+TUNE = "tune"
+WORDS = (AUTO, TUNE)                # partition counts chosen per batch shape
 SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the overlap hook
 EXCHANGES = ("padded",)
 HOSTS = ("deepspeed", "megatron")   # the adapters that run the section (the core layer takes a LancetConfig)
@@ -61,9 +64,10 @@ def _is_int(value: Any) -> bool:
 def partitions_problem(value: Any, path: str) -> Optional[str]:
     """Why ``partitions`` is refused (None for an integer >= 1): one line naming the field and the value (pure).
     Whether it divides the micro-batch is checked where the batch is known (``lancet.partition``)."""
-    if (_is_int(value) and value >= 1) or value == AUTO:
+    if (_is_int(value) and value >= 1) or value in WORDS:
         return None
-    return f"{path}.partitions ({value!r}) must be an integer >= 1 that divides the micro-batch, or \"auto\""
+    return (f"{path}.partitions ({value!r}) must be an integer >= 1 that divides the micro-batch, \"auto\" or "
+            "\"tune\"")
 
 
 def lancet_problems(section: Any, path: str = "moe_plugins.lancet") -> List[str]:
@@ -94,9 +98,9 @@ def enabled_in(section: Mapping[str, Any]) -> bool:
 
 
 def partitioned(lancet: Mapping[str, Any]) -> bool:
-    """Whether a ``lancet`` section cuts the batch into partitions (an integer partitions > 1, or "auto")."""
+    """Whether a ``lancet`` section cuts the batch into partitions (an integer partitions > 1, "auto" or "tune")."""
     value = lancet.get("partitions", 1)
-    return (_is_int(value) and value > 1) or value == AUTO
+    return (_is_int(value) and value > 1) or value in WORDS
 
 
 def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: Optional[str] = None) -> List[str]:

@@ -90,6 +90,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["ranges"] = [e.ranges_run for e in executors]
         out["stock_calls"] = [e.stock_calls for e in executors]
         out["chosen"] = [sorted(set(e.chosen)) for e in executors]
+        out["tuned"] = [e.parts.decisions() for e in executors if hasattr(e.parts, "decisions")]
         out["overlap_calls"] = 0 if handle is None else sum(o.calls for o in handle.lancet.overlaps)
         out["queue_empty"] = handle is None or handle.lancet.queue is None or handle.lancet.queue.empty()
         out["dense"] = [] if handle is None else list(handle.lancet.dense)

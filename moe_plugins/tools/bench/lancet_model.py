@@ -11,7 +11,7 @@ Rows (``name`` or ``name@key=value,...``):
 - ``deepspeed``: stock DeepSpeed (no ``moe_plugins`` section);
 - ``baseline`` / ``baseline@r=N``: the plugin's schedule ``baseline`` at PipeMoE's fixed pipeline degree N (1 when
   not given); the rows with N >= 2 are the PipeMoE candidates the report picks the best of;
-- ``lancet`` (``@r=N``, ``@partitions=n|auto``, ``@dw=0|1``): schedule ``baseline`` with the section
+- ``lancet`` (``@r=N``, ``@partitions=n|auto|tune``, ``@dw=0|1``): schedule ``baseline`` with the section
   ``"lancet": {"defer_wgrad": dw, "partitions": n}`` (dw 1 unless given) at pipeline degree N.
 - ``baseline@exchange=ragged``: the baseline sending only the kept routes (Hecate's reference);
 - ``hecate`` / ``hecate@prefetch=1``: ``"hecate": {"enabled": true, "prefetch": ...}`` (Hecate's FSSDP, with its
@@ -35,6 +35,7 @@ OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "bas
                                                            "lancet": ("r", "partitions", "dw", "dense"),
                                                            "hecate": ("prefetch",)})
 AUTO = "auto"
+TUNE = "tune"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
                 "lancet@partitions=4", "lancet@partitions=auto", "lancet@r=2")
 REFERENCE = "deepspeed"          # the rows' losses are compared with this row's
@@ -105,7 +106,7 @@ def parse_row(label: str) -> ModelRow:
         if key in values:
             raise ValueError(f"row ({label!r}): option {key} is given twice")
         if key == "partitions":
-            values[key] = AUTO if value == AUTO else _int_option(label, key, value, 1)
+            values[key] = value if value in (AUTO, TUNE) else _int_option(label, key, value, 1)
         elif key == "exchange":
             if value not in ("padded", "ragged"):
                 raise ValueError(f"row ({label!r}): option exchange ({value!r}) must be padded or ragged")

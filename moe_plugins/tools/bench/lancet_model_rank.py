@@ -176,7 +176,8 @@ class BuiltRow:
         return sum(float(c[0]) for c in counts) / total if total else None
 
     def lancet_facts(self) -> Dict[str, Any]:
-        return {"chosen_partitions": sorted({k for e in self.executors for k in e.chosen}),
+        tuned = [d for e in self.executors if hasattr(e.parts, "decisions") for d, _ in e.parts.decisions().values()]
+        return {"chosen_partitions": sorted({k for e in self.executors for k in e.chosen}), "tuned_partitions": tuned,
                 "ranges_run": sum(e.ranges_run for e in self.executors),
                 "dw_behind_exchange_calls": sum(o.calls for o in self.overlaps),
                 "schedule_notes": [n for s in self.schedules for n in s.notes()]}

@@ -149,6 +149,8 @@ def _notes(row: Dict[str, Any]) -> str:
     facts, out = row["facts"], []
     if facts["chosen_partitions"]:
         out.append(f"partitions run {facts['chosen_partitions']}")
+    if facts.get("tuned_partitions"):
+        out.append(f"tune chose {facts['tuned_partitions']}")
     if facts["dw_behind_exchange_calls"]:
         out.append(f"dW behind {facts['dw_behind_exchange_calls']} exchanges")
     out += [n.replace("|", "/") for n in facts.get("schedule_notes", [])]
