@@ -32,7 +32,7 @@ def test_section_parses_and_defaults():
 
 def test_partitions_and_auto_accepted():
     assert lancet_problems({"partitions": 4}) == [] and _parse({"lancet": {"partitions": 2}}).lancet["partitions"] == 2
-    assert lancet_problems({"partitions": "auto"}) == []
+    assert lancet_problems({"partitions": "auto"}) == [] and lancet_problems({"partitions": "tune"}) == []
     with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \(2\) cannot run with moe_plugins\.lancet\."
                                          r"partitions \(auto\)"):
         _parse({"lancet": {"partitions": "auto"}, "pipeline_degree": 2})
@@ -46,7 +46,7 @@ def test_partitions_and_auto_accepted():
 @pytest.mark.parametrize("value", [0, -1, 1.0, True, "1", "Auto", None, [1]])
 def test_partitions_bad_values_name_what_is_allowed(value):
     with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \(.*\) must be an integer >= 1 that "
-                                         r"divides the micro-batch, or \"auto\""):
+                                         r"divides the micro-batch, \"auto\" or \"tune\""):
         _parse({"lancet": {"partitions": value}})
 
 
