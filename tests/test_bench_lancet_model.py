@@ -49,8 +49,9 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
     assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False}
     with pytest.raises(ValueError, match=r"option exchange \('even'\) must be padded or ragged"):
         lm.parse_row("baseline@exchange=even")
-    with pytest.raises(ValueError, match=r"option 'r=2' is unknown for hecate; allowed: prefetch"):
-        lm.parse_row("hecate@r=2")
+    assert lm.parse_row("hecate@r=2").section()["pipeline_degree"] == 2       # PipeMoE's chunks
+    with pytest.raises(ValueError, match=r"option 'dw=1' is unknown for hecate; allowed: prefetch, r"):
+        lm.parse_row("hecate@dw=1")
     assert lm.rows_problems(list(lm.DEFAULT_ROWS)) == []
     problems = lm.rows_problems(["baseline", "lancet", "lancet", "pipe"])
     assert "row ('pipe'): 'pipe' is unknown; allowed: deepspeed, baseline, lancet, hecate" in problems

@@ -14,8 +14,8 @@ Rows (``name`` or ``name@key=value,...``):
 - ``lancet`` (``@r=N``, ``@partitions=n|auto|tune``, ``@dw=0|1``): schedule ``baseline`` with the section
   ``"lancet": {"defer_wgrad": dw, "partitions": n}`` (dw 1 unless given) at pipeline degree N.
 - ``baseline@exchange=ragged``: the baseline sending only the kept routes (Hecate's reference);
-- ``hecate`` / ``hecate@prefetch=1``: ``"hecate": {"enabled": true, "prefetch": ...}`` (Hecate's FSSDP, with its
-  early gather issued when each MoE block starts).
+- ``hecate`` / ``hecate@prefetch=1`` / ``hecate@r=N``: ``"hecate": {"enabled": true, "prefetch": ...}`` (Hecate's
+  FSSDP, with its early gather issued when each MoE block starts; at PipeMoE's degree N).
 
 Shapes: B samples per rank, L tokens per sample, M hidden, H expert FFN width, E experts, k routes per token,
 f capacity factor.
@@ -33,7 +33,7 @@ from moe_plugins.tools.bench.matrix import parse_rate
 KINDS = ("deepspeed", "baseline", "lancet", "hecate")
 OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r", "exchange"),
                                                            "lancet": ("r", "partitions", "dw", "dense"),
-                                                           "hecate": ("prefetch",)})
+                                                           "hecate": ("prefetch", "r")})
 AUTO = "auto"
 TUNE = "tune"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
