@@ -78,9 +78,11 @@ class _Call:
     pos_SK: torch.Tensor
     counts_RE: List[List[int]]                  # every member's kept routes per expert (the host read)
     placement: Placement
+    whole_X: Tuple[int, ...]                    # d's rows: the whole call's send order, as (expert, slot) rows
     pieces: List[PiecePlan]                     # the whole call, or PipeMoE's chunks (Schedule.chunks)
     copies: Optional[ExpertWeights]             # dropped after the last piece's expert step
     remat: Optional[Rematerialiser] = None      # with rematerialize: how the backward gathers them again
+    at_X: Optional[torch.Tensor] = None         # chunks: the pieces' rows' positions in d, piece after piece
     taken: Dict[str, int] = field(default_factory=lambda: {"exchange_in": 0, "expert": 0, "exchange_out": 0})
 
 
@@ -280,12 +282,13 @@ class HecateSchedule(Schedule):
             raise
         shards = self._shards()
         w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec, received)
-        self._state.call = _Call(routing, order.pos_NSK[0], counts_RE, placement, pieces,
+        self._state.call = _Call(routing, order.pos_NSK[0], counts_RE, placement, pieces[0].rows, pieces,
                                  unflat_experts(w_CF, cfg.hidden, cfg.ffn),
                                  self._track(w_CF, params, placement, shards))
         self._state.last = HecateStats(placement, load_E, _rows_E(pieces, cfg.num_experts))
-        kept = sum(counts_RE[ep.rank])          # d: this rank's kept rows in (expert, slot) order
-        return Dispatched(d=x_SM.index_select(0, order.token_X[:kept]), cap_dim=0, state=self._state.call,
+        kept = sum(counts_RE[ep.rank])          # d: this rank's kept rows in the whole call's send order
+        token_X = order.token_X[:kept].index_select(0, _index(self._state.call.whole_X, x_SM.device))
+        return Dispatched(d=x_SM.index_select(0, token_X), cap_dim=0, state=self._state.call,
                           aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
 
     def _track(self, w_CF: torch.Tensor, params: LayerParams, placement: Placement,
@@ -300,22 +303,28 @@ class HecateSchedule(Schedule):
         return Rematerialiser(w_CF, regather, partial(state.memory.track, phase="backward", call=call))
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
-        """The pieces in send order: the whole call, or PipeMoE's ``degree`` chunks (``flow.piece_plans``)."""
+        """The pieces, each in its send order: ``d`` itself (the whole call), or PipeMoE's ``degree`` chunks
+        (``flow.piece_plans``), cut from ``d`` by where their rows sit in it."""
         problems = self.degree_problems(degree)
         if problems:
             raise ValueError(problems[0])
         call: _Call = dispatched.state
-        if degree != 1:
-            call.pieces = piece_plans(call.counts_RE, self.groups.ep.rank, call.placement, degree)
-            last = self._state.last
-            if last is not None:
-                self._state.last = HecateStats(last.placement, last.load_E, _rows_E(call.pieces, len(last.load_E)))
-        return [dispatched.d.index_select(0, _index(p.rows, dispatched.d.device)) for p in call.pieces]
+        if degree == 1:
+            return [dispatched.d]
+        call.pieces = piece_plans(call.counts_RE, self.groups.ep.rank, call.placement, degree)
+        last = self._state.last
+        if last is not None:
+            self._state.last = HecateStats(last.placement, last.load_E, _rows_E(call.pieces, len(last.load_E)))
+        d = dispatched.d
+        at_R = torch.argsort(_index(call.whole_X, d.device))          # an (expert, slot) row's position in d
+        call.at_X = at_R.index_select(0, _index([r for p in call.pieces for r in p.rows], d.device))
+        return list(d.index_select(0, call.at_X).split([len(p.rows) for p in call.pieces]))
 
     def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
-        """The pieces' rows back in (expert, slot) order."""
-        rows = _index([r for p in dispatched.state.pieces for r in p.rows], outs[0].device)
-        return torch.cat(outs).index_select(0, torch.argsort(rows))
+        """The pieces' rows back in ``d``'s order (the whole call's send order)."""
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs).index_select(0, torch.argsort(dispatched.state.at_X))
 
     def _piece(self, step: str, rows: int, side: str) -> Tuple[_Call, RoutePlan]:
         """The call in flight and its next piece for ``step``, checked: ``rows`` must be the piece's ``side``
@@ -365,7 +374,8 @@ class HecateSchedule(Schedule):
         call: _Call = dispatched.state
         if self._state.call is call:
             self._state.call = None         # hold nothing of this call (its copies) past the layer
-        return combine_rows(r_XM, call.pos_SK, call.routing)      # r_XM in (expert, slot) order (join)
+        order_X = torch.argsort(_index(call.whole_X, r_XM.device))   # back to (expert, slot) order
+        return combine_rows(r_XM.index_select(0, order_X), call.pos_SK, call.routing)
 
 
 def _regather(owned: OwnedRead, placement: Placement, shards: ShardSpec, group, rec) -> torch.Tensor:
