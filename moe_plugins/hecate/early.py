@@ -30,7 +30,7 @@ from moe_plugins.core.comm import Recorder
 from moe_plugins.core.groups import Group
 from moe_plugins.core.ops import PIPELINE, CommError, Handle, now_ns
 from moe_plugins.hecate.plan import Placement, overlap_degree
-from moe_plugins.hecate.sparse import SPAG, SparseExchange
+from moe_plugins.hecate.sparse import SPAG, SparseExchange, issue_exchange, send_buffer
 
 UNKNOWN = -1      # a rank's overlap degree before it has measured one
 
@@ -43,19 +43,18 @@ class EarlyGather:
 
     placement: Placement
     exchange: SparseExchange
-    handle: Optional[Handle]          # None: nothing to exchange (a group of one)
+    handle: Optional[Handle]          # None: it ran when issued (``ready``)
     issued_ns: int
     wire_bytes: int
     hidden: bool = True
-    ready: Optional[Tuple[torch.Tensor, int]] = None     # the inline run's result
-    def received(self, like: torch.Tensor, rec: Recorder) -> Tuple[torch.Tensor, int, int]:
+    ready: Optional[Tuple[torch.Tensor, int]] = None     # run when issued (inline, or nothing to exchange)
+
+    def received(self, rec: Recorder) -> Tuple[torch.Tensor, int, int]:
         """(received buffer Q, ns it had to hide in, the exchange's ns); raises the exchange's error, naming the
         layer."""
         waited_ns = now_ns()
         if self.ready is not None:
             return self.ready[0], waited_ns - self.issued_ns, self.ready[1]
-        if self.handle is None:
-            return like.new_empty(0), waited_ns - self.issued_ns, 0
         try:
             recv_Q, took_ns = self.handle.wait()
         except CommError as exc:
@@ -73,8 +72,7 @@ class EarlyGather:
 
 def _timed_exchange(send_X: torch.Tensor, ex: SparseExchange, group: Group, rec: Recorder) -> Tuple[torch.Tensor, int]:
     start = now_ns()
-    recv_Q = rec.engine.issue("all_to_all", group, send_X, layer=rec.layer, phase="forward", ledger=rec.ledger,
-                              splits=(ex.send, ex.recv), record_as=SPAG).wait()
+    recv_Q = issue_exchange(send_X, ex.send, ex.recv, group, rec, SPAG, "forward").wait()
     return recv_Q, now_ns() - start
 
 
@@ -84,11 +82,10 @@ def issue_early(w_owned_O: torch.Tensor, placement: Placement, ex: SparseExchang
     (``group``: the layer's EP group; the lane runs it on its twin). Collective in program order: every member
     issues it at the same point."""
     with torch.no_grad():
-        pieces = [w_owned_O.narrow(0, start, n) for start, n in ex.send_pieces]
-        send_X = torch.cat(pieces) if pieces else w_owned_O.new_empty(0)
+        send_X = send_buffer(w_owned_O, ex)
     wire = max(sum(ex.send), sum(ex.recv)) * w_owned_O.element_size()
     if group.size == 1:
-        return EarlyGather(placement, ex, None, now_ns(), 0, hidden=False)
+        return EarlyGather(placement, ex, None, now_ns(), 0, hidden=False, ready=(w_owned_O.new_empty(0), 0))
     if not rec.engine.has_lane(PIPELINE):    # no lane to run it beside the caller: run it now, inline
         ready = _timed_exchange(send_X, ex, group, rec)
         return EarlyGather(placement, ex, None, now_ns(), wire, hidden=False, ready=ready)

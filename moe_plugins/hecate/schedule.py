@@ -255,8 +255,8 @@ class HecateSchedule(Schedule):
         early, self._state.early = self._state.early, None
         return early
 
-    def _received(self, early: EarlyGather, like: torch.Tensor) -> torch.Tensor:
-        recv_Q, hide_ns, took_ns = early.received(like, self.rec)
+    def _received(self, early: EarlyGather) -> torch.Tensor:
+        recv_Q, hide_ns, took_ns = early.received(self.rec)
         if early.hidden:
             self._state.meter.measure(hide_ns, took_ns, early.wire_bytes)
         return recv_Q
@@ -275,7 +275,7 @@ class HecateSchedule(Schedule):
             counts_RE = self._counts(order.counts_EN[:, 0])
             placement, load_E = self._placement(counts_RE, early)
             pieces = piece_plans(counts_RE, ep.rank, placement, 1)
-            received = None if early is None else self._received(early, x_SM)
+            received = None if early is None else self._received(early)
         except BaseException:
             if early is not None:
                 early.drain()           # its lane stays in step; the call fails as it would have

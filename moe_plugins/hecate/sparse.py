@@ -41,7 +41,7 @@ import torch
 
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.groups import Group
-from moe_plugins.core.ops import CommError
+from moe_plugins.core.ops import CommError, Handle
 from moe_plugins.hecate.plan import Placement
 
 SPAG, SPRS = "spag", "sprs"        # their ledger op names
@@ -209,10 +209,22 @@ def eq2_bytes(copies_E: Sequence[int], expert_bytes: int) -> float:
 
 # ---- the collectives ---------------------------------------------------------------------------------------
 
+def issue_exchange(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,
+                   name: str, phase: str) -> Handle:
+    """Issue spAG's (or spRS's: ``name``) uneven all-to-all of ``x`` through ``rec``'s engine, recorded as
+    ``name``; on a lane's thread ``group`` must be the lane's twin."""
+    return rec.engine.issue("all_to_all", group, x, layer=rec.layer, phase=phase, ledger=rec.ledger,
+                            splits=(tuple(send), tuple(recv)), record_as=name)
+
+
+def send_buffer(w_owned_O: torch.Tensor, ex: SparseExchange) -> torch.Tensor:
+    """This rank's spAG send buffer: its owned pieces in send order (X,)."""
+    return _take([w_owned_O], [(0, s, n) for s, n in ex.send_pieces], w_owned_O)
+
+
 def _exchange(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder, name: str,
               phase: str) -> torch.Tensor:
-    handle = rec.engine.issue("all_to_all", group, x, layer=rec.layer, phase=phase, ledger=rec.ledger,
-                              splits=(tuple(send), tuple(recv)), record_as=name)
+    handle = issue_exchange(x, send, recv, group, rec, name, phase)
     try:
         return handle.wait()
     except CommError as exc:      # a peer gone: name the schedule too
@@ -241,7 +253,7 @@ def spag_raw(w_owned_O: torch.Tensor, ex: SparseExchange, group: Group, rec: Rec
     when it ran earlier: Hecate's early gather, moe_plugins/hecate/early.py)."""
     recv_Q = received
     if recv_Q is None:
-        send_X = _take([w_owned_O], [(0, s, n) for s, n in ex.send_pieces], w_owned_O)
+        send_X = send_buffer(w_owned_O, ex)
         recv_Q = _exchange(send_X, ex.send, ex.recv, group, rec, SPAG, phase) if group.size > 1 else send_X
     return _take([recv_Q, w_owned_O], ex.copy_pieces, w_owned_O).view(len(ex.experts), ex.numel)
 
