@@ -15,10 +15,10 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from moe_plugins.lancet.partition import MAX_PARTITIONS, partition_counts
 from moe_plugins.lancet.plan import GPT2MoESizes, LancetCosts, choose_partitions, gpt2_moe_ops
 
 logger = logging.getLogger("moe_plugins.lancet")
-MAX_PARTITIONS = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,7 @@ class AutoPartitions:
         self.choices: Dict[Tuple[int, int], Tuple[int, Dict[int, float]]] = {}
 
     def allowed(self, samples: int) -> List[int]:
-        return [k for k in range(1, min(self.max_partitions, samples) + 1) if samples % k == 0]
+        return partition_counts(samples, self.max_partitions)
 
     def choose(self, samples: int, tokens: int) -> int:
         key = (samples, tokens)

@@ -47,6 +47,15 @@ from moe_plugins.core.ragged import (RouteOrder, combine_rows, exchange_counts, 
 # ---- pure pieces -----------------------------------------------------------------------------------------
 
 
+MAX_PARTITIONS = 8      # the largest count "auto" and "tune" consider (and `moe-plugins plan lancet` by default)
+
+
+def partition_counts(samples: int, most: Optional[int] = None) -> List[int]:
+    """The partition counts that cut ``samples`` samples evenly (its divisors), up to ``most`` (None: all)."""
+    top = samples if most is None else min(most, samples)
+    return [k for k in range(1, top + 1) if samples % k == 0]
+
+
 def partitions_problem(samples: int, parts: Any, path: str = "moe_plugins.lancet.partitions") -> Optional[str]:
     """Why ``parts`` partitions cannot cut a batch of ``samples`` samples (None when they can): they must be an
     integer >= 1 that divides it, so that every partition holds whole samples and the same number of them."""
@@ -54,7 +63,7 @@ def partitions_problem(samples: int, parts: Any, path: str = "moe_plugins.lancet
         return f"{path} ({parts!r}) must be an integer >= 1"
     if samples % parts:
         return (f"{path} ({parts}) must divide the batch ({samples} samples per rank): each partition holds the "
-                f"same whole samples; use one of {[d for d in range(1, samples + 1) if samples % d == 0]}")
+                f"same whole samples; use one of {partition_counts(samples)}")
     return None
 
 

@@ -33,12 +33,12 @@ from typing import Tuple
 from moe_plugins.core.costmodel import (PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, default_cache_dir,
                                         model_problems)
 from moe_plugins.core.profile_ops import newest_cached, this_device
+from moe_plugins.lancet.partition import MAX_PARTITIONS
 from moe_plugins.lancet.plan import (BACKWARD_FACTOR, COST_TERMS, INT_SIZES, NOT_ALLOWED, OBJECTIVES, GPT2MoESizes,
                                      LancetCosts, attention_macs, capacity, cost_problems, exchange_bytes,
                                      expert_macs, ffn_macs, gate_macs, gpt2_moe_ops, is_moe_block, plan_segments,
                                      size_problems)
 
-MAX_PARTITIONS = 8
 UNITS = {"alpha_a": "s", "beta_a": "s/byte", "alpha_c": "s per GEMM", "beta_c": "s/mac", "time_s": "s",
          "exchange_bytes": "bytes per rank per dispatch (and per combine)", "macs": "multiply-adds per rank"}
 SIZE_HELP = {"B": "samples per rank", "L": "tokens per sample", "M": "model dim", "H": "FFN hidden dim",

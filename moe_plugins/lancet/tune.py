@@ -26,10 +26,10 @@ import torch
 
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.tuning import TIE_TOLERANCE, Sample, Search
+from moe_plugins.lancet.partition import MAX_PARTITIONS, partition_counts
 
 logger = logging.getLogger("moe_plugins.lancet")
 TUNE = "tune"
-MAX_PARTITIONS = 8
 
 
 def next_candidate(allowed: Sequence[int], times_s: Mapping[int, float]) -> Optional[int]:
@@ -65,7 +65,7 @@ class TunedPartitions:
         self.searches: Dict[Tuple[int, int, bool], Search[int]] = {}
 
     def allowed(self, samples: int) -> List[int]:
-        return [k for k in range(1, min(self.max_partitions, samples) + 1) if samples % k == 0]
+        return partition_counts(samples, self.max_partitions)
 
     def timed(self, h_BLM: torch.Tensor) -> Tuple[int, Optional[Sample]]:
         training = torch.is_grad_enabled() and h_BLM.requires_grad
