@@ -176,8 +176,8 @@ class HecateBlockHooks:
     def install(self, model: torch.nn.Module, swapped: Mapping[torch.nn.Module, Any]) -> None:
         """After DeepSpeed configured ``model`` (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
         names = {m: n for n, m in model.named_modules()}
-        held = {child: parent for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
-                for child in parent.children()}
+        held = {child for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
+                for child in parent.children()}                  # the blocks of the model's block lists
         parent_of = {child: parent for parent in model.modules() for child in parent.children()}
         for moe, layer in list(swapped.items()):
             if moe not in names or not getattr(getattr(layer.schedule, "options", None), "prefetch", False):
