@@ -37,7 +37,8 @@ from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_group
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher
-from moe_plugins.core.plugin_config import SECTION, PluginConfig, degree_needs_profile, profile_problems, resolve
+from moe_plugins.core.plugin_config import (SECTION, PluginConfig, degree_needs_profile, profile_problems, resolve,
+                                            settled_degree)
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.schedule import with_exchange
 from moe_plugins.plugins import default_registry
@@ -97,11 +98,6 @@ class DeepSpeedPlugin:
         self._patcher = Patcher(patches, logger=logger).apply()
         self._ds = ds
 
-    def _restore_functions(self) -> None:
-        patcher, self._patcher = self._patcher, None
-        if patcher is not None:
-            patcher.restore()
-
     def _restore_registry(self) -> None:
         groups = self._ds.groups
         try:
@@ -125,7 +121,7 @@ class DeepSpeedPlugin:
                 for hooks in (self.lina, self.lancet, self.hecate, self.infer):     # in this order
                     hooks.remove()
             finally:
-                self._restore_functions()
+                self._patcher.restore()             # idempotent; set whenever _ds is
         finally:
             try:
                 self._restore_registry()
@@ -255,6 +251,7 @@ class DeepSpeedPlugin:
         read_profile = lru_cache(maxsize=1)(partial(self._cached_profile, moe=moe))   # read once per layer build
         if not layout_problems(world, rpn, facts.tp, facts.ep, esp):   # the profile is read before any group
             layout = ParallelLayout(world=world, ranks_per_node=rpn, mp=facts.tp, ep=facts.ep, esp=esp)
+            asked, cfg = cfg.pipeline_degree, settled_degree(cfg, layout)     # a word is 1 where nothing is exchanged
             problems += profile_problems(cfg, layout, read_profile,
                                          profiled=default_registry().is_profiled(cfg.schedule))
             problems += self.lina.profile_problems(layout, read_profile)
@@ -285,7 +282,8 @@ class DeepSpeedPlugin:
         log = logger.info if rank == 0 else logger.debug
         log("moe_plugins: DeepSpeed MoE layer %s (E=%d, k=%d) runs schedule %r, %s exchange, pipeline_degree %s, on "
             "layout mp=%d ep=%d esp=%d ranks_per_node=%d%s", facts.name, facts.num_experts, facts.k, cfg.schedule,
-            cls.exchange_mode, cfg.pipeline_degree, layout.mp, layout.ep, layout.esp, rpn,
+            cls.exchange_mode, cfg.pipeline_degree if asked == cfg.pipeline_degree else f"1 ({asked!r}: this layout "
+            "exchanges nothing)", layout.mp, layout.ep, layout.esp, rpn,
             " (the plugin slices DeepSpeed's FFN experts along H)" if sliced else "")
 
     def _cached_profile(self, layout: ParallelLayout, moe):

@@ -46,7 +46,7 @@ from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.engine import CommEngine
 from moe_plugins.pipemoe.runner import build_executor, needs_lane, run_pipelined
-from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile
+from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile, settled_degree
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.router import uniform_capacity
 from moe_plugins.core.schedule import LayerParams, Schedule, with_exchange
@@ -290,6 +290,8 @@ class PluginMoELayer(MoELayer):
         lane = needs_lane(plugin.pipeline_degree) or lancet is not None     # Lancet's exchanges fly on the lane
         layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup, lane=lane,
                              has_engine=engine is not None or engines is not None or lina is not None)
+        plugin = settled_degree(plugin, layout)          # a degree word is 1 where the layout exchanges nothing
+        lane = needs_lane(plugin.pipeline_degree) or lancet is not None
         layout_groups = groups_from_pg_collection(pg_collection, layout)
         if lina is not None and engine is None:      # Lina (patches/megatron_lina.py): the layout's shared engine
             engine = lina.engine_for(layout_groups, token_view(layout_groups), lookup)

@@ -142,6 +142,18 @@ def test_training_20_steps_flag_on_equals_off(world, stage, ep, k, plugin):
     assert results[0]["off"]["losses"][-1] < results[0]["off"]["losses"][0]   # it trains
 
 
+def test_a_degree_word_needs_no_profile_where_nothing_is_exchanged(world, tmp_path):
+    """#27: with EP = 1 (one GPU, or pure data parallelism) the exchange stays on each rank, so "auto" is r = 1
+    without a cost profile (none is cached here; on 2 ranks with EP = 2 the same section is refused, see
+    tests/test_bad_configs.py), said in the log, and training equals stock."""
+    results = world(2).run(jobs.train_with_cache, str(tmp_path), 1, {"pipeline_degree": "auto"}, 1, 2, 0, 4)
+    for res in results:
+        assert res["on"]["losses"] == res["off"]["losses"] and len(res["on"]["losses"]) == 4
+    log = results[0]["on"]["log"]
+    assert any("pipeline_degree 1 ('auto': this layout exchanges nothing), on layout mp=1 ep=1" in line
+               for line in log), log
+
+
 ON = {"schedule": "baseline"}
 
 

@@ -260,6 +260,20 @@ def test_auto_degree_rejects_unknown_schedule_workload():
         auto.workload(schedule, SimpleNamespace(d=torch.zeros(4, 2)))
 
 
+def test_a_degree_word_settles_to_one_without_a_profile_where_nothing_is_exchanged():
+    from moe_plugins.core.layout import ParallelLayout
+    from moe_plugins.core.plugin_config import PluginConfig, profile_problems, settled_degree
+    none_cached = lambda layout: None          # noqa: E731
+    for word in ("auto", "tune"):
+        plugin = PluginConfig(pipeline_degree=word)
+        for world, ep, mp, settles in ((1, 1, 1, True), (4, 1, 1, True), (4, 2, 1, False), (4, 1, 2, False)):
+            layout = ParallelLayout(world=world, ranks_per_node=world, mp=mp, ep=ep, esp=1)
+            assert settled_degree(plugin, layout).pipeline_degree == (1 if settles else word)
+            assert bool(profile_problems(plugin, layout, none_cached, profiled=False)) is not settles
+    fixed = PluginConfig(pipeline_degree=3)
+    assert settled_degree(fixed, ParallelLayout(world=1, ranks_per_node=1, mp=1, ep=1, esp=1)) is fixed
+
+
 def test_auto_picks_one_when_the_exchange_moves_nothing():
     """#27: with nothing to hide (an exchange group of one rank: EP = ESP = 1, or no bytes) auto picks r = 1,
     even on costs that would pipeline a real exchange of the same size."""

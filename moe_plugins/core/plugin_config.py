@@ -32,7 +32,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 SECTION = "moe_plugins"
@@ -213,13 +213,28 @@ def profile_command(layout: Any) -> str:
             f"--ep {layout.ep} --esp {layout.esp}")
 
 
+def exchange_free(layout: Any) -> bool:
+    """Whether every MoE exchange of ``layout`` stays on one rank (mp = ep = esp = 1: one device, or pure data
+    parallelism). Pure."""
+    return layout.mp * layout.ep * layout.esp == 1
+
+
+def settled_degree(plugin: PluginConfig, layout: Any) -> PluginConfig:
+    """``plugin`` with a pipeline_degree word resolved to 1 where the layout exchanges nothing: every chunk past
+    the first would be pure overhead whatever the costs, so no cost profile is needed there (#27: "on one GPU,
+    auto picks r = 1"). Otherwise ``plugin`` itself. Pure."""
+    if degree_needs_profile(plugin.pipeline_degree) and exchange_free(layout):
+        return replace(plugin, pipeline_degree=1)
+    return plugin
+
+
 def profile_problems(plugin: PluginConfig, layout: Any, lookup: Callable[[Any], Any], *,
                      profiled: bool) -> List[str]:
     """What a host finds when a section reads the cost profile cached for ``layout`` (``lookup(layout)``: the
     profile, None when none is cached, a ValueError naming the file when the one there cannot be used). A
     pipeline_degree word needs a profile; a ``profiled`` schedule (parm-auto) reads one when cached and
     otherwise runs on documented defaults. Pure: the host passes its lookup; checked before any group is built."""
-    needs = degree_needs_profile(plugin.pipeline_degree)
+    needs = degree_needs_profile(settled_degree(plugin, layout).pipeline_degree)
     if not (needs or profiled):
         return []
     key, value = ("pipeline_degree", plugin.pipeline_degree) if needs else ("schedule", plugin.schedule)

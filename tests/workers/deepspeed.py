@@ -120,6 +120,19 @@ def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: 
     return {"off": off, "on": on}
 
 
+def train_with_cache(cache_dir: str, *args: Any) -> Dict[str, Any]:
+    """:func:`train_on_and_off` with ``$MOE_PLUGINS_CACHE`` (read at enable) set to ``cache_dir``."""
+    saved = os.environ.get("MOE_PLUGINS_CACHE")
+    os.environ["MOE_PLUGINS_CACHE"] = cache_dir
+    try:
+        return train_on_and_off(*args)
+    finally:
+        if saved is None:
+            del os.environ["MOE_PLUGINS_CACHE"]
+        else:
+            os.environ["MOE_PLUGINS_CACHE"] = saved
+
+
 def _state(engine) -> Dict[str, torch.Tensor]:
     """The module's state_dict with local expert ids turned into global ones (the layouts place experts
     differently), as DeepSpeed's expert checkpoint files name them."""
