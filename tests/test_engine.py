@@ -5,6 +5,7 @@ of ``moe-plugins verify --timeline``."""
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -106,6 +107,39 @@ def test_a_layer_output_marks_its_backward_exchange():
         y.sum().backward()
         assert bg[1] is False and torch.equal(bg[0].wait(timeout_s=10), torch.ones(1))
         CommEngine().mark_backward_exchange(torch.ones(2, requires_grad=True))     # no background lane: nothing
+    finally:
+        engine.close()
+
+
+def test_cuda_path_issues_a_waited_op_held_back_by_another_threads_expectation(monkeypatch):
+    """Found on a GPU (benchmarks/results/gpu-h200.md): CUDA's autograd runs backward on its own thread, so the
+    expectation a layer's combine sets is that thread's; with EP = 1 no urgent op ends it, and the main thread's
+    wait on Lina's reduction hung (no lane thread issues deferred ops on CUDA). Now a wait issues the op and
+    every one queued before it, in FIFO order. The CUDA stream is the one thing replaced (this machine has none):
+    the lane runs each job at once, in issue order."""
+    from moe_plugins.core.ops import Lane
+    order = []
+
+    def run_without_stream(lane, job, on_error):
+        order.append(job.handle.what)
+        job.handle._finish(job.run(job))
+    monkeypatch.setattr(Lane, "run_on_stream", run_without_stream)
+    groups = one_rank_groups()
+    engine = CommEngine({BACKGROUND: groups}, cuda=True)
+    try:
+        backward = threading.Thread(target=engine.expect_urgent)   # the autograd thread reaches a combine
+        backward.start()
+        backward.join()
+        first = engine.issue("all_reduce", groups.dp, torch.ones(2), priority=BACKGROUND, layer="a")
+        second = engine.issue("all_reduce", groups.dp, torch.ones(3), priority=BACKGROUND, layer="b")
+        assert not first.done() and not second.done() and order == []      # held back: an urgent op is expected
+        assert torch.equal(second.wait(timeout_s=5), torch.ones(3))         # the waiter needs it: issued now
+        assert first.done() and [w.split("'")[1] for w in order] == ["a", "b"]
+        third = engine.issue("all_reduce", groups.dp, torch.ones(1), priority=BACKGROUND, layer="c")
+        assert not third.done()                     # the other thread's expectation still holds the rest back
+        engine.issue("all_to_all", groups.ep, torch.ones(2))   # this thread's urgent op: not the expecting thread's
+        assert not third.done()
+        assert torch.equal(third.wait(timeout_s=5), torch.ones(1))
     finally:
         engine.close()
 

@@ -38,10 +38,11 @@ poisoned: queued ops fail, and ``issue``/``submit`` raise at once naming the fir
 the same collective fails by its group's timeout (twins: the default group's, unless ``timeout_s``) with a
 CommError naming the op, group, layer, phase and lane. :meth:`CommEngine.close` stops threads, frees twins.
 
-CUDA/NCCL: the same API with streams and no threads, untested here (no GPU). Inline urgent ops run on the
-current stream; pipeline closures run inline (the runner moves them to its side stream); background ops are
-issued on a low-priority side stream that first waits for the current stream, and the hold-back rule
-applies on the host: while the urgent count is above zero they are deferred, and issued when it drops to zero.
+CUDA/NCCL: the same API with streams and no threads (run on one GPU only: benchmarks/results/gpu-h200.md).
+Inline urgent ops run on the current stream; pipeline closures run inline (the runner moves them to its side
+stream); background ops are issued on a low-priority side stream that first waits for the current stream,
+and the hold-back rule applies on the host: while the urgent count is above zero they are deferred, issued
+when it drops to zero, or when a handle is waited on (that op and those queued before it).
 """
 
 from __future__ import annotations
@@ -336,6 +337,8 @@ class CommEngine:
         if self._holds.get(threading.get_ident(), 0):
             raise CommError(f"wait() on {handle.what} inside this thread's hold() would wait forever: release "
                             "the hold first")
+        if self.cuda:        # no lane thread would issue it later: the waiter needs it (and its FIFO elders) now
+            self._flush_cuda(until=handle)
 
     def _loop(self, lane: Lane) -> None:
         self._local.lane = lane
@@ -361,28 +364,18 @@ class CommEngine:
                 if urgent:
                     self._urgent_end()
 
-    def _flush_cuda(self) -> None:
-        """CUDA: issue deferred background ops on the side stream, after the current stream's work."""
-        lane = self._lanes[BACKGROUND]
-        if lane.stream is None:
-            lane.stream = torch.cuda.Stream(priority=0)          # lowest priority; exchanges keep the current
+    def _flush_cuda(self, until: Optional[Handle] = None) -> None:
+        """CUDA: issue deferred background ops in FIFO order while no urgent op is pending; ``until`` (a handle
+        being waited on): its op and every one queued before it now, whatever the urgent count. Holds are per
+        thread, and on a GPU autograd runs backward on its own thread: an expectation it set (a layer's combine)
+        that no urgent op ends (an exchange group of one rank) would otherwise keep the op back forever."""
         while True:
             with self._cv:
-                if not self._deferred or (self._urgent and self._deferred[0].yields):
+                forced = until is not None and any(job.handle is until for job in self._deferred)
+                if not self._deferred or (self._urgent and self._deferred[0].yields and not forced):
                     return
                 job = self._deferred.popleft()
-            lane.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(lane.stream):
-                job.start_ns = now_ns()
-                try:
-                    result = job.run(job)
-                except Exception as exc:     # the handle raises it; the engine is poisoned
-                    self._poison(exc)
-                    job.handle._finish(error=exc)
-                    continue
-                job.handle.cuda_event = torch.cuda.Event()
-                job.handle.cuda_event.record(lane.stream)
-            job.handle._finish(result)
+            self._lanes[BACKGROUND].run_on_stream(job, self._poison)
 
 
 def build_engine(groups: MoEProcessGroups, *, ledger: Optional[CommLedger] = None, pipeline: bool = False,

@@ -18,7 +18,7 @@ Nothing here touches torch.distributed: these functions are unit-tested without 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 Ranks = Tuple[int, ...]
 
@@ -144,3 +144,9 @@ def ep_groups(world: int, ep: int, esp: int) -> List[Ranks]:
 def expert_dp_groups(world: int, ep: int, esp: int) -> List[Ranks]:
     block = ep * esp
     return [tuple(range(i, world, block)) for i in range(block)]
+
+
+def exchange_free(layout: Any) -> bool:
+    """Whether every MoE collective of ``layout`` stays on one rank (mp = ep = esp = 1: one device, or pure data
+    parallelism): its exchanges move nothing and issue no op. Pure; ``layout``: anything with mp, ep and esp."""
+    return layout.mp * layout.ep * layout.esp == 1

@@ -94,6 +94,24 @@ class Lane:
     thread: Optional[threading.Thread] = None
     stream: Any = None                               # CUDA: the background lane's side stream
 
+    def run_on_stream(self, job: Job, on_error: Callable[[BaseException], None]) -> None:
+        """CUDA: run ``job`` on this lane's low-priority stream, after the current stream's work, and finish its
+        handle (an error goes to ``on_error`` first, then to the handle)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(priority=0)          # lowest priority; exchanges keep the current
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            job.start_ns = now_ns()
+            try:
+                result = job.run(job)
+            except Exception as exc:     # the handle raises it; the engine is poisoned
+                on_error(exc)
+                job.handle._finish(error=exc)
+                return
+            job.handle.cuda_event = torch.cuda.Event()
+            job.handle.cuda_event.record(self.stream)
+        job.handle._finish(result)
+
 
 def check_op(op: str, group: Group, x: torch.Tensor, priority: str, reduce: str, splits: Splits = None) -> None:
     """Raise one ValueError naming every bad argument of an op (``splits``: an uneven all_to_all's)."""

@@ -35,6 +35,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from moe_plugins.core.layout import exchange_free
+
 SECTION = "moe_plugins"
 EXCHANGES = ("padded", "ragged")     # the "exchange" values (core.schedule.EXCHANGES is this tuple)
 
@@ -211,12 +213,6 @@ def profile_command(layout: Any) -> str:
     ranks_per_node, mp, ep and esp)."""
     return (f"moe-plugins profile --world {layout.world} --ranks-per-node {layout.ranks_per_node} --mp {layout.mp} "
             f"--ep {layout.ep} --esp {layout.esp}")
-
-
-def exchange_free(layout: Any) -> bool:
-    """Whether every MoE exchange of ``layout`` stays on one rank (mp = ep = esp = 1: one device, or pure data
-    parallelism). Pure."""
-    return layout.mp * layout.ep * layout.esp == 1
 
 
 def settled_degree(plugin: PluginConfig, layout: Any) -> PluginConfig:

@@ -30,6 +30,7 @@ from moe_plugins.core.config import MoEConfig
 from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.gating import BlockRouting, Routing
 from moe_plugins.core.groups import MoEProcessGroups
+from moe_plugins.core.layout import exchange_free
 from moe_plugins.core.plugin_config import EXCHANGES
 
 
@@ -165,8 +166,10 @@ class Schedule(ABC):
 
     def mark_combine(self, y_SM: torch.Tensor) -> torch.Tensor:
         """The layer's output: when backward reaches it, this layer's backward exchanges come next, so the
-        engine holds background work (Lina's gradient micro-ops) back from then on. Returns ``y_SM``."""
-        self.rec.engine.mark_backward_exchange(y_SM)
+        engine holds background work (Lina's gradient micro-ops) back from then on; not where the layout
+        exchanges nothing (no urgent op would end the hold). Returns ``y_SM``."""
+        if not exchange_free(self.groups.layout):
+            self.rec.engine.mark_backward_exchange(y_SM)
         return y_SM
 
     def run_experts(self, e_XM: torch.Tensor, params: LayerParams, replicas: int = 1) -> torch.Tensor:
