@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional, Type
+from typing import Any, Callable, List, Optional, Type
 
 import torch
 import torch.distributed as dist
@@ -124,6 +124,15 @@ def _run_experts(experts: torch.nn.Module, x_ElNM: torch.Tensor) -> torch.Tensor
     return y_RM.reshape(e_l, n, y_RM.shape[-1])
 
 
+def _run_expert_rows(experts: torch.nn.Module, x_RM: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """Megatron's expert module on rows grouped per local expert with ``counts`` rows each (no padding), as
+    its dispatchers call it: the ragged exchange's kept rows only."""
+    y_RM, bias = experts(x_RM, torch.tensor(counts, dtype=torch.long), x_RM.new_ones(x_RM.shape[0]))
+    if bias is not None:
+        raise ValueError("Megatron's experts returned a separate bias; the plugin supports experts that add it")
+    return y_RM
+
+
 def megatron_experts(x_ElNM: torch.Tensor, *, experts: torch.nn.Module, esp: Group, rec: Recorder,
                      run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _run_experts) -> torch.Tensor:
     """The core's experts contract: this rank's expert shard (``run(experts, x_ElNM)``: Megatron's expert module, or
@@ -209,8 +218,9 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
             from moe_plugins.patches.megatron_lancet import deferred_local_experts
             run = partial(deferred_local_experts, config=self.config, queue=self.lancet.queue, layer=self.rec.layer)
         experts = partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec, run=run)
+        rows = partial(_run_expert_rows, self.experts) if esp.size == 1 and self.lancet is None else None
         return HostLayerParams(router=MegatronRouting(self.router, x_SM, own), experts=experts,
-                               partial_experts=partial(_run_experts, self.experts))
+                               partial_experts=partial(_run_experts, self.experts), row_experts=rows)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         x_SM = hidden_states.reshape(-1, hidden_states.shape[-1])

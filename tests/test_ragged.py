@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import route
 from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
-from moe_plugins.core.ragged import chunk_plan, combine_rows, expert_rows, offsets, route_order, split_sizes
+from moe_plugins.core.ragged import (chunk_plan, combine_rows, expert_rows, grouped_rows, offsets, route_order,
+                                     split_sizes)
 from moe_plugins.core.schedule import chunk_bounds
 from moe_plugins.core.schedule import exchange_problems, with_exchange
 from moe_plugins.plugins import default_registry
@@ -37,6 +38,21 @@ def test_expert_rows_groups_per_local_expert_source_by_source():
     assert n == 6 and gather[:2] == [0, 1] and gather[6:10] == [2, 3, 4, 5] and back == [0, 1, 6, 7, 8, 9]
     gather, back, n = expert_rows([[0, 0], [0, 0]], multiple=2)      # nothing received: one padded row per expert
     assert (gather, back, n) == ([0, 0, 0, 0], [], 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=4),
+       st.integers(1, 4))
+def test_grouped_rows_is_expert_rows_without_the_padding(recv_PL, multiple):
+    """Megatron's experts take the rows grouped per local expert with tokens_per_expert: the same rows, in the
+    same order, as the padded (E_l, n) layout less its padding slots."""
+    gather, _, n = expert_rows(recv_PL, multiple)
+    order, counts = grouped_rows(recv_PL)
+    assert counts == [sum(src[e] for src in recv_PL) for e in range(3)]
+    assert order == [gather[e * n + j] for e in range(3) for j in range(counts[e])]
+    assert sorted(order) == list(range(sum(counts)))
+    assert grouped_rows([[2, 1], [0, 3]]) == ([0, 1, 2, 3, 4, 5], [2, 4])
+    assert grouped_rows([[1, 1], [1, 1]]) == ([0, 2, 1, 3], [2, 2])
 
 
 @settings(max_examples=60, deadline=None)

@@ -61,8 +61,9 @@ def test_megatron_layer_with_the_ragged_exchange_equals_stock(world):
     pytest.importorskip("megatron.core")
     from moe_plugins.tools.verify_megatron import MegatronVerifySpec
     from moe_plugins.tools.verify_megatron import run_rank as megatron_rank
+    # ESP 1: Megatron's experts get the kept rows only, with tokens_per_expert (LayerParams.row_experts)
     for kw in (dict(ep=4, k=2, drop=False), dict(ep=2, mp=2, esp=2, k=1, drop=True),
-               dict(ep=4, k=2, drop=False, pipeline_degree=2)):
+               dict(ep=4, k=2, drop=False, pipeline_degree=2), dict(ep=2, k=2, drop=True)):
         spec = MegatronVerifySpec(world=WORLD, ranks_per_node=2, experts=4, tokens=16, hidden=8, ffn=16,
                                   min_capacity=0, dtype="float64", exchange="ragged", **kw)
         report = world(WORLD).run(megatron_rank, spec)[0]

@@ -24,7 +24,7 @@ from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
-                                     ragged_all_to_all, route_order)
+                                     grouped_rows, ragged_all_to_all, route_order)
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds, routing_stats
 
 
@@ -183,6 +183,10 @@ class RaggedBaselineSchedule(BaselineSchedule):
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
         plan, model_dim = self._take("expert", e_QM.shape[0]), e_QM.shape[-1]
         e_l, replicas = self.config.num_experts // self.groups.ep.size, self.groups.mp.size
+        if params.row_experts is not None and replicas == 1:     # the kept rows only (Megatron's experts)
+            order, counts = grouped_rows(plan.recv_PL)
+            idx = torch.tensor(order, dtype=torch.long, device=e_QM.device)
+            return params.row_experts(e_QM.index_select(0, idx), counts).index_select(0, torch.argsort(idx))
         gather, back, rows = expert_rows(plan.recv_PL, multiple=self.groups.ep.size)  # DeepSpeed splits rows by EP
         padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
         x_ElnM = padded.index_select(0, torch.tensor(gather, dtype=torch.long, device=e_QM.device))

@@ -9,7 +9,8 @@ the hottest). The ragged one sends a layer's kept routes only:
 3. the rows, ordered by (expert, token block, slot), in ONE uneven ``all_to_all_single`` (gloo supports uneven
    split sizes, and has no list-form all_to_all); its backward is the reverse uneven exchange;
 4. the experts run on the received rows grouped per local expert (padded locally, never on the wire, to the
-   busiest local expert's rows so that every host's ``experts(x_ElNM)`` contract holds);
+   busiest local expert's rows so that every host's ``experts(x_ElNM)`` contract holds; a host whose experts
+   take ragged groups, Megatron's, gets the rows without padding through ``LayerParams.row_experts``);
 5. the reverse uneven exchange brings the outputs back, and the combine reads each route's row.
 
 At pipeline degree r (PipeMoE), steps 3-5 run per capacity chunk [a, b): the rows of every (expert, block) cell
@@ -84,6 +85,20 @@ def expert_rows(recv_PL: Sequence[Sequence[int]], multiple: int = 1) -> Tuple[Li
                 filled[l] += 1
                 row += 1
     return gather, back, n
+
+
+def grouped_rows(recv_PL: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
+    """The received buffer's rows (source-major, as :func:`expert_rows` reads it) grouped per local expert
+    with no padding (pure): ``(order, counts)``, buffer row of every grouped row and each local expert's rows."""
+    num_local = len(recv_PL[0]) if recv_PL else 0
+    starts, row = [], 0
+    for src in recv_PL:
+        starts.append([])
+        for count in src:
+            starts[-1].append(row)
+            row += count
+    order = [starts[p][l] + j for l in range(num_local) for p, src in enumerate(recv_PL) for j in range(src[l])]
+    return order, [sum(src[l] for src in recv_PL) for l in range(num_local)]
 
 
 # ---- the layer's route layout ----------------------------------------------------------------------------

@@ -71,7 +71,10 @@ class LayerParams:
       experts, this rank's H shard; the tensors themselves, so gradients reach them), for schedules that
       compute with other experts' weights too (Hecate's copies, run by the core's functional FFN
       ``experts.partial_ffn`` with ``MoEConfig.activation``). The core layer supplies it, and the DeepSpeed host
-      for a schedule with ``needs_expert_weights`` (patches/deepspeed_hecate.py); Megatron's does not.
+      for a schedule with ``needs_expert_weights`` (patches/deepspeed_hecate.py); Megatron's does not;
+    - ``row_experts(x_RM, counts_El) -> y_RM`` (optional): the local experts on R rows grouped per local
+      expert, ``counts_El`` (host ints) each, with no padding; where given (Megatron's experts take
+      ``tokens_per_expert``), the ragged exchange runs the experts on the kept rows only, as stock Megatron does.
     """
 
     router: Callable[[torch.Tensor], Routing]
@@ -79,6 +82,7 @@ class LayerParams:
     block_router: Optional[Callable[[torch.Tensor, int], BlockRouting]] = None
     partial_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     expert_weights: Optional[ExpertWeights] = None
+    row_experts: Optional[Callable[[torch.Tensor, List[int]], torch.Tensor]] = None
 
 
 class Schedule(ABC):
