@@ -33,7 +33,7 @@ from moe_plugins.core.ledger import CommLedger
 from moe_plugins.core.patcher import Patch, Patcher, undo_all
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 
-from moe_plugins.patches.megatron_config import config_choices, facts_from_args, plugin_problems
+from moe_plugins.patches.megatron_config import facts_from_args, plugin_problems, section_config
 from moe_plugins.patches.megatron_groups import (MegatronGroups, build_megatron_groups, destroy_megatron_groups,
                               groups_from_pg_collection, megatron_groups, token_view)
 from moe_plugins.patches.megatron_specs import TESTED_VERSIONS, spec_style, stock_moe_spec, with_layer_class
@@ -73,9 +73,8 @@ def resolve_plugin(plugin: PluginLike, path: str = SECTION) -> PluginConfig:
         else:
             raise ValueError(f"{path} ({text!r}) must be a JSON object or the path of a JSON file")
     if isinstance(plugin, Mapping) and SECTION in plugin:
-        return PluginConfig.from_dict(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION,
-                                      **config_choices())
-    return PluginConfig.from_dict(plugin, path, **config_choices())
+        return section_config(plugin[SECTION], f"{path}.{SECTION}" if path != SECTION else SECTION)
+    return section_config(plugin, path)
 
 
 def _json(text: str, path: str) -> Any:

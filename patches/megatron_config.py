@@ -9,7 +9,7 @@ and a Megatron-LM ``argparse.Namespace`` (training scripts). Each is translated 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from moe_plugins.core.config import MoEConfig, moe_config_problems
 from moe_plugins.core.experts import ACTIVATIONS
@@ -80,6 +80,22 @@ def config_choices() -> Dict[str, Any]:
     from moe_plugins.lancet.config import NAME, host_rules
     choices = default_registry().config_choices()
     return {**choices, "sections": {**choices["sections"], NAME: host_rules("megatron")}}
+
+
+def section_config(section: Mapping[str, Any], path: str) -> PluginConfig:
+    """The Megatron adapter's PluginConfig of a ``moe_plugins`` section. A section that names no ``exchange``
+    gets Megatron's own flow, the ragged exchange, where its schedule and options allow it (docs/megatron.md,
+    "Expert rows": stock Megatron's experts multiply the kept rows only), else the padded one; every problem of
+    the section as written is reported against it."""
+    written = PluginConfig.from_dict(section, path, **config_choices())
+    if "exchange" in section or not written.enabled or written.schedule not in default_registry().schedule_names():
+        return written
+    if exchange_problems(default_registry().schedule_class(written.schedule), "ragged", written.pipeline_degree):
+        return written
+    try:
+        return PluginConfig.from_dict({**section, "exchange": "ragged"}, path, **config_choices())
+    except ValueError:          # a section refusing the ragged exchange (Lancet's defer_wgrad): the padded one
+        return written
 
 
 def facts_from_config(config: Any) -> MegatronFacts:

@@ -40,7 +40,7 @@ def test_prepare_from_the_command_flag(tmp_path):
     section = tmp_path / "plugins.json"
     section.write_text(json.dumps({"moe_plugins": {"schedule": "baseline-tp", "ranks_per_node": 8}}))
     plugin, cmd, notes = prepare(None, TORCHRUN + MOE_ARGS + ["--moe-plugins", str(section)])
-    assert plugin == PluginConfig(schedule="baseline-tp", ranks_per_node=8)
+    assert plugin == PluginConfig(schedule="baseline-tp", ranks_per_node=8, exchange="ragged")
     assert cmd == TORCHRUN + MOE_ARGS and "taken out of the command" in notes[0]
     with pytest.raises(ValueError, match="the section is given twice"):
         prepare("{}", TORCHRUN + ["--moe-plugins", "{}"])
@@ -55,7 +55,7 @@ def test_dry_run_prints_the_environment_and_command():
     out = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", '{"schedule": "baseline", "esp": 1}')
     assert out.returncode == 0, out.stderr
     variable, pythonpath, command = out.stdout.strip().splitlines()
-    assert json.loads(variable[len(MEGATRON_ENV) + 1:]) == PluginConfig(esp=1).to_dict()
+    assert json.loads(variable[len(MEGATRON_ENV) + 1:]) == PluginConfig(esp=1, exchange="ragged").to_dict()
     assert pythonpath.startswith(f"PYTHONPATH={SHIM_DIR}")
     assert command == " ".join(TORCHRUN + MOE_ARGS)                  # the flag is out: Megatron-LM rejects it
     assert "moe-plugins launch: Megatron-core, moe_plugins {" in out.stderr

@@ -60,12 +60,18 @@ def megatron_args(**kw) -> argparse.Namespace:
 def test_flag_takes_a_json_object_or_a_file(tmp_path):
     parser = mp.extra_args_provider(argparse.ArgumentParser())
     args = parser.parse_args([mp.FLAG, '{"schedule": "baseline-tp", "pipeline_degree": 2}'])
+    # a section naming no exchange runs Megatron's own flow, the ragged one, where the schedule allows it
+    # (baseline-tp's ragged variant runs at degree 1 only)
     assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(schedule="baseline-tp", pipeline_degree=2)
     path = tmp_path / "plugins.json"
     path.write_text(json.dumps({"moe_plugins": {"schedule": "baseline", "ranks_per_node": 8}}))
     args = parser.parse_args([mp.FLAG, str(path)])
     assert isinstance(args.moe_plugins, str)                 # Megatron-LM pickles args into checkpoints
-    assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(ranks_per_node=8)
+    assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(ranks_per_node=8, exchange="ragged")
+    for section, exchange in (('{"schedule": "parm-s2"}', "padded"), ('{"pipeline_degree": "auto"}', "padded"),
+                              ('{"exchange": "padded"}', "padded"), ('{"lancet": {"defer_wgrad": true}}', "padded"),
+                              ('{"schedule": "baseline-tp"}', "ragged"), ('{"pipeline_degree": 3}', "ragged")):
+        assert mp.resolve_plugin(section).exchange == exchange, section      # Parm, degree words, Lancet: padded
     assert parser.parse_args([]).moe_plugins is None
 
 
@@ -159,7 +165,8 @@ def test_disable_restores_megatron_exactly():
         with pytest.raises(ValueError, match="already enabled"):
             mp.enable(PluginConfig())
         mlp = get_gpt_layer_local_spec(num_experts=4).submodules.mlp
-        assert spec_layer_class(mlp) is PluginMoELayer and spec_params(mlp)["plugin"] == PluginConfig(schedule="baseline")
+        assert spec_layer_class(mlp) is PluginMoELayer and spec_params(mlp)["plugin"] == PluginConfig(schedule="baseline",
+                                                                                                exchange="ragged")
         assert handle.specs_built == 1
     finally:
         mp.disable()
