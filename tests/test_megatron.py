@@ -439,6 +439,14 @@ def test_auto_degree_reads_the_cached_profile_and_matches_stock(world, tmp_path,
         assert "w4-n2-mp1-ep2-esp2-gloo-cpu" in r["source"]
 
 
+def test_auto_degree_needs_no_profile_where_nothing_is_exchanged(world, tmp_path):
+    """TP = EP = ETP = 1 (pure data parallelism; one GPU alike): "auto" is r = 1 with no profile cached."""
+    s = dataclasses.replace(spec(1, 1, 1, k=2, drop=True, capacity_factor=1.5), tokens=16)
+    for r in run(world, jobs.auto_job, s, "baseline", str(tmp_path)):
+        assert max(r["err_out"], r["err_grad_in"], r["err_grad_w"]) <= 1e-9, r
+        assert r["decisions"] == [1] and r["source"] == "", r
+
+
 def test_router_gemm_runs_without_transformer_engine_under_the_compat_fix():
     """megatron-core 0.16.1's router GEMM names te_general_gemm, defined only with Transformer Engine (absent
     here, as on the GPU run of issue #27): NameError without the fix, Megatron's torch GEMM with it, and the

@@ -294,8 +294,9 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
         x = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
         g = torch.randn(spec.tokens, 1, spec.hidden, generator=gen, dtype=torch.float64)
         a, b = _run(stock, x, g), _run(plugin, x, g)
-        decisions = sorted(set(plugin.token_dispatcher.degree.decisions.values()))
-        source = plugin.token_dispatcher.degree.source
+        degree = plugin.token_dispatcher.degree          # an int where "auto" settled without a profile
+        decisions = sorted(set(degree.decisions.values())) if hasattr(degree, "decisions") else [degree]
+        source = getattr(degree, "source", "")
     shared = sorted(set(a["grads"]) & set(b["grads"]))
     return {"err_out": _maxerr(a["y"], b["y"]), "err_grad_in": _maxerr(a["grad_x"], b["grad_x"]),
             "err_grad_w": max(_maxerr(a["grads"][n], b["grads"][n]) for n in shared), "decisions": decisions,
