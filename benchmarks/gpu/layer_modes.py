@@ -19,16 +19,9 @@ import torch
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-MODES = {
-    "stock": None,
-    "r1": {"schedule": "baseline", "pipeline_degree": 1},
-    "r4": {"schedule": "baseline", "pipeline_degree": 4},
-    "parm-auto": {"schedule": "parm-auto", "pipeline_degree": 1},
-    "pipe-auto": {"schedule": "baseline", "pipeline_degree": "auto"},
-    "lancet": {"schedule": "baseline", "lancet": {"defer_wgrad": True}},
-    "hecate": {"schedule": "hecate"},
-    "lina": {"schedule": "baseline", "lina": {"priority": True, "micro_op_mb": 4}},
-}
+sys.path.insert(0, os.path.dirname(__file__))
+from modes import MODES  # noqa: E402
+
 mode, (S, M, H, E, K), out_dir = sys.argv[1], (int(v) for v in sys.argv[2:7]), sys.argv[7]
 if mode not in MODES:
     raise SystemExit(f"mode ({mode!r}) must be one of {sorted(MODES)}")
