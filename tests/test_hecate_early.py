@@ -34,7 +34,8 @@ def test_the_meter_measures_and_keeps_a_bandwidth_once_seen():
     assert meter.degree(10_000) == 50
     meter.measure(hide_ns=-5, took_ns=1, wire_bytes=1)         # a clock step backwards hides nothing
     assert meter.degree(10) == 0
-    assert [h[2] for h in meter.history] == [1000, 50, 0]
+    assert meter.history == [(2e-3, None), (2e-3, 5e8), (1e-3, 5e8), (0.0, pytest.approx(1e9))]
+    assert meter.degree(10) == 0 and len(meter.history) == 4          # asking again records nothing
 
 
 def test_agreed_overlap_is_the_smallest_known_degree():

@@ -100,20 +100,19 @@ class OverlapMeter:
 
     hide_s: Optional[float] = None
     bandwidth: Optional[float] = None
-    history: list = field(default_factory=list)      # (hide_s, bandwidth, t) per measured call, the last 64
+    history: list = field(default_factory=list)      # (hide_s, bandwidth) after each measured call, the last 64
 
     def measure(self, hide_ns: int, took_ns: int, wire_bytes: int) -> None:
         self.hide_s = max(hide_ns, 0) / 1e9
         if wire_bytes > 0 and took_ns > 0:
             self.bandwidth = wire_bytes / (took_ns / 1e9)
+        self.history = (self.history + [(self.hide_s, self.bandwidth)])[-64:]
 
     def degree(self, expert_bytes: int) -> int:
-        """t_r from the last figures, or :data:`UNKNOWN` before a bandwidth was seen."""
+        """t_r from the last figures, or :data:`UNKNOWN` before a bandwidth was seen (a query: changes nothing)."""
         if self.hide_s is None or self.bandwidth is None:
             return UNKNOWN
-        t = overlap_degree(self.hide_s, self.bandwidth, expert_bytes)
-        self.history = (self.history + [(self.hide_s, self.bandwidth, t)])[-64:]
-        return t
+        return overlap_degree(self.hide_s, self.bandwidth, expert_bytes)
 
 
 def agreed_overlap(degrees_R: Sequence[int], num_experts: int) -> int:

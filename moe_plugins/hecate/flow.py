@@ -24,6 +24,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from moe_plugins.core.experts import ACTIVATIONS, ExpertWeights
+from moe_plugins.core.ragged import offsets
 from moe_plugins.core.schedule import chunk_bounds
 from moe_plugins.hecate.plan import Placement, dispatch_counts
 
@@ -55,10 +56,7 @@ def route_plan(counts_RE: Sequence[Sequence[int]], rank: int, placement: Placeme
         raise ValueError(f"rank ({rank}) must lie in [0, {ranks})")
     send_SER = [dispatch_counts(row, s, placement) for s, row in enumerate(counts_RE)]
     mine = send_SER[rank]
-    starts_E, at = [], 0
-    for n in counts_RE[rank]:
-        starts_E.append(at)
-        at += n
+    starts_E = offsets(counts_RE[rank])                                      # this rank's rows per expert
     offset_ER = [[sum(row[:r]) for r in range(ranks)] for row in mine]       # copies of lower rank first
     perm = [i for r in range(ranks) for e, row in enumerate(mine)
             for i in range(starts_E[e] + offset_ER[e][r], starts_E[e] + offset_ER[e][r] + row[r])]
@@ -116,7 +114,7 @@ def piece_plans(counts_RE: Sequence[Sequence[int]], rank: int, placement: Placem
         whole = route_plan(counts_RE, rank, placement)
         return [PiecePlan(whole.perm_X, whole)]
     slots = max((n for row in counts_RE for n in row), default=0)
-    starts_E = [sum(counts_RE[rank][:e]) for e in range(len(counts_RE[rank]))]
+    starts_E = offsets(counts_RE[rank])
     pieces = []
     for a, b in chunk_bounds(slots, degree):
         counts_c = [[max(0, min(n, b) - a) for n in row] for row in counts_RE]

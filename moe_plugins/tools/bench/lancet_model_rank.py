@@ -84,7 +84,7 @@ def build_model(case: ModelCase, seed: int) -> torch.nn.Module:
     return model
 
 
-def hot_share(w_EM: torch.Tensor, d_M: torch.Tensor, gamma: float, k: int, samples: int = 8192,
+def expected_hot_share(w_EM: torch.Tensor, d_M: torch.Tensor, gamma: float, k: int, samples: int = 8192,
               seed: int = 0) -> float:
     """The share of top-``k`` routes that a gate ``w_EM`` with ``gamma`` d added to expert 0's row sends to
     expert 0, for inputs N(0, I) + d (a LayerNorm's output with its bias shifted by the unit vector d)."""
@@ -98,8 +98,8 @@ def hot_share(w_EM: torch.Tensor, d_M: torch.Tensor, gamma: float, k: int, sampl
 
 def skew_gate(block: torch.nn.Module, share: float, k: int, seed: int) -> float:
     """Bias the MoE block's gate towards expert 0: its ``ln_2`` bias shifted by a unit vector d (seeded) and
-    gamma d added to the gate's expert-0 row, gamma bisected so that :func:`hot_share` is ``share`` (the shares
-    measured in the run are the report's). Returns gamma."""
+    gamma d added to the gate's expert-0 row, gamma bisected so that :func:`expected_hot_share` is ``share``
+    (the shares measured in the run are the report's, ``BuiltRow.hot_share``). Returns gamma."""
     wg = block.mlp.moe.deepspeed_moe.gate.wg.weight
     gen = torch.Generator().manual_seed(seed)
     d_M = torch.randn(wg.shape[1], generator=gen)
@@ -107,7 +107,7 @@ def skew_gate(block: torch.nn.Module, share: float, k: int, seed: int) -> float:
     low, high = 0.0, 64.0
     for _ in range(40):
         mid = (low + high) / 2
-        low, high = (mid, high) if hot_share(wg.detach(), d_M, mid, k) < share else (low, mid)
+        low, high = (mid, high) if expected_hot_share(wg.detach(), d_M, mid, k) < share else (low, mid)
     gamma = (low + high) / 2
     with torch.no_grad():
         block.ln_2.bias += d_M
