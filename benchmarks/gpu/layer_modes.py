@@ -16,11 +16,9 @@ import warnings
 
 import deepspeed
 import torch
-from deepspeed.moe.layer import MoE
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from modes import MODES  # noqa: E402
+from modes import MODES, build_engine  # noqa: E402
 
 mode, (S, M, H, E, K), out_dir = sys.argv[1], (int(v) for v in sys.argv[2:7]), sys.argv[7]
 if mode not in MODES:
@@ -36,26 +34,8 @@ deepspeed.init_distributed(dist_backend="nccl" if GPU else "gloo")
 sync = torch.cuda.synchronize if GPU else (lambda: None)
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        expert = torch.nn.Sequential(torch.nn.Linear(M, H), torch.nn.GELU(), torch.nn.Linear(H, M))
-        self.moe = MoE(M, expert, num_experts=E, ep_size=1, k=K, capacity_factor=1.0, min_capacity=0,
-                       use_rts=False, top2_2nd_expert_sampling=False)
-
-    def forward(self, x_BSM):
-        y_BSM, aux, _ = self.moe(x_BSM)
-        return y_BSM, aux
-
-
 def build(ds_config):
-    torch.manual_seed(0)
-    net = Net()
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "p"})
-    if MODES[mode] is not None:
-        ds_config = dict(ds_config, moe_plugins=MODES[mode])
-    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(groups, lr=1e-4), config=ds_config)
-    return engine
+    return build_engine((M, H, E, K), ds_config, MODES[mode])
 
 
 # 1. exactness: fp32, no ZeRO, one forward+backward at a fixed input; gradients read from .grad

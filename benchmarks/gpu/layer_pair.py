@@ -17,11 +17,9 @@ import time
 
 import deepspeed
 import torch
-from deepspeed.moe.layer import MoE
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from modes import MODES  # noqa: E402  (the configurations of the per-process check, layer_modes.py)
+from modes import MODES, build_engine  # noqa: E402  (shared with the per-process check, layer_modes.py)
 
 mode, (S, M, H, E, K) = sys.argv[1], (int(v) for v in sys.argv[2:7])
 rounds = int(sys.argv[7]) if len(sys.argv) > 7 else 40
@@ -38,29 +36,11 @@ sync = torch.cuda.synchronize if GPU else (lambda: None)
 DT = torch.bfloat16 if GPU else torch.float32
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        expert = torch.nn.Sequential(torch.nn.Linear(M, H), torch.nn.GELU(), torch.nn.Linear(H, M))
-        self.moe = MoE(M, expert, num_experts=E, ep_size=1, k=K, capacity_factor=1.0, min_capacity=0,
-                       use_rts=False, top2_2nd_expert_sampling=False)
-
-    def forward(self, x_BSM):
-        y_BSM, aux, _ = self.moe(x_BSM)
-        return y_BSM.float().pow(2).mean() + 0.01 * aux
-
-
 def build(section):
-    torch.manual_seed(0)
-    net = Net()
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "p"})
     ds_config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}}
     if GPU:
         ds_config["bf16"] = {"enabled": True}
-    if section is not None:
-        ds_config["moe_plugins"] = section
-    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(groups, lr=1e-4), config=ds_config)
-    return engine
+    return build_engine((M, H, E, K), ds_config, section)
 
 
 engines = {"stock": build(None), mode: build(MODES[mode])}
@@ -70,7 +50,8 @@ x_BSM = torch.randn(8, S // 8, M, device=engines["stock"].device, dtype=DT)
 def timed(engine) -> float:
     sync()
     t0 = time.perf_counter()
-    engine.backward(engine(x_BSM))
+    y_BSM, aux = engine(x_BSM)
+    engine.backward(y_BSM.float().pow(2).mean() + 0.01 * aux)
     engine.zero_grad()
     sync()
     return time.perf_counter() - t0
