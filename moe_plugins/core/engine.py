@@ -81,6 +81,7 @@ class CommEngine:
         self._expected: Dict[int, List[Hold]] = {}   # thread id -> its until_urgent holds (expect_urgent)
         self._rank: Optional[int] = None
         self._deferred: Deque[Job] = deque()        # CUDA: background ops held back on the host
+        self._issuing = threading.Lock()            # CUDA: one thread issues deferred ops at a time, in FIFO order
         self._twins: Dict[str, "weakref.WeakKeyDictionary[Any, Any]"] = {}
         self._lanes: Dict[str, Lane] = {}
         for name, groups in (lanes or {}).items():
@@ -368,14 +369,16 @@ class CommEngine:
         """CUDA: issue deferred background ops in FIFO order while no urgent op is pending; ``until`` (a handle
         being waited on): its op and every one queued before it now, whatever the urgent count. Holds are per
         thread, and on a GPU autograd runs backward on its own thread: an expectation it set (a layer's combine)
-        that no urgent op ends (an exchange group of one rank) would otherwise keep the op back forever."""
-        while True:
-            with self._cv:
-                forced = until is not None and any(job.handle is until for job in self._deferred)
-                if not self._deferred or (self._urgent and self._deferred[0].yields and not forced):
-                    return
-                job = self._deferred.popleft()
-            self._lanes[BACKGROUND].run_on_stream(job, self._poison)
+        that no urgent op ends (an exchange group of one rank) would otherwise keep the op back forever. Flushes
+        from two threads (autograd's and the main one) take turns, so ops are issued in queue order."""
+        with self._issuing:
+            while True:
+                with self._cv:
+                    forced = until is not None and any(job.handle is until for job in self._deferred)
+                    if not self._deferred or (self._urgent and self._deferred[0].yields and not forced):
+                        return
+                    job = self._deferred.popleft()
+                self._lanes[BACKGROUND].run_on_stream(job, self._poison)
 
 
 def build_engine(groups: MoEProcessGroups, *, ledger: Optional[CommLedger] = None, pipeline: bool = False,

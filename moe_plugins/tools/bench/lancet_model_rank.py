@@ -85,7 +85,7 @@ def build_model(case: ModelCase, seed: int) -> torch.nn.Module:
 
 
 def expected_hot_share(w_EM: torch.Tensor, d_M: torch.Tensor, gamma: float, k: int, samples: int = 8192,
-              seed: int = 0) -> float:
+                       seed: int = 0) -> float:
     """The share of top-``k`` routes that a gate ``w_EM`` with ``gamma`` d added to expert 0's row sends to
     expert 0, for inputs N(0, I) + d (a LayerNorm's output with its bias shifted by the unit vector d)."""
     gen = torch.Generator().manual_seed(seed)
