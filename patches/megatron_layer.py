@@ -318,9 +318,9 @@ class PluginMoELayer(MoELayer):
             if degree_needs_profile(plugin.pipeline_degree) or default_registry().is_profiled(plugin.schedule)
             else None)
         log = logger.info if dist.get_rank() == 0 else logger.debug
-        log("moe_plugins: Megatron MoE layer %s runs schedule %r (pipeline degree %s) on tp=%d ep=%d etp=%d, "
-            "ranks_per_node=%d", self._ledger_name(layer_number), plugin.schedule, plugin.pipeline_degree,
-            layout.mp, layout.ep, layout.esp, layout.ranks_per_node)
+        log("moe_plugins: Megatron MoE layer %s runs schedule %r (%s exchange, pipeline degree %s) on tp=%d ep=%d "
+            "etp=%d, ranks_per_node=%d", self._ledger_name(layer_number), plugin.schedule, plugin.exchange,
+            plugin.pipeline_degree, layout.mp, layout.ep, layout.esp, layout.ranks_per_node)
 
     @staticmethod
     def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],

@@ -148,7 +148,7 @@ def megatron_moe_factory(size: ModelSize, settings: MegatronMoESettings, pg_coll
 
 
 def plugin_summary(moe_layers: List[nn.Module]) -> Optional[List[dict]]:
-    """One record per plugin MoE layer (schedule, pipeline degree, layout), as the DeepSpeed recipe reports;
+    """One record per plugin MoE layer (schedule, exchange, pipeline degree, layout), as the DeepSpeed recipe reports;
     None when the layers are stock."""
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     records = []
@@ -157,6 +157,7 @@ def plugin_summary(moe_layers: List[nn.Module]) -> Optional[List[dict]]:
             return None
         c, g = layer.config, layer.moe_groups.layout
         records.append({"layer": f"megatron.moe.{layer.layer_number}", "schedule": layer.plugin.schedule,
+                        "exchange": type(layer.token_dispatcher.schedule).exchange_mode,
                         "pipeline_degree": layer.plugin.pipeline_degree, "mp": c.tensor_model_parallel_size,
                         "ep": g.ep, "esp": g.esp, "num_experts": c.num_moe_experts, "k": c.moe_router_topk})
     return records or None

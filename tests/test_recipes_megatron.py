@@ -75,6 +75,7 @@ def test_plugin_on_equals_off(world, tmp_path, model, layout):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
     tp, ep, etp = (int(layout[i]) for i in (1, 3, 5))
     assert [(r["schedule"], r["mp"], r["ep"], r["esp"]) for r in on["plugin"]] == [("baseline", tp, ep, etp)] * 2
+    assert [r["exchange"] for r in on["plugin"]] == ["ragged"] * 2     # Megatron's default where the section names none
     assert off["plugin"] is None
     assert on["summary"]["last10_mean"] < on["summary"]["first10_mean"]
     written = [json.loads(line) for line in (tmp_path / "on" / "steps.jsonl").read_text().splitlines()]
