@@ -210,7 +210,9 @@ def _megatron_model(ctx: StepContext, spec: StepRowSpec, ledger: CommLedger) -> 
     from moe_plugins.patches import megatron as mp
     groups = _megatron_groups(ctx)
     lina = lina_section(spec)
-    section: Dict[str, Any] = {"schedule": "baseline", "pipeline_degree": 1, **({"lina": lina} if lina else {})}
+    # the padded exchange, as every other row of this bench runs (Megatron's default would be the ragged one)
+    section: Dict[str, Any] = {"schedule": "baseline", "pipeline_degree": 1, "exchange": "padded",
+                               **({"lina": lina} if lina else {})}
     bucket = bucket_bytes_of(spec)
     handle = mp.enable(section, groups=groups, ranks_per_node=ctx.groups.layout.ranks_per_node, ledger=ledger)
     try:
