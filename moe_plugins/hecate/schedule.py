@@ -75,10 +75,10 @@ class HecateStats:
 @dataclass
 class _Call:
     routing: Any
-    pos_SK: torch.Tensor
+    pos_SK: torch.Tensor                        # each route's row in d (len(d): a dropped route)
     counts_RE: List[List[int]]                  # every member's kept routes per expert (the host read)
     placement: Placement
-    whole_X: Tuple[int, ...]                    # d's rows: the whole call's send order, as (expert, slot) rows
+    at_R: torch.Tensor                          # each (expert, slot) row's position in d (the call's send order)
     pieces: List[PiecePlan]                     # the whole call, or PipeMoE's chunks (Schedule.chunks)
     copies: Optional[ExpertWeights]             # dropped after the last piece's expert step
     remat: Optional[Rematerialiser] = None      # with rematerialize: how the backward gathers them again
@@ -282,12 +282,15 @@ class HecateSchedule(Schedule):
             raise
         shards = self._shards()
         w_CF = sparse_all_gather(flat_experts(params.expert_weights), placement, shards, ep, self.rec, received)
-        self._state.call = _Call(routing, order.pos_NSK[0], counts_RE, placement, pieces[0].rows, pieces,
+        kept = sum(counts_RE[ep.rank])          # d: this rank's kept rows in the whole call's send order
+        whole_X = _index(pieces[0].rows, x_SM.device)                 # d's rows as (expert, slot) rows
+        at_R = torch.argsort(whole_X)
+        pos_SK = torch.cat([at_R, at_R.new_full((1,), kept)])[order.pos_NSK[0]]     # the combine reads d's order
+        self._state.call = _Call(routing, pos_SK, counts_RE, placement, at_R, pieces,
                                  unflat_experts(w_CF, cfg.hidden, cfg.ffn),
                                  self._track(w_CF, params, placement, shards))
         self._state.last = HecateStats(placement, load_E, _rows_E(pieces, cfg.num_experts))
-        kept = sum(counts_RE[ep.rank])          # d: this rank's kept rows in the whole call's send order
-        token_X = order.token_X[:kept].index_select(0, _index(self._state.call.whole_X, x_SM.device))
+        token_X = order.token_X[:kept].index_select(0, whole_X)
         return Dispatched(d=x_SM.index_select(0, token_X), cap_dim=0, state=self._state.call,
                           aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
 
@@ -316,8 +319,7 @@ class HecateSchedule(Schedule):
         if last is not None:
             self._state.last = HecateStats(last.placement, last.load_E, _rows_E(call.pieces, len(last.load_E)))
         d = dispatched.d
-        at_R = torch.argsort(_index(call.whole_X, d.device))          # an (expert, slot) row's position in d
-        call.at_X = at_R.index_select(0, _index([r for p in call.pieces for r in p.rows], d.device))
+        call.at_X = call.at_R.index_select(0, _index([r for p in call.pieces for r in p.rows], d.device))
         return list(d.index_select(0, call.at_X).split([len(p.rows) for p in call.pieces]))
 
     def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
@@ -374,8 +376,7 @@ class HecateSchedule(Schedule):
         call: _Call = dispatched.state
         if self._state.call is call:
             self._state.call = None         # hold nothing of this call (its copies) past the layer
-        order_X = torch.argsort(_index(call.whole_X, r_XM.device))   # back to (expert, slot) order
-        return combine_rows(r_XM.index_select(0, order_X), call.pos_SK, call.routing)
+        return combine_rows(r_XM, call.pos_SK, call.routing)      # r_XM in d's order (join), as pos_SK reads it
 
 
 def _regather(owned: OwnedRead, placement: Placement, shards: ShardSpec, group, rec) -> torch.Tensor:
