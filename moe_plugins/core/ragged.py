@@ -88,17 +88,11 @@ def expert_rows(recv_PL: Sequence[Sequence[int]], multiple: int = 1) -> Tuple[Li
 
 
 def grouped_rows(recv_PL: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
-    """The received buffer's rows (source-major, as :func:`expert_rows` reads it) grouped per local expert
-    with no padding (pure): ``(order, counts)``, buffer row of every grouped row and each local expert's rows."""
-    num_local = len(recv_PL[0]) if recv_PL else 0
-    starts, row = [], 0
-    for src in recv_PL:
-        starts.append([])
-        for count in src:
-            starts[-1].append(row)
-            row += count
-    order = [starts[p][l] + j for l in range(num_local) for p, src in enumerate(recv_PL) for j in range(src[l])]
-    return order, [sum(src[l] for src in recv_PL) for l in range(num_local)]
+    """:func:`expert_rows`' grouping without its padding slots (pure): ``(order, counts)``, the buffer row of every
+    grouped row and each local expert's rows."""
+    gather, _, n = expert_rows(recv_PL)
+    counts = [sum(src[l] for src in recv_PL) for l in range(len(recv_PL[0]) if recv_PL else 0)]
+    return [gather[l * n + j] for l, count in enumerate(counts) for j in range(count)], counts
 
 
 # ---- the layer's route layout ----------------------------------------------------------------------------
