@@ -11,13 +11,11 @@ the mpu) and both adapters' ``active()``.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-CACHE_ENV = "MOE_PLUGINS_CACHE"          # read by the DeepSpeed adapter once, at enable (the boundary)
 DS_COMM_SWAPPED = ("all_reduce", "reduce")    # patches/deepspeed_lina.py swaps these while it reduces
 EXPERT_REGISTRY = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
                    "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP")
@@ -101,23 +99,16 @@ def refused_engine(section: Dict[str, Any], given: Optional[Dict[str, Any]], ext
 
     import moe_plugins
     from moe_plugins.tools.verify_deepspeed import init_deepspeed_comm
-    from tests.workers.deepspeed import TinyMoEModel, ds_config
+    from tests.workers.deepspeed import TinyMoEModel, cache_dir_env, ds_config
     init_deepspeed_comm()
     before = HostState.capture(megatron=False)
-    saved = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = cache_dir
     message = None
     try:
-        with moe_plugins.enable(given):
+        with cache_dir_env(cache_dir), moe_plugins.enable(given):
             torch.manual_seed(0)
             model = TinyMoEModel(ep, k=1)
             deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                  config={**ds_config(0, section), **extra})
     except ValueError as exc:
         message = str(exc)
-    finally:
-        if saved is None:
-            os.environ.pop(CACHE_ENV, None)
-        else:
-            os.environ[CACHE_ENV] = saved
     return {"message": message, "changed": before.differences(HostState.capture(megatron=False))}

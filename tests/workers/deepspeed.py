@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack
-from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,17 +120,27 @@ def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: 
     return {"off": off, "on": on}
 
 
-def train_with_cache(cache_dir: str, *args: Any) -> Dict[str, Any]:
-    """:func:`train_on_and_off` with ``$MOE_PLUGINS_CACHE`` (read at enable) set to ``cache_dir``."""
-    saved = os.environ.get("MOE_PLUGINS_CACHE")
-    os.environ["MOE_PLUGINS_CACHE"] = cache_dir
+CACHE_ENV = "MOE_PLUGINS_CACHE"          # read by the DeepSpeed adapter once, at enable (the boundary)
+
+
+@contextmanager
+def cache_dir_env(cache_dir: str) -> Iterator[None]:
+    """``$MOE_PLUGINS_CACHE`` set to ``cache_dir`` inside the block, as it was after (only that variable)."""
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = cache_dir
     try:
-        return train_on_and_off(*args)
+        yield
     finally:
         if saved is None:
-            del os.environ["MOE_PLUGINS_CACHE"]
+            os.environ.pop(CACHE_ENV, None)
         else:
-            os.environ["MOE_PLUGINS_CACHE"] = saved
+            os.environ[CACHE_ENV] = saved
+
+
+def train_with_cache(cache_dir: str, *args: Any) -> Dict[str, Any]:
+    """:func:`train_on_and_off` with ``$MOE_PLUGINS_CACHE`` set to ``cache_dir``."""
+    with cache_dir_env(cache_dir):
+        return train_on_and_off(*args)
 
 
 def _state(engine) -> Dict[str, torch.Tensor]:
