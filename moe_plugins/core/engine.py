@@ -307,7 +307,7 @@ class CommEngine:
     def _enqueue(self, lane: Lane, run: Callable[[Job], Any], what: str, yields: bool = True) -> Handle:
         if self.cuda and lane.priority == URGENT:    # CUDA: no lane thread; the runner's side stream orders it
             return self._inline(run, what, URGENT)
-        guard = self._refuse_wait_in_hold if lane.priority == BACKGROUND else None
+        guard = self._before_background_wait if lane.priority == BACKGROUND else None
         with self._cv:
             self._raise_if_unusable()
             job = Job(run, Handle(what, guard), now_ns(), yields=yields)
@@ -333,7 +333,9 @@ class CommEngine:
         for hold in expected:
             hold.release()
 
-    def _refuse_wait_in_hold(self, handle: Handle) -> None:
+    def _before_background_wait(self, handle: Handle) -> None:
+        """A background handle is about to be waited on: end this thread's expectations, refuse a wait inside
+        its own hold, and on CUDA issue the op now."""
         self._end_expectations()
         if self._holds.get(threading.get_ident(), 0):
             raise CommError(f"wait() on {handle.what} inside this thread's hold() would wait forever: release "
