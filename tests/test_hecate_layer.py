@@ -99,7 +99,6 @@ def test_config_section_parses():
     ({"hecate": {"extra_experts": "many"}}, r"extra_experts \('many'\) must be an integer >= 1 .* or \"auto\""),
     ({"hecate": {"extra_experts": True}}, r"extra_experts \(True\) must be"),
     ({"hecate": {"reshard_every": -1}}, r"reshard_every \(-1\) must be an integer >= 0"),
-    ({"hecate": {"reshard_every": 10}}, r"reshard_every \(10\) is not supported yet"),
     ({"hecate": {"rematerialize": "yes"}}, r"hecate\.rematerialize \('yes'\) must be true or false"),
     ({"hecate": {"enabled": "yes"}}, r"hecate\.enabled \('yes'\) must be true or false"),
     ({"hecate": {"extra_expert": 1}}, r"hecate\.extra_expert is unknown; allowed: enabled, .*did you mean"),

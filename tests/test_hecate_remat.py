@@ -52,8 +52,8 @@ def test_config_accepts_rematerialize_with_the_same_rules():
     assert HecateSchedule.from_section({"rematerialize": True}).options.rematerialize is True
     assert HecateConfig().rematerialize is False
     for section, message in (({"hecate": {"rematerialize": "yes"}}, r"rematerialize \('yes'\) must be true or false"),
-                             ({"hecate": {"rematerialize": True, "reshard_every": 5}},
-                              r"reshard_every \(5\) is not supported yet"),
+                             ({"hecate": {"rematerialize": True, "reshard_every": -5}},
+                              r"reshard_every \(-5\) must be an integer >= 0"),
                              ({**REMAT, "pipeline_degree": 2}, r"pipeline_degree \(2\) must be 1 with "
                                                                r"moe_plugins\.hecate\.rematerialize"),
                              ({**REMAT, "schedule": "parm-s2"}, r"schedule \('parm-s2'\) cannot run Hecate")):

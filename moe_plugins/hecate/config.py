@@ -11,7 +11,8 @@
         "prefetch": false,        # true: plan from the previous calls' load and issue spAG before the gate, on
                                   # the engine's pipeline lane, at the start of the layer's transformer block,
                                   # with the overlap degree t measured (moe_plugins/hecate/early.py)
-        "reshard_every": 0        # reserved: heterogeneous re-sharding every n steps, 0 = never (only 0 now)
+        "reshard_every": 0        # re-home the experts by Algorithm 2 every n optimizer steps (0: never;
+                                  # DeepSpeed ZeRO stage 0, fp32: moe_plugins/hecate/rehome.py)
     }
 
 How the section selects the schedule: an enabled section switches schedule ``baseline`` to ``hecate`` (the
@@ -86,9 +87,7 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
             bad(key, "must be true or false")
     if "reshard_every" in section:
         if not _int(section["reshard_every"], 0):
-            bad("reshard_every", "must be an integer >= 0 (steps between re-shardings; 0: never)")
-        elif section["reshard_every"]:
-            bad("reshard_every", "is not supported yet (heterogeneous re-sharding is not built); only 0 is accepted")
+            bad("reshard_every", "must be an integer >= 0 (optimizer steps between re-shardings; 0: never)")
     return problems
 
 

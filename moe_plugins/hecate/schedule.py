@@ -48,28 +48,14 @@ from moe_plugins.core.experts import ExpertWeights, partial_ffn
 from moe_plugins.core.ragged import combine_rows, expert_rows, ragged_all_to_all, route_order
 from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
-from moe_plugins.hecate.early import EarlyGather, OverlapMeter, agreed_overlap, issue_early
+from moe_plugins.hecate.early import EarlyGather, agreed_overlap, issue_early
 from moe_plugins.hecate.flow import (PiecePlan, RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
                                      piece_plans, unflat_experts)
 from moe_plugins.hecate.memory import CopyLedger
-from moe_plugins.hecate.plan import (LoadWindow, Placement, materialise_budget, paying_experts, plan_placement,
-                                     stock_homes)
+from moe_plugins.hecate.plan import Placement, materialise_budget, paying_experts, plan_placement, stock_homes
+from moe_plugins.hecate.state import HecateStats, State
 from moe_plugins.hecate.remat import OwnedRead, Rematerialiser
 from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, sparse_exchange, spag_again, whole_shards
-
-
-@dataclass(frozen=True)
-class HecateStats:
-    """What one call did on this rank: the ``placement``, the global kept routes per expert ``load_E`` and the
-    rows this rank computed per expert ``rows_E`` (0 for experts it holds no copy of)."""
-
-    placement: Placement
-    load_E: Tuple[int, ...]
-    rows_E: Tuple[int, ...]
-
-    def extra_copies(self) -> int:
-        """Copies beyond the homes (one per expert)."""
-        return sum(len(c) for c in self.placement.copies_E) - len(self.placement.copies_E)
 
 
 @dataclass
@@ -84,23 +70,6 @@ class _Call:
     remat: Optional[Rematerialiser] = None      # with rematerialize: how the backward gathers them again
     at_X: Optional[torch.Tensor] = None         # chunks: the pieces' rows' positions in d, piece after piece
     taken: Dict[str, int] = field(default_factory=lambda: {"exchange_in": 0, "expert": 0, "exchange_out": 0})
-
-
-class _State:
-    """A layer's Hecate state, shared with a twin: the load window, the call in flight, the last call's stats,
-    the forward calls so far and the copy-memory ledger (per schedule instance: nothing module-level)."""
-
-    def __init__(self, num_experts: int, layer: str) -> None:
-        self.window = LoadWindow(num_experts=num_experts)
-        self.call: Optional[_Call] = None
-        self.last: Optional[HecateStats] = None
-        self.calls = 0
-        self.memory = CopyLedger(layer)
-        self.early: Optional[EarlyGather] = None    # prefetch: the gather issued for the next call
-        self.meter = OverlapMeter()                 # prefetch: this rank's hiding time and bandwidth
-        self.overlap: Optional[int] = None          # prefetch: the agreed overlap degree t (None: not yet)
-        self.expert_bytes = 1                       # prefetch: one expert's bytes (set when a gather is issued)
-        self.planned = 0                            # prefetch: the t the last early gather was planned with
 
 
 class HecateSchedule(Schedule):
@@ -153,7 +122,7 @@ class HecateSchedule(Schedule):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._state = _State(self.config.num_experts, self.rec.layer)
+        self._state = State(self.config.num_experts, self.rec.layer, self.stock_homes())
 
     def twin(self, groups) -> "HecateSchedule":
         twin = type(self)(self.config, groups, self.rec)
@@ -215,13 +184,47 @@ class HecateSchedule(Schedule):
         """Algorithm 1 on the window's mean load with overlap degree ``overlap``."""
         ep, num = self.groups.ep, self.config.num_experts
         budget = materialise_budget(overlap, self.options.budget_m(num // ep.size), num)
-        nodes_R = tuple(self.groups.layout.node_of(r) for r in ep.ranks)
-        return plan_placement(self._state.window.mean(), stock_homes(num, ep.size), nodes_R, budget)
+        return plan_placement(self._state.window.mean(), self._state.homes, self.fssdp_nodes(), budget)
 
     def _shards(self) -> ShardSpec:
         cfg = self.config
-        return whole_shards(expert_numel(cfg.hidden, cfg.ffn), stock_homes(cfg.num_experts, self.groups.ep.size),
-                            self.groups.ep.size)
+        return whole_shards(expert_numel(cfg.hidden, cfg.ffn), self._state.homes, self.groups.ep.size)
+
+    # ---- the homes (Algorithm 2 moves them: moe_plugins/hecate/rehome.py) --------------------------------
+    @property
+    def homes(self) -> Tuple[int, ...]:
+        """Each expert's owner (EP member): its storage holds its experts in ascending id."""
+        return self._state.homes
+
+    def stock_homes(self) -> Tuple[int, ...]:
+        return stock_homes(self.config.num_experts, self.groups.ep.size)
+
+    def set_homes(self, homes_E: Tuple[int, ...]) -> None:
+        """After the storage moved to ``homes_E`` (each member keeps E / EP experts)."""
+        per = self.config.num_experts // self.groups.ep.size
+        if len(homes_E) != self.config.num_experts or any(list(homes_E).count(r) != per
+                                                           for r in range(self.groups.ep.size)):
+            raise ValueError(f"homes_E ({list(homes_E)}) must give each of the {self.groups.ep.size} EP members "
+                             f"{per} of the {self.config.num_experts} experts")
+        if self._state.early is not None:          # a gather planned on the old homes reads the wrong rows
+            self._state.early.drain()
+            self._state.early = None
+        self._state.homes = tuple(int(r) for r in homes_E)
+
+    def window_load(self) -> Tuple[int, ...]:
+        """The load window's routes per expert, summed over its iterations (integers)."""
+        return tuple(sum(col) for col in zip(*self._state.window.loads_WE)) or (0,) * self.config.num_experts
+
+    def overlappable(self, load_E) -> Tuple[int, ...]:
+        """Algorithm 2's J: the experts Algorithm 1 copies beyond their home under load ``load_E``."""
+        num = self.config.num_experts
+        t = self._state.overlap if self.options.prefetch and self._state.overlap is not None else num
+        budget = materialise_budget(t, self.options.budget_m(num // self.groups.ep.size), num)
+        placed = plan_placement(load_E, self._state.homes, self.fssdp_nodes(), budget)
+        return tuple(e for e, copies in enumerate(placed.copies_E) if len(copies) > 1)
+
+    def fssdp_nodes(self) -> Tuple[int, ...]:
+        return tuple(self.groups.layout.node_of(r) for r in self.groups.ep.ranks)
 
     # ---- the early gather ------------------------------------------------------------------------------
     def prefetch(self, weights: Optional[ExpertWeights]) -> None:

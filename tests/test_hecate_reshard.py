@@ -1,0 +1,115 @@
+"""Hecate's heterogeneous sharding (Algorithm 2, moe_plugins/hecate/reshard.py) and the move of the experts to
+their new homes (moe_plugins/hecate/rehome.py).
+
+In one process: the plan's rules (underloaded experts spread node-first by load, slots per device kept, ties,
+the overlappable experts staying home, pooled slots across layers) and the move's split sizes. On 4 gloo ranks
+(2 nodes x 2, EP 4, fp64): the core Hecate layer re-sharded every 2 steps trains as the plain one (losses,
+parameters and Adam moments by global expert id <= 1e-9), the homes really move, the move is in the ledger, and
+``Resharder.stock_homes`` puts every expert back on its stock owner and returns it after."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_plugins.hecate.reshard import local_experts, move_counts, node_inbound, shard_plan
+from moe_plugins.tools.verify import VerifySpec
+from tests.workers.hecate_reshard import reshard_training
+
+NODES = (0, 0, 1, 1)
+STOCK = (0, 0, 1, 1, 2, 2, 3, 3)
+
+
+def test_underloaded_experts_spread_over_nodes_then_devices():
+    load = [50, 40, 30, 20, 5, 5, 3, 2]
+    (homes,) = shard_plan([load], [[]], NODES)
+    assert [list(homes).count(r) for r in range(4)] == [2] * 4                      # slots per device kept
+    inbound = node_inbound(homes, load, NODES)
+    assert inbound == {0: 77.0, 1: 78.0}                                            # stock: 140 vs 15
+    assert node_inbound(STOCK, load, NODES) == {0: 140.0, 1: 15.0}
+    assert homes[0] != homes[1] and NODES[homes[0]] != NODES[homes[1]]              # the two hottest split nodes
+
+
+def test_overlappable_experts_fill_the_slots_left():
+    load = [90, 30, 20, 10, 1, 1, 1, 1]
+    (homes,) = shard_plan([load], [[0]], NODES)          # expert 0 is copied anyway (J): placed last
+    assert [list(homes).count(r) for r in range(4)] == [2] * 4 and homes != STOCK
+    assert max(node_inbound(homes, load, NODES, [0]).values()) < max(node_inbound(STOCK, load, NODES, [0]).values())
+    (dealt,) = shard_plan([load[1:] + [0]], [[]], NODES, homes_LE=[STOCK[1:] + (3,)])
+    assert homes[1:] == dealt[:7]                        # J' placed as if J were not there; J takes the slot left
+    (kept,) = shard_plan([[5, 5, 1, 1, 1, 1, 1, 1]], [[0, 1, 2, 3, 4, 5, 6, 7]], NODES)
+    assert kept == STOCK                                  # all copied: every expert stays where it is
+
+
+
+def test_a_plan_that_lowers_no_load_keeps_the_homes():
+    assert shard_plan([[5] * 8], [[]], NODES) == (STOCK,)                    # Algorithm 2 alone would re-deal it
+    assert shard_plan([[90, 1, 1, 1, 1, 1, 1, 1]], [[0]], NODES) == (STOCK,)  # J' 3 vs 4 routes: nothing to gain
+
+
+def test_ties_prefer_fewer_free_slots_then_home():
+    # after experts 0 (node 0) and 1 (node 1) the loads tie; the node with fewer free slots comes first
+    homes = shard_plan([[10, 10, 0, 0]], [[]], (0, 1), homes_LE=[(1, 0, 0, 1)])[0]
+    assert homes == (1, 0, 0, 1)                          # equal loads: every expert keeps its home
+
+
+def test_pooled_slots_let_a_layer_hold_more_experts_on_one_device():
+    loads = [[100, 90, 80, 70], [1, 1, 1, 1]]
+    pooled = shard_plan(loads, [[], []], (0, 1), pooled=True)
+    per_layer = shard_plan(loads, [[], []], (0, 1))
+    assert all(list(h).count(r) == 2 for h in per_layer for r in (0, 1))
+    assert sum(list(h).count(0) for h in pooled) == 4 and sum(list(h).count(1) for h in pooled) == 4
+    with pytest.raises(ValueError, match="multiple of the 2 ranks"):
+        shard_plan([[1, 2, 3]], [[]], (0, 1))
+
+
+def test_plan_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"loads_LE\[0\] \(\[-1, 2\]\) must be one load >= 0"):
+        shard_plan([[-1, 2]], [[]], (0, 1))
+    with pytest.raises(ValueError, match=r"overlappable_L\[0\] \(\[5\]\) must be experts in \[0, 2\)"):
+        shard_plan([[1, 2]], [[5]], (0, 1))
+    with pytest.raises(ValueError, match="homes_LE must give each layer's experts a rank"):
+        shard_plan([[1, 2]], [[]], (0, 1), homes_LE=[(0, 7)])
+
+
+def test_move_counts_and_local_order():
+    new = (0, 1, 0, 1, 2, 3, 2, 3)
+    assert [move_counts(STOCK, new, r, 4) for r in range(4)] == [
+        ((), (1,), (), ()), ((2,), (), (), ()), ((), (), (), (5,)), ((), (), (6,), ())]
+    assert local_experts(new, 0) == (0, 2) and local_experts(new, 3) == (5, 7)
+
+
+SPEC = VerifySpec(world=4, ranks_per_node=2, ep=4, experts=8, tokens=24, hidden=8, ffn=12, k=2, drop=False,
+                  skew=6.0, seed=13, schedule="hecate", exchange="ragged")
+
+
+def _full(runs, key):
+    got = {}
+    for r in runs:
+        got.update(r[key])
+    return [torch.stack([got[e][i] for e in sorted(got)]) for i in range(4)]
+
+
+@pytest.mark.parametrize("spec", [SPEC, replace(SPEC, ep=2, k=1, seed=7)], ids=["ep4", "ep2-expert_dp2"])
+def test_resharded_training_equals_plain(world, spec):
+    runs = world(4).run(reshard_training, spec, 6, 2)
+    plain, moved = [r["plain"] for r in runs], [r["reshard"] for r in runs]
+    for p, m in zip(plain, moved):
+        assert max(abs(a - b) for a, b in zip(p["losses"], m["losses"])) <= 1e-9
+        assert m["moves"] == 3 and all(h == p["homes"][0] for h in p["homes"])
+    assert any(h != moved[0]["homes"][0] for h in moved[0]["homes"]), moved[0]["homes"]    # homes really moved
+    assert all(m["homes"] == moved[0]["homes"] for m in moved)                             # one plan everywhere
+    for group in ([runs[r] for r in range(4) if r // spec.ep == g] for g in range(4 // spec.ep)):
+        for key in ("experts", "moments"):
+            for a, b in zip(_full([r["plain"] for r in group], key), _full([r["reshard"] for r in group], key)):
+                assert float((a - b).abs().max()) <= 1e-9, key
+        stock = _full([r["reshard"] for r in group], "stock")
+        for a, b in zip(_full([r["plain"] for r in group], "experts"), stock):
+            assert float((a - b).abs().max()) <= 1e-9
+        for a, b in zip(_full([r["reshard"] for r in group], "experts"), _full([r["reshard"] for r in group],
+                                                                                 "after_stock")):
+            assert torch.equal(a, b)                                                       # moved back bitwise
+    sent = sum(m["ledger"]["moe"].get("reshard:all_to_all@ep", {}).get("bytes", 0) for m in moved)
+    assert sent > 0
