@@ -178,12 +178,13 @@ class DeepSpeedPlugin:
             previous = (plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current)
             cfg = plugin.config if plugin.config is not None else found
             lina, infer = plugin.lina.begin(engine, model, cfg), plugin.infer.begin(model, cfg)
+            plugin.hecate.begin(engine, cfg)
             plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = found, names, lina, infer
             try:
                 result = original(engine, model)
                 plugin.lina.install(lina, engine, model)
                 plugin.lancet.install_model(engine, model, plugin._layers, plugin.profile_dir or None)
-                plugin.hecate.install(model, plugin._layers)
+                plugin.hecate.install(model, plugin._layers, engine)
                 return result
             finally:
                 plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = previous

@@ -37,6 +37,7 @@ from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rule
 from moe_plugins.hecate.remat import RereadableWeights
 from moe_plugins.lancet.config import NAME as LANCET
 from moe_plugins.lancet.config import host_rules as lancet_host_rules
+from moe_plugins.patches.deepspeed_hecate_reshard import EngineResharder, check
 from moe_plugins.patches.deepspeed_layer import ffn_activation
 from moe_plugins.plugins import default_registry
 
@@ -168,13 +169,22 @@ class HecateBlockHooks:
     """Hecate's early gather in the model: for each swapped layer whose schedule prefetches, a forward pre-hook
     on the block that holds it (its nearest ancestor held in a ``torch.nn.ModuleList``: the model's list of
     transformer blocks) issues the layer's spAG when the block starts, so that the work before the layer (the
-    attention) hides it. A layer outside such a list issues it at its own call. :meth:`remove` takes them off."""
+    attention) hides it. A layer outside such a list issues it at its own call. And with ``reshard_every``, the
+    engine's re-sharding (patches/deepspeed_hecate_reshard.py). :meth:`remove` takes them off."""
 
     def __init__(self) -> None:
         self.handles: List[Any] = []
+        self.resharders: List[EngineResharder] = []
 
-    def install(self, model: torch.nn.Module, swapped: Mapping[torch.nn.Module, Any]) -> None:
+    def begin(self, engine: Any, cfg: Optional[PluginConfig]) -> None:
+        """Before the engine sets anything up: refuse re-sharding where it cannot run (one ValueError)."""
+        check(engine, cfg)
+
+    def install(self, model: torch.nn.Module, swapped: Mapping[torch.nn.Module, Any], engine: Any = None) -> None:
         """After DeepSpeed configured ``model`` (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
+        if engine is not None:
+            self.resharders.append(EngineResharder())
+            self.resharders[-1].install(engine, swapped)
         names = {m: n for n, m in model.named_modules()}
         held = {child for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
                 for child in parent.children()}                  # the blocks of the model's block lists
@@ -195,8 +205,11 @@ class HecateBlockHooks:
 
     def remove(self) -> None:
         handles, self.handles = self.handles, []
+        resharders, self.resharders = self.resharders, []
         for handle in handles:
             handle.remove()
+        for resharder in resharders:
+            resharder.remove()
 
 
 def _prefetch(layer: Any, moe: torch.nn.Module, block: torch.nn.Module, args: Any) -> None:

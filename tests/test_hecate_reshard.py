@@ -113,3 +113,79 @@ def test_resharded_training_equals_plain(world, spec):
             assert torch.equal(a, b)                                                       # moved back bitwise
     sent = sum(m["ledger"]["moe"].get("reshard:all_to_all@ep", {}).get("bytes", 0) for m in moved)
     assert sent > 0
+
+
+# ---- on DeepSpeed (4 gloo ranks, tests/workers/deepspeed.py's tiny model) --------------------------------
+
+def _deepspeed_jobs():
+    pytest.importorskip("deepspeed")
+    from tests.workers import hecate_reshard_deepspeed
+    return hecate_reshard_deepspeed
+
+
+@pytest.mark.parametrize("ep,k,forced", [(4, 1, None), (2, 2, (1, 0, 0, 1))], ids=["ep4-k1", "ep2-k2-expert_dp2"])
+def test_deepspeed_training_with_resharding_equals_stock(world, ep, k, forced):
+    """Experts 0 and 1 are hot: at EP 4 both are copied and the other two crowd node 1, which Algorithm 2 undoes.
+    At EP 2 (4 experts on 2 ranks, each EP group on one node) the stock homes are already as good as any, so the
+    experts are moved by hand once (``forced``) and the expert-DP replicas must move alike."""
+    jobs = _deepspeed_jobs()
+    steps = 20
+    results = world(4).run(jobs.train_vs_stock, 0, 2, ep, k, 3, steps, forced)
+    for rank, res in enumerate(results):
+        off, on = res["off"], res["on"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
+        assert len(on["losses"]) == steps and rel <= 1e-5, (rank, rel)
+        assert on["moves"] == steps // 2 + (forced is not None)
+        assert on["wrapped_after"] == []                    # disable() took the engine's wrappers off
+    assert jobs.homes_moved(results[0]["on"]["homes"], results[0]["on"]["stock"]), results[0]["on"]["homes"]
+    assert all(r["on"]["homes"] == results[0]["on"]["homes"] for r in results)
+    for group in ([results[r] for r in range(4) if r // ep == g] for g in range(4 // ep)):   # one EP group each
+        off, on = {}, {}
+        for r in group:
+            off.update(r["off"]["experts"])
+            on.update(r["on"]["experts"])
+        assert set(off) == set(on)
+        assert max(float((off[n] - on[n]).abs().max() / off[n].abs().max().clamp_min(1e-12)) for n in off) <= 1e-4
+
+
+@pytest.mark.parametrize("save,load", [("reshard", None), ("reshard", "reshard"), (None, "reshard")],
+                         ids=["resharded-to-stock", "resharded-to-resharded", "stock-to-resharded"])
+def test_deepspeed_checkpoints_are_stock_files(world, tmp_path, save, load):
+    jobs = _deepspeed_jobs()
+    sections = {"reshard": jobs.section(1), None: None}
+    results = world(4).run(jobs.checkpoint_across, sections[save], sections[load], 4, 1, str(tmp_path))
+    saved, loaded = {}, {}
+    for res in results:
+        saved.update(res["saver"]["experts"])
+        loaded.update(res["loader"]["experts"])
+        rel = max(abs(a - b) / abs(a) for a, b in zip(res["saver"]["after"], res["loader"]["after"]))
+        assert rel <= 1e-5, (res["saver"]["after"], res["loader"]["after"])          # the resumed run's losses
+    assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
+    if save:
+        assert results[0]["saver"]["homes"] != results[0]["saver"]["stock"]      # saved away from the stock homes
+
+
+def test_deepspeed_refuses_resharding_off_zero_0(world):
+    jobs = _deepspeed_jobs()
+    for error in world(4).run(jobs.refused, 1, 2):
+        assert error is not None and error.endswith("| swapped 0"), error
+        assert "moe_plugins.hecate.reshard_every (2) runs on ZeRO stage 0 only, and zero_optimization.stage is 1" \
+            in error
+
+
+def test_reshard_problems_name_the_field():
+    from types import SimpleNamespace
+
+    from moe_plugins.core.plugin_config import PluginConfig
+    from moe_plugins.patches.deepspeed_hecate import config_choices
+    from moe_plugins.patches.deepspeed_hecate_reshard import reshard_problems
+    cfg = PluginConfig.from_dict({"hecate": {"reshard_every": 3}}, **config_choices())
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
+                             bfloat16_enabled=lambda: True)
+    assert reshard_problems(engine, cfg) == [
+        "moe_plugins.hecate.reshard_every (3) runs on ZeRO stage 0 only, and zero_optimization.stage is 2: ZeRO 1/2 "
+        "keep the expert parameters in flat partitions the move does not reach",
+        "moe_plugins.hecate.reshard_every (3) runs in fp32 only, and bf16.enabled is true: the fp32 master copies are "
+        "not moved"]
+    plain = PluginConfig.from_dict({"hecate": {"reshard_every": 0}}, **config_choices())
+    assert reshard_problems(engine, plain) == []

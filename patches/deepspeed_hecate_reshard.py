@@ -1,0 +1,132 @@
+"""Hecate's re-sharding (``"hecate": {"reshard_every": n}``) on a DeepSpeed engine: Algorithm 2 re-homes each
+Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
+
+- :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0 in fp32
+  (ZeRO 1/2 flatten the expert parameters into their own partitions and fp16/bf16 keep fp32 master copies, which
+  the move does not reach). One line per problem, naming the field.
+- :class:`EngineResharder`: after the engine configured its model, wraps three methods of that engine (instance
+  attributes, taken off by :meth:`EngineResharder.remove`):
+
+  - ``step``: after an optimizer step (a gradient-accumulation boundary: ``global_steps`` moved), the
+    Resharder counts it and re-shards every n (collective; the engine's optimizer state moves with the experts).
+  - ``save_checkpoint``: written with every expert on its stock owner (moved there and back around the write),
+    so the files are stock DeepSpeed's: a run without the plugin, or without re-sharding, loads them.
+  - ``load_checkpoint``: the experts go to their stock owners first, so the loaded files (stock layout) land on
+    the right experts, parameters and optimizer state alike.
+
+A DeepSpeed expert module is one slot: its parameters whole (``nn.Linear`` weights and biases), in the
+module's order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.core.plugin_config import SECTION
+from moe_plugins.hecate.config import NAME, HecateConfig
+from moe_plugins.hecate.rehome import Resharder
+
+logger = logging.getLogger(__name__)
+FIELD = f"{SECTION}.{NAME}.reshard_every"
+WRAPPED = ("step", "save_checkpoint", "load_checkpoint")
+
+
+def reshard_every(cfg: Any) -> int:
+    """The section's ``reshard_every`` (0 without Hecate or without the key)."""
+    hecate = getattr(cfg, NAME, None)
+    if cfg is None or not cfg.enabled or not isinstance(hecate, Mapping) or hecate.get("enabled", True) is False:
+        return 0
+    return HecateConfig.from_dict(hecate).reshard_every
+
+
+def reshard_problems(engine: Any, cfg: Any) -> List[str]:
+    """What keeps re-sharding off this engine (empty: none, or no re-sharding asked for)."""
+    every = reshard_every(cfg)
+    if not every:
+        return []
+    problems = []
+    stage = int(engine.zero_optimization_stage())
+    if stage != 0:
+        problems.append(f"{FIELD} ({every}) runs on ZeRO stage 0 only, and zero_optimization.stage is {stage}: ZeRO "
+                        "1/2 keep the expert parameters in flat partitions the move does not reach")
+    for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
+        if on:
+            problems.append(f"{FIELD} ({every}) runs in fp32 only, and {name}.enabled is true: the fp32 master "
+                            "copies are not moved")
+    return problems
+
+
+def check(engine: Any, cfg: Any) -> None:
+    problems = reshard_problems(engine, cfg)
+    if problems:
+        raise ValueError("moe_plugins cannot re-shard Hecate's experts on this DeepSpeed engine: " + "; ".join(problems))
+
+
+class EngineResharder:
+    """Re-sharding on one engine (module docstring); :meth:`install` is a no-op where no layer asks for it."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.resharder: Optional[Resharder] = None
+
+    def install(self, engine: Any, swapped: Mapping[torch.nn.Module, Any]) -> None:
+        """After DeepSpeed configured the model (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
+        layers, every = [], set()
+        for moe, layer in swapped.items():
+            options = getattr(layer.schedule, "options", None)
+            if getattr(options, "reshard_every", 0) and _in_engine(engine, moe):
+                layers.append((layer.schedule, functools.partial(_slots, moe)))
+                every.add(options.reshard_every)
+        if not layers:
+            return
+        if len(every) != 1:
+            raise ValueError(f"{FIELD}: the engine's Hecate layers ask for several intervals {sorted(every)}")
+        self.engine, self.resharder = engine, Resharder(layers, every.pop(), world=dist.group.WORLD)
+        for name in WRAPPED:
+            setattr(engine, name, functools.partial(getattr(self, f"_{name}"), getattr(engine, name)))
+        logger.info("moe_plugins: Hecate re-shards the experts of %d layers every %d optimizer steps", len(layers),
+                    self.resharder.every)
+
+    def remove(self) -> None:
+        engine, self.engine = self.engine, None
+        for name in WRAPPED if engine is not None else ():
+            engine.__dict__.pop(name, None)
+
+    def _step(self, original, *args, **kwargs):
+        before = self.engine.global_steps
+        out = original(*args, **kwargs)
+        if self.engine.global_steps != before:
+            self.resharder.step_end(_optimizer(self.engine))
+        return out
+
+    def _save_checkpoint(self, original, *args, **kwargs):
+        with self.resharder.stock_homes(_optimizer(self.engine)):
+            return original(*args, **kwargs)
+
+    def _load_checkpoint(self, original, *args, **kwargs):
+        stock = [schedule.stock_homes() for schedule, _ in self.resharder.layers]
+        self.resharder.reshard(_optimizer(self.engine), stock)
+        return original(*args, **kwargs)
+
+
+def _in_engine(engine: Any, moe: torch.nn.Module) -> bool:
+    return any(m is moe for m in engine.module.modules())
+
+
+def _slots(moe: torch.nn.Module) -> List[List[Any]]:
+    return [[(p, None) for p in expert.parameters()] for expert in moe.experts.deepspeed_experts]
+
+
+def _optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
+    """The engine's optimizer, whose state is keyed by the parameters (ZeRO 0, fp32); None before it exists."""
+    opt = getattr(engine, "optimizer", None)
+    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"{FIELD}: the engine's optimizer ({type(opt).__qualname__}) is not a torch optimizer "
+                         "keyed by the parameters; re-sharding moves that optimizer's state")
+    return opt
+

@@ -1,0 +1,141 @@
+"""Pool jobs for Hecate's re-sharding on DeepSpeed (tests/test_hecate_reshard.py): tests/workers/deepspeed.py's
+tiny MoE model trained through ``deepspeed.initialize`` with ``"hecate": {"reshard_every": n}`` and without the
+plugin, and checkpoints written while the experts sit away from their stock owners."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
+from tests.workers import deepspeed as jobs
+
+
+def section(every: int, extra: Any = 1) -> Dict[str, Any]:
+    return {"ranks_per_node": 2, "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
+
+
+def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
+                hot: Sequence[int] = (0, 1), skew: float = 1.5):
+    """jobs.make_engine's model, dropless, its gate leaning to the ``hot`` experts (0 and 1: both on node 0 at
+    EP 4): their logits gain ``skew`` through the input layer's bias, whatever the token, so that the experts no
+    copy serves crowd one node (or rank) and Algorithm 2 has something to move."""
+    import deepspeed
+
+    from moe_plugins.tools.verify_deepspeed import init_experts
+    torch.manual_seed(seed)
+    model = jobs.TinyMoEModel(ep, k)
+    gate = model.moe.deepspeed_moe.gate
+    gate.drop_tokens = False
+    init_experts(model.moe, seed, ep_rank=dist.get_rank() % ep, tp_rank=0, tp=1)
+    with torch.no_grad():
+        bias = model.inp.bias
+        gate.wg.weight[list(hot)] += skew * bias / bias.dot(bias)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=jobs.ds_config(stage, plugin))
+    return engine
+
+
+def _layer(handle, engine):
+    return handle._layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
+
+
+def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any] = None) -> Dict[str, Any]:
+    """jobs.train, one step at a time, with the homes after each step; ``forced`` (resharder, homes): moved
+    there after the first step, whatever Algorithm 2 would plan."""
+    losses, homes = [], []
+    for step in steps:
+        losses += jobs.train(engine, seed, range(step, step + 1))
+        if forced is not None and step == steps.start:
+            forced[0].reshard(engine.optimizer, [forced[1]])
+        homes.append(layer.schedule.homes if layer is not None else None)
+    return {"losses": losses, "homes": homes}
+
+
+def by_expert(engine, homes) -> Dict[str, torch.Tensor]:
+    """The experts' parameters keyed by global id (``homes``: the layer's homes; None: stock's)."""
+    from deepspeed.utils import groups
+    moe = engine.module.moe
+    rank = groups._get_expert_parallel_rank(moe.expert_group_name)
+    ids = ([e for e, h in enumerate(homes) if h == rank] if homes is not None else
+           [rank * moe.num_local_experts + i for i in range(moe.num_local_experts)])
+    out = {}
+    for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+        for n, p in expert.named_parameters():
+            out[f"{ids[i]}.{n}"] = p.detach().clone()
+    return out
+
+
+def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: int,
+                   forced: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """``steps`` steps of the stock engine, then of the plugin's with re-sharding every ``every`` steps (and,
+    with ``forced``, a move to those homes after the first step): losses, homes, experts by global id."""
+    import moe_plugins
+    init_deepspeed_comm()
+    out: Dict[str, Any] = {}
+    for name, plugin in (("off", None), ("on", section(every))):
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
+            engine = make_engine(stage, plugin, ep, k, seed)
+            layer = _layer(handle, engine)
+            force = (handle.hecate.resharders[0].resharder, tuple(forced)) if forced and handle else None
+            out[name] = _train_tracking(engine, layer, seed, range(steps), force)
+            homes = layer.schedule.homes if layer is not None else None
+            out[name]["experts"] = by_expert(engine, homes)
+            if handle is not None:
+                out[name]["moves"] = handle.hecate.resharders[0].resharder.moves
+                out[name]["stock"] = layer.schedule.stock_homes()
+            engine.destroy()
+        out[name]["wrapped_after"] = sorted(k for k in ("step", "save_checkpoint") if k in engine.__dict__)
+    return out
+
+
+def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Optional[Dict[str, Any]], ep: int,
+                      k: int, path: str, steps: int = 4) -> Dict[str, Any]:
+    """Train ``steps`` steps under ``save_plugin`` and save; go on 2 steps. A fresh engine (another seed) under
+    ``load_plugin`` loads the checkpoint and runs the same 2 steps. The experts by global id after the save and
+    after the load, and the homes at the save."""
+    import moe_plugins
+    init_deepspeed_comm()
+    seed, results = 5, {}
+    for role, plugin, init_seed in (("saver", save_plugin, seed), ("loader", load_plugin, seed + 100)):
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
+            engine = make_engine(0, plugin, ep, k, init_seed)
+            layer = _layer(handle, engine)
+            if role == "saver":
+                jobs.train(engine, seed, range(steps))
+                engine.save_checkpoint(path, tag="t")
+            else:
+                if layer is not None:          # a loader away from its stock homes too: train once, re-shard
+                    jobs.train(engine, init_seed, range(1))
+                engine.load_checkpoint(path, tag="t")
+            homes = layer.schedule.homes if layer is not None else None
+            results[role] = {"homes": homes, "experts": by_expert(engine, homes),
+                             "stock": layer.schedule.stock_homes() if layer is not None else None,
+                             "after": jobs.train(engine, seed, range(steps, steps + 2))}
+            engine.destroy()
+    dist.barrier()
+    return results
+
+
+def refused(stage: int, every: int) -> Optional[str]:
+    """The error ``deepspeed.initialize`` raises for re-sharding at ZeRO ``stage`` (None: none), and whether a
+    layer was swapped before it."""
+    import moe_plugins
+    init_deepspeed_comm()
+    with deepspeed_groups(None), moe_plugins.enable() as handle:
+        try:
+            jobs.make_engine(stage, section(every), 4, 1, 0)
+        except ValueError as exc:
+            return f"{exc} | swapped {len(handle._layers)}"
+    return None
+
+
+def homes_moved(homes: List[Any], stock: Any) -> bool:
+    return any(h != stock for h in homes)
