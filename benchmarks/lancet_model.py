@@ -48,7 +48,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), metavar="ROW")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15, help="timed rounds")
-    p.add_argument("--zero", type=int, default=1, choices=(1, 2), help="ZeRO stage")
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage (0: Hecate's reshard rows)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")

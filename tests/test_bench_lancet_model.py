@@ -45,12 +45,13 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
     assert ragged.section() == {"schedule": "baseline", "pipeline_degree": 1, "exchange": "ragged"} and not ragged.padded
     early = lm.parse_row("hecate@prefetch=1")
     assert early.section() == {"schedule": "baseline", "pipeline_degree": 1,
-                               "hecate": {"enabled": True, "prefetch": True}} and not early.padded
-    assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False}
+                               "hecate": {"enabled": True, "prefetch": True, "reshard_every": 0}} and not early.padded
+    assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False, "reshard_every": 0}
+    assert lm.parse_row("hecate@reshard=4").section()["hecate"]["reshard_every"] == 4     # Algorithm 2's re-homing
     with pytest.raises(ValueError, match=r"option exchange \('even'\) must be padded or ragged"):
         lm.parse_row("baseline@exchange=even")
     assert lm.parse_row("hecate@r=2").section()["pipeline_degree"] == 2       # PipeMoE's chunks
-    with pytest.raises(ValueError, match=r"option 'dw=1' is unknown for hecate; allowed: prefetch, r"):
+    with pytest.raises(ValueError, match=r"option 'dw=1' is unknown for hecate; allowed: prefetch, r, reshard"):
         lm.parse_row("hecate@dw=1")
     assert lm.rows_problems(list(lm.DEFAULT_ROWS)) == []
     problems = lm.rows_problems(["baseline", "lancet", "lancet", "pipe"])
@@ -79,6 +80,10 @@ def test_cases_parse_and_their_problems_are_listed_at_once():
     assert any("drop (2) must be 0 (dropless) or 1" in p for p in problems)
     with pytest.raises(ValueError, match=r"skew \('lots'\) must be a number"):
         lm.parse_case("link:skew=lots")
+    graded = lm.parse_case("link:grade=1.5,experts=8,drop=0")
+    assert graded.grade == 1.5 and "gate grade 1.5" in graded.describe() and lm.case_problems(graded, 4, []) == []
+    assert any("grade (1) must be >= 0, and not given with skew (0.4)" in p
+               for p in lm.case_problems(dataclasses.replace(skewed, grade=1.0), 4, []))
     assert lm.parse_layout("2x2") == (2, 2)
     with pytest.raises(ValueError, match=r"layout \('1x4'\) must be NxR"):
         lm.parse_layout("1x4")
@@ -213,3 +218,30 @@ def test_the_gate_skew_hits_its_share_on_layer_norm_like_inputs():
     assert abs(expected_hot_share(w0, d, gamma, 2, seed=11) - 0.4) < 0.02        # fresh draws: the aimed share
     shares = [expected_hot_share(w0, d, g, 2) for g in (0.0, gamma, 4 * gamma)]
     assert shares[0] < shares[1] < shares[2]
+
+
+def test_the_gate_grade_favours_the_lower_experts():
+    """``grade_gate``: expert e's gate row gains grade (1 - e / (E - 1)) d and ln_2's bias d, so on inputs N(0, I) + d
+    the routes' shares fall with the expert id (the hottest on the first ranks' node under expert parallelism)."""
+    import torch
+    from torch import nn
+
+    from moe_plugins.tools.bench.lancet_model_rank import grade_gate
+
+    block = nn.Module()
+    block.ln_2 = nn.LayerNorm(64)
+    block.mlp = nn.Module()
+    block.mlp.moe = nn.Module()
+    block.mlp.moe.deepspeed_moe = nn.Module()
+    block.mlp.moe.deepspeed_moe.gate = nn.Module()
+    block.mlp.moe.deepspeed_moe.gate.wg = nn.Linear(64, 8, bias=False)
+    torch.manual_seed(0)
+    w0 = block.mlp.moe.deepspeed_moe.gate.wg.weight.detach().clone()
+    grade_gate(block, 1.5, seed=3)
+    d = block.ln_2.bias.detach()
+    w = block.mlp.moe.deepspeed_moe.gate.wg.weight.detach()
+    assert torch.allclose(w - w0, torch.outer(1.5 * (1 - torch.arange(8.0) / 7), d), atol=1e-6)
+    x = torch.randn(20000, 64, generator=torch.Generator().manual_seed(1)) + d
+    top = (x @ w.t()).topk(2, dim=1).indices
+    shares = torch.bincount(top.flatten(), minlength=8).float() / top.numel()
+    assert float(shares[:4].sum()) > 0.6 and shares[0] > shares[7]

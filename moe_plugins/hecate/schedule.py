@@ -145,15 +145,15 @@ class HecateSchedule(Schedule):
         return self._state.memory
 
     def notes(self) -> List[str]:
-        last = self._state.last
+        state, last = self._state, self._state.last
         if last is None:
             return []
         remat = "; copies freed after forward, re-gathered in backward" if self.options.rematerialize else ""
-        state = self._state
+        homes = f"; experts re-homed to ranks {list(state.homes)}" if state.homes != self.stock_homes() else ""
         early = (f"; gathered early, planned with t {state.planned} (hidden-time t now {state.overlap})"
                  if self.options.prefetch else "")
         return [f"hecate: copies per expert {[len(c) for c in last.placement.copies_E]} "
-                f"({last.extra_copies()} beyond the homes){remat}{early}"]
+                f"({last.extra_copies()} beyond the homes){remat}{early}{homes}"]
 
     # ---- the plan --------------------------------------------------------------------------------------
     def _counts(self, counts_E: torch.Tensor) -> List[List[int]]:

@@ -14,8 +14,9 @@ Rows (``name`` or ``name@key=value,...``):
 - ``lancet`` (``@r=N``, ``@partitions=n|auto|tune``, ``@dw=0|1``): schedule ``baseline`` with the section
   ``"lancet": {"defer_wgrad": dw, "partitions": n}`` (dw 1 unless given) at pipeline degree N.
 - ``baseline@exchange=ragged``: the baseline sending only the kept routes (Hecate's reference);
-- ``hecate`` / ``hecate@prefetch=1`` / ``hecate@r=N``: ``"hecate": {"enabled": true, "prefetch": ...}`` (Hecate's
-  FSSDP, with its early gather issued when each MoE block starts; at PipeMoE's degree N).
+- ``hecate`` / ``hecate@prefetch=1`` / ``hecate@r=N`` / ``hecate@reshard=N``: ``"hecate": {"enabled": true,
+  "prefetch": ..., "reshard_every": N}`` (Hecate's FSSDP, with its early gather issued when each MoE block starts;
+  at PipeMoE's degree N; re-homing the experts by Algorithm 2 every N optimizer steps, which needs ``--zero 0``).
 
 Shapes: B samples per rank, L tokens per sample, M hidden, H expert FFN width, E experts, k routes per token,
 f capacity factor.
@@ -33,7 +34,7 @@ from moe_plugins.tools.bench.matrix import parse_rate
 KINDS = ("deepspeed", "baseline", "lancet", "hecate")
 OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r", "exchange"),
                                                            "lancet": ("r", "partitions", "dw", "dense"),
-                                                           "hecate": ("prefetch", "r")})
+                                                           "hecate": ("prefetch", "r", "reshard")})
 AUTO = "auto"
 TUNE = "tune"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
@@ -58,6 +59,7 @@ class ModelRow:
     dense: bool = False
     exchange: str = "padded"
     prefetch: bool = False
+    reshard: int = 0
 
     @property
     def pipemoe_candidate(self) -> bool:
@@ -78,7 +80,7 @@ class ModelRow:
         if self.exchange != "padded":
             out["exchange"] = self.exchange
         if self.kind == "hecate":
-            out["hecate"] = {"enabled": True, "prefetch": self.prefetch}
+            out["hecate"] = {"enabled": True, "prefetch": self.prefetch, "reshard_every": self.reshard}
         if self.kind == "lancet":
             out["lancet"] = {"defer_wgrad": self.dw, "partitions": self.partitions}
             if self.dense:
@@ -173,6 +175,7 @@ class ModelCase:
     moe_every: int = 2
     drop: int = 1                  # 1: DeepSpeed drops routes past the capacity; 0: dropless (padded to the largest)
     skew: float = 0.0              # > 0: each MoE gate biased towards expert 0, aiming at this share of the routes
+    grade: float = 0.0             # > 0: each MoE gate's expert e favoured by grade (1 - e / (E - 1)) (lancet_model_rank)
 
     def capacity(self) -> int:
         """C: DeepSpeed's capacity per expert for S = B L tokens (top-2: ceil(2 f S / E); top-1: ceil(f S / E))."""
@@ -190,7 +193,8 @@ class ModelCase:
         return (f"{self.name} ({self.bound}-bound target): GPT-2-MoE {self.layers} blocks (MoE every "
                 f"{self.moe_every}: {self.moe_layers()} MoE layers), M {self.hidden}, heads {self.heads}, H "
                 f"{self.ffn}, E {self.experts}, k {self.k}, f {self.capacity_factor:g}"
-                f"{'' if self.drop else ' dropless'}{f', gate skew {self.skew:g}' if self.skew else ''}, "
+                f"{'' if self.drop else ' dropless'}{f', gate skew {self.skew:g}' if self.skew else ''}"
+                f"{f', gate grade {self.grade:g}' if self.grade else ''}, "
                 f"vocab {self.vocab}; "
                 f"B {self.batch} x L {self.seq_len} per rank; link {self.rate}; padded exchange "
                 f"{self.exchange_bytes() / 1024:.0f} KiB per rank")
@@ -228,7 +232,7 @@ def parse_case(text: str) -> ModelCase:
             if not re.fullmatch(r"\d+", value):
                 raise ValueError(f"case ({text!r}): {key} ({value!r}) must be a positive integer")
             changes[key] = int(value)
-        elif key in ("capacity_factor", "skew"):
+        elif key in ("capacity_factor", "skew", "grade"):
             try:
                 changes[key] = float(value)
             except ValueError:
@@ -262,6 +266,8 @@ def case_problems(case: ModelCase, world: int, rows: List[ModelRow]) -> List[str
     if case.skew and not 1 / case.experts < case.skew <= 1 / case.k:
         problems.append(f"{where}: skew ({case.skew:g}) must lie in (1/E, 1/k] = ({1 / case.experts:g}, "
                         f"{1 / case.k:g}]: the hot expert's share of the routes, each token routing to it once")
+    if case.grade < 0 or (case.grade and case.skew):
+        problems.append(f"{where}: grade ({case.grade:g}) must be >= 0, and not given with skew ({case.skew:g})")
     if not case.moe_layers():
         problems.append(f"{where}: layers ({case.layers}) hold no MoE block at moe_every {case.moe_every}")
     for row in rows:

@@ -6,7 +6,7 @@ section decides its layers, none: stock), then one DeepSpeed engine per row is b
 recipes' GPT-2-MoE (``recipes.models.build_gpt2_moe``, DeepSpeed's ``MoE`` with EP = world, top-k gates without
 random token selection or second-expert sampling, dropout 0, ``use_cache`` off), every copy from the same seed,
 its local experts re-drawn from (seed, layer, global expert id), so that every row trains the same weights.
-ZeRO stage ``zero`` (1 or 2), fp32, Adam (torch's). With a ``partitions=auto`` row, the cost profile of the layout
+ZeRO stage ``zero`` (0, 1 or 2), fp32, Adam (torch's). With a ``partitions=auto`` row, the cost profile of the layout
 (the all-to-all on EP and the experts' GEMM, ``moe_plugins.tools.profiler``) is measured first, on this link,
 and cached for the plugin to read.
 
@@ -81,7 +81,25 @@ def build_model(case: ModelCase, seed: int) -> torch.nn.Module:
                     p.copy_(torch.zeros_like(p) if name.endswith("bias") else drawn)
             if case.skew:
                 skew_gate(model.transformer.h[layer], case.skew, case.k, seed * 7 + layer)
+            if case.grade:
+                grade_gate(model.transformer.h[layer], case.grade, seed * 7 + layer)
     return model
+
+
+def grade_gate(block: torch.nn.Module, grade: float, seed: int) -> None:
+    """Bias the MoE block's gate towards the lower experts, graded: its ``ln_2`` bias shifted by a unit vector d
+    (seeded) and grade (1 - e / (E - 1)) d added to expert e's gate row, so expert e's logit gains about that much
+    (times 1 + N(0, 1): inputs N(0, I) + d). Under expert parallelism the hottest experts then share the first
+    ranks' node (the measured shares are the report's)."""
+    wg = block.mlp.moe.deepspeed_moe.gate.wg.weight
+    gen = torch.Generator().manual_seed(seed)
+    d_M = torch.randn(wg.shape[1], generator=gen)
+    d_M /= d_M.norm()
+    num = wg.shape[0]
+    with torch.no_grad():
+        block.ln_2.bias += d_M
+        for e in range(num):
+            wg[e] += grade * (1 - e / max(num - 1, 1)) * d_M
 
 
 def expected_hot_share(w_EM: torch.Tensor, d_M: torch.Tensor, gamma: float, k: int, samples: int = 8192,
