@@ -75,11 +75,13 @@ def _activation_name(fn: Any) -> str:
 
 
 def config_choices() -> Dict[str, Any]:
-    """``default_registry().config_choices()`` with the ``lancet`` section checked as the Megatron adapter runs it
-    (defer_wgrad; no batch partitions): ``PluginConfig.from_dict(section, **config_choices())``."""
+    """``default_registry().config_choices()`` with the ``lancet`` section (defer_wgrad; no batch partitions) and the
+    ``hecate`` section checked as the Megatron adapter runs them: ``PluginConfig.from_dict(section,
+    **config_choices())``."""
     from moe_plugins.lancet.config import NAME, host_rules
+    from moe_plugins.patches.megatron_hecate import sections
     choices = default_registry().config_choices()
-    return {**choices, "sections": {**choices["sections"], NAME: host_rules("megatron")}}
+    return {**choices, "sections": {**choices["sections"], NAME: host_rules("megatron"), **sections()}}
 
 
 def section_config(section: Mapping[str, Any], path: str) -> PluginConfig:

@@ -52,6 +52,7 @@ from moe_plugins.core.router import uniform_capacity
 from moe_plugins.core.schedule import LayerParams, Schedule, with_exchange
 from moe_plugins.plugins import default_registry
 
+from moe_plugins.patches import megatron_hecate
 from moe_plugins.patches.megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
 from moe_plugins.patches.megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
                               pg_collection_problems, token_view)
@@ -189,6 +190,10 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.degree = self.lane.degree
         cls = with_exchange(schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size),
                             plugin.exchange, plugin.pipeline_degree)
+        problems = megatron_hecate.expert_problems(config, experts, name) if cls.needs_expert_weights else []
+        if problems:
+            raise ValueError("; ".join(problems))
+        cls = megatron_hecate.hecate_class(plugin, cls, config)
         self.lancet = lancet               # megatron_lancet.LancetState: the experts' dW deferred, run behind exchanges
         self.overlap = None
         if lancet is not None:
@@ -219,8 +224,10 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
             run = partial(deferred_local_experts, config=self.config, queue=self.lancet.queue, layer=self.rec.layer)
         experts = partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec, run=run)
         rows = partial(_run_expert_rows, self.experts) if esp.size == 1 and self.lancet is None else None
+        weights = megatron_hecate.stacked_weights(self.experts) if self.schedule.needs_expert_weights else None
         return HostLayerParams(router=MegatronRouting(self.router, x_SM, own), experts=experts,
-                               partial_experts=partial(_run_experts, self.experts), row_experts=rows)
+                               partial_experts=partial(_run_experts, self.experts), row_experts=rows,
+                               expert_weights=weights)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         x_SM = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -293,6 +300,7 @@ class PluginMoELayer(MoELayer):
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
                  profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None,
                  engines: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None, lancet: Any = None):
+        plugin = megatron_hecate.hecate_plugin(plugin)       # an enabled hecate section: schedule 'hecate'
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())

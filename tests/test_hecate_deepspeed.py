@@ -42,8 +42,8 @@ def test_the_deepspeed_adapter_reads_the_section_and_other_readers_refuse_it():
     assert not hecate_on(PluginConfig(enabled=False, hecate={}))
     with pytest.raises(ValueError, match=r"moe_plugins\.exchange \('padded'\) cannot be used with Hecate"):
         PluginConfig.from_dict({**HECATE, "exchange": "padded"}, **config_choices())
-    with pytest.raises(ValueError, match=r"moe_plugins\.hecate: Hecate is built for DeepSpeed only in this version"):
-        PluginConfig.from_dict(HECATE, **default_registry().config_choices())     # e.g. the Megatron-core adapter
+    with pytest.raises(ValueError, match=r"moe_plugins\.hecate: Hecate is run by the DeepSpeed and Megatron-core"):
+        PluginConfig.from_dict(HECATE, **default_registry().config_choices())     # a reader without their rules
     tanh = _moe(nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8)))
     cls = hecate_class(PluginConfig(hecate={"extra_experts": 3}), default_registry().schedule_class("hecate"), tanh)
     assert cls.options.extra_experts == 3 and cls.name == "hecate" and cls.activation == "gelu_tanh"

@@ -59,7 +59,7 @@ def test_config_accepts_rematerialize_with_the_same_rules():
                              ({**REMAT, "schedule": "parm-s2"}, r"schedule \('parm-s2'\) cannot run Hecate")):
         with pytest.raises(ValueError, match=message):
             PluginConfig.from_dict(section, **config_choices())
-    with pytest.raises(ValueError, match="Hecate is built for DeepSpeed only"):      # other readers still refuse
+    with pytest.raises(ValueError, match="Hecate is run by the DeepSpeed and Megatron-core adapters"):   # others refuse
         PluginConfig.from_dict(REMAT, **default_registry().config_choices())
 
 

@@ -139,11 +139,12 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
 
 def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_refuses_them(tmp_path):
     """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); on Megatron-core,
-    Hecate and Lancet's batch partitions are refused before anything starts, and Lancet's deferred weight
-    gradients launch (its adapter runs them)."""
-    refusals = {"hecate": "Hecate is built for DeepSpeed only",
+    Hecate's re-sharding and Lancet's batch partitions are refused before anything starts, and Hecate and Lancet's
+    deferred weight gradients launch (its adapter runs them)."""
+    refusals = {"hecate": "re-sharding is built for DeepSpeed (ZeRO stage 0) only",
                 "lancet": "batch partitions run HF GPT-2 blocks on DeepSpeed only"}
-    for section in ({"hecate": {"enabled": True}}, {"lancet": {"defer_wgrad": True, "partitions": 2}}):
+    for section in ({"hecate": {"enabled": True, "reshard_every": 2}},
+                    {"lancet": {"defer_wgrad": True, "partitions": 2}}):
         config = tmp_path / "ds.json"
         config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "moe_plugins": section}))
         out = launch("--dry-run", "--config", str(config), "--", "python", "train.py")
@@ -152,3 +153,5 @@ def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_ref
         assert refused.returncode != 0 and refusals[next(iter(section))] in refused.stderr, refused.stderr
     accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"lancet": {}}))
     assert accepted.returncode == 0 and "'lancet': {}}" in accepted.stderr, accepted.stderr
+    accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"hecate": {}}))
+    assert accepted.returncode == 0 and "'hecate': {}" in accepted.stderr, accepted.stderr

@@ -337,7 +337,7 @@ def test_plugin_matches_stock_alltoall_fp64(world, tp, ep, etp):
 
 def test_other_schedules_and_pipeline_degree_match_stock(world):
     """Every registered schedule that is valid on Megatron's token layout (MP = 1) and needs no expert weights
-    from the host (Hecate's copies: built for DeepSpeed only, refused here by its section's rules), and
+    from the host (Hecate's copies: tests/test_hecate_megatron.py), and
     PipeMoE's pipelined chunks (degree 2), on a layout with expert-TP and one without."""
     specs = []
     for tp, ep, etp in ((2, 2, 1), (1, 2, 2)):

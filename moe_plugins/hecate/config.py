@@ -21,10 +21,10 @@ names the same schedule directly (its options then come from the section, or the
 (Parm's, ``baseline-tp``) with an enabled section is refused, naming the schedule, and so are a pipeline degree
 word (``"auto"``, ``"tune"``; integers run PipeMoE's chunks), a degree other than 1 with ``rematerialize``, an
 explicit ``"exchange": "padded"`` (Hecate sends only the kept rows; absent, it is implied) and
-``esp`` > 1. Only the DeepSpeed adapter runs Hecate (it supplies ``LayerParams.expert_weights``): it checks the
-section with :func:`host_rules` for ``"deepspeed"``; every other reader (:data:`SECTION_RULES`, the registry's
-default: the Megatron-core adapter, the launcher) refuses an enabled section with one line, so that no host runs
-the plain baseline in its place.
+``esp`` > 1. The DeepSpeed and Megatron-core adapters run Hecate (they supply ``LayerParams.expert_weights``):
+each checks the section with :func:`host_rules` for its name (Megatron-core also refuses ``reshard_every`` > 0);
+every other reader (:data:`SECTION_RULES`, the registry's default) refuses an enabled section with one line, so
+that nothing runs the plain baseline in its place.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from moe_plugins.core.plugin_config import SectionRules, unknown_keys
 AUTO = "auto"
 NAME = "hecate"                    # the schedule's registered name and the section's key
 SWITCHES = ("baseline", NAME)      # the schedules an enabled section runs as Hecate
-HOSTS = ("deepspeed",)             # the host adapters that run Hecate
+HOSTS = ("deepspeed", "megatron")  # the host adapters that run Hecate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,18 +128,24 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     esp = section.get("esp")
     if _int(esp, 2):
         problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
-    if host not in HOSTS:     # e.g. Megatron-core: refuse rather than let it run the plain baseline silently
-        problems.append(f"{path}.{NAME}: Hecate is built for DeepSpeed only in this version, run by the DeepSpeed "
-                        "adapter (moe_plugins.enable() before deepspeed.initialize) or the core "
-                        f"MoELayer(schedule='{NAME}'); this reader (the Megatron-core adapter, or a tool that checks "
-                        "the section without the DeepSpeed adapter's rules: moe-plugins launch, bench rows) does not "
-                        "run it")
+    if host not in HOSTS:     # a reader that would run the plain baseline silently in its place: refuse
+        problems.append(f"{path}.{NAME}: Hecate is run by the DeepSpeed and Megatron-core adapters (moe_plugins."
+                        "enable(), the ds_config section or the --moe-plugins flag) and by the core "
+                        f"MoELayer(schedule='{NAME}'); this reader (a tool that checks the section without an "
+                        "adapter's rules) does not run it")
+    if host == "megatron" and isinstance(hecate, Mapping):
+        if _int(hecate.get("reshard_every"), 1):
+            problems.append(f"{path}.{NAME}.reshard_every ({hecate['reshard_every']!r}) must be 0 on Megatron-core: "
+                            "re-sharding is built for DeepSpeed (ZeRO stage 0) only")
+        if hecate.get("prefetch") is True:
+            problems.append(f"{path}.{NAME}.prefetch (True) must be false on Megatron-core: the early gather is "
+                            "issued by DeepSpeed's block hooks on a pipeline lane the Megatron layer does not build")
     return problems
 
 
 def host_rules(host: Optional[str]) -> SectionRules:
-    """The section's checks as read by ``host`` (``"deepspeed"`` runs Hecate; None: a reader that does not)."""
+    """The section's checks as read by ``host`` (one of :data:`HOSTS` runs Hecate; None: a reader that does not)."""
     return SectionRules(value=hecate_problems, across=partial(hecate_across, host=host))
 
 
-SECTION_RULES = host_rules(None)      # the registry's: readers other than the DeepSpeed adapter refuse Hecate
+SECTION_RULES = host_rules(None)      # the registry's: readers other than the adapters refuse Hecate

@@ -1,0 +1,112 @@
+"""Hecate (FSSDP, schedule ``hecate``) on Megatron-core: what the plugin's Megatron MoE layer (patches/megatron_layer.py)
+needs to run it. Pure helpers; nothing here patches anything.
+
+- :func:`hecate_plugin`: with an enabled ``hecate`` section (or ``"schedule": "hecate"``), the section as the layer
+  runs it: schedule ``hecate``, the ragged exchange.
+- :func:`expert_problems`: Hecate copies experts from their two GEMMs' weights, so the layer's experts must be
+  Megatron's ``SequentialMLP`` of plain MLPs: ``linear_fc1`` -> ``activation_func`` (exact GELU, ReLU or SiLU, not
+  gated, unfused: ``bias_activation_fusion`` computes GELU's tanh form) -> ``linear_fc2``, with or without biases
+  (``add_bias_linear``; fc2's bias added before the routing weight, as Megatron's SequentialMLP adds it). A refusal
+  names the setting.
+- :func:`hecate_class`: the schedule configured with the section's options and the experts' activation.
+- :func:`stacked_weights`: ``LayerParams.expert_weights`` per call, the local experts' weights transposed and
+  stacked with their biases (zeros where there are none), built from the parameters themselves so that each gets its gradient once per backward
+  (Megatron DDP's hooks, ``main_grad``, as in stock), and stacked again without autograd for re-materialisation.
+
+Owners are Megatron's own expert parameters (expert e on EP rank e // E_l, as Megatron places them), so
+``state_dict`` keys and ``dist_checkpointing`` stay stock. Re-sharding (``reshard_every``) is DeepSpeed's only.
+
+Shapes: E_l local experts, M model dim, H FFN hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+import torch.nn.functional as F
+
+from moe_plugins.core.experts import ExpertWeights
+from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.core.schedule import Schedule
+from moe_plugins.hecate.config import NAME, enabled_in
+from moe_plugins.hecate.remat import RereadableWeights
+from moe_plugins.plugins import default_registry
+
+ACTIVATIONS = {F.gelu: "gelu", F.relu: "relu", F.silu: "silu"}     # Megatron's activation_func -> the copies'
+
+
+def hecate_on(plugin: Optional[PluginConfig]) -> bool:
+    return plugin is not None and plugin.enabled and enabled_in({"schedule": plugin.schedule, NAME: plugin.hecate})
+
+
+def hecate_plugin(plugin: PluginConfig) -> PluginConfig:
+    """``plugin`` as the Megatron layer runs it: with Hecate on, schedule ``hecate`` and the ragged exchange."""
+    return replace(plugin, schedule=NAME, exchange="ragged") if hecate_on(plugin) else plugin
+
+
+def activation_name(config: Any) -> Optional[str]:
+    """The copies' activation for Megatron's ``activation_func`` (None: one Hecate's copies do not compute)."""
+    return ACTIVATIONS.get(getattr(config, "activation_func", None))
+
+
+def expert_problems(config: Any, experts: torch.nn.Module, name: str) -> List[str]:
+    """Why Hecate cannot copy this Megatron layer's experts (empty when it can)."""
+    where = f"{SECTION}.{NAME} on Megatron MoE layer {name}"
+    problems = []
+    if type(experts).__name__ != "SequentialMLP" or not hasattr(experts, "local_experts"):
+        problems.append(f"{where}: its experts are a {type(experts).__name__}; Hecate copies SequentialMLP experts "
+                        "only (moe_grouped_gemm off)")
+    if activation_name(config) is None:
+        fn = getattr(config, "activation_func", None)
+        problems.append(f"{where}: activation_func ({getattr(fn, '__name__', fn)!r}) must be F.gelu, F.relu or F.silu "
+                        "(the copies' activations)")
+    for flag in ("gated_linear_unit", "bias_activation_fusion", "use_te_activation_func"):
+        if getattr(config, flag, False):
+            problems.append(f"{where}: {flag} ({getattr(config, flag)!r}) must be False: Hecate's copies compute "
+                            "Linear -> activation -> Linear, unfused and not gated")
+    return problems
+
+
+def hecate_class(plugin: PluginConfig, cls: Type[Schedule], config: Any) -> Type[Schedule]:
+    """``cls`` configured with the ``hecate`` section's options and Megatron's activation when it is Hecate's
+    schedule (after :func:`expert_problems`), else ``cls``."""
+    if cls.name != NAME:
+        return cls
+    hecate = default_registry().schedule_class(NAME)
+    return hecate.configured(hecate.from_section(plugin.hecate).options, activation=activation_name(config))
+
+
+def stacked_weights(experts: torch.nn.Module) -> RereadableWeights:
+    """The ``SequentialMLP``'s local experts as ExpertWeights (module docstring)."""
+    fc1s = [mlp.linear_fc1 for mlp in experts.local_experts]
+    fc2s = [mlp.linear_fc2 for mlp in experts.local_experts]
+    w = _stacked(fc1s, fc2s)
+    sources = tuple(t for fc in fc1s + fc2s for t in (fc.weight, getattr(fc, "bias", None)) if t is not None)
+    return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=partial(_restacked, fc1s, fc2s),
+                             sources=sources)
+
+
+def _stacked(fc1s: List[torch.nn.Module], fc2s: List[torch.nn.Module]) -> ExpertWeights:
+    return ExpertWeights(w1_EMH=torch.stack([fc.weight.t() for fc in fc1s]),       # linear_fc1.weight: (H, M)
+                         b1_EH=torch.stack([_bias(fc) for fc in fc1s]),
+                         w2_EHM=torch.stack([fc.weight.t() for fc in fc2s]),       # linear_fc2.weight: (M, H)
+                         b2_EM=torch.stack([_bias(fc) for fc in fc2s]))
+
+
+def _bias(fc: torch.nn.Module) -> torch.Tensor:
+    bias = getattr(fc, "bias", None)
+    return bias if bias is not None else fc.weight.new_zeros(fc.weight.shape[0])
+
+
+def _restacked(fc1s: List[torch.nn.Module], fc2s: List[torch.nn.Module]) -> ExpertWeights:
+    with torch.no_grad():
+        return _stacked(fc1s, fc2s)
+
+
+def sections() -> Dict[str, Any]:
+    """The ``hecate`` section's rules as the Megatron adapter reads them (for its ``config_choices``)."""
+    from moe_plugins.hecate.config import host_rules
+    return {NAME: host_rules("megatron")}

@@ -1,0 +1,95 @@
+"""Hecate (schedule ``hecate``) on Megatron-core (patches/megatron_hecate.py): the plugin's layer against Megatron's
+stock MoELayer on 4 gloo ranks (2 nodes x 2) under the CPU shims: fp64 outputs and every gradient <= 1e-9 with
+copies really made, 20 training steps through Megatron's DDP and optimizer, checkpoints both ways; in this process
+the section's rules as the Megatron adapter reads them and the refusals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+
+from moe_plugins.core.plugin_config import PluginConfig  # noqa: E402
+from moe_plugins.patches import megatron_hecate as mh  # noqa: E402
+from moe_plugins.patches.megatron_config import section_config  # noqa: E402
+from moe_plugins.plugins import default_registry  # noqa: E402
+from moe_plugins.tools.verify_megatron import MegatronVerifySpec  # noqa: E402
+from tests.workers import megatron as jobs  # noqa: E402
+
+WORLD, RPN = 4, 2
+JOB_TIMEOUT_S = 1800
+
+
+def spec(tp: int, ep: int, **kw) -> MegatronVerifySpec:
+    return MegatronVerifySpec(world=WORLD, ranks_per_node=RPN, mp=tp, ep=ep, esp=1, tokens=8, schedule="hecate",
+                              exchange="ragged", **kw)
+
+
+def test_the_megatron_adapter_reads_the_section():
+    cfg = section_config({"hecate": {"enabled": True, "extra_experts": 1}}, "moe_plugins")
+    assert mh.hecate_on(cfg) and mh.hecate_plugin(cfg).schedule == "hecate" and cfg.exchange == "ragged"
+    assert mh.hecate_plugin(section_config({}, "moe_plugins")).schedule == "baseline"
+    with pytest.raises(ValueError) as err:
+        section_config({"hecate": {"reshard_every": 2, "prefetch": True}, "esp": 2}, "moe_plugins")
+    assert "moe_plugins.hecate.reshard_every (2) must be 0 on Megatron-core" in str(err.value)
+    assert "moe_plugins.hecate.prefetch (True) must be false on Megatron-core" in str(err.value)
+    assert "moe_plugins.esp (2) must be 1 or null with Hecate" in str(err.value)
+    with pytest.raises(ValueError, match=r"Hecate is run by the DeepSpeed and Megatron-core adapters"):
+        PluginConfig.from_dict({"hecate": {}}, **default_registry().config_choices())     # a reader without them
+    cls = mh.hecate_class(cfg, default_registry().schedule_class("hecate"), SimpleNamespace(activation_func=F.silu))
+    assert cls.options.extra_experts == 1 and cls.activation == "silu"
+
+
+def test_experts_hecate_cannot_copy_are_named():
+    config = SimpleNamespace(activation_func=torch.tanh, gated_linear_unit=True, bias_activation_fusion=True)
+    problems = mh.expert_problems(config, torch.nn.Linear(2, 2), "megatron.moe.1")
+    assert len(problems) == 4, problems
+    assert "its experts are a Linear; Hecate copies SequentialMLP experts only" in problems[0]
+    assert "activation_func ('tanh') must be F.gelu, F.relu or F.silu" in problems[1]
+    assert "gated_linear_unit (True) must be False" in problems[2]
+    assert "bias_activation_fusion (True) must be False" in problems[3]
+
+
+def _check(results, tol: float):
+    bad = []
+    for r in results:
+        errs = {key: r[key] for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux")}
+        if max(errs.values()) > tol or not (r["routing_equal"] and r["grad_names_equal"] and r["bias_none"]):
+            bad.append((r["spec"], r["rank"], errs, r["routing_equal"], r["grad_names_equal"]))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 4), (2, 2)], ids=["tp1-ep4", "tp2-ep2"])
+def test_hecate_matches_stock_megatron_fp64(world, tp, ep):
+    """Top-1 dropping padded to capacity, top-2 dropless, top-2 dropping: outputs, input gradients, every
+    parameter gradient (experts' biases included at EP > 1) and the aux loss <= 1e-9; spAG and spRS ran."""
+    specs = [spec(tp, ep, k=1, drop=True, capacity_factor=1.0, pad=True), spec(tp, ep, k=2, drop=False),
+             spec(tp, ep, k=2, drop=True, capacity_factor=1.25), spec(tp, ep, k=2, drop=False, seed=3)]
+    results = [r for rank in world(WORLD).run(jobs.equivalence_job, specs, timeout_s=JOB_TIMEOUT_S) for r in rank]
+    _check(results, 1e-9)
+    spag = [r["ledger"]["megatron.moe.1"].get("forward:spag@ep", {}).get("bytes", 0) for r in results]
+    sprs = [r["ledger"]["megatron.moe.1"].get("backward:sprs@ep", {}).get("bytes", 0) for r in results]
+    assert sum(spag) > 0 and sum(sprs) > 0                                     # copies were made and reduced back
+    assert all("forward:all_gather@ep" in r["ledger"]["megatron.moe.1"] for r in results)   # Hecate's counts
+
+
+def test_twenty_training_steps_through_megatron_ddp_equal_stock(world):
+    results = world(WORLD).run(jobs.training_job, spec(2, 2, k=2, drop=False, dtype="float32"), 20, True,
+                               timeout_s=JOB_TIMEOUT_S)
+    for r in results:
+        assert len(r["stock"]) == len(r["plugin"]) == 20
+        for a, b in zip(r["stock"], r["plugin"]):
+            assert abs(a - b) <= 1e-5 * abs(a), (r["stock"], r["plugin"])
+        assert sum(r["stock"][-4:]) < sum(r["stock"][:4])
+        stock_n, plugin_n = r["expert_buffer_params"]
+        assert stock_n == plugin_n > 0
+
+
+def test_checkpoints_load_both_ways(world):
+    for r in world(WORLD).run(jobs.checkpoint_job, spec(2, 2, k=2, drop=False), timeout_s=JOB_TIMEOUT_S):
+        assert r["keys"] == r["plugin_keys"] and r["attrs_equal"]
+        assert r["err_plugin_to_stock"] <= 1e-12 and r["err_stock_to_plugin"] <= 1e-12
