@@ -4,8 +4,8 @@ needs to run it. Pure helpers; nothing here patches anything.
 - :func:`hecate_plugin`: with an enabled ``hecate`` section (or ``"schedule": "hecate"``), the section as the layer
   runs it: schedule ``hecate``, the ragged exchange.
 - :func:`expert_problems`: Hecate copies experts from their two GEMMs' weights, so the layer's experts must be
-  Megatron's ``SequentialMLP`` of plain MLPs: ``linear_fc1`` -> ``activation_func`` (exact GELU, ReLU or SiLU, not
-  gated, unfused: ``bias_activation_fusion`` computes GELU's tanh form) -> ``linear_fc2``, with or without biases
+  Megatron's ``SequentialMLP`` of plain MLPs: ``linear_fc1`` -> ``activation_func`` (GELU exact or tanh, ReLU or
+  SiLU, not gated, unfused: ``bias_activation_fusion`` computes GELU's tanh form) -> ``linear_fc2``, with or without biases
   (``add_bias_linear``; fc2's bias added before the routing weight, as Megatron's SequentialMLP adds it). A refusal
   names the setting.
 - :func:`hecate_class`: the schedule configured with the section's options and the experts' activation.
@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Type
 import torch
 import torch.nn.functional as F
 
+from moe_plugins.core.experts import ACTIVATIONS as CORE_ACTIVATIONS
 from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
@@ -36,6 +37,7 @@ from moe_plugins.hecate.remat import RereadableWeights
 from moe_plugins.plugins import default_registry
 
 ACTIVATIONS = {F.gelu: "gelu", F.relu: "relu", F.silu: "silu"}     # Megatron's activation_func -> the copies'
+_PROBE = torch.linspace(-6.0, 6.0, 121, dtype=torch.float64)
 
 
 def hecate_on(plugin: Optional[PluginConfig]) -> bool:
@@ -48,8 +50,16 @@ def hecate_plugin(plugin: PluginConfig) -> PluginConfig:
 
 
 def activation_name(config: Any) -> Optional[str]:
-    """The copies' activation for Megatron's ``activation_func`` (None: one Hecate's copies do not compute)."""
-    return ACTIVATIONS.get(getattr(config, "activation_func", None))
+    """The copies' activation for Megatron's ``activation_func`` (None: one Hecate's copies do not compute):
+    ``F.gelu``, ``F.relu``, ``F.silu``, or a function named after one of the copies' activations (``gelu_tanh``,
+    as the recipes' GPT-2 passes) that computes it, checked on a probe."""
+    fn = getattr(config, "activation_func", None)
+    if fn in ACTIVATIONS:
+        return ACTIVATIONS[fn]
+    name = getattr(fn, "__name__", None)
+    if name in CORE_ACTIVATIONS and torch.equal(fn(_PROBE), CORE_ACTIVATIONS[name](_PROBE)):
+        return name
+    return None
 
 
 def expert_problems(config: Any, experts: torch.nn.Module, name: str) -> List[str]:
@@ -61,8 +71,8 @@ def expert_problems(config: Any, experts: torch.nn.Module, name: str) -> List[st
                         "only (moe_grouped_gemm off)")
     if activation_name(config) is None:
         fn = getattr(config, "activation_func", None)
-        problems.append(f"{where}: activation_func ({getattr(fn, '__name__', fn)!r}) must be F.gelu, F.relu or F.silu "
-                        "(the copies' activations)")
+        problems.append(f"{where}: activation_func ({getattr(fn, '__name__', fn)!r}) must be F.gelu, F.relu, F.silu "
+                        "or a function named gelu_tanh that computes GELU's tanh form (the copies' activations)")
     for flag in ("gated_linear_unit", "bias_activation_fusion", "use_te_activation_func"):
         if getattr(config, flag, False):
             problems.append(f"{where}: {flag} ({getattr(config, flag)!r}) must be False: Hecate's copies compute "

@@ -43,13 +43,22 @@ def test_the_megatron_adapter_reads_the_section():
     cls = mh.hecate_class(cfg, default_registry().schedule_class("hecate"), SimpleNamespace(activation_func=F.silu))
     assert cls.options.extra_experts == 1 and cls.activation == "silu"
 
+    def gelu_tanh(x):                  # the recipes' GPT-2 activation, known by its name and checked on a probe
+        return F.gelu(x, approximate="tanh")
+
+    def gelu_tanh_wrong(x):
+        return F.gelu(x)
+    gelu_tanh_wrong.__name__ = "gelu_tanh"
+    assert mh.activation_name(SimpleNamespace(activation_func=gelu_tanh)) == "gelu_tanh"
+    assert mh.activation_name(SimpleNamespace(activation_func=gelu_tanh_wrong)) is None
+
 
 def test_experts_hecate_cannot_copy_are_named():
     config = SimpleNamespace(activation_func=torch.tanh, gated_linear_unit=True, bias_activation_fusion=True)
     problems = mh.expert_problems(config, torch.nn.Linear(2, 2), "megatron.moe.1")
     assert len(problems) == 4, problems
     assert "its experts are a Linear; Hecate copies SequentialMLP experts only" in problems[0]
-    assert "activation_func ('tanh') must be F.gelu, F.relu or F.silu" in problems[1]
+    assert "activation_func ('tanh') must be F.gelu, F.relu, F.silu or a function named gelu_tanh" in problems[1]
     assert "gated_linear_unit (True) must be False" in problems[2]
     assert "bias_activation_fusion (True) must be False" in problems[3]
 

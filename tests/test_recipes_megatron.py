@@ -117,3 +117,17 @@ def test_lina_in_the_recipe_equals_the_plugin_without_it(world, tmp_path):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
     assert lina["moe_plugins"]["lina"] == {"micro_op_mb": 0.02}
     assert [r["schedule"] for r in lina["plugin"]] == ["baseline"] * 2
+
+
+def test_hecate_in_the_recipe_equals_stock_megatron(world, tmp_path):
+    """The recipe's flag with an enabled hecate section (EP 4 on 2 emulated nodes: copies of the hot experts, spAG
+    and spRS through Megatron's DDP): 12 fp32 steps match stock Megatron within 1e-5 relative."""
+    argv = ["--model", "gpt2-moe", "--steps", "12", "--tp", "1", "--ep", "4", "--etp", "1"]
+    on = train(world, argv + ["--moe-plugins", '{"ranks_per_node": 2, "hecate": {"enabled": true}}',
+                              "--out", str(tmp_path / "hecate")])
+    off = train(world, argv + ["--out", str(tmp_path / "stock")])
+    a, b = losses(on), losses(off)
+    assert sorted(a) == list(range(12)) == sorted(b)
+    for step in range(12):
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    assert [(r["schedule"], r["exchange"]) for r in on["plugin"]] == [("hecate", "ragged")] * 2
