@@ -194,8 +194,8 @@ class MegatronPlugin:
         replacement = self._wrap(getattr(modules[HOOKS[0][0]], HOOKS[0][1]))
         patches = [Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS]
         from moe_plugins.patches.megatron_compat import compat_patches
-        self._patcher = Patcher(patches + compat_patches() + (self.lina.patches() if self.lina is not None else []),
-                                logger=logger).apply()
+        self._patcher = Patcher(patches + compat_patches() + (self.lina.patches() if self.lina is not None else [])
+                                + (self.lancet.patches() if self.lancet is not None else []), logger=logger).apply()
 
     def _wrap(self, original: Callable) -> Callable:
         plugin = self
@@ -263,8 +263,8 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     if config.enabled and config.lina is not None:
         from moe_plugins.patches.megatron_lina import LinaState
         lina = LinaState.create(config, package_info.__version__, ledger=ledger, record_timeline=record_timeline)
-    from moe_plugins.patches.megatron_lancet import LancetState, defers_wgrad
-    lancet = LancetState(record_timeline) if defers_wgrad(config) else None
+    from moe_plugins.patches.megatron_lancet import LancetState, defers_dense, defers_wgrad
+    lancet = LancetState(record_timeline, dense=defers_dense(config)) if defers_wgrad(config) else None
     engines = None
     if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet):
         from moe_plugins.patches.megatron_engines import LayoutEngines

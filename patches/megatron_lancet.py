@@ -39,6 +39,11 @@ def defers_wgrad(plugin: PluginConfig) -> bool:
     return plugin.enabled and plugin.lancet is not None and LancetConfig.from_dict(plugin.lancet).defer_wgrad
 
 
+def defers_dense(plugin: PluginConfig) -> bool:
+    """Whether the section defers the dense layers' weight gradients too (``dense_wgrad``)."""
+    return defers_wgrad(plugin) and LancetConfig.from_dict(plugin.lancet).dense_wgrad
+
+
 def expert_problems(config: Any, experts: torch.nn.Module, name: str, esp: int) -> List[str]:
     """Why Lancet cannot defer this Megatron layer's expert weight gradients (empty when it can)."""
     where = f"{SECTION}.lancet.defer_wgrad on Megatron MoE layer {name}"
@@ -85,13 +90,21 @@ def deferred_local_experts(experts: torch.nn.Module, x_ElNM: torch.Tensor, *, co
 
 
 class LancetState:
-    """The enabled plugin's Lancet state on Megatron: one queue (a model runs one backward at a time) and the
-    overlap callback of each layer built while enabled."""
+    """The enabled plugin's Lancet state on Megatron: one queue (a model runs one backward at a time), the
+    overlap callback of each layer built while enabled and, with ``dense``, the dense linear layers whose dW it
+    defers (patches/megatron_lancet_dense.py)."""
 
-    def __init__(self, record_timeline: bool = False):
+    def __init__(self, record_timeline: bool = False, dense: bool = False):
+        from moe_plugins.patches.megatron_lancet_dense import DenseLayers
         self.queue = WgradQueue(record_timeline=record_timeline)
         self.overlaps: List[ExchangeOverlap] = []
         self.layers: List[str] = []
+        self.dense = DenseLayers(self.queue) if dense else None
+
+    def patches(self) -> List[Any]:
+        """With ``dense``: the linear classes' construction, wrapped while the plugin is enabled."""
+        from moe_plugins.patches.megatron_lancet_dense import dense_patches
+        return dense_patches(self.dense) if self.dense is not None else []
 
     def overlap(self, name: str) -> ExchangeOverlap:
         """A new layer's ``while_in_flight`` callback on the shared queue."""
@@ -101,7 +114,11 @@ class LancetState:
         return self.overlaps[-1]
 
     def close(self) -> None:
-        self.queue.clear()
+        try:
+            if self.dense is not None:
+                self.dense.restore()
+        finally:
+            self.queue.clear()
 
 
 def lancet_or_none(plugin: PluginConfig, lancet: Optional[LancetState]) -> Optional[LancetState]:

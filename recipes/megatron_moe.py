@@ -156,8 +156,10 @@ def plugin_summary(moe_layers: List[nn.Module]) -> Optional[List[dict]]:
         if not isinstance(layer, PluginMoELayer):
             return None
         c, g = layer.config, layer.moe_groups.layout
+        lancet = layer.token_dispatcher.lancet                  # Lancet's state: how many dense layers defer dW
         records.append({"layer": f"megatron.moe.{layer.layer_number}", "schedule": layer.plugin.schedule,
                         "exchange": type(layer.token_dispatcher.schedule).exchange_mode,
+                        "dense_wgrad_layers": lancet.dense.deferred if lancet is not None and lancet.dense else 0,
                         "pipeline_degree": layer.plugin.pipeline_degree, "mp": c.tensor_model_parallel_size,
                         "ep": g.ep, "esp": g.esp, "num_experts": c.num_moe_experts, "k": c.moe_router_topk})
     return records or None

@@ -142,6 +142,15 @@ def build_model(args, size: models.ModelSize, vocab_size: int, settings: Megatro
     return wrap(moe_layers[0].config, hf_model), moe_layers
 
 
+def dense_layers(module, moe_layers) -> None:
+    """With Lancet's ``dense_wgrad``: the HF model's dense Linear / Conv1D layers defer their dW too (its
+    attention and MLPs are not Megatron's parallel linears, which the enabled plugin wraps when they are built)."""
+    from moe_plugins.patches.megatron import active
+    handle = active()
+    if handle is not None and handle.lancet is not None and handle.lancet.dense is not None:
+        handle.lancet.dense.wrap_model(module, moe_layers)
+
+
 def make_optimizer(args, model, pgc: Any):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, params_dtype=torch.float32,
@@ -257,14 +266,14 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
                                              create_gloo_process_groups=False)
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        if plugin is None or not plugin.enabled or plugin.lina is None:
+        if plugin is None or not plugin.enabled or (plugin.lina is None and plugin.lancet is None):
             from moe_plugins.patches.megatron_engines import LayoutEngines
             with LayoutEngines() as engines:               # pipelined layers' lanes, freed when training ends
                 settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin,
                                                ranks_per_node=rpn, seed=args.seed, engines=engines)
                 return _run(args, size, settings, pgc, optimizer_shims, plugin)
-        # Lina patches Megatron's DDP too: build the model (Megatron's own spec, replaced by the plugin's) and
-        # train inside enable(), which closes Lina's engines when training ends
+        # Lina patches Megatron's DDP, Lancet its linear layers and shares one dW queue: build the model (Megatron's
+        # own spec, replaced by the plugin's) and train inside enable(), which closes their engines when training ends
         from moe_plugins.patches.megatron import enable
         settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=None, ranks_per_node=rpn,
                                        seed=args.seed)
@@ -281,6 +290,7 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
     tokenizer, blocks = load_text(args, size)
     module, moe_layers = build_model(args, size, len(tokenizer), settings, pgc)
+    dense_layers(module, moe_layers)
     module.to(device)
     overlap = args.overlap_grad_reduce or (plugin is not None and plugin.enabled and plugin.lina is not None)
     model = DistributedDataParallel(module.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap), module,

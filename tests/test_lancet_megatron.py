@@ -35,6 +35,19 @@ def test_deferred_expert_grads_equal_and_delivered_once(world, tp, ep, degree):
     _check(world(4).run(jobs.grads_job, tp, ep, pipeline_degree=degree, timeout_s=TIMEOUT_S), 2, 2)
 
 
+@pytest.mark.parametrize("tp,ep", [(1, 4), (2, 2)], ids=["ep4", "tp2-sequence_parallel-ep2"])
+def test_dense_wgrad_defers_megatron_parallel_linears(world, tp, ep):
+    """``dense_wgrad`` on Megatron: the model's ColumnParallelLinear / RowParallelLinear layers (4 here; at TP 2
+    sequence parallel, their input all-gathered and its gradient reduce-scattered) defer dW to the queue, every
+    ``main_grad`` equal (fp64) and each gradient delivered once; disable() puts Megatron's GEMM back."""
+    results = world(4).run(jobs.grads_job, tp, ep, dense=True, timeout_s=TIMEOUT_S)
+    _check(results, 2, 2)
+    for r in results:
+        assert r["dense_deferred"] == 4 and r["restored"]
+        assert r["dense_names"] == ["ColumnParallelLinear.0", "ColumnParallelLinear.1", "RowParallelLinear.2",
+                                    "RowParallelLinear.3"], r["dense_names"]
+
+
 def test_gated_linear_unit_experts(world):
     _check(world(4).run(jobs.grads_job, 1, 4, steps=1, gated=True, timeout_s=TIMEOUT_S), 1, 2)
 

@@ -131,3 +131,19 @@ def test_hecate_in_the_recipe_equals_stock_megatron(world, tmp_path):
     for step in range(12):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
     assert [(r["schedule"], r["exchange"]) for r in on["plugin"]] == [("hecate", "ragged")] * 2
+
+
+def test_lancet_dense_wgrad_in_the_recipe_equals_stock_megatron(world, tmp_path):
+    """The recipe's flag with Lancet's deferred expert and dense weight gradients (attention's QKV and projection
+    are Megatron's ColumnParallelLinear / RowParallelLinear, sequence parallel at TP 2): 12 fp32 steps match stock
+    Megatron within 1e-5 relative."""
+    argv = ["--model", "gpt2-moe", "--steps", "12", "--tp", "2", "--ep", "2", "--etp", "1"]
+    on = train(world, argv + ["--moe-plugins", '{"lancet": {"defer_wgrad": true, "dense_wgrad": true}}',
+                              "--out", str(tmp_path / "lancet")])
+    off = train(world, argv + ["--out", str(tmp_path / "stock")])
+    a, b = losses(on), losses(off)
+    assert sorted(a) == list(range(12)) == sorted(b)
+    for step in range(12):
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    assert on["moe_plugins"]["lancet"] == {"defer_wgrad": True, "dense_wgrad": True}
+    assert all(r["dense_wgrad_layers"] >= 4 for r in on["plugin"]), on["plugin"]   # QKV and projection per block

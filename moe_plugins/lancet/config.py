@@ -37,7 +37,7 @@ SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the ov
 EXCHANGES = ("padded",)
 HOSTS = ("deepspeed", "megatron")   # the adapters that run the section (the core layer takes a LancetConfig)
 PARTITION_HOSTS = ("deepspeed",)    # those that run batch partitions (HF GPT-2 and BERT blocks)
-DENSE_HOSTS = ("deepspeed",)        # those that wrap the model's dense layers (dense_wgrad)
+DENSE_HOSTS = ("deepspeed", "megatron")   # those that wrap the model's dense layers (dense_wgrad)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +140,7 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
                             f"GPT-2 blocks on DeepSpeed only; on {host} use partitions 1 (defer_wgrad runs)")
         if section[NAME].get("dense_wgrad") is True and host not in DENSE_HOSTS:
             problems.append(f"{path}.{NAME}.dense_wgrad (True): the dense layers' weight gradients are deferred on "
-                            f"DeepSpeed only; on {host} use false (defer_wgrad runs)")
+                            f"{' and '.join(DENSE_HOSTS)} only; on {host} use false (defer_wgrad runs)")
     return problems
 
 

@@ -15,7 +15,50 @@ import torch.nn.functional as F
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
 from moe_plugins.tools.verify_megatron import transformer_config
-from tests.workers.lina_megatron import RANKS_PER_NODE, _batches, _ddp, _net, _spec
+from tests.workers.lina_megatron import M, RANKS_PER_NODE, _batches, _ddp, _net, _spec
+
+
+def _parallel_net(config, seed: int, tp_group):
+    """Two blocks of Megatron's own tensor-parallel linears (ColumnParallelLinear M -> 2M, tanh, RowParallelLinear
+    2M -> M, biases on; sequence parallel at TP > 1) each before one of the plugin's MoE layers, built while the
+    plugin is enabled: the layers Lancet's ``dense_wgrad`` wraps on Megatron."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.module import MegatronModule
+
+    from moe_plugins.patches.megatron_specs import build_layer
+    from tests.workers.lina_megatron import E
+
+    def init(w):
+        return torch.nn.init.normal_(w, std=0.2)
+
+    class Net(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.up = torch.nn.ModuleList(ColumnParallelLinear(M, 2 * M, config=config, init_method=init, bias=True,
+                                                               gather_output=False, tp_group=tp_group)
+                                          for _ in range(2))
+            self.down = torch.nn.ModuleList(RowParallelLinear(2 * M, M, config=config, init_method=init, bias=True,
+                                                              input_is_parallel=True, skip_bias_add=False,
+                                                              tp_group=tp_group) for _ in range(2))
+            self.moe = torch.nn.ModuleList(build_layer(get_moe_module_spec(use_te=False, num_experts=E), config)
+                                           for _ in range(2))
+
+        def forward(self, x):
+            for i in range(2):
+                h, _ = self.up[i](x)
+                d, _ = self.down[i](torch.tanh(h))
+                x = x + d
+                y, _ = self.moe[i](x)
+                x = x + y
+            return x
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = Net()
+    for i, layer in enumerate(net.moe):
+        layer.set_layer_number(i + 1)
+    return net
 from tests.workers.megatron import adam_steps
 
 
@@ -27,11 +70,12 @@ def _plugin(lancet: Optional[Dict[str, Any]], pipeline_degree: int = 1) -> Dict[
 
 
 def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline_degree: int = 1,
-              gated: bool = False) -> Dict[str, Any]:
+              gated: bool = False, dense: bool = False) -> Dict[str, Any]:
     """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last) in fp64, each ended by DDP's
     ``finish_grad_sync``: the largest difference of every ``main_grad`` between the runs with and without Lancet,
     per step and kind; how many times each parameter's DDP hook ran per backward with Lancet (counted on its
-    gradient accumulator); the queue's state and how often it ran behind an exchange."""
+    gradient accumulator); the queue's state and how often it ran behind an exchange. ``dense``: the model of
+    Megatron's tensor-parallel linears (:func:`_parallel_net`) with ``dense_wgrad`` on too."""
     from moe_plugins.patches import megatron as mp
     spec = _spec(tp, ep, "float64")
     runs, hooks, state = [], [], {}
@@ -42,9 +86,15 @@ def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline
         config = transformer_config(spec, num_layers=2, gated_linear_unit=gated) if gated else \
             transformer_config(spec, num_layers=2)
         data = _batches(config.params_dtype, steps * accumulate, seed=11)
-        for section in (None, {"defer_wgrad": True}):
-            with mp.enable(_plugin(section, pipeline_degree), groups=groups) as handle:
-                model = _ddp(config, _net(config, seed=5), groups.pg_collection, bucket_size=200)
+        if dense:                 # stock sequence-parallel linears all-gather into Megatron's global buffer
+            from megatron.core import parallel_state
+            if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+                parallel_state._set_global_memory_buffer()
+                stack.callback(parallel_state.destroy_global_memory_buffer)
+        for section in (None, {"defer_wgrad": True, "dense_wgrad": dense}):
+            with mp.enable(_plugin(section, pipeline_degree), groups=groups, record_timeline=dense) as handle:
+                net = _parallel_net(config, 5, groups.pg_collection.tp) if dense else _net(config, seed=5)
+                model = _ddp(config, net, groups.pg_collection, bucket_size=200)
                 calls: Dict[str, int] = {}
                 for n, p in model.module.named_parameters():
                     p.register_post_accumulate_grad_hook(lambda _p, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
@@ -65,7 +115,12 @@ def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline
                 if section is not None:
                     lancet = handle.lancet
                     state = {"layers": list(lancet.layers), "queue_empty": lancet.queue.empty(),
-                             "items_run": lancet.queue.items_run, "overlap_calls": sum(o.calls for o in lancet.overlaps)}
+                             "items_run": lancet.queue.items_run, "overlap_calls": sum(o.calls for o in lancet.overlaps),
+                             "dense_deferred": lancet.dense.deferred if lancet.dense is not None else 0,
+                             "dense_names": sorted({s.name for s in lancet.queue.timeline if s.tag == "dense"})
+                             if lancet.queue.timeline is not None else []}
+            if dense and section is not None:       # disable() put every wrapped layer back: Megatron's own GEMM
+                state["restored"] = all("_forward_impl" not in m.__dict__ for m in list(net.up) + list(net.down))
     off, on = runs
     diffs = [{kind: max(float((a - on_step[n][0]).abs().max()) for n, (a, dense) in off_step.items()
                         if dense == (kind == "dense"))
