@@ -86,6 +86,16 @@ def test_hecate_matches_stock_megatron_fp64(world, tp, ep):
     assert all("forward:all_gather@ep" in r["ledger"]["megatron.moe.1"] for r in results)   # Hecate's counts
 
 
+def test_hecate_with_pipemoe_chunks_on_megatron(world):
+    """PipeMoE's chunks at degree 3 (each chunk routed on its own over one spAG's copies, on the plugin's engines'
+    pipeline lane): still stock Megatron's outputs and gradients in fp64."""
+    specs = [spec(1, 4, k=2, drop=False, pipeline_degree=3), spec(1, 4, k=2, drop=True, capacity_factor=1.25,
+                                                                pipeline_degree=3)]
+    results = [r for rank in world(WORLD).run(jobs.equivalence_job, specs, timeout_s=JOB_TIMEOUT_S) for r in rank]
+    _check(results, 1e-9)
+    assert sum(r["ledger"]["megatron.moe.1"].get("forward:spag@ep", {}).get("bytes", 0) for r in results) > 0
+
+
 def test_twenty_training_steps_through_megatron_ddp_equal_stock(world):
     results = world(WORLD).run(jobs.training_job, spec(2, 2, k=2, drop=False, dtype="float32"), 20, True,
                                timeout_s=JOB_TIMEOUT_S)
