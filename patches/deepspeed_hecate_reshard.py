@@ -1,9 +1,13 @@
 """Hecate's re-sharding (``"hecate": {"reshard_every": n}``) on a DeepSpeed engine: Algorithm 2 re-homes each
 Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
 
-- :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0 in fp32
-  (ZeRO 1/2 flatten the expert parameters into their own partitions and fp16/bf16 keep fp32 master copies, which
-  the move does not reach). One line per problem, naming the field.
+- :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2 in
+  fp32, without optimizer offload (fp16/bf16 and offload keep master copies elsewhere, which the move does not
+  reach). One line per problem, naming the field.
+- ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
+  master partition and its Adam moments are flat tensors of the same layout; each expert parameter's slices of
+  those move with it. That needs the expert group unpartitioned (expert-DP 1: ``ep_size`` = world), checked at
+  the first re-shard, before anything moves.
 - :class:`EngineResharder`: after the engine configured its model, wraps three methods of that engine (instance
   attributes, taken off by :meth:`EngineResharder.remove`):
 
@@ -22,14 +26,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME, HecateConfig
-from moe_plugins.hecate.rehome import Resharder
+from moe_plugins.hecate.rehome import Extra, Resharder
 
 logger = logging.getLogger(__name__)
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -51,9 +55,12 @@ def reshard_problems(engine: Any, cfg: Any) -> List[str]:
         return []
     problems = []
     stage = int(engine.zero_optimization_stage())
-    if stage != 0:
-        problems.append(f"{FIELD} ({every}) runs on ZeRO stage 0 only, and zero_optimization.stage is {stage}: ZeRO "
-                        "1/2 keep the expert parameters in flat partitions the move does not reach")
+    if stage not in (0, 1, 2):
+        problems.append(f"{FIELD} ({every}) runs on ZeRO stage 0, 1 or 2, and zero_optimization.stage is {stage}")
+    offload = getattr(engine, "zero_cpu_offload", lambda: False)()
+    if offload:
+        problems.append(f"{FIELD} ({every}) cannot run with zero_optimization.offload_optimizer: the master copies "
+                        "it keeps on the host are not moved")
     for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
         if on:
             problems.append(f"{FIELD} ({every}) runs in fp32 only, and {name}.enabled is true: the fp32 master "
@@ -73,6 +80,7 @@ class EngineResharder:
     def __init__(self) -> None:
         self.engine: Any = None
         self.resharder: Optional[Resharder] = None
+        self._checked = False
 
     def install(self, engine: Any, swapped: Mapping[torch.nn.Module, Any]) -> None:
         """After DeepSpeed configured the model (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
@@ -97,20 +105,33 @@ class EngineResharder:
         for name in WRAPPED if engine is not None else ():
             engine.__dict__.pop(name, None)
 
+    def _moving(self) -> Tuple[Optional[torch.optim.Optimizer], Optional[Extra]]:
+        """What moves with the experts (:func:`_optimizer`), every expert parameter's views checked the first time
+        (a partitioned ZeRO group is refused at the first step, whether or not that step moves anything)."""
+        optimizer, extra = _optimizer(self.engine)
+        if extra is not None and not self._checked:
+            for _, slots in self.resharder.layers:
+                for slot in slots():
+                    for param, _ in slot:
+                        extra(param)
+            self._checked = True
+        return optimizer, extra
+
     def _step(self, original, *args, **kwargs):
         before = self.engine.global_steps
         out = original(*args, **kwargs)
         if self.engine.global_steps != before:
-            self.resharder.step_end(_optimizer(self.engine))
+            self.resharder.step_end(*self._moving())
         return out
 
     def _save_checkpoint(self, original, *args, **kwargs):
-        with self.resharder.stock_homes(_optimizer(self.engine)):
+        with self.resharder.stock_homes(*self._moving()):
             return original(*args, **kwargs)
 
     def _load_checkpoint(self, original, *args, **kwargs):
         stock = [schedule.stock_homes() for schedule, _ in self.resharder.layers]
-        self.resharder.reshard(_optimizer(self.engine), stock)
+        optimizer, extra = self._moving()
+        self.resharder.reshard(optimizer, stock, extra)
         return original(*args, **kwargs)
 
 
@@ -122,11 +143,39 @@ def _slots(moe: torch.nn.Module) -> List[List[Any]]:
     return [[(p, None) for p in expert.parameters()] for expert in moe.experts.deepspeed_experts]
 
 
-def _optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
-    """The engine's optimizer, whose state is keyed by the parameters (ZeRO 0, fp32); None before it exists."""
+def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[Extra]]:
+    """What moves besides the parameters: (a torch optimizer keyed by them (ZeRO 0), or None; the ZeRO 1/2
+    views, or None)."""
     opt = getattr(engine, "optimizer", None)
-    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+    if opt is None:
+        return None, None
+    if int(engine.zero_optimization_stage()) in (1, 2):
+        return None, zero_views(opt)
+    if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"{FIELD}: the engine's optimizer ({type(opt).__qualname__}) is not a torch optimizer "
                          "keyed by the parameters; re-sharding moves that optimizer's state")
-    return opt
+    return opt, None
+
+
+def zero_views(opt: Any) -> Extra:
+    """For DeepSpeed's ZeRO 1/2 optimizer ``opt``: a parameter's slices of its group's fp32 master partition and
+    of that partition's optimizer state (Adam's moments), shaped like the parameter. A ValueError where the group
+    is partitioned over more than one rank (expert-DP > 1), naming the field."""
+    index = {id(p): i for i, group in enumerate(opt.bit16_groups) for p in group}
+
+    def views(param: torch.nn.Parameter) -> List[torch.Tensor]:
+        i = index.get(id(param))
+        if i is None:
+            raise ValueError(f"{FIELD}: an expert parameter {tuple(param.shape)} is in no ZeRO parameter group")
+        ranks = dist.get_world_size(group=opt.real_dp_process_group[i])
+        if ranks != 1:
+            raise ValueError(f"{FIELD}: ZeRO stage 1/2 partitions this expert group over {ranks} expert-DP ranks; "
+                             "re-sharding there runs with expert-DP 1 (ep_size = world) or on ZeRO stage 0")
+        flat, fp32 = opt.bit16_groups_flat[i], opt.single_partition_of_fp32_groups[i]
+        start, n = (param.data_ptr() - flat.data_ptr()) // param.element_size(), param.numel()
+        state = opt.optimizer.state.get(fp32, {})
+        tensors = [fp32] + [state[k] for k in sorted(state, key=str) if torch.is_tensor(state[k])
+                            and state[k].shape == fp32.shape]
+        return [t.narrow(0, start, n).view(param.shape) for t in tensors]
+    return views
 

@@ -123,14 +123,17 @@ def _deepspeed_jobs():
     return hecate_reshard_deepspeed
 
 
-@pytest.mark.parametrize("ep,k,forced", [(4, 1, None), (2, 2, (1, 0, 0, 1))], ids=["ep4-k1", "ep2-k2-expert_dp2"])
-def test_deepspeed_training_with_resharding_equals_stock(world, ep, k, forced):
+@pytest.mark.parametrize("stage,ep,k,forced", [(0, 4, 1, None), (0, 2, 2, (1, 0, 0, 1)), (1, 4, 1, None),
+                                               (2, 4, 2, None)],
+                         ids=["zero0-ep4-k1", "zero0-ep2-k2-expert_dp2", "zero1-ep4-k1", "zero2-ep4-k2"])
+def test_deepspeed_training_with_resharding_equals_stock(world, stage, ep, k, forced):
     """Experts 0 and 1 are hot: at EP 4 both are copied and the other two crowd node 1, which Algorithm 2 undoes.
     At EP 2 (4 experts on 2 ranks, each EP group on one node) the stock homes are already as good as any, so the
-    experts are moved by hand once (``forced``) and the expert-DP replicas must move alike."""
+    experts are moved by hand once (``forced``) and the expert-DP replicas must move alike. Under ZeRO 1/2 the
+    experts' slices of the flat fp32 master partition and of its Adam moments move with them."""
     jobs = _deepspeed_jobs()
     steps = 20
-    results = world(4).run(jobs.train_vs_stock, 0, 2, ep, k, 3, steps, forced)
+    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, k, 3, steps, forced)
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
@@ -148,12 +151,14 @@ def test_deepspeed_training_with_resharding_equals_stock(world, ep, k, forced):
         assert max(float((off[n] - on[n]).abs().max() / off[n].abs().max().clamp_min(1e-12)) for n in off) <= 1e-4
 
 
-@pytest.mark.parametrize("save,load", [("reshard", None), ("reshard", "reshard"), (None, "reshard")],
-                         ids=["resharded-to-stock", "resharded-to-resharded", "stock-to-resharded"])
-def test_deepspeed_checkpoints_are_stock_files(world, tmp_path, save, load):
+@pytest.mark.parametrize("save,load,stage", [("reshard", None, 0), ("reshard", "reshard", 0), (None, "reshard", 0),
+                                             ("reshard", None, 2), (None, "reshard", 2)],
+                         ids=["resharded-to-stock", "resharded-to-resharded", "stock-to-resharded",
+                              "zero2-resharded-to-stock", "zero2-stock-to-resharded"])
+def test_deepspeed_checkpoints_are_stock_files(world, tmp_path, save, load, stage):
     jobs = _deepspeed_jobs()
     sections = {"reshard": jobs.section(1), None: None}
-    results = world(4).run(jobs.checkpoint_across, sections[save], sections[load], 4, 1, str(tmp_path))
+    results = world(4).run(jobs.checkpoint_across, sections[save], sections[load], 4, 1, str(tmp_path), 4, stage)
     saved, loaded = {}, {}
     for res in results:
         saved.update(res["saver"]["experts"])
@@ -165,12 +170,14 @@ def test_deepspeed_checkpoints_are_stock_files(world, tmp_path, save, load):
         assert results[0]["saver"]["homes"] != results[0]["saver"]["stock"]      # saved away from the stock homes
 
 
-def test_deepspeed_refuses_resharding_off_zero_0(world):
+def test_deepspeed_refuses_a_partitioned_expert_group_under_zero_1(world):
+    """ZeRO 1 at EP 2 (expert-DP 2: the expert group's flat partition split over two ranks): the first re-shard
+    raises on every rank, naming the field, before anything moves."""
     jobs = _deepspeed_jobs()
-    for error in world(4).run(jobs.refused, 1, 2):
-        assert error is not None and error.endswith("| swapped 0"), error
-        assert "moe_plugins.hecate.reshard_every (2) runs on ZeRO stage 0 only, and zero_optimization.stage is 1" \
-            in error
+    for res in world(4).run(jobs.refused, 1, 2, 2):
+        assert res["error"] is not None and res["homes_stock"], res
+        assert "moe_plugins.hecate.reshard_every: ZeRO stage 1/2 partitions this expert group over 2 expert-DP " \
+               "ranks" in res["error"], res["error"]
 
 
 def test_reshard_problems_name_the_field():
@@ -180,11 +187,12 @@ def test_reshard_problems_name_the_field():
     from moe_plugins.patches.deepspeed_hecate import config_choices
     from moe_plugins.patches.deepspeed_hecate_reshard import reshard_problems
     cfg = PluginConfig.from_dict({"hecate": {"reshard_every": 3}}, **config_choices())
-    engine = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
-                             bfloat16_enabled=lambda: True)
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 3, fp16_enabled=lambda: False,
+                             bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: True)
     assert reshard_problems(engine, cfg) == [
-        "moe_plugins.hecate.reshard_every (3) runs on ZeRO stage 0 only, and zero_optimization.stage is 2: ZeRO 1/2 "
-        "keep the expert parameters in flat partitions the move does not reach",
+        "moe_plugins.hecate.reshard_every (3) runs on ZeRO stage 0, 1 or 2, and zero_optimization.stage is 3",
+        "moe_plugins.hecate.reshard_every (3) cannot run with zero_optimization.offload_optimizer: the master copies "
+        "it keeps on the host are not moved",
         "moe_plugins.hecate.reshard_every (3) runs in fp32 only, and bf16.enabled is true: the fp32 master copies are "
         "not moved"]
     plain = PluginConfig.from_dict({"hecate": {"reshard_every": 0}}, **config_choices())

@@ -141,7 +141,7 @@ def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_ref
     """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); on Megatron-core,
     Hecate's re-sharding and Lancet's batch partitions are refused before anything starts, and Hecate and Lancet's
     deferred weight gradients launch (its adapter runs them)."""
-    refusals = {"hecate": "re-sharding is built for DeepSpeed (ZeRO stage 0) only",
+    refusals = {"hecate": "re-sharding is built for DeepSpeed only",
                 "lancet": "batch partitions run HF GPT-2 blocks on DeepSpeed only"}
     for section in ({"hecate": {"enabled": True, "reshard_every": 2}},
                     {"lancet": {"defer_wgrad": True, "partitions": 2}}):

@@ -12,7 +12,7 @@
                                   # the engine's pipeline lane, at the start of the layer's transformer block,
                                   # with the overlap degree t measured (moe_plugins/hecate/early.py)
         "reshard_every": 0        # re-home the experts by Algorithm 2 every n optimizer steps (0: never;
-                                  # DeepSpeed ZeRO stage 0, fp32: moe_plugins/hecate/rehome.py)
+                                  # DeepSpeed ZeRO 0/1/2, fp32: moe_plugins/hecate/rehome.py)
     }
 
 How the section selects the schedule: an enabled section switches schedule ``baseline`` to ``hecate`` (the
@@ -136,7 +136,7 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     if host == "megatron" and isinstance(hecate, Mapping):
         if _int(hecate.get("reshard_every"), 1):
             problems.append(f"{path}.{NAME}.reshard_every ({hecate['reshard_every']!r}) must be 0 on Megatron-core: "
-                            "re-sharding is built for DeepSpeed (ZeRO stage 0) only")
+                            "re-sharding is built for DeepSpeed only")
         if hecate.get("prefetch") is True:
             problems.append(f"{path}.{NAME}.prefetch (True) must be false on Megatron-core: the early gather is "
                             "issued by DeepSpeed's block hooks on a pipeline lane the Megatron layer does not build")

@@ -35,8 +35,14 @@ Slot = Sequence[Tuple[torch.nn.Parameter, Optional[int]]]
 PHASE = "reshard"
 
 
-def slot_tensors(slots: Sequence[Slot], optimizer: Optional[Any]) -> List[List[torch.Tensor]]:
-    """Per local slot, the tensors that move with it (module docstring), as views of the storage."""
+Extra = Callable[[torch.nn.Parameter], List[torch.Tensor]]
+
+
+def slot_tensors(slots: Sequence[Slot], optimizer: Optional[Any],
+                 extra: Optional[Extra] = None) -> List[List[torch.Tensor]]:
+    """Per local slot, the tensors that move with it (module docstring), as views of the storage; ``extra(param)``:
+    more views shaped like the parameter that move with it (a host's master copy and its optimizer state kept
+    elsewhere, as DeepSpeed ZeRO 1/2's flat fp32 partition)."""
     out = []
     for slot in slots:
         tensors = []
@@ -45,6 +51,7 @@ def slot_tensors(slots: Sequence[Slot], optimizer: Optional[Any]) -> List[List[t
             found = [param.data] + ([param.grad] if param.grad is not None else [])
             found += [state[k] for k in sorted(state, key=str) if torch.is_tensor(state[k]) and
                       state[k].shape == param.shape]
+            found += extra(param) if extra is not None else []
             tensors += [t if index is None else t[index] for t in found]
         out.append(tensors)
     return out
@@ -112,12 +119,12 @@ class Resharder:
         self.layers, self.every, self.world = list(layers), every, world
         self.steps, self.moves = 0, 0
 
-    def step_end(self, optimizer: Optional[Any]) -> bool:
+    def step_end(self, optimizer: Optional[Any], extra: Optional[Extra] = None) -> bool:
         """Count one optimizer step; every ``every``-th, re-shard (collective). Whether it re-sharded."""
         self.steps += 1
         if self.steps % self.every:
             return False
-        self.reshard(optimizer)
+        self.reshard(optimizer, extra=extra)
         return True
 
     def plan(self) -> Tuple[Homes, ...]:
@@ -134,15 +141,17 @@ class Resharder:
         return shard_plan(loads, [s.overlappable(load) for s, load in zip(schedules, loads)], nodes_R,
                           [s.homes for s in schedules])
 
-    def reshard(self, optimizer: Optional[Any], homes_LE: Optional[Sequence[Homes]] = None) -> None:
-        """Move every layer to ``homes_LE`` (default: :meth:`plan`), checked the same on every rank first."""
+    def reshard(self, optimizer: Optional[Any], homes_LE: Optional[Sequence[Homes]] = None,
+                extra: Optional[Extra] = None) -> None:
+        """Move every layer to ``homes_LE`` (default: :meth:`plan`), checked the same on every rank first, with
+        ``optimizer``'s state keyed by the parameters and the ``extra`` views (:func:`slot_tensors`)."""
         homes_LE = self.plan() if homes_LE is None else tuple(tuple(h) for h in homes_LE)
         self._agree(homes_LE)
         moved = 0
         for (schedule, slots), homes in zip(self.layers, homes_LE):
             if tuple(homes) == schedule.homes:
                 continue
-            tensors = slot_tensors(slots(), optimizer)
+            tensors = slot_tensors(slots(), optimizer, extra)
             with torch.no_grad():
                 moved += rehome(tensors, schedule.homes, tuple(homes), schedule.groups.ep, schedule.rec)
             schedule.set_homes(tuple(homes))
@@ -151,7 +160,7 @@ class Resharder:
                  self.steps, moved, [list(h) for h in homes_LE])
 
     @contextmanager
-    def stock_homes(self, optimizer: Optional[Any]) -> Iterator[None]:
+    def stock_homes(self, optimizer: Optional[Any], extra: Optional[Extra] = None) -> Iterator[None]:
         """Inside: every layer's experts on expert parallelism's homes (a checkpoint written here is stock's);
         after: back where they were (also when the body raised)."""
         current = tuple(s.homes for s, _ in self.layers)
@@ -159,11 +168,11 @@ class Resharder:
         if current == stock:
             yield
             return
-        self.reshard(optimizer, stock)
+        self.reshard(optimizer, stock, extra)
         try:
             yield
         finally:
-            self.reshard(optimizer, current)
+            self.reshard(optimizer, current, extra)
 
     def loaded(self) -> None:
         """A checkpoint was loaded into the storage: it holds the stock homes now (no move)."""

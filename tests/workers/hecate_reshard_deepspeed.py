@@ -95,7 +95,7 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
 
 
 def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Optional[Dict[str, Any]], ep: int,
-                      k: int, path: str, steps: int = 4) -> Dict[str, Any]:
+                      k: int, path: str, steps: int = 4, stage: int = 0) -> Dict[str, Any]:
     """Train ``steps`` steps under ``save_plugin`` and save; go on 2 steps. A fresh engine (another seed) under
     ``load_plugin`` loads the checkpoint and runs the same 2 steps. The experts by global id after the save and
     after the load, and the homes at the save."""
@@ -106,7 +106,7 @@ def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Option
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
-            engine = make_engine(0, plugin, ep, k, init_seed)
+            engine = make_engine(stage, plugin, ep, k, init_seed)
             layer = _layer(handle, engine)
             if role == "saver":
                 jobs.train(engine, seed, range(steps))
@@ -124,17 +124,22 @@ def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Option
     return results
 
 
-def refused(stage: int, every: int) -> Optional[str]:
-    """The error ``deepspeed.initialize`` raises for re-sharding at ZeRO ``stage`` (None: none), and whether a
-    layer was swapped before it."""
+def refused(stage: int, every: int, ep: int) -> Dict[str, Any]:
+    """Re-sharding at ZeRO ``stage`` and EP ``ep``, trained until a step raises (at most 2 ``every`` steps): the
+    error (None: none) and the homes after it."""
     import moe_plugins
     init_deepspeed_comm()
     with deepspeed_groups(None), moe_plugins.enable() as handle:
+        engine = make_engine(stage, section(every), ep, 1, 0)
+        layer = _layer(handle, engine)
+        error = None
         try:
-            jobs.make_engine(stage, section(every), 4, 1, 0)
+            jobs.train(engine, 0, range(2 * every))
         except ValueError as exc:
-            return f"{exc} | swapped {len(handle._layers)}"
-    return None
+            error = str(exc)
+        homes, stock = layer.schedule.homes, layer.schedule.stock_homes()
+        engine.destroy()
+    return {"error": error, "homes_stock": homes == stock}
 
 
 def homes_moved(homes: List[Any], stock: Any) -> bool:
