@@ -310,12 +310,7 @@ def test_routing_matches_megatron_permute_and_unpermute(k, capacity_factor, pad,
 # ---- 4 gloo ranks: stock MoELayer (alltoall) vs the plugin -------------------------------------------------------
 
 def _check(results, tol: float):
-    bad = []
-    for r in results:
-        errs = {key: r[key] for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux")}
-        if max(errs.values()) > tol or not (r["routing_equal"] and r["grad_names_equal"] and r["bias_none"]):
-            bad.append((r["spec"], r["rank"], errs, r["routing_equal"], r["grad_names_equal"]))
-    assert not bad, bad
+    jobs.assert_equivalent(results, tol)
 
 
 @pytest.mark.parametrize("tp,ep,etp", LAYOUTS, ids=[f"tp{t}-ep{e}-etp{x}" for t, e, x in LAYOUTS])

@@ -119,31 +119,31 @@ def test_lina_in_the_recipe_equals_the_plugin_without_it(world, tmp_path):
     assert [r["schedule"] for r in lina["plugin"]] == ["baseline"] * 2
 
 
-def test_hecate_in_the_recipe_equals_stock_megatron(world, tmp_path):
-    """The recipe's flag with an enabled hecate section (EP 4 on 2 emulated nodes: copies of the hot experts, spAG
-    and spRS through Megatron's DDP): 12 fp32 steps match stock Megatron within 1e-5 relative."""
-    argv = ["--model", "gpt2-moe", "--steps", "12", "--tp", "1", "--ep", "4", "--etp", "1"]
-    on = train(world, argv + ["--moe-plugins", '{"ranks_per_node": 2, "hecate": {"enabled": true}}',
-                              "--out", str(tmp_path / "hecate")])
+def on_equals_stock(world, tmp_path, layout, section: str):
+    """12 fp32 steps of the recipe's GPT-2-MoE with the flag ``section`` and without the plugin, equal within 1e-5
+    relative; returns the plugin run's report."""
+    argv = ["--model", "gpt2-moe", "--steps", "12", *layout]
+    on = train(world, argv + ["--moe-plugins", section, "--out", str(tmp_path / "on")])
     off = train(world, argv + ["--out", str(tmp_path / "stock")])
     a, b = losses(on), losses(off)
     assert sorted(a) == list(range(12)) == sorted(b)
     for step in range(12):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    return on
+
+
+def test_hecate_in_the_recipe_equals_stock_megatron(world, tmp_path):
+    """The recipe's flag with an enabled hecate section (EP 4 on 2 emulated nodes: copies of the hot experts, spAG
+    and spRS through Megatron's DDP) matches stock Megatron."""
+    on = on_equals_stock(world, tmp_path, ["--tp", "1", "--ep", "4", "--etp", "1"],
+                         '{"ranks_per_node": 2, "hecate": {"enabled": true}}')
     assert [(r["schedule"], r["exchange"]) for r in on["plugin"]] == [("hecate", "ragged")] * 2
 
 
 def test_lancet_dense_wgrad_in_the_recipe_equals_stock_megatron(world, tmp_path):
-    """The recipe's flag with Lancet's deferred expert and dense weight gradients (attention's QKV and projection
-    are Megatron's ColumnParallelLinear / RowParallelLinear, sequence parallel at TP 2): 12 fp32 steps match stock
-    Megatron within 1e-5 relative."""
-    argv = ["--model", "gpt2-moe", "--steps", "12", "--tp", "2", "--ep", "2", "--etp", "1"]
-    on = train(world, argv + ["--moe-plugins", '{"lancet": {"defer_wgrad": true, "dense_wgrad": true}}',
-                              "--out", str(tmp_path / "lancet")])
-    off = train(world, argv + ["--out", str(tmp_path / "stock")])
-    a, b = losses(on), losses(off)
-    assert sorted(a) == list(range(12)) == sorted(b)
-    for step in range(12):
-        assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    """The recipe's flag with Lancet's deferred expert and dense weight gradients at TP 2 x EP 2 (the recipe's
+    dense layers are HF GPT-2's Conv1D, handed to Lancet by ``wrap_model``) matches stock Megatron."""
+    on = on_equals_stock(world, tmp_path, ["--tp", "2", "--ep", "2", "--etp", "1"],
+                         '{"lancet": {"defer_wgrad": true, "dense_wgrad": true}}')
     assert on["moe_plugins"]["lancet"] == {"defer_wgrad": True, "dense_wgrad": True}
-    assert all(r["dense_wgrad_layers"] >= 4 for r in on["plugin"]), on["plugin"]   # QKV and projection per block
+    assert all(r["dense_wgrad_layers"] >= 4 for r in on["plugin"]), on["plugin"]   # attention and MLP Conv1Ds

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -126,3 +126,16 @@ def group_timeout(timeout: timedelta) -> Iterator[None]:
                                                                                        timedelta)]
     with Patcher([Patch(c10d, name, timeout) for name in names]):
         yield
+
+
+def int_spread(values: Sequence[int], group: Group) -> Tuple[List[int], List[int]]:
+    """(max, min) of each of ``values`` over ``group``'s members: one all-reduce of 2n int64 (a group of one, or
+    without a process group: the values themselves). Collective. Used to check that members agree before an
+    uneven collective whose split sizes would otherwise disagree."""
+    mine = [int(v) for v in values]
+    if group.pg is None:
+        return mine, mine
+    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+    n = len(mine)
+    return [int(v) for v in t[:n]], [-int(v) for v in t[n:]]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.comm import Recorder
-from moe_plugins.core.groups import Group
+from moe_plugins.core.groups import Group, int_spread
 from moe_plugins.hecate.reshard import Homes, local_experts, move_counts, shard_plan
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,7 @@ def _same_everywhere(tensors_S: List[List[torch.Tensor]], group: Group) -> None:
     """Every member must move slots of the same widths (else the all-to-all's splits disagree)."""
     mine = [len(tensors_S), sum(t.numel() for t in tensors_S[0]) if tensors_S else 0,
             len(tensors_S[0]) if tensors_S else 0]
-    if group.pg is None:
-        return
-    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
-    high, low = [int(v) for v in t[:3]], [-int(v) for v in t[3:]]
+    high, low = int_spread(mine, group)
     if high != mine or low != mine:
         raise ValueError(f"expert slots to move differ across the FSSDP group {list(group.ranks)}: (slots, elements "
                          f"per slot, tensors) here {mine}, max {high}, min {low}; re-shard at a step boundary with "

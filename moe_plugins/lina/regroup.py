@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.executor import Sequential
-from moe_plugins.core.groups import Group, MoEProcessGroups
+from moe_plugins.core.groups import Group, MoEProcessGroups, int_spread
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.lina.packing import EXPERT_KEYS, MovePlan, expert_block, move_plan, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
@@ -132,12 +132,8 @@ def _move(items: List[Moved], plan: MovePlan, fine: Group, old: ParallelLayout, 
 def _check_same_everywhere(width: int, count: int, dtypes: int, fine: Group) -> None:
     """Every member must move the same tensors (else the all-to-all's splits disagree): compare max and min of
     (elements per expert, tensors, dtypes) over the fine EP group."""
-    if fine.pg is None:
-        return
     mine = [width, count, dtypes]
-    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=fine.pg)
-    high, low = [int(v) for v in t[:3]], [-int(v) for v in t[3:]]
+    high, low = int_spread(mine, fine)
     if high != mine or low != mine:
         raise ValueError(f"expert tensors to move differ across EP group {list(fine.ranks)}: (elements per expert, "
                          f"tensors, dtypes) here {mine}, max {high}, min {low}; regroup at a step boundary with "

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
 from moe_plugins.tools.verify_megatron import transformer_config
-from tests.workers.lina_megatron import M, RANKS_PER_NODE, _batches, _ddp, _net, _spec
+from tests.workers.lina_megatron import M, RANKS_PER_NODE, _batches, _ddp, _net, _spec, numbered
 
 
 def _parallel_net(config, seed: int, tp_group):
@@ -53,12 +53,7 @@ def _parallel_net(config, seed: int, tp_group):
                 x = x + y
             return x
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        net = Net()
-    for i, layer in enumerate(net.moe):
-        layer.set_layer_number(i + 1)
-    return net
+    return numbered(Net, seed)
 from tests.workers.megatron import adam_steps
 
 

@@ -60,9 +60,15 @@ def _net(config, seed: int, tied: bool = False):
                 x = x + y
             return self.dense[2](x)
 
+    return numbered(Net, seed)
+
+
+def numbered(net_class, seed: int):
+    """``net_class()`` built from ``seed`` (the caller's random state left as it was), its MoE layers (``.moe``)
+    numbered from 1 as Megatron numbers layers (it tracks aux losses of numbered layers only)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = Net()
+        net = net_class()
     for i, layer in enumerate(net.moe):
         layer.set_layer_number(i + 1)
     return net

@@ -50,6 +50,17 @@ def equivalence_job(specs: List[MegatronVerifySpec]) -> List[Dict[str, Any]]:
     return out
 
 
+def assert_equivalent(results: List[Dict[str, Any]], tol: float) -> None:
+    """Every rank's comparison from :func:`equivalence_job` within ``tol`` (outputs, input and weight gradients,
+    aux loss), with the same routing, the same gradient names and no separate bias."""
+    bad = []
+    for r in results:
+        errs = {key: r[key] for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux")}
+        if max(errs.values()) > tol or not (r["routing_equal"] and r["grad_names_equal"] and r["bias_none"]):
+            bad.append((r["spec"], r["rank"], errs, r["routing_equal"], r["grad_names_equal"]))
+    assert not bad, bad
+
+
 def _maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
