@@ -92,9 +92,12 @@ def _full(runs, key):
     return [torch.stack([got[e][i] for e in sorted(got)]) for i in range(4)]
 
 
-@pytest.mark.parametrize("spec", [SPEC, replace(SPEC, ep=2, k=1, seed=7)], ids=["ep4", "ep2-expert_dp2"])
-def test_resharded_training_equals_plain(world, spec):
-    runs = world(4).run(reshard_training, spec, 6, 2)
+@pytest.mark.parametrize("spec,prefetch", [(SPEC, False), (replace(SPEC, ep=2, k=1, seed=7), False), (SPEC, True)],
+                         ids=["ep4", "ep2-expert_dp2", "ep4-prefetch"])
+def test_resharded_training_equals_plain(world, spec, prefetch):
+    """With ``prefetch`` a gather planned on the old homes is pending at each re-shard: it is dropped, and the next
+    call gathers from the new homes."""
+    runs = world(4).run(reshard_training, spec, 6, 2, 1, prefetch)
     plain, moved = [r["plain"] for r in runs], [r["reshard"] for r in runs]
     for p, m in zip(plain, moved):
         assert max(abs(a - b) for a, b in zip(p["losses"], m["losses"])) <= 1e-9

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 from moe_plugins.tools.verify import AUX_COEF, VerifySpec
 
 
-def _layer(spec: VerifySpec, groups, schedule, ledger=None, executor=None):
+def _layer(spec: VerifySpec, groups, schedule, ledger=None, executor=None, engine=None):
     import torch
 
     from moe_plugins.core.layer import MoELayer
@@ -17,7 +17,7 @@ def _layer(spec: VerifySpec, groups, schedule, ledger=None, executor=None):
 
     degree = 1 if executor is None else executor.degree
     layer = MoELayer(spec.moe_config(), groups, schedule=schedule, dtype=torch.float64, registry=default_registry(),
-                     ledger=ledger, pipeline_degree=degree, executor=executor)
+                     ledger=ledger, pipeline_degree=degree, executor=executor, engine=engine)
     prob = make_problem(spec)
     layer.load_full(prob.wg_EM, prob.full)
     return layer, prob
