@@ -126,17 +126,19 @@ def _deepspeed_jobs():
     return hecate_reshard_deepspeed
 
 
-@pytest.mark.parametrize("stage,ep,k,forced", [(0, 4, 1, None), (0, 2, 2, (1, 0, 0, 1)), (1, 4, 1, None),
-                                               (2, 4, 2, None)],
-                         ids=["zero0-ep4-k1", "zero0-ep2-k2-expert_dp2", "zero1-ep4-k1", "zero2-ep4-k2"])
-def test_deepspeed_training_with_resharding_equals_stock(world, stage, ep, k, forced):
+@pytest.mark.parametrize("stage,ep,k,forced,degree", [(0, 4, 1, None, 1), (0, 2, 2, (1, 0, 0, 1), 1),
+                                                      (1, 4, 1, None, 1), (2, 4, 2, None, 1), (0, 4, 2, None, 3)],
+                         ids=["zero0-ep4-k1", "zero0-ep2-k2-expert_dp2", "zero1-ep4-k1", "zero2-ep4-k2",
+                              "zero0-ep4-k2-pipemoe3"])
+def test_deepspeed_training_with_resharding_equals_stock(world, stage, ep, k, forced, degree):
     """Experts 0 and 1 are hot: at EP 4 both are copied and the other two crowd node 1, which Algorithm 2 undoes.
     At EP 2 (4 experts on 2 ranks, each EP group on one node) the stock homes are already as good as any, so the
     experts are moved by hand once (``forced``) and the expert-DP replicas must move alike. Under ZeRO 1/2 the
-    experts' slices of the flat fp32 master partition and of its Adam moments move with them."""
+    experts' slices of the flat fp32 master partition and of its Adam moments move with them. At PipeMoE's degree
+    3 the pipelined executor's twin schedule reads the same homes."""
     jobs = _deepspeed_jobs()
     steps = 20
-    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, k, 3, steps, forced)
+    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, k, 3, steps, forced, degree)
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))

@@ -14,8 +14,9 @@ from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_
 from tests.workers import deepspeed as jobs
 
 
-def section(every: int, extra: Any = 1) -> Dict[str, Any]:
-    return {"ranks_per_node": 2, "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
+def section(every: int, extra: Any = 1, degree: int = 1) -> Dict[str, Any]:
+    return {"ranks_per_node": 2, "pipeline_degree": degree,
+            "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
 
 
 def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
@@ -70,13 +71,13 @@ def by_expert(engine, homes) -> Dict[str, torch.Tensor]:
 
 
 def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: int,
-                   forced: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+                   forced: Optional[Sequence[int]] = None, degree: int = 1) -> Dict[str, Any]:
     """``steps`` steps of the stock engine, then of the plugin's with re-sharding every ``every`` steps (and,
     with ``forced``, a move to those homes after the first step): losses, homes, experts by global id."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
-    for name, plugin in (("off", None), ("on", section(every))):
+    for name, plugin in (("off", None), ("on", section(every, degree=degree))):
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
