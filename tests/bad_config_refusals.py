@@ -167,7 +167,8 @@ def ds_engine_refusals(case: Tuple[Dict[str, Any], Optional[Dict[str, Any]], Dic
 
 def megatron_refusals(case: Tuple[Dict[str, Any], Dict[str, Any]], ctx: Context) -> List[Refusal]:
     section, overrides = case
-    PluginConfig.from_dict(section, **choices())                          # valid on its own
+    from moe_plugins.patches.deepspeed_hecate import config_choices as deepspeed_choices
+    PluginConfig.from_dict(section, **deepspeed_choices())                # valid on its own (DeepSpeed runs it)
     args = megatron_args(moe_plugins=json.dumps(section), **overrides)
     return [Refusal("patches.megatron.enable_from_args", "moe_plugins",
                     value_error(mg_adapter.enable_from_args, args))]
