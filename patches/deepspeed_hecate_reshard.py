@@ -85,9 +85,10 @@ class EngineResharder:
     def install(self, engine: Any, swapped: Mapping[torch.nn.Module, Any]) -> None:
         """After DeepSpeed configured the model (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
         layers, every = [], set()
-        for moe, layer in swapped.items():
-            options = getattr(layer.schedule, "options", None)
-            if getattr(options, "reshard_every", 0) and _in_engine(engine, moe):
+        for moe in engine.module.modules():          # the model's order: the same on every rank
+            layer = swapped.get(moe)
+            options = getattr(getattr(layer, "schedule", None), "options", None)
+            if getattr(options, "reshard_every", 0):
                 layers.append((layer.schedule, functools.partial(_slots, moe)))
                 every.add(options.reshard_every)
         if not layers:
@@ -133,10 +134,6 @@ class EngineResharder:
         optimizer, extra = self._moving()
         self.resharder.reshard(optimizer, stock, extra)
         return original(*args, **kwargs)
-
-
-def _in_engine(engine: Any, moe: torch.nn.Module) -> bool:
-    return any(m is moe for m in engine.module.modules())
 
 
 def _slots(moe: torch.nn.Module) -> List[List[Any]]:
