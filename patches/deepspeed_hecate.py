@@ -33,8 +33,8 @@ import torch
 from moe_plugins.core.experts import GELU_TANH, ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
-from moe_plugins.hecate.config import NAME, enabled_in, hecate_across, host_rules
-from moe_plugins.hecate.remat import RereadableWeights
+from moe_plugins.hecate.config import NAME, hecate_across, hecate_on, host_rules
+from moe_plugins.hecate.remat import RereadableWeights, stacked_ffn
 from moe_plugins.lancet.config import NAME as LANCET
 from moe_plugins.lancet.config import host_rules as lancet_host_rules
 from moe_plugins.patches.deepspeed_hecate_reshard import EngineResharder, check
@@ -53,11 +53,6 @@ def config_choices() -> Dict[str, Any]:
     choices = default_registry().config_choices()
     return {**choices, "sections": {**choices["sections"], NAME: host_rules(HOST),
                                     LANCET: lancet_host_rules(HOST)}}
-
-
-def hecate_on(cfg: Optional[PluginConfig]) -> bool:
-    """Whether ``cfg`` runs Hecate: enabled, with an enabled ``hecate`` section or schedule ``hecate``."""
-    return cfg is not None and cfg.enabled and enabled_in({"schedule": cfg.schedule, NAME: cfg.hecate})
 
 
 def expert_problems(experts: torch.nn.ModuleList, hidden: int, prefix: str) -> List[str]:
@@ -128,22 +123,7 @@ def stacked_weights(experts: torch.nn.ModuleList) -> RereadableWeights:
             raise ValueError(f"Hecate cannot read expert {i % len(fc1s)}'s Linear weight: ZeRO stage 3 partitions it "
                              "(ds_id set) and Hecate copies the experts outside their forward; use ZeRO stage 0, 1 "
                              "or 2")
-    w = _stacked(fc1s, fc2s)
-    sources = tuple(t for fc in fc1s + fc2s for t in (fc.weight, fc.bias) if t is not None)
-    return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=partial(_restacked, fc1s, fc2s),
-                             sources=sources)
-
-
-def _stacked(fc1s: List[torch.nn.Linear], fc2s: List[torch.nn.Linear]) -> ExpertWeights:
-    return ExpertWeights(w1_EMH=torch.stack([f.weight.t() for f in fc1s]),
-                         b1_EH=torch.stack([_bias(f) for f in fc1s]),
-                         w2_EHM=torch.stack([f.weight.t() for f in fc2s]),
-                         b2_EM=torch.stack([_bias(f) for f in fc2s]))
-
-
-def _restacked(fc1s: List[torch.nn.Linear], fc2s: List[torch.nn.Linear]) -> ExpertWeights:
-    with torch.no_grad():
-        return _stacked(fc1s, fc2s)
+    return stacked_ffn(fc1s, fc2s)
 
 
 def weights_source(cls: Type[Schedule]) -> Optional[Callable[[torch.nn.Module], ExpertWeights]]:
@@ -154,10 +134,6 @@ def weights_source(cls: Type[Schedule]) -> Optional[Callable[[torch.nn.Module], 
 
 def _layer_weights(layer: torch.nn.Module) -> ExpertWeights:
     return stacked_weights(layer.experts.deepspeed_experts)
-
-
-def _bias(linear: torch.nn.Linear) -> torch.Tensor:
-    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
 
 
 def prefetch_on(cfg: Optional[PluginConfig]) -> bool:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.plugin_config import SECTION
-from moe_plugins.hecate.config import NAME, HecateConfig
+from moe_plugins.hecate.config import NAME, HecateConfig, hecate_on
 from moe_plugins.hecate.rehome import Extra, Resharder
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,9 @@ WRAPPED = ("step", "save_checkpoint", "load_checkpoint")
 
 def reshard_every(cfg: Any) -> int:
     """The section's ``reshard_every`` (0 without Hecate or without the key)."""
-    hecate = getattr(cfg, NAME, None)
-    if cfg is None or not cfg.enabled or not isinstance(hecate, Mapping) or hecate.get("enabled", True) is False:
+    if not hecate_on(cfg) or not isinstance(cfg.hecate, Mapping):
         return 0
-    return HecateConfig.from_dict(hecate).reshard_every
+    return HecateConfig.from_dict(cfg.hecate).reshard_every
 
 
 def reshard_problems(engine: Any, cfg: Any) -> List[str]:

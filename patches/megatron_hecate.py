@@ -22,26 +22,20 @@ Shapes: E_l local experts, M model dim, H FFN hidden.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 from typing import Any, Dict, List, Optional, Type
 
 import torch
 import torch.nn.functional as F
 
 from moe_plugins.core.experts import ACTIVATIONS as CORE_ACTIVATIONS
-from moe_plugins.core.experts import ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
-from moe_plugins.hecate.config import NAME, enabled_in
-from moe_plugins.hecate.remat import RereadableWeights
+from moe_plugins.hecate.config import NAME, hecate_on
+from moe_plugins.hecate.remat import RereadableWeights, stacked_ffn
 from moe_plugins.plugins import default_registry
 
 ACTIVATIONS = {F.gelu: "gelu", F.relu: "relu", F.silu: "silu"}     # Megatron's activation_func -> the copies'
 _PROBE = torch.linspace(-6.0, 6.0, 121, dtype=torch.float64)
-
-
-def hecate_on(plugin: Optional[PluginConfig]) -> bool:
-    return plugin is not None and plugin.enabled and enabled_in({"schedule": plugin.schedule, NAME: plugin.hecate})
 
 
 def hecate_plugin(plugin: PluginConfig) -> PluginConfig:
@@ -90,30 +84,10 @@ def hecate_class(plugin: PluginConfig, cls: Type[Schedule], config: Any) -> Type
 
 
 def stacked_weights(experts: torch.nn.Module) -> RereadableWeights:
-    """The ``SequentialMLP``'s local experts as ExpertWeights (module docstring)."""
-    fc1s = [mlp.linear_fc1 for mlp in experts.local_experts]
-    fc2s = [mlp.linear_fc2 for mlp in experts.local_experts]
-    w = _stacked(fc1s, fc2s)
-    sources = tuple(t for fc in fc1s + fc2s for t in (fc.weight, getattr(fc, "bias", None)) if t is not None)
-    return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=partial(_restacked, fc1s, fc2s),
-                             sources=sources)
-
-
-def _stacked(fc1s: List[torch.nn.Module], fc2s: List[torch.nn.Module]) -> ExpertWeights:
-    return ExpertWeights(w1_EMH=torch.stack([fc.weight.t() for fc in fc1s]),       # linear_fc1.weight: (H, M)
-                         b1_EH=torch.stack([_bias(fc) for fc in fc1s]),
-                         w2_EHM=torch.stack([fc.weight.t() for fc in fc2s]),       # linear_fc2.weight: (M, H)
-                         b2_EM=torch.stack([_bias(fc) for fc in fc2s]))
-
-
-def _bias(fc: torch.nn.Module) -> torch.Tensor:
-    bias = getattr(fc, "bias", None)
-    return bias if bias is not None else fc.weight.new_zeros(fc.weight.shape[0])
-
-
-def _restacked(fc1s: List[torch.nn.Module], fc2s: List[torch.nn.Module]) -> ExpertWeights:
-    with torch.no_grad():
-        return _stacked(fc1s, fc2s)
+    """The ``SequentialMLP``'s local experts as ExpertWeights (module docstring): ``linear_fc1`` and
+    ``linear_fc2``'s weights (H, M) and (M, H) and their biases."""
+    return stacked_ffn([mlp.linear_fc1 for mlp in experts.local_experts],
+                       [mlp.linear_fc2 for mlp in experts.local_experts])
 
 
 def sections() -> Dict[str, Any]:

@@ -91,6 +91,12 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
     return problems
 
 
+def hecate_on(cfg: Any) -> bool:
+    """Whether a PluginConfig ``cfg`` (or None) runs Hecate: enabled, with an enabled ``hecate`` section or schedule
+    ``hecate``."""
+    return cfg is not None and cfg.enabled and enabled_in({"schedule": cfg.schedule, NAME: cfg.hecate})
+
+
 def enabled_in(section: Mapping[str, Any]) -> bool:
     """Whether a ``moe_plugins`` section runs Hecate: its ``hecate`` section enabled, or schedule ``hecate``."""
     hecate = section.get(NAME)

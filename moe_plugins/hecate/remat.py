@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +46,34 @@ class RereadableWeights(ExpertWeights):
 
     reread: Optional[Callable[[], ExpertWeights]] = None
     sources: Tuple[torch.Tensor, ...] = ()
+
+
+def stacked_ffn(fc1s: Sequence[torch.nn.Module], fc2s: Sequence[torch.nn.Module]) -> RereadableWeights:
+    """A host's local FFN experts (their first and second linear modules, each with ``weight`` (out, in) and a
+    ``bias`` or None) as ExpertWeights, built from the parameters themselves (each gets its gradient once through
+    autograd) and stacked again without autograd by ``reread()``. A missing bias is a zero tensor."""
+    w = _stacked(fc1s, fc2s)
+    sources = tuple(t for fc in list(fc1s) + list(fc2s) for t in (fc.weight, getattr(fc, "bias", None))
+                    if t is not None)
+    return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=partial(_restacked, fc1s, fc2s),
+                             sources=sources)
+
+
+def _stacked(fc1s: Sequence[torch.nn.Module], fc2s: Sequence[torch.nn.Module]) -> ExpertWeights:
+    return ExpertWeights(w1_EMH=torch.stack([fc.weight.t() for fc in fc1s]),
+                         b1_EH=torch.stack([_bias(fc) for fc in fc1s]),
+                         w2_EHM=torch.stack([fc.weight.t() for fc in fc2s]),
+                         b2_EM=torch.stack([_bias(fc) for fc in fc2s]))
+
+
+def _bias(fc: torch.nn.Module) -> torch.Tensor:
+    bias = getattr(fc, "bias", None)
+    return bias if bias is not None else fc.weight.new_zeros(fc.weight.shape[0])
+
+
+def _restacked(fc1s: Sequence[torch.nn.Module], fc2s: Sequence[torch.nn.Module]) -> ExpertWeights:
+    with torch.no_grad():
+        return _stacked(fc1s, fc2s)
 
 
 def _tensors(w: ExpertWeights) -> Tuple[torch.Tensor, ...]:
