@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -128,14 +128,14 @@ def group_timeout(timeout: timedelta) -> Iterator[None]:
         yield
 
 
-def int_spread(values: Sequence[int], group: Group) -> Tuple[List[int], List[int]]:
-    """(max, min) of each of ``values`` over ``group``'s members: one all-reduce of 2n int64 (a group of one, or
-    without a process group: the values themselves). Collective. Used to check that members agree before an
-    uneven collective whose split sizes would otherwise disagree."""
+def int_spread(values: Sequence[int], pg: Optional[Any]) -> Tuple[List[int], List[int]]:
+    """(max, min) of each of ``values`` over process group ``pg``'s members: one all-reduce of 2n int64 (None:
+    the values themselves). Collective. Used to check that members agree before an uneven collective whose split
+    sizes would otherwise disagree, or before they act on a plan each computed."""
     mine = [int(v) for v in values]
-    if group.pg is None:
+    if pg is None:
         return mine, mine
     t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
     n = len(mine)
     return [int(v) for v in t[:n]], [-int(v) for v in t[n:]]

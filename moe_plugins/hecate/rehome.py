@@ -95,7 +95,7 @@ def _same_everywhere(tensors_S: List[List[torch.Tensor]], group: Group) -> None:
     """Every member must move slots of the same widths (else the all-to-all's splits disagree)."""
     mine = [len(tensors_S), sum(t.numel() for t in tensors_S[0]) if tensors_S else 0,
             len(tensors_S[0]) if tensors_S else 0]
-    high, low = int_spread(mine, group)
+    high, low = int_spread(mine, group.pg)
     if high != mine or low != mine:
         raise ValueError(f"expert slots to move differ across the FSSDP group {list(group.ranks)}: (slots, elements "
                          f"per slot, tensors) here {mine}, max {high}, min {low}; re-shard at a step boundary with "
@@ -170,18 +170,10 @@ class Resharder:
         finally:
             self.reshard(optimizer, current, extra)
 
-    def loaded(self) -> None:
-        """A checkpoint was loaded into the storage: it holds the stock homes now (no move)."""
-        for schedule, _ in self.layers:
-            schedule.set_homes(schedule.stock_homes())
-
     def _agree(self, homes_LE: Sequence[Homes]) -> None:
-        if self.world is None or not dist.is_initialized() or dist.get_world_size(self.world) == 1:
-            return
-        flat = torch.tensor([r for h in homes_LE for r in h], dtype=torch.int64)
-        both = torch.cat([flat, -flat])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.world)
-        if not torch.equal(both[:flat.numel()], flat) or not torch.equal(-both[flat.numel():], flat):
+        flat = [r for h in homes_LE for r in h]
+        high, low = int_spread(flat, self.world if dist.is_initialized() else None)
+        if high != flat or low != flat:
             raise ValueError("hecate re-sharding: the ranks' plans differ (their FSSDP groups' nodes differ?); "
                              "nothing was moved")
 

@@ -144,7 +144,8 @@ def node_inbound(homes_E: Sequence[int], load_E: Sequence[float], nodes_R: Seque
     """Routes each node's homes receive from the experts no copy serves (all but ``served_E``): what the
     busiest node's link carries under expert parallelism for those experts (reports, tests)."""
     out: Dict[int, float] = {n: 0.0 for n in nodes_R}
+    served = set(served_E)
     for e, home in enumerate(homes_E):
-        if e not in set(served_E):
+        if e not in served:
             out[nodes_R[home]] += load_E[e]
     return out

@@ -180,11 +180,12 @@ class HecateSchedule(Schedule):
             return early.placement, load_E
         return self._plan(self.config.num_experts), load_E
 
-    def _plan(self, overlap: int) -> Placement:
-        """Algorithm 1 on the window's mean load with overlap degree ``overlap``."""
+    def _plan(self, overlap: int, load_E=None) -> Placement:
+        """Algorithm 1 on ``load_E`` (default: the window's mean load) with overlap degree ``overlap``."""
         ep, num = self.groups.ep, self.config.num_experts
         budget = materialise_budget(overlap, self.options.budget_m(num // ep.size), num)
-        return plan_placement(self._state.window.mean(), self._state.homes, self.fssdp_nodes(), budget)
+        load_E = self._state.window.mean() if load_E is None else load_E
+        return plan_placement(load_E, self._state.homes, self.fssdp_nodes(), budget)
 
     def _shards(self) -> ShardSpec:
         cfg = self.config
@@ -219,9 +220,7 @@ class HecateSchedule(Schedule):
         """Algorithm 2's J: the experts Algorithm 1 copies beyond their home under load ``load_E``."""
         num = self.config.num_experts
         t = self._state.overlap if self.options.prefetch and self._state.overlap is not None else num
-        budget = materialise_budget(t, self.options.budget_m(num // self.groups.ep.size), num)
-        placed = plan_placement(load_E, self._state.homes, self.fssdp_nodes(), budget)
-        return tuple(e for e, copies in enumerate(placed.copies_E) if len(copies) > 1)
+        return tuple(e for e, copies in enumerate(self._plan(t, load_E).copies_E) if len(copies) > 1)
 
     def fssdp_nodes(self) -> Tuple[int, ...]:
         return tuple(self.groups.layout.node_of(r) for r in self.groups.ep.ranks)

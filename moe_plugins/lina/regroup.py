@@ -133,7 +133,7 @@ def _check_same_everywhere(width: int, count: int, dtypes: int, fine: Group) -> 
     """Every member must move the same tensors (else the all-to-all's splits disagree): compare max and min of
     (elements per expert, tensors, dtypes) over the fine EP group."""
     mine = [width, count, dtypes]
-    high, low = int_spread(mine, fine)
+    high, low = int_spread(mine, fine.pg)
     if high != mine or low != mine:
         raise ValueError(f"expert tensors to move differ across EP group {list(fine.ranks)}: (elements per expert, "
                          f"tensors, dtypes) here {mine}, max {high}, min {low}; regroup at a step boundary with "
