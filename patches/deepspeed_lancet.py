@@ -56,7 +56,7 @@ from moe_plugins.lancet.blocks import BlockExecutor
 from moe_plugins.lancet.config import AUTO, TUNE, WORDS, LancetConfig
 from moe_plugins.lancet.tune import TunedPartitions
 from moe_plugins.lancet.plan_cli import costs_from_profile
-from moe_plugins.lancet.dense import dense_patcher, dense_wgrad, model_dense_modules, wrap_problems
+from moe_plugins.lancet.dense import defer_model_dense, dense_wgrad, wrap_problems
 from moe_plugins.lancet.overlap import ExchangeOverlap
 from moe_plugins.lancet.partition import PartitionedCall, partition_bounds, partitions_problem, start_partitions
 from moe_plugins.lancet.wgrad_queue import WgradQueue
@@ -265,15 +265,10 @@ class LancetHooks:
         mine = _lancet_layers(model, swapped, "queue")
         if not self._dense or not mine:
             return
-        found, tied = model_dense_modules(model, mine)
-        try:
-            patcher = dense_patcher(self.queue, found, logger=logger)
-        except ValueError as exc:
-            raise ValueError(f"{SECTION}.lancet.dense_wgrad (True): {exc}") from exc
-        self._dense_patchers.append(patcher.apply())
-        self.dense += [name for name, _ in found]
-        logger.info("moe_plugins: Lancet defers the weight gradients of %d dense modules%s", len(found),
-                    f"; tied to another module's weight, left stock: {', '.join(tied)}" if tied else "")
+        patcher, names = defer_model_dense(self.queue, model, mine, field=f"{SECTION}.lancet.dense_wgrad (True)",
+                                           logger=logger)
+        self._dense_patchers.append(patcher)
+        self.dense += names
 
     def _install(self) -> None:
         if self._patcher is not None:

@@ -101,16 +101,12 @@ class DenseLayers:
         """Also defer the dW of ``model``'s ``torch.nn.Linear`` and transformers' ``Conv1D`` modules outside
         ``moe_layers`` (a model whose dense layers are not Megatron's, as the recipes' HF GPT-2 and BERT; tied
         weights stay stock), until :meth:`restore`. Returns how many."""
-        from moe_plugins.lancet.dense import dense_patcher, model_dense_modules
-        found, tied = model_dense_modules(model, moe_layers)
-        try:
-            self._patchers.append(dense_patcher(self.queue, found, tag=TAG, logger=logger).apply())
-        except ValueError as exc:
-            raise ValueError(f"{FIELD} (True): {exc}") from exc
-        self.deferred += len(found)
-        logger.info("moe_plugins: Lancet defers the weight gradients of %d dense modules%s", len(found),
-                    f"; tied to another module's weight, left stock: {', '.join(tied)}" if tied else "")
-        return len(found)
+        from moe_plugins.lancet.dense import defer_model_dense
+        patcher, names = defer_model_dense(self.queue, model, moe_layers, field=f"{FIELD} (True)", logger=logger,
+                                           tag=TAG)
+        self._patchers.append(patcher)
+        self.deferred += len(names)
+        return len(names)
 
     def restore(self) -> None:
         """Every wrapped layer runs Megatron's own ``_forward_impl`` again (the instance attribute removed), and

@@ -129,6 +129,22 @@ def dense_patcher(queue: WgradQueue, modules: Modules, *, tag: str = "dense", lo
                    logger=logger)
 
 
+def defer_model_dense(queue: WgradQueue, model: nn.Module, exclude: Iterable[nn.Module], *, field: str,
+                      logger: Any, tag: str = "dense") -> Tuple[Patcher, List[str]]:
+    """A host's ``dense_wgrad``: ``model``'s dense modules outside ``exclude`` (:func:`model_dense_modules`) wrapped
+    and applied at once (the Patcher returned, to restore), and their names. Tied weights stay stock (logged);
+    a module it cannot wrap is refused, the ValueError prefixed with ``field``, nothing wrapped."""
+    found, tied = model_dense_modules(model, exclude)
+    try:
+        patcher = dense_patcher(queue, found, tag=tag, logger=logger)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from exc
+    patcher.apply()
+    logger.info("moe_plugins: Lancet defers the weight gradients of %d dense modules%s", len(found),
+                f"; tied to another module's weight, left stock: {', '.join(tied)}" if tied else "")
+    return patcher, [name for name, _ in found]
+
+
 @contextmanager
 def dense_wgrad(queue: WgradQueue, modules: Modules, *, tag: str = "dense") -> Iterator[Patcher]:
     """Within the block, the dW (and db) of every module in ``modules`` ((name, module) pairs, or a mapping) is
