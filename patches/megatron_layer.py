@@ -191,17 +191,14 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         cls = with_exchange(schedule_class(plugin.schedule, profile, config.params_dtype, groups.mp.size),
                             plugin.exchange, plugin.pipeline_degree)
         problems = megatron_hecate.expert_problems(config, experts, name) if cls.needs_expert_weights else []
-        if problems:
+        if lancet is not None:
+            from moe_plugins.patches.megatron_lancet import expert_problems
+            problems += expert_problems(config, experts, name, groups.esp.size)
+        if problems:                       # what Hecate's copies or Lancet's deferral cannot run, all at once
             raise ValueError("; ".join(problems))
         cls = megatron_hecate.hecate_class(plugin, cls, config)
         self.lancet = lancet               # megatron_lancet.LancetState: the experts' dW deferred, run behind exchanges
-        self.overlap = None
-        if lancet is not None:
-            from moe_plugins.patches.megatron_lancet import expert_problems
-            problems = expert_problems(config, experts, name, groups.esp.size)
-            if problems:
-                raise ValueError("; ".join(problems))
-            self.overlap = lancet.overlap(name)
+        self.overlap = lancet.overlap(name) if lancet is not None else None
         self.rec = Recorder(ledger, name, self.engine, schedule=cls.name, while_in_flight=self.overlap)
         self.schedule: Schedule = cls(self.moe_config, groups, self.rec)
         self._pass: Optional[_Pass] = None
