@@ -55,14 +55,18 @@ def batch(seed: int, step: int):
     return x, torch.sin(x.sum(-1, keepdim=True))
 
 
-def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int):
-    """A fresh engine; every global expert gets weights from (seed, id), wherever the layout places it."""
+def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
+                prepare: Optional[Callable[[nn.Module], None]] = None):
+    """A fresh engine; every global expert gets weights from (seed, id), wherever the layout places it.
+    ``prepare(model)``: changes made to the model before ``deepspeed.initialize``."""
     import deepspeed
     torch.manual_seed(seed)
     model = TinyMoEModel(ep, k)
     esp = (plugin or {}).get("esp") or 1
     ep_rank = dist.get_rank() % (ep * esp) // esp        # stock: EP blocks of ranks; the plugin: ESP innermost
     init_experts(model.moe, seed, ep_rank=ep_rank, tp_rank=0, tp=1)
+    if prepare is not None:
+        prepare(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(stage, plugin))
     return engine

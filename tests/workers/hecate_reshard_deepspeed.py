@@ -5,6 +5,7 @@ plugin, and checkpoints written while the experts sit away from their stock owne
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -24,20 +25,15 @@ def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, s
     """jobs.make_engine's model, dropless, its gate leaning to the ``hot`` experts (0 and 1: both on node 0 at
     EP 4): their logits gain ``skew`` through the input layer's bias, whatever the token, so that the experts no
     copy serves crowd one node (or rank) and Algorithm 2 has something to move."""
-    import deepspeed
+    return jobs.make_engine(stage, plugin, ep, k, seed, prepare=partial(_lean, hot=hot, skew=skew))
 
-    from moe_plugins.tools.verify_deepspeed import init_experts
-    torch.manual_seed(seed)
-    model = jobs.TinyMoEModel(ep, k)
+
+def _lean(model: torch.nn.Module, hot: Sequence[int], skew: float) -> None:
     gate = model.moe.deepspeed_moe.gate
     gate.drop_tokens = False
-    init_experts(model.moe, seed, ep_rank=dist.get_rank() % ep, tp_rank=0, tp=1)
     with torch.no_grad():
         bias = model.inp.bias
         gate.wg.weight[list(hot)] += skew * bias / bias.dot(bias)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=jobs.ds_config(stage, plugin))
-    return engine
 
 
 def _layer(handle, engine):
