@@ -43,6 +43,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--out", default="runs/gpt2-moe", help="folder for report.json and report.png")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/moe_plugins"))
+    p.add_argument("--rss-every", type=int, default=0, metavar="N",
+                   help="every N steps, each rank logs its RSS after the optimizer step to OUT/rss-rankR.jsonl")
     add_dist_timeout(p)
     return p.parse_args(argv)
 
@@ -143,6 +145,7 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
     log = report.RunLog(rank=rank, total=args.steps, start=start, out=Path(args.out), meta={
         "model": args.model, "size": models.describe(size), "world": world, "ep": args.ep,
         "ds_config": ds_config, "plugin": _plugin_summary(plugin)})
+    rss = report.RssLog(rank=rank, every=args.rss_every, out=Path(args.out))
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         batch = make_batch(args, blocks, tokenizer, step, batch_size, rank, world)
@@ -150,10 +153,12 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
         engine.backward(loss)
         engine.step()
         log.step(step, _mean_over_ranks(out.loss.detach()), time.perf_counter() - t0)
+        rss.step(step)
         if args.ckpt_dir and args.save_every and (step + 1) % args.save_every == 0:
             engine.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}",
                                    client_state={"step": step + 1, "rng": torch.get_rng_state()})
     result = log.finish(Path(args.out)) if rank == 0 else {}
+    rss.close()
     if plugin is not None:
         plugin.disable()
     return result
