@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moe_plugins.core.plugin_config import SECTION
-from moe_plugins.hecate.config import NAME, HecateConfig, hecate_on
+from moe_plugins.hecate.config import NAME, reshard_interval
 from moe_plugins.hecate.rehome import Extra, Resharder
 
 logger = logging.getLogger(__name__)
@@ -40,16 +40,9 @@ FIELD = f"{SECTION}.{NAME}.reshard_every"
 WRAPPED = ("step", "save_checkpoint", "load_checkpoint")
 
 
-def reshard_every(cfg: Any) -> int:
-    """The section's ``reshard_every`` (0 without Hecate or without the key)."""
-    if not hecate_on(cfg) or not isinstance(cfg.hecate, Mapping):
-        return 0
-    return HecateConfig.from_dict(cfg.hecate).reshard_every
-
-
 def reshard_problems(engine: Any, cfg: Any) -> List[str]:
     """What keeps re-sharding off this engine (empty: none, or no re-sharding asked for)."""
-    every = reshard_every(cfg)
+    every = reshard_interval(cfg)
     if not every:
         return []
     problems = []

@@ -88,18 +88,25 @@ def _json(text: str, path: str) -> Any:
 
 def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[MegatronGroups] = None,
                 ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None, lina: Any = None,
-                engines: Any = None, lancet: Any = None) -> Any:
+                engines: Any = None, lancet: Any = None, hecate: Any = None) -> Any:
     """Megatron's MoE layer spec with the layer class swapped for PluginMoELayer (same submodules, so the same
     router, experts and shared experts), in the spec's own style (a ``ModuleSpec`` up to megatron-core 0.17, a
     ``functools.partial`` from 0.18). A disabled config returns the stock spec unchanged. ``lina``: the enabled
     plugin's Lina state (a ``lina`` section needs :func:`enable`, which also hooks Megatron's DDP). ``engines``:
     the :class:`~moe_plugins.patches.megatron_engines.LayoutEngines` pipelined layers run on. ``lancet``: the
-    enabled plugin's :class:`~moe_plugins.patches.megatron_lancet.LancetState` (a ``lancet`` section needs it)."""
+    enabled plugin's :class:`~moe_plugins.patches.megatron_lancet.LancetState` (a ``lancet`` section needs it).
+    ``hecate``: the enabled plugin's :class:`~moe_plugins.patches.megatron_hecate_reshard.MegatronResharding`
+    (``reshard_every`` needs it)."""
     if not plugin.enabled:
         return stock_spec
     if plugin.lina is not None and lina is None:
         raise ValueError(f"{SECTION}.lina needs the plugin enabled (enable(), the {FLAG} flag or moe-plugins "
                          "launch), which hooks Megatron's DistributedDataParallel; the spec provider alone does not")
+    from moe_plugins.hecate.config import reshard_interval
+    if reshard_interval(plugin) and hecate is None:
+        raise ValueError(f"{SECTION}.hecate.reshard_every ({reshard_interval(plugin)}) needs the plugin enabled "
+                         f"(enable(), the {FLAG} flag or moe-plugins launch), which hooks Megatron's optimizer and "
+                         "dist_checkpointing; the spec provider alone does not")
     from moe_plugins.patches.megatron_lancet import lancet_or_none
     from moe_plugins.patches.megatron_layer import PluginMoELayer
     params = dict(plugin=plugin, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger)
@@ -109,6 +116,8 @@ def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[Megat
         params["lina"] = lina
     if engines is not None:
         params["engines"] = engines
+    if hecate is not None and reshard_interval(plugin):
+        params["resharding"] = hecate
     return with_layer_class(stock_spec, PluginMoELayer, params)
 
 
@@ -182,20 +191,22 @@ class MegatronPlugin:
     :mod:`~moe_plugins.patches.megatron_lina`). Build and train such models inside the ``with``."""
 
     def __init__(self, plugin: PluginConfig, *, groups: Optional[MegatronGroups], ranks_per_node: Optional[int],
-                 ledger: Optional[CommLedger], lina: Any = None, engines: Any = None, lancet: Any = None):
+                 ledger: Optional[CommLedger], lina: Any = None, engines: Any = None, lancet: Any = None,
+                 hecate: Any = None):
         self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
-        self.lina, self.engines, self.lancet = lina, engines, lancet
+        self.lina, self.engines, self.lancet, self.hecate = lina, engines, lancet, hecate
         self.specs_built = 0
         self._patcher: Optional[Patcher] = None
 
     def _install(self, modules: Dict[str, Any]) -> None:
         """Replace the spec builder wherever Megatron's modules hold it (HOOKS), and with Lina its DDP hooks,
-        all or none."""
+        with Lancet's and Hecate's re-sharding theirs, all or none."""
         replacement = self._wrap(getattr(modules[HOOKS[0][0]], HOOKS[0][1]))
         patches = [Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS]
         from moe_plugins.patches.megatron_compat import compat_patches
-        self._patcher = Patcher(patches + compat_patches() + (self.lina.patches() if self.lina is not None else [])
-                                + (self.lancet.patches() if self.lancet is not None else []), logger=logger).apply()
+        owners = [o for o in (self.lina, self.lancet, self.hecate) if o is not None]
+        self._patcher = Patcher(patches + compat_patches() + [p for o in owners for p in o.patches()],
+                                logger=logger).apply()
 
     def _wrap(self, original: Callable) -> Callable:
         plugin = self
@@ -204,7 +215,7 @@ class MegatronPlugin:
             plugin.specs_built += 1
             return plugin_spec(original(*args, **kwargs), plugin.plugin, groups=plugin.groups,
                                ranks_per_node=plugin.ranks_per_node, ledger=plugin.ledger, lina=plugin.lina,
-                               engines=plugin.engines, lancet=plugin.lancet)
+                               engines=plugin.engines, lancet=plugin.lancet, hecate=plugin.hecate)
 
         get_moe_module_spec_for_backend.__wrapped__ = original
         return get_moe_module_spec_for_backend
@@ -215,7 +226,8 @@ class MegatronPlugin:
             if patcher is not None:
                 patcher.restore()
         finally:
-            undo_all([owner.close for owner in (self.lina, self.engines, self.lancet) if owner is not None])
+            undo_all([owner.close for owner in (self.lina, self.engines, self.lancet, self.hecate)
+                      if owner is not None])
 
     @property
     def active(self) -> bool:
@@ -269,8 +281,11 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet):
         from moe_plugins.patches.megatron_engines import LayoutEngines
         engines = LayoutEngines(ledger=ledger, record_timeline=record_timeline)
+    from moe_plugins.hecate.config import reshard_interval
+    from moe_plugins.patches.megatron_hecate_reshard import MegatronResharding
+    hecate = MegatronResharding(reshard_interval(config)) if reshard_interval(config) else None
     handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
-                            engines=engines, lancet=lancet)
+                            engines=engines, lancet=lancet, hecate=hecate)
     handle._install(modules)
     _ACTIVE = handle
     logger.info("moe_plugins: Megatron-core %s spec builders patched (config %s)", package_info.__version__,

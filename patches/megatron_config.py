@@ -16,6 +16,7 @@ from moe_plugins.core.experts import ACTIVATIONS
 from moe_plugins.core.layout import ParallelLayout, layout_problems
 from moe_plugins.core.plugin_config import SECTION, PluginConfig, profile_problems
 from moe_plugins.core.schedule import exchange_problems
+from moe_plugins.hecate.config import NAME as HECATE, reshard_interval
 from moe_plugins.plugins import default_registry
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -38,6 +39,12 @@ UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
                                                             "dispatch and expert stages, which the plugin replaces"),
 )
 
+# Settings under which Megatron's optimizer keeps master copies of the experts away from their parameters (bf16,
+# fp16) or in shards (the distributed optimizer): Hecate's re-sharding moves the parameters' own Adam state only.
+# TransformerConfig has the first two; the third is Megatron-LM's argument (a layer built from a config cannot
+# see it: the optimizer hook refuses it, patches/megatron_hecate_reshard.py).
+MASTER_COPIES = ("bf16", "fp16", "use_distributed_optimizer")
+
 # Router options that draw random numbers: the baseline schedule re-gates its ESP group's token blocks, which
 # must give the routing their owners drew.
 RANDOM_ROUTING = ("moe_input_jitter_eps", "moe_router_force_load_balancing", "moe_enable_routing_replay")
@@ -59,6 +66,8 @@ class MegatronFacts:
     activation: str
     unsupported: Tuple[Tuple[str, Any], ...]   # (field, value) of every UNSUPPORTED field, in that order
     random_routing: Tuple[str, ...]            # RANDOM_ROUTING options that are on
+    master_copies: Tuple[str, ...] = ()        # MASTER_COPIES settings that are on
+    bias_sp: bool = False                      # add_bias_linear and sequence_parallel both on
 
 
 def _unsupported(source: Any) -> Tuple[Tuple[str, Any], ...]:
@@ -67,6 +76,14 @@ def _unsupported(source: Any) -> Tuple[Tuple[str, Any], ...]:
 
 def _random_routing(source: Any) -> Tuple[str, ...]:
     return tuple(name for name in RANDOM_ROUTING if getattr(source, name, None) not in (None, False))
+
+
+def _master_copies(source: Any) -> Tuple[str, ...]:
+    return tuple(name for name in MASTER_COPIES if getattr(source, name, False) is True)
+
+
+def _bias_sp(source: Any) -> bool:
+    return getattr(source, "add_bias_linear", True) is True and getattr(source, "sequence_parallel", False) is True
 
 
 def _activation_name(fn: Any) -> str:
@@ -109,7 +126,7 @@ def facts_from_config(config: Any) -> MegatronFacts:
         ffn=int(config.moe_ffn_hidden_size or config.ffn_hidden_size), topk=int(config.moe_router_topk),
         capacity_factor=config.moe_expert_capacity_factor, dispatcher=str(config.moe_token_dispatcher_type),
         activation=_activation_name(config.activation_func), unsupported=_unsupported(config),
-        random_routing=_random_routing(config))
+        random_routing=_random_routing(config), master_copies=_master_copies(config), bias_sp=_bias_sp(config))
 
 
 def facts_from_args(args: Any) -> MegatronFacts:
@@ -124,7 +141,8 @@ def facts_from_args(args: Any) -> MegatronFacts:
         topk=int(getattr(args, "moe_router_topk", 2)),
         capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
         dispatcher=str(getattr(args, "moe_token_dispatcher_type", "allgather")), activation="gelu",
-        unsupported=_unsupported(args), random_routing=_random_routing(args))
+        unsupported=_unsupported(args), random_routing=_random_routing(args), master_copies=_master_copies(args),
+        bias_sp=_bias_sp(args))
 
 
 def moe_config(facts: MegatronFacts) -> MoEConfig:
@@ -165,6 +183,15 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
         problems.append(f"{', '.join(facts.random_routing)} must be off with expert_tensor_parallel_size "
                         f"({facts.etp}) > 1: a schedule may re-gate its ESP group's token blocks, which needs "
                         "the deterministic routing their owners made")
+    every = reshard_interval(plugin)
+    problems += [f"{SECTION}.{HECATE}.reshard_every ({every}) runs with Megatron's fp32 non-distributed optimizer, and "
+                 f"{name} is True: the master copies it keeps are not moved with the experts"
+                 for name in facts.master_copies if every]
+    if every and facts.bias_sp and facts.tp > 1:
+        problems.append(f"{SECTION}.{HECATE}.reshard_every ({every}) cannot run with add_bias_linear and "
+                        f"sequence_parallel at tensor_model_parallel_size {facts.tp}: Megatron all-reduces each "
+                        "expert's linear_fc2 bias gradient over the tensor-parallel group, which adds together the "
+                        "experts that share a local slot on the TP peers; moving experts would change which are added")
     if world is None:
         return problems
     rpn = ranks_per_node or world

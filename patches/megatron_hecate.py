@@ -14,7 +14,8 @@ needs to run it. Pure helpers; nothing here patches anything.
   (Megatron DDP's hooks, ``main_grad``, as in stock), and stacked again without autograd for re-materialisation.
 
 Owners are Megatron's own expert parameters (expert e on EP rank e // E_l, as Megatron places them), so
-``state_dict`` keys and ``dist_checkpointing`` stay stock. Re-sharding (``reshard_every``) is DeepSpeed's only.
+``state_dict`` keys and ``dist_checkpointing`` stay stock. Re-sharding (``reshard_every``):
+:mod:`~moe_plugins.patches.megatron_hecate_reshard`.
 
 Shapes: E_l local experts, M model dim, H FFN hidden.
 """

@@ -290,13 +290,15 @@ class PluginMoELayer(MoELayer):
     pipeline lane: ``engine``, or ``engines`` (:class:`~moe_plugins.patches.megatron_engines.LayoutEngines`, one
     per layout, which :func:`~moe_plugins.patches.megatron.enable` owns), or ``lina``: the enabled plugin's
     :class:`~moe_plugins.patches.megatron_lina.LinaState`, whose engine (one per layout, shared with the gradient
-    reducer) the layer's exchanges then go through."""
+    reducer) the layer's exchanges then go through. ``resharding``: the enabled plugin's
+    :class:`~moe_plugins.patches.megatron_hecate_reshard.MegatronResharding`, which the layer joins."""
 
     def __init__(self, config: Any, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, *, plugin: PluginConfig, groups: Optional[MegatronGroups] = None,
                  ranks_per_node: Optional[int] = None, ledger: Optional[CommLedger] = None,
                  profile_dir: Optional[str] = None, engine: Optional[CommEngine] = None, lina: Any = None,
-                 engines: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None, lancet: Any = None):
+                 engines: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None, lancet: Any = None,
+                 resharding: Any = None):
         plugin = megatron_hecate.hecate_plugin(plugin)       # an enabled hecate section: schedule 'hecate'
         if pg_collection is None:
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
@@ -326,6 +328,8 @@ class PluginMoELayer(MoELayer):
         log("moe_plugins: Megatron MoE layer %s runs schedule %r (%s exchange, pipeline degree %s) on tp=%d ep=%d "
             "etp=%d, ranks_per_node=%d", self._ledger_name(layer_number), plugin.schedule, plugin.exchange,
             plugin.pipeline_degree, layout.mp, layout.ep, layout.esp, layout.ranks_per_node)
+        if resharding is not None:     # Hecate's re-sharding (patches/megatron_hecate_reshard.py) moves its experts
+            resharding.add(self)
 
     @staticmethod
     def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],

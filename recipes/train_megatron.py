@@ -266,25 +266,30 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
                                              create_gloo_process_groups=False)
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        if plugin is None or not plugin.enabled or (plugin.lina is None and plugin.lancet is None):
+        from moe_plugins.hecate.config import reshard_interval
+        if plugin is None or not plugin.enabled or (plugin.lina is None and plugin.lancet is None
+                                                    and not reshard_interval(plugin)):
             from moe_plugins.patches.megatron_engines import LayoutEngines
             with LayoutEngines() as engines:               # pipelined layers' lanes, freed when training ends
                 settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin,
                                                ranks_per_node=rpn, seed=args.seed, engines=engines)
                 return _run(args, size, settings, pgc, optimizer_shims, plugin)
-        # Lina patches Megatron's DDP, Lancet its linear layers and shares one dW queue: build the model (Megatron's
-        # own spec, replaced by the plugin's) and train inside enable(), which closes their engines when training ends
+        # Lina patches Megatron's DDP, Lancet its linear layers and shares one dW queue, Hecate's re-sharding the
+        # optimizer's step: build the model (Megatron's own spec, replaced by the plugin's) and train inside
+        # enable(), which closes their engines when training ends
         from moe_plugins.patches.megatron import enable
         settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=None, ranks_per_node=rpn,
                                        seed=args.seed)
-        with enable(plugin, ranks_per_node=rpn):
-            return _run(args, size, settings, pgc, optimizer_shims, plugin)
+        with enable(plugin, ranks_per_node=rpn) as handle:
+            return _run(args, size, settings, pgc, optimizer_shims, plugin, handle.hecate)
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, optimizer_shims,
-         plugin: Optional[PluginConfig]) -> Dict[str, Any]:
+         plugin: Optional[PluginConfig], resharding: Any = None) -> Dict[str, Any]:
+    """``resharding``: the enabled plugin's Hecate re-sharding state (checkpoints are written and read with the
+    experts on their stock owners)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
@@ -301,6 +306,8 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
             "ep": args.ep, "etp": args.etp, "host": "megatron-core", "clip_grad": clip_grad(args),
             "moe_plugins": plugin.to_dict() if plugin else None, "plugin": plugin_summary(moe_layers)}
     ckpt = Path(args.ckpt_dir) if args.ckpt_dir else None
+    if args.resume and resharding is not None:
+        resharding.to_stock()          # the files hold every expert on its stock owner
     start = load_checkpoint(ckpt, model, optimizer, meta) if args.resume else 0
     log = report.RunLog(rank=dist.get_rank(), total=args.steps, start=start, out=Path(args.out), meta=meta)
     for step in range(start, args.steps):
@@ -309,7 +316,13 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
         loss = train_step(model, optimizer, {k: v.to(device) for k, v in batch.items()}, pgc, optimizer_shims)
         log.step(step, _mean_over(loss, pgc.dp), time.perf_counter() - t0)
         if ckpt is not None and args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(ckpt, step + 1, model, optimizer, meta)
+            with resharding.stock_homes() if resharding is not None else contextlib.nullcontext():
+                save_checkpoint(ckpt, step + 1, model, optimizer, meta)
+    if resharding is not None:         # where Hecate's re-sharding left each layer's experts, and how often it ran
+        layers = [s for r in resharding.resharders for s, _ in r.layers]
+        log.meta["hecate_reshard"] = {"homes": [list(s.homes) for s in layers], "reshards": sum(
+            r.moves for r in resharding.resharders), "window_load": [list(s.window_load()) for s in layers],
+            "copied": [list(s.overlappable(s.window_load())) for s in layers]}
     return log.finish(Path(args.out)) if dist.get_rank() == 0 else {}
 
 

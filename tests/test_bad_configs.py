@@ -193,8 +193,14 @@ TABLE = [
     row("megatron", "ragged-with-parm-s2", ({"schedule": "parm-s2", "exchange": "ragged"}, {}),
         "$.exchange ('ragged') is not supported by schedule 'parm-s2'"),
     row("megatron", "no-moe-layer", ({}, {"num_experts": None}), "num_moe_experts (None)", "has no MoE layer"),
-    row("megatron", "hecate-reshard-and-prefetch", ({"hecate": {"reshard_every": 2, "prefetch": True}}, {}),
-        "hecate.reshard_every (2) must be 0 on Megatron-core", "hecate.prefetch (True) must be false on Megatron-core"),
+    row("megatron", "hecate-prefetch", ({"hecate": {"prefetch": True}}, {}),
+        "hecate.prefetch (True) must be false on Megatron-core"),
+    row("megatron", "hecate-reshard-with-master-copies", ({"hecate": {"reshard_every": 2}},
+        {"bf16": True, "use_distributed_optimizer": True, "sequence_parallel": True}),
+        "hecate.reshard_every (2) runs with Megatron's fp32 non-distributed optimizer, and bf16 is True",
+        "hecate.reshard_every (2) runs with Megatron's fp32 non-distributed optimizer, and use_distributed_optimizer "
+        "is True", "hecate.reshard_every (2) cannot run with add_bias_linear and sequence_parallel at "
+        "tensor_model_parallel_size 2"),
     row("megatron", "lina-with-distributed-optimizer", ({"lina": {}}, {"use_distributed_optimizer": True}),
         "use_distributed_optimizer (True) must be False with $.lina"),
     row("megatron", "every-argument-problem",

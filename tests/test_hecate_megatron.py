@@ -35,7 +35,7 @@ def test_the_megatron_adapter_reads_the_section():
     assert mh.hecate_plugin(section_config({}, "moe_plugins")).schedule == "baseline"
     with pytest.raises(ValueError) as err:
         section_config({"hecate": {"reshard_every": 2, "prefetch": True}, "esp": 2}, "moe_plugins")
-    assert "moe_plugins.hecate.reshard_every (2) must be 0 on Megatron-core" in str(err.value)
+    assert "reshard_every" not in str(err.value)          # re-sharding runs on Megatron (test_hecate_reshard_megatron)
     assert "moe_plugins.hecate.prefetch (True) must be false on Megatron-core" in str(err.value)
     assert "moe_plugins.esp (2) must be 1 or null with Hecate" in str(err.value)
     with pytest.raises(ValueError, match=r"Hecate is run by the DeepSpeed and Megatron-core adapters"):

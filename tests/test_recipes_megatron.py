@@ -140,6 +140,27 @@ def test_hecate_in_the_recipe_equals_stock_megatron(world, tmp_path):
     assert [(r["schedule"], r["exchange"]) for r in on["plugin"]] == [("hecate", "ragged")] * 2
 
 
+def test_hecate_resharding_in_the_recipe_equals_stock_megatron_and_resumes(world, tmp_path):
+    """Re-sharding every 2 steps (EP 4 on 2 emulated nodes): 12 steps equal stock Megatron's, Algorithm 2 run 6
+    times, and resuming the per-rank checkpoint of step 6 replays steps 6-11 with the first run's losses. The
+    recipe's routing here is mild and its experts small, so Algorithm 1 copies every loaded expert and the homes
+    stay stock's (reported: ``hecate_reshard``); checkpoints written and read with the experts away from their
+    stock owners are tested in tests/test_hecate_reshard_megatron.py."""
+    ckpt = tmp_path / "ckpt"
+    section = '{"ranks_per_node": 2, "hecate": {"enabled": true, "reshard_every": 2}}'
+    layout = ["--tp", "1", "--ep", "4", "--etp", "1"]
+    on = on_equals_stock(world, tmp_path, layout + ["--ckpt-dir", str(ckpt), "--save-every", "6"], section)
+    report = on["hecate_reshard"]
+    assert report["reshards"] == 6 and len(report["homes"]) == len(report["window_load"]) == 2
+    (ckpt / "latest").write_text("step6\n")
+    resumed = losses(train(world, ["--model", "gpt2-moe", "--steps", "12", *layout, "--ckpt-dir", str(ckpt),
+                                   "--resume", "--moe-plugins", section, "--out", str(tmp_path / "resumed")]))
+    first = losses(on)
+    assert sorted(resumed) == list(range(6, 12))
+    for step in range(6, 12):
+        assert resumed[step] == pytest.approx(first[step], rel=1e-6, abs=0), step
+
+
 def test_lancet_dense_wgrad_in_the_recipe_equals_stock_megatron(world, tmp_path):
     """The recipe's flag with Lancet's deferred expert and dense weight gradients at TP 2 x EP 2 (the recipe's
     dense layers are HF GPT-2's Conv1D, handed to Lancet by ``wrap_model``) matches stock Megatron."""

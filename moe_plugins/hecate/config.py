@@ -97,6 +97,13 @@ def hecate_on(cfg: Any) -> bool:
     return cfg is not None and cfg.enabled and enabled_in({"schedule": cfg.schedule, NAME: cfg.hecate})
 
 
+def reshard_interval(cfg: Any) -> int:
+    """A PluginConfig's ``hecate.reshard_every`` (0 without Hecate or without the key)."""
+    if not hecate_on(cfg) or not isinstance(cfg.hecate, Mapping):
+        return 0
+    return HecateConfig.from_dict(cfg.hecate).reshard_every
+
+
 def enabled_in(section: Mapping[str, Any]) -> bool:
     """Whether a ``moe_plugins`` section runs Hecate: its ``hecate`` section enabled, or schedule ``hecate``."""
     hecate = section.get(NAME)
@@ -140,9 +147,6 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
                         f"MoELayer(schedule='{NAME}'); this reader (a tool that checks the section without an "
                         "adapter's rules) does not run it")
     if host == "megatron" and isinstance(hecate, Mapping):
-        if _int(hecate.get("reshard_every"), 1):
-            problems.append(f"{path}.{NAME}.reshard_every ({hecate['reshard_every']!r}) must be 0 on Megatron-core: "
-                            "re-sharding is built for DeepSpeed only")
         if hecate.get("prefetch") is True:
             problems.append(f"{path}.{NAME}.prefetch (True) must be false on Megatron-core: the early gather is "
                             "issued by DeepSpeed's block hooks on a pipeline lane the Megatron layer does not build")

@@ -1,0 +1,195 @@
+"""Hecate's re-sharding (``"hecate": {"reshard_every": n}``) on Megatron-core: Algorithm 2 re-homes each Hecate
+layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py), under
+:func:`moe_plugins.patches.megatron.enable` (the ``--moe-plugins`` flag, or the ``with`` form around building and
+training the model).
+
+Runs where Megatron's optimizer keeps its Adam state keyed by the model's own parameters: fp32 (no ``bf16`` /
+``fp16``) with the non-distributed optimizer (``FP32Optimizer``). The flag path refuses the rest from
+Megatron-LM's arguments before anything is patched (:mod:`~moe_plugins.patches.megatron_config`); a layer built
+from a ``TransformerConfig`` refuses ``bf16``/``fp16`` when it is built, and a ``DistributedOptimizer`` or
+mixed-precision optimizer over a re-sharded layer's experts is refused when Megatron builds it.
+
+While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through the plugin's Patcher:
+
+- ``DistributedOptimizer.__init__`` and ``Float16OptimizerWithFloat16Params.__init__``: the refusal above, before
+  Megatron's, when the torch optimizer they are handed or the model chunks (the distributed optimizer's) hold a
+  re-sharded layer's experts.
+- ``FP32Optimizer.step_with_ready_grads``: after a successful step of a torch optimizer holding re-sharded
+  layers' experts (ChainedOptimizer steps its expert optimizer through it), the :class:`Resharder` of that
+  optimizer counts it and re-shards every n (collective; values, ``grad`` (= ``main_grad``, a view of DDP's
+  buffer, in place) and Adam's moments move with the experts; global expert ids never change).
+- ``megatron.core.dist_checkpointing.save``: written with every expert on its stock owner (moved there and back
+  around the write), so the checkpoint is stock Megatron's; ``async_sharded_save`` is refused (the write would
+  outlive the move back). ``dist_checkpointing.load``: the experts go to their stock owners first, so the
+  loaded tensors (stock layout) land on the right experts; the optimizer state loaded after follows.
+
+A loop that writes ``state_dict()`` itself (the recipe's per-rank files) uses :meth:`MegatronResharding.stock_homes`
+around the write and :meth:`MegatronResharding.to_stock` before reading. A ``SequentialMLP`` expert is one
+slot: its parameters whole, in the module's order.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.core.patcher import Patch
+from moe_plugins.core.plugin_config import SECTION
+from moe_plugins.hecate.config import NAME
+from moe_plugins.hecate.rehome import Resharder
+
+logger = logging.getLogger("moe_plugins.megatron")
+FIELD = f"{SECTION}.{NAME}.reshard_every"
+
+
+class MegatronResharding:
+    """The enabled plugin's re-sharding state (module docstring): the layers that asked for it (in build order,
+    the same on every rank), one :class:`Resharder` per torch optimizer holding their experts."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._layers: List[weakref.ref] = []
+        self._resharders: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Optional[Resharder]]" = \
+            weakref.WeakKeyDictionary()
+
+    def add(self, layer: Any) -> None:
+        """Register a ``PluginMoELayer`` running Hecate with ``reshard_every`` (called when it is built)."""
+        self._layers.append(weakref.ref(layer))
+
+    def layers(self) -> List[Any]:
+        return [layer for layer in (ref() for ref in self._layers) if layer is not None]
+
+    @property
+    def resharders(self) -> List[Resharder]:
+        return [r for r in self._resharders.values() if r is not None]
+
+    # ---- Megatron's names, replaced while enabled -------------------------------------------------------------
+
+    def patches(self) -> List[Patch]:
+        from megatron.core import dist_checkpointing
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+        return [Patch(cls, "__init__", self._wrap_init(cls.__init__))
+                for cls in (DistributedOptimizer, Float16OptimizerWithFloat16Params)] + [
+                Patch(FP32Optimizer, "step_with_ready_grads",
+                      self._wrap_step(FP32Optimizer.step_with_ready_grads)),
+                Patch(dist_checkpointing, "save", self._wrap_save(dist_checkpointing.save)),
+                Patch(dist_checkpointing, "load", self._wrap_load(dist_checkpointing.load))]
+
+    def _wrap_init(self, original: Callable) -> Callable:
+        state, signature = self, inspect.signature(original)
+
+        @functools.wraps(original)
+        def __init__(opt, optimizer, *args, **kwargs):
+            chunks = signature.bind(opt, optimizer, *args, **kwargs).arguments.get("model_chunks") or []
+            params = [p for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]]
+            if state._held_by(params + [p for chunk in chunks for p in chunk.parameters()]):
+                raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's fp32 non-distributed optimizer "
+                                 f"(FP32Optimizer), whose Adam state is keyed by the experts' own parameters; "
+                                 f"this model's is a {type(opt).__name__} (bf16/fp16 or use_distributed_optimizer"
+                                 "), whose master copies the move does not reach")
+            original(opt, optimizer, *args, **kwargs)
+        return __init__
+
+    def _wrap_step(self, original: Callable) -> Callable:
+        state = self
+
+        @functools.wraps(original)
+        def step_with_ready_grads(opt) -> bool:
+            ok = original(opt)
+            if ok and opt.optimizer is not None:
+                resharder = state._resharder(opt.optimizer)
+                if resharder is not None:
+                    resharder.step_end(opt.optimizer)
+            return ok
+        return step_with_ready_grads
+
+    def _wrap_save(self, original: Callable) -> Callable:
+        state, signature = self, inspect.signature(original)
+
+        @functools.wraps(original)
+        def save(*args, **kwargs):
+            if signature.bind(*args, **kwargs).arguments.get("async_sharded_save") and state.resharders:
+                raise ValueError(f"{FIELD} ({state.every}): dist_checkpointing.save(async_sharded_save=True) would "
+                                 "write after the experts move back from their stock owners; save synchronously")
+            with state.stock_homes():
+                return original(*args, **kwargs)
+        return save
+
+    def _wrap_load(self, original: Callable) -> Callable:
+        state = self
+
+        @functools.wraps(original)
+        def load(*args, **kwargs):
+            state.to_stock()
+            return original(*args, **kwargs)
+        return load
+
+    # ---- moving ------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def stock_homes(self) -> Iterator[None]:
+        """Inside: every re-sharded layer's experts (and their optimizer state) on their stock owners, so that a
+        ``state_dict()`` or checkpoint written here is stock Megatron's; after: back (collective)."""
+        with ExitStack() as stack:
+            for optimizer, resharder in list(self._resharders.items()):
+                if resharder is not None:
+                    stack.enter_context(resharder.stock_homes(optimizer))
+            yield
+
+    def to_stock(self) -> None:
+        """Every re-sharded layer's experts to their stock owners, to stay (before loading stock-layout state)."""
+        self.reshard(stock=True)
+
+    def reshard(self, homes_LE: Optional[Sequence[Sequence[int]]] = None, stock: bool = False) -> None:
+        """Re-shard now (collective), each optimizer's layers to Algorithm 2's plan, to ``homes_LE`` (one homes
+        tuple per layer, in build order), or with ``stock`` to their stock owners."""
+        for optimizer, resharder in list(self._resharders.items()):
+            if resharder is None:
+                continue
+            homes = [s.stock_homes() for s, _ in resharder.layers] if stock else homes_LE
+            resharder.reshard(optimizer, homes)
+
+    def _held_by(self, params: List[torch.Tensor]) -> bool:
+        held = {id(p) for p in params}
+        return any(id(p) in held for layer in self.layers() for p in layer.experts.parameters())
+
+    def _resharder(self, optimizer: torch.optim.Optimizer) -> Optional[Resharder]:
+        """The Resharder of the layers whose experts ``optimizer`` holds (None: it holds none), made at its first
+        step. A layer whose experts it holds only in part is refused: their state would stay behind."""
+        if optimizer in self._resharders:
+            return self._resharders[optimizer]
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        layers, partial = [], []
+        for layer in self.layers():
+            ids = [id(p) in held for p in layer.experts.parameters()]
+            if all(ids):
+                layers.append(layer)
+            elif any(ids):
+                partial.append(layer.token_dispatcher.rec.layer)
+        if partial:
+            raise ValueError(f"{FIELD} ({self.every}): the experts of {', '.join(partial)} are split over several "
+                             "optimizers; each layer's experts must be stepped by one (their state moves with them)")
+        resharder = None
+        if layers:
+            resharder = Resharder([(layer.token_dispatcher.schedule, functools.partial(_slots, layer))
+                                   for layer in layers], self.every, world=dist.group.WORLD)
+            log = logger.info if dist.get_rank() == 0 else logger.debug
+            log("moe_plugins: Hecate re-shards the experts of %d Megatron layers every %d optimizer steps",
+                len(layers), self.every)
+        self._resharders[optimizer] = resharder
+        return resharder
+
+    def close(self) -> None:
+        self._resharders.clear()
+
+
+def _slots(layer: Any) -> List[List[Any]]:
+    return [[(p, None) for p in mlp.parameters()] for mlp in layer.experts.local_experts]

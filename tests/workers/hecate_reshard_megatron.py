@@ -1,0 +1,254 @@
+"""Pool jobs for Hecate's re-sharding on Megatron-core (tests/test_hecate_reshard_megatron.py), on 4 ranks (2 nodes x
+2) under the CPU shims: stock Megatron's ``MoELayer`` and the plugin's layer, built while the plugin is enabled with
+``"hecate": {"reshard_every": n}`` (Megatron's own spec builder, replaced), each behind a dense scale in
+Megatron's DistributedDataParallel and stepped by ``get_megatron_optimizer``'s fp32 Adam.
+
+Every expert gets its own weights (drawn from its global id, :func:`redraw`: Megatron's CPU init gives every EP
+rank the same experts, which would hide a misplaced one), and the gate leans to the ``hot`` experts: the tokens
+carry a constant direction ``u`` and the hot experts' router rows gain ``skew * u``, so that Algorithm 2 has
+experts to move. Experts are compared by global id (slot i of EP rank r holds the i-th of ``local_experts(homes,
+r)``).
+
+Shapes: S tokens per rank ([S, 1, M], Megatron's layout), M model dim, E experts.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_plugins.hecate.reshard import local_experts
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu
+from moe_plugins.tools.verify_megatron import MegatronVerifySpec, transformer_config
+from tests.megatron_shims_extra import cuda_factories_on_cpu
+from tests.workers import megatron as jobs
+from tests.workers.ckpt_reshard_megatron import cpu_saver, redraw
+
+RPN, S, M, H, E = 2, 8, 8, 16, 4
+HOT, SKEW = (0, 1), 3.0
+
+
+def section(every: int, extra: int = 1) -> Dict[str, Any]:
+    return {"ranks_per_node": RPN, "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
+
+
+def config_of(s: MegatronVerifySpec):
+    """The layer's TransformerConfig; at TP > 1 without biases (Megatron sums the experts' fc2 bias gradients over
+    the TP group, slot by slot: re-sharding refuses that, patches/megatron_config.py)."""
+    return transformer_config(s, **({"add_bias_linear": False} if s.mp > 1 else {}))
+
+
+def spec(tp: int, ep: int, k: int = 2, dtype: str = "float32") -> MegatronVerifySpec:
+    return MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RPN, mp=tp, ep=ep, esp=1, experts=E, k=k,
+                              drop=False, tokens=S, hidden=M, ffn=H, dtype=dtype, schedule="hecate",
+                              exchange="ragged")
+
+
+def _direction() -> torch.Tensor:
+    u = torch.randn(M, generator=torch.Generator().manual_seed(11))
+    return u / u.norm()
+
+
+def data(steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(x, target) per step: tokens with the constant direction u, a learnable target; distinct per rank."""
+    teacher = torch.randn(M, M, generator=torch.Generator().manual_seed(3)) / M ** 0.5
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    xs = [torch.randn(S, 1, M, generator=gen) + 2.0 * _direction() for _ in range(4)]
+    return [(x, torch.tanh(x @ teacher)) for x in (xs * steps)[:steps]]
+
+
+def build_stock(s: MegatronVerifySpec, config: Any, groups: Any, seed: int):
+    """Megatron's stock layer, every expert drawn from (seed, global id), the gate leaning to HOT."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moe_plugins.patches.megatron_specs import spec_submodules
+    layer = MoELayer(config, submodules=spec_submodules(stock_spec(use_te=False, num_experts=E)),
+                     pg_collection=groups.pg_collection)
+    layer.set_layer_number(1)
+    redraw(layer, groups.pg_collection, seed)
+    with torch.no_grad():
+        layer.router.weight[list(HOT)] += SKEW * _direction().to(layer.router.weight.dtype)
+    return layer
+
+
+def build_plugin(config: Any, state: Dict[str, torch.Tensor]):
+    """The plugin's layer from Megatron's own spec builder (the enabled plugin replaces it), holding ``state``."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from moe_plugins.patches.megatron_specs import build_layer
+    layer = build_layer(get_moe_module_spec(use_te=False, num_experts=E), config)
+    layer.load_state_dict(state)
+    layer.set_layer_number(1)
+    return layer
+
+
+def ddp_and_optimizer(config: Any, moe: Any, pgc: Any):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), jobs._net(config, moe), pg_collection=pgc)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
+                                                 clip_grad=0.0), [model], use_gloo_process_groups=False,
+                                 pg_collection=pgc)
+    return model, opt
+
+
+def step(model, opt, pgc, x: torch.Tensor, t: torch.Tensor) -> float:
+    from megatron.core.distributed import finalize_model_grads
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), t)
+    loss.backward()
+    finalize_model_grads([model], pg_collection=pgc)
+    ok, _, _ = opt.step()
+    if not ok:
+        raise RuntimeError("Megatron's optimizer skipped a step")
+    return float(loss.detach())
+
+
+def homes_of(layer: Any) -> Optional[Tuple[int, ...]]:
+    schedule = getattr(getattr(layer, "token_dispatcher", None), "schedule", None)
+    return getattr(schedule, "homes", None)
+
+
+def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
+    """The experts' parameters (and with ``opt`` their last gradients and Adam moments) keyed by global id and
+    name."""
+    homes, rank, local = homes_of(layer), pgc.ep.rank(), layer.num_local_experts
+    ids = local_experts(homes, rank) if homes is not None else [rank * local + i for i in range(local)]
+    states = {}
+    for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
+        states.update(chained.optimizer.state)
+    out = {}
+    for i, mlp in enumerate(layer.experts.local_experts):
+        for name, p in mlp.named_parameters():
+            out[f"{ids[i]}.{name}"] = p.detach().clone()
+            if opt is not None and getattr(p, "main_grad", None) is not None:
+                out[f"{ids[i]}.{name}.main_grad"] = p.main_grad.clone()
+            for key, value in states.get(p, {}).items():
+                if torch.is_tensor(value) and value.shape == p.shape:
+                    out[f"{ids[i]}.{name}.{key}"] = value.clone()
+    return out
+
+
+def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """``steps`` steps of the stock layer, then of the plugin's re-sharding every ``every`` steps (with ``forced``
+    homes: moved there after the first step, whatever Algorithm 2 plans): losses, homes after each step, experts
+    and Adam moments by global id."""
+    from moe_plugins.patches import megatron as mp
+    s = spec(tp, ep)
+    out: Dict[str, Any] = {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        stack.enter_context(cuda_factories_on_cpu())
+        groups = stack.enter_context(jobs._groups(s))
+        pgc, config = groups.pg_collection, config_of(s)
+        stock = build_stock(s, config, groups, seed=1)
+        initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()}
+        for name in ("stock", "plugin"):
+            with ExitStack() as run:
+                handle = run.enter_context(mp.enable(section(every), groups=groups)) if name == "plugin" else None
+                layer = build_plugin(config, initial) if handle is not None else stock
+                model, opt = ddp_and_optimizer(config, layer, pgc)
+                losses, homes = [], []
+                for i, (x, t) in enumerate(data(steps)):
+                    losses.append(step(model, opt, pgc, x, t))
+                    if forced is not None and handle is not None and i == 0:
+                        handle.hecate.reshard([tuple(forced)])
+                    homes.append(homes_of(layer))
+                out[name] = {"losses": losses, "homes": homes, "experts": by_expert(layer, pgc, opt)}
+                if handle is not None:
+                    out[name].update(moves=handle.hecate.resharders[0].moves,
+                                     stock=layer.token_dispatcher.schedule.stock_homes())
+    return out
+
+
+def checkpoint_across(ckpt_dir: str, saver: str, loader: str, steps: int = 4) -> Dict[str, Any]:
+    """A ``saver`` layer ("stock" or "plugin", re-sharding every step) trained ``steps`` steps and saved through
+    ``dist_checkpointing.save``; a fresh ``loader`` layer (other weights; a plugin loader trained one step and
+    re-sharded first, so that it too sits away from the stock homes) loads it through ``dist_checkpointing.load``.
+    Experts by global id after the save and after the load, the homes at both, and the saver's experts before
+    the save (the move to the stock owners and back must leave them in place)."""
+    from megatron.core import dist_checkpointing
+
+    from moe_plugins.patches import megatron as mp
+    s = spec(1, 4)
+    out: Dict[str, Any] = {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        stack.enter_context(cuda_factories_on_cpu())
+        groups = stack.enter_context(jobs._groups(s))
+        pgc, config = groups.pg_collection, config_of(s)
+        metadata = {"dp_cp_group": pgc.dp_cp}
+        for role, kind, seed in (("saver", saver, 1), ("loader", loader, 2)):
+            with ExitStack() as run:
+                handle = run.enter_context(mp.enable(section(1), groups=groups)) if kind == "plugin" else None
+                stock = build_stock(s, config, groups, seed)
+                layer = build_plugin(config, stock.state_dict()) if handle is not None else stock
+                model, opt = ddp_and_optimizer(config, layer, pgc)
+                res = out[role] = {}
+                if role == "saver":
+                    for x, t in data(steps):
+                        step(model, opt, pgc, x, t)
+                    res["before"] = by_expert(layer, pgc)
+                    with cpu_saver():
+                        dist_checkpointing.save(layer.sharded_state_dict(metadata=metadata), ckpt_dir)
+                    dist.barrier()
+                else:
+                    if handle is not None:
+                        x, t = data(1)[0]
+                        step(model, opt, pgc, x, t)
+                        handle.hecate.reshard([(3, 2, 1, 0)])
+                        res["homes_before"] = homes_of(layer)
+                    state = dist_checkpointing.load(layer.sharded_state_dict(metadata=metadata), ckpt_dir)
+                    layer.load_state_dict(state)
+                res.update(homes=homes_of(layer), experts=by_expert(layer, pgc),
+                           stock=layer.token_dispatcher.schedule.stock_homes() if handle is not None else None)
+    return out
+
+
+def refused_layer() -> Dict[str, Any]:
+    """TP 2 x EP 2 with expert biases under sequence parallelism: the error building the plugin's layer raises."""
+    from moe_plugins.patches import megatron as mp
+    s = spec(2, 2)
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(jobs._groups(s))
+        config = transformer_config(s, add_bias_linear=True)
+        stock = build_stock(s, config, groups, seed=1)
+        with mp.enable(section(2), groups=groups):
+            try:
+                build_plugin(config, stock.state_dict())
+            except ValueError as exc:
+                return {"error": str(exc)}
+    return {"error": None}
+
+
+def refused_optimizer(tp: int, ep: int) -> Dict[str, Any]:
+    """The distributed optimizer over a re-sharded layer's experts: the error Megatron's optimizer build raises."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from moe_plugins.patches import megatron as mp
+    s = spec(tp, ep)
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        stack.enter_context(cuda_factories_on_cpu())
+        groups = stack.enter_context(jobs._groups(s))
+        pgc, config = groups.pg_collection, config_of(s)
+        stock = build_stock(s, config, groups, seed=1)
+        with mp.enable(section(2), groups=groups):
+            layer = build_plugin(config, stock.state_dict())
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                            jobs._net(config, layer), pg_collection=pgc)
+            try:
+                get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
+                                                       use_distributed_optimizer=True), [model],
+                                       use_gloo_process_groups=False, pg_collection=pgc)
+            except ValueError as exc:
+                return {"error": str(exc)}
+    return {"error": None}
