@@ -34,6 +34,7 @@ from moe_plugins.core.experts import GELU_TANH, ExpertWeights
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
 from moe_plugins.hecate.config import NAME, hecate_across, hecate_on, host_rules
+from moe_plugins.hecate.early import enclosing_blocks
 from moe_plugins.hecate.remat import RereadableWeights, stacked_ffn
 from moe_plugins.lancet.config import NAME as LANCET
 from moe_plugins.lancet.config import host_rules as lancet_host_rules
@@ -136,11 +137,6 @@ def _layer_weights(layer: torch.nn.Module) -> ExpertWeights:
     return stacked_weights(layer.experts.deepspeed_experts)
 
 
-def prefetch_on(cfg: Optional[PluginConfig]) -> bool:
-    """Whether ``cfg`` runs Hecate with its early gather (which needs an engine with a pipeline lane)."""
-    return hecate_on(cfg) and isinstance(cfg.hecate, dict) and cfg.hecate.get("prefetch") is True
-
-
 class HecateBlockHooks:
     """Hecate's early gather in the model: for each swapped layer whose schedule prefetches, a forward pre-hook
     on the block that holds it (its nearest ancestor held in a ``torch.nn.ModuleList``: the model's list of
@@ -162,15 +158,9 @@ class HecateBlockHooks:
             self.resharders.append(EngineResharder())
             self.resharders[-1].install(engine, swapped)
         names = {m: n for n, m in model.named_modules()}
-        held = {child for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
-                for child in parent.children()}                  # the blocks of the model's block lists
-        parent_of = {child: parent for parent in model.modules() for child in parent.children()}
-        for moe, layer in list(swapped.items()):
-            if moe not in names or not getattr(getattr(layer.schedule, "options", None), "prefetch", False):
-                continue
-            block = moe
-            while block is not None and block not in held:
-                block = parent_of.get(block)
+        early = [(moe, layer) for moe, layer in swapped.items()
+                 if moe in names and getattr(getattr(layer.schedule, "options", None), "prefetch", False)]
+        for (moe, layer), block in zip(early, enclosing_blocks(model, [moe for moe, _ in early])):
             if block is None:
                 logger.info("moe_plugins: Hecate layer %s is in no ModuleList of blocks: its early gather is issued "
                             "at the layer's own call", names[moe])

@@ -192,9 +192,9 @@ class MegatronPlugin:
 
     def __init__(self, plugin: PluginConfig, *, groups: Optional[MegatronGroups], ranks_per_node: Optional[int],
                  ledger: Optional[CommLedger], lina: Any = None, engines: Any = None, lancet: Any = None,
-                 hecate: Any = None):
+                 hecate: Any = None, early: Any = None):
         self.plugin, self.groups, self.ranks_per_node, self.ledger = plugin, groups, ranks_per_node, ledger
-        self.lina, self.engines, self.lancet, self.hecate = lina, engines, lancet, hecate
+        self.lina, self.engines, self.lancet, self.hecate, self.early = lina, engines, lancet, hecate, early
         self.specs_built = 0
         self._patcher: Optional[Patcher] = None
 
@@ -204,7 +204,7 @@ class MegatronPlugin:
         replacement = self._wrap(getattr(modules[HOOKS[0][0]], HOOKS[0][1]))
         patches = [Patch(modules[module_name], attr, replacement) for module_name, attr in HOOKS]
         from moe_plugins.patches.megatron_compat import compat_patches
-        owners = [o for o in (self.lina, self.lancet, self.hecate) if o is not None]
+        owners = [o for o in (self.lina, self.lancet, self.hecate, self.early) if o is not None]
         self._patcher = Patcher(patches + compat_patches() + [p for o in owners for p in o.patches()],
                                 logger=logger).apply()
 
@@ -226,7 +226,7 @@ class MegatronPlugin:
             if patcher is not None:
                 patcher.restore()
         finally:
-            undo_all([owner.close for owner in (self.lina, self.engines, self.lancet, self.hecate)
+            undo_all([owner.close for owner in (self.early, self.lina, self.engines, self.lancet, self.hecate)
                       if owner is not None])
 
     @property
@@ -278,14 +278,17 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     from moe_plugins.patches.megatron_lancet import LancetState, defers_dense, defers_wgrad
     lancet = LancetState(record_timeline, dense=defers_dense(config)) if defers_wgrad(config) else None
     engines = None
-    if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet):
+    from moe_plugins.hecate.config import prefetch_on, reshard_interval
+    if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet
+                                            or prefetch_on(config)):
         from moe_plugins.patches.megatron_engines import LayoutEngines
         engines = LayoutEngines(ledger=ledger, record_timeline=record_timeline)
-    from moe_plugins.hecate.config import reshard_interval
+    from moe_plugins.patches.megatron_hecate_early import MegatronEarlyGather
     from moe_plugins.patches.megatron_hecate_reshard import MegatronResharding
     hecate = MegatronResharding(reshard_interval(config)) if reshard_interval(config) else None
     handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
-                            engines=engines, lancet=lancet, hecate=hecate)
+                            engines=engines, lancet=lancet, hecate=hecate,
+                            early=MegatronEarlyGather() if prefetch_on(config) else None)
     handle._install(modules)
     _ACTIVE = handle
     logger.info("moe_plugins: Megatron-core %s spec builders patched (config %s)", package_info.__version__,

@@ -50,6 +50,7 @@ from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile, s
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.router import uniform_capacity
 from moe_plugins.core.schedule import LayerParams, Schedule, with_exchange
+from moe_plugins.hecate.config import prefetch_on
 from moe_plugins.plugins import default_registry
 
 from moe_plugins.patches import megatron_hecate
@@ -304,11 +305,12 @@ class PluginMoELayer(MoELayer):
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
         lookup = partial(find_profile, profile_dir)
-        lane = needs_lane(plugin.pipeline_degree) or lancet is not None     # Lancet's exchanges fly on the lane
+        early = prefetch_on(plugin)           # Hecate's early gather, Lancet's exchanges: on the pipeline lane
+        lane = needs_lane(plugin.pipeline_degree) or lancet is not None or early
         layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup, lane=lane,
                              has_engine=engine is not None or engines is not None or lina is not None)
         plugin = settled_degree(plugin, layout)          # a degree word is 1 where the layout exchanges nothing
-        lane = needs_lane(plugin.pipeline_degree) or lancet is not None
+        lane = needs_lane(plugin.pipeline_degree) or lancet is not None or early
         layout_groups = groups_from_pg_collection(pg_collection, layout)
         if lina is not None and engine is None:      # Lina (patches/megatron_lina.py): the layout's shared engine
             engine = lina.engine_for(layout_groups, token_view(layout_groups), lookup)
@@ -359,6 +361,13 @@ class PluginMoELayer(MoELayer):
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
         self.token_dispatcher.rename(self._ledger_name(layer_number))
+
+    def prefetch(self) -> None:
+        """The schedule's work before the router (Hecate's early gather: patches/megatron_hecate_early.py), from
+        the forward pre-hook of the block holding the layer."""
+        if self.token_dispatcher.schedule.needs_expert_weights:
+            with torch.no_grad():
+                self.token_dispatcher.schedule.prefetch(megatron_hecate.stacked_weights(self.experts))
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Megatron's stage between dispatch and combine: the schedule's expert step (Megatron's experts, ESP

@@ -40,6 +40,7 @@ from moe_plugins.core.ledger import CommLedger, CommRecord
 from moe_plugins.core.ops import BACKGROUND, PIPELINE
 from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.hecate.config import prefetch_on
 from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.microops import micro_op_bytes
 from moe_plugins.lina.reducer import GradReducer, PendingReduce
@@ -176,7 +177,8 @@ class LinaState:
         if found is None:
             size = micro_op_bytes(self.config.micro_op_mb, profile(tokens.layout) if self.config.micro_op_mb == "auto"
                                   else None)
-            engine = build_lina_engine(groups, tokens, pipeline=needs_lane(self.plugin.pipeline_degree),
+            engine = build_lina_engine(groups, tokens, pipeline=needs_lane(self.plugin.pipeline_degree)
+                                       or prefetch_on(self.plugin),
                                        ledger=self.ledger, record_timeline=self.record_timeline)
             found = self.engines[groups.layout] = LinaEngine(
                 engine, GradReducer(engine, micro_op_bytes=size, priority=self.config.priority), groups)

@@ -144,11 +144,14 @@ def build_model(args, size: models.ModelSize, vocab_size: int, settings: Megatro
 
 def dense_layers(module, moe_layers) -> None:
     """With Lancet's ``dense_wgrad``: the HF model's dense Linear / Conv1D layers defer their dW too (its
-    attention and MLPs are not Megatron's parallel linears, which the enabled plugin wraps when they are built)."""
+    attention and MLPs are not Megatron's parallel linears, which the enabled plugin wraps when they are built).
+    With Hecate's ``prefetch``: the HF blocks holding MoE layers issue their early gather."""
     from moe_plugins.patches.megatron import active
     handle = active()
     if handle is not None and handle.lancet is not None and handle.lancet.dense is not None:
         handle.lancet.dense.wrap_model(module, moe_layers)
+    if handle is not None and handle.early is not None:      # Hecate's early gather: when each HF block starts
+        handle.early.wrap_model(module)
 
 
 def make_optimizer(args, model, pgc: Any):
@@ -266,30 +269,31 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
                                              create_gloo_process_groups=False)
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        from moe_plugins.hecate.config import reshard_interval
+        from moe_plugins.hecate.config import prefetch_on, reshard_interval
         if plugin is None or not plugin.enabled or (plugin.lina is None and plugin.lancet is None
-                                                    and not reshard_interval(plugin)):
+                                                    and not reshard_interval(plugin) and not prefetch_on(plugin)):
             from moe_plugins.patches.megatron_engines import LayoutEngines
             with LayoutEngines() as engines:               # pipelined layers' lanes, freed when training ends
                 settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin,
                                                ranks_per_node=rpn, seed=args.seed, engines=engines)
                 return _run(args, size, settings, pgc, optimizer_shims, plugin)
         # Lina patches Megatron's DDP, Lancet its linear layers and shares one dW queue, Hecate's re-sharding the
-        # optimizer's step: build the model (Megatron's own spec, replaced by the plugin's) and train inside
+        # optimizer's step and its early gather hooks the blocks: build the model (Megatron's own spec, replaced by the plugin's) and train inside
         # enable(), which closes their engines when training ends
         from moe_plugins.patches.megatron import enable
         settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=None, ranks_per_node=rpn,
                                        seed=args.seed)
         with enable(plugin, ranks_per_node=rpn) as handle:
-            return _run(args, size, settings, pgc, optimizer_shims, plugin, handle.hecate)
+            return _run(args, size, settings, pgc, optimizer_shims, plugin, handle)
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, optimizer_shims,
-         plugin: Optional[PluginConfig], resharding: Any = None) -> Dict[str, Any]:
-    """``resharding``: the enabled plugin's Hecate re-sharding state (checkpoints are written and read with the
+         plugin: Optional[PluginConfig], handle: Any = None) -> Dict[str, Any]:
+    """``handle``: the enabled plugin, if any (with Hecate's re-sharding, checkpoints are written and read with the
     experts on their stock owners)."""
+    resharding = handle.hecate if handle is not None else None
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
@@ -318,6 +322,8 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
         if ckpt is not None and args.save_every and (step + 1) % args.save_every == 0:
             with resharding.stock_homes() if resharding is not None else contextlib.nullcontext():
                 save_checkpoint(ckpt, step + 1, model, optimizer, meta)
+    if handle is not None and handle.early is not None:        # the MoE layers whose block issues the early gather
+        log.meta["hecate_early_blocks"] = len(handle.early.hooked)
     if resharding is not None:         # where Hecate's re-sharding left each layer's experts, and how often it ran
         layers = [s for r in resharding.resharders for s, _ in r.layers]
         log.meta["hecate_reshard"] = {"homes": [list(s.homes) for s in layers], "reshards": sum(

@@ -161,6 +161,14 @@ def test_hecate_resharding_in_the_recipe_equals_stock_megatron_and_resumes(world
         assert resumed[step] == pytest.approx(first[step], rel=1e-6, abs=0), step
 
 
+def test_hecate_early_gather_in_the_recipe_equals_stock_megatron(world, tmp_path):
+    """The recipe's flag with ``prefetch``: each HF GPT-2 block holding an MoE layer issues its spAG when it starts
+    (``wrap_model``), and 12 steps equal stock Megatron."""
+    on = on_equals_stock(world, tmp_path, ["--tp", "1", "--ep", "4", "--etp", "1"],
+                         '{"ranks_per_node": 2, "hecate": {"enabled": true, "prefetch": true}}')
+    assert on["hecate_early_blocks"] == 2
+
+
 def test_lancet_dense_wgrad_in_the_recipe_equals_stock_megatron(world, tmp_path):
     """The recipe's flag with Lancet's deferred expert and dense weight gradients at TP 2 x EP 2 (the recipe's
     dense layers are HF GPT-2's Conv1D, handed to Lancet by ``wrap_model``) matches stock Megatron."""

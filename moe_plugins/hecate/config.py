@@ -97,6 +97,11 @@ def hecate_on(cfg: Any) -> bool:
     return cfg is not None and cfg.enabled and enabled_in({"schedule": cfg.schedule, NAME: cfg.hecate})
 
 
+def prefetch_on(cfg: Any) -> bool:
+    """Whether a PluginConfig ``cfg`` runs Hecate with its early gather (which needs an engine's pipeline lane)."""
+    return hecate_on(cfg) and isinstance(cfg.hecate, Mapping) and cfg.hecate.get("prefetch") is True
+
+
 def reshard_interval(cfg: Any) -> int:
     """A PluginConfig's ``hecate.reshard_every`` (0 without Hecate or without the key)."""
     if not hecate_on(cfg) or not isinstance(cfg.hecate, Mapping):
@@ -146,10 +151,6 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
                         "enable(), the ds_config section or the --moe-plugins flag) and by the core "
                         f"MoELayer(schedule='{NAME}'); this reader (a tool that checks the section without an "
                         "adapter's rules) does not run it")
-    if host == "megatron" and isinstance(hecate, Mapping):
-        if hecate.get("prefetch") is True:
-            problems.append(f"{path}.{NAME}.prefetch (True) must be false on Megatron-core: the early gather is "
-                            "issued by DeepSpeed's block hooks on a pipeline lane the Megatron layer does not build")
     return problems
 
 

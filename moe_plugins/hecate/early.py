@@ -22,7 +22,7 @@ Letters: E experts, X elements this rank sends, Q elements it receives.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -122,3 +122,19 @@ def agreed_overlap(degrees_R: Sequence[int], num_experts: int) -> int:
     if any(t < UNKNOWN for t in degrees_R):
         raise ValueError(f"degrees_R ({list(degrees_R)}) must be integers >= 0, or {UNKNOWN} (not measured)")
     return min(min(known), num_experts) if known else num_experts
+
+
+def enclosing_blocks(model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> List[Optional[torch.nn.Module]]:
+    """Per layer of ``model``, the block whose forward pre-hook issues its early gather: its nearest ancestor held
+    in a ``torch.nn.ModuleList`` (the model's list of transformer blocks), or None (no such ancestor: the layer
+    issues the gather at its own call)."""
+    held = {child for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
+            for child in parent.children()}
+    parent_of = {child: parent for parent in model.modules() for child in parent.children()}
+    out = []
+    for layer in layers:
+        block = layer
+        while block is not None and block not in held:
+            block = parent_of.get(block)
+        out.append(block)
+    return out

@@ -1,0 +1,89 @@
+"""Pool jobs for Hecate's early gather on Megatron-core (tests/test_hecate_megatron.py): Megatron's own
+``TransformerLayer`` (``get_gpt_layer_local_spec``'s, without its attention: :func:`_block`) stock and built while the plugin
+is enabled with ``"hecate": {"prefetch": true}``, on 4 ranks (2 nodes x 2, TP 1, EP 4) under the CPU shims, fp64.
+
+Every expert gets its own weights (:func:`~tests.workers.ckpt_reshard_megatron.redraw`) and the gate leans to
+experts 0 and 1 (the tokens carry a constant direction, which their router rows gain), so that from the second call
+on the gather copies experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu
+from moe_plugins.tools.verify_megatron import MegatronVerifySpec, transformer_config
+from tests.megatron_shims_extra import cuda_factories_on_cpu
+from tests.workers import megatron as jobs
+from tests.workers.ckpt_reshard_megatron import redraw
+
+RPN, S, M, H, E, HOT = 2, 8, 8, 16, 4, (0, 1)
+
+
+def _direction() -> torch.Tensor:
+    u = torch.randn(M, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    return u / u.norm()
+
+
+def _block(config: Any, groups: Any):
+    """Megatron's TransformerLayer of the GPT local spec without its attention (Megatron's own IdentityOp: its core
+    attention needs CUDA's RNG tracker, which the CPU shims do not emulate): norm, MoE MLP, residuals."""
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    submodules = replace(get_gpt_layer_local_spec(num_experts=E).submodules, self_attention=IdentityOp,
+                         self_attn_bda=IdentityFuncOp)
+    block = TransformerLayer(config, submodules=submodules, layer_number=1, pg_collection=groups.pg_collection)
+    block.mlp.set_layer_number(1)
+    return block.double()               # Megatron's CPU norms are built in fp32 whatever params_dtype says
+
+
+def _grads(block: Any) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in block.named_parameters() if p.grad is not None}
+
+
+def blocks_job(calls: int = 4) -> Dict[str, Any]:
+    """``calls`` forward/backward calls of the stock block and of the plugin's (same weights, same tokens): the
+    largest output / input-gradient / parameter-gradient difference per call, the copies beyond the homes per
+    call, the layer's notes, whether the block's pre-hook issued the gathers, and whether disable() took it off."""
+    from moe_plugins.patches import megatron as mp
+    s = MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RPN, mp=1, ep=4, esp=1, experts=E, k=2,
+                           drop=False, tokens=S, hidden=M, ffn=H, dtype="float64", schedule="hecate",
+                           exchange="ragged")
+    out: Dict[str, Any] = {"err": [], "extra": []}
+    with megatron_on_cpu(), cuda_factories_on_cpu(), jobs._groups(s) as groups:
+        config = transformer_config(s, num_attention_heads=2, hidden_dropout=0.0, attention_dropout=0.0)
+        stock = _block(config, groups)
+        redraw(stock.mlp, groups.pg_collection, seed=1)
+        with torch.no_grad():
+            stock.mlp.router.weight[list(HOT)] += 3.0 * _direction()
+        with mp.enable({"ranks_per_node": RPN, "hecate": {"enabled": True, "prefetch": True}},
+                       groups=groups) as handle:
+            ours = _block(config, groups)
+            ours.load_state_dict(stock.state_dict())
+            gen = torch.Generator().manual_seed(7 + dist.get_rank())
+            for _ in range(calls):
+                x = torch.randn(S, 1, M, generator=gen, dtype=torch.float64) + 2.0 * _direction()
+                g = torch.randn_like(x)
+                res = []
+                for block in (stock, ours):
+                    block.zero_grad(set_to_none=True)
+                    xi = x.clone().requires_grad_(True)
+                    y, _ = block(xi, attention_mask=None)
+                    y.backward(g)
+                    res.append((y.detach(), xi.grad, _grads(block)))
+                (ys, gxs, gws), (yp, gxp, gwp) = res
+                out["err"].append(max(jobs._maxerr(ys, yp), jobs._maxerr(gxs, gxp),
+                                      max(jobs._maxerr(gws[n], gwp[n]) for n in gws)))
+                out["extra"].append(ours.mlp.token_dispatcher.schedule.last.extra_copies())
+                out["same_grads"] = sorted(gws) == sorted(gwp)
+            schedule = ours.mlp.token_dispatcher.schedule
+            out.update(notes=schedule.notes(), hooked=ours.mlp in handle.early.hooked,
+                       measured=len(schedule._state.meter.history), pre_hooks=len(ours._forward_pre_hooks))
+        out["pre_hooks_after"] = len(ours._forward_pre_hooks)
+    return out
