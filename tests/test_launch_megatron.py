@@ -139,12 +139,10 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
 
 def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_refuses_them(tmp_path):
     """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); on Megatron-core,
-    Hecate's re-sharding and Lancet's batch partitions are refused before anything starts, and Hecate and Lancet's
-    deferred weight gradients launch (its adapter runs them)."""
-    refusals = {"hecate": "re-sharding is built for DeepSpeed only",
-                "lancet": "batch partitions run HF GPT-2 blocks on DeepSpeed only"}
-    for section in ({"hecate": {"enabled": True, "reshard_every": 2}},
-                    {"lancet": {"defer_wgrad": True, "partitions": 2}}):
+    Lancet's batch partitions are refused before anything starts, and Hecate (its re-sharding and early gather
+    included) and Lancet's deferred weight gradients launch (its adapter runs them)."""
+    refusals = {"lancet": "batch partitions run HF GPT-2 blocks on DeepSpeed only"}
+    for section in ({"lancet": {"defer_wgrad": True, "partitions": 2}},):
         config = tmp_path / "ds.json"
         config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "moe_plugins": section}))
         out = launch("--dry-run", "--config", str(config), "--", "python", "train.py")
@@ -155,3 +153,6 @@ def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_ref
     assert accepted.returncode == 0 and "'lancet': {}}" in accepted.stderr, accepted.stderr
     accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"hecate": {}}))
     assert accepted.returncode == 0 and "'hecate': {}" in accepted.stderr, accepted.stderr
+    hecate = {"hecate": {"enabled": True, "reshard_every": 2, "prefetch": True}}
+    accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps(hecate))
+    assert accepted.returncode == 0 and "'reshard_every': 2" in accepted.stderr, accepted.stderr
