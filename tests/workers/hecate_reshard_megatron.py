@@ -14,8 +14,8 @@ Shapes: S tokens per rank ([S, 1, M], Megatron's layout), M model dim, E experts
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from contextlib import ExitStack, contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,13 @@ def data(steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(5 + dist.get_rank())
     xs = [torch.randn(S, 1, M, generator=gen) + 2.0 * _direction() for _ in range(4)]
     return [(x, torch.tanh(x @ teacher)) for x in (xs * steps)[:steps]]
+
+
+@contextmanager
+def on_cpu(s: MegatronVerifySpec) -> Iterator[Any]:
+    """Megatron under the CPU shims, on the spec's layout groups (yielded)."""
+    with megatron_on_cpu(), cuda_factories_on_cpu(), jobs._groups(s) as groups:
+        yield groups
 
 
 def build_stock(s: MegatronVerifySpec, config: Any, groups: Any, seed: int):
@@ -142,10 +149,7 @@ def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Se
     from moe_plugins.patches import megatron as mp
     s = spec(tp, ep)
     out: Dict[str, Any] = {}
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        stack.enter_context(cuda_factories_on_cpu())
-        groups = stack.enter_context(jobs._groups(s))
+    with on_cpu(s) as groups:
         pgc, config = groups.pg_collection, config_of(s)
         stock = build_stock(s, config, groups, seed=1)
         initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()}
@@ -178,10 +182,7 @@ def checkpoint_across(ckpt_dir: str, saver: str, loader: str, steps: int = 4) ->
     from moe_plugins.patches import megatron as mp
     s = spec(1, 4)
     out: Dict[str, Any] = {}
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        stack.enter_context(cuda_factories_on_cpu())
-        groups = stack.enter_context(jobs._groups(s))
+    with on_cpu(s) as groups:
         pgc, config = groups.pg_collection, config_of(s)
         metadata = {"dp_cp_group": pgc.dp_cp}
         for role, kind, seed in (("saver", saver, 1), ("loader", loader, 2)):
@@ -215,9 +216,7 @@ def refused_layer() -> Dict[str, Any]:
     """TP 2 x EP 2 with expert biases under sequence parallelism: the error building the plugin's layer raises."""
     from moe_plugins.patches import megatron as mp
     s = spec(2, 2)
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(jobs._groups(s))
+    with on_cpu(s) as groups:
         config = transformer_config(s, add_bias_linear=True)
         stock = build_stock(s, config, groups, seed=1)
         with mp.enable(section(2), groups=groups):
@@ -235,10 +234,7 @@ def refused_optimizer(tp: int, ep: int) -> Dict[str, Any]:
 
     from moe_plugins.patches import megatron as mp
     s = spec(tp, ep)
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        stack.enter_context(cuda_factories_on_cpu())
-        groups = stack.enter_context(jobs._groups(s))
+    with on_cpu(s) as groups:
         pgc, config = groups.pg_collection, config_of(s)
         stock = build_stock(s, config, groups, seed=1)
         with mp.enable(section(2), groups=groups):
