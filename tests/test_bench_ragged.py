@@ -113,6 +113,8 @@ def test_hecate_rows_with_and_without_rematerialization(world):
     from tests.workers.bench import run_bench_plan
     (problem,) = rows.row_problems(matrix.parse_row("hecate@remat=2"))
     assert "row ('hecate@remat=2'): remat ('2') must be 0 or 1" in problem
+    assert rows.row_problems(matrix.parse_row("hecate@prefetch=yes"))[0].endswith("prefetch ('yes') must be 0 or 1")
+    assert rows.row_problems(matrix.parse_row("hecate@exchange=ragged,prefetch=1")) == []
     assert "option 'remat' is unknown" in rows.row_problems(matrix.parse_row("baseline@remat=1"))[0]
     case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=8, k=2, drop_tokens=False, ep=4, skew=0.75)
     plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=2, warmup=1,

@@ -58,9 +58,12 @@ PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on 
 LANE = "engine"              # CaseData.extras key: the layout's one CommEngine (pipeline lane), shared by every row
 
 
-HECATE = "hecate"            # Hecate's schedule, with its row option remat
+HECATE = "hecate"            # Hecate's schedule, with its row options remat and prefetch
 HECATE_OPTIONS = {**PLUGIN_OPTIONS, "remat": "1: rematerialize (the copies freed after forward and gathered again "
-                                             "in backward); 0 (default): kept"}
+                                             "in backward); 0 (default): kept",
+                  "prefetch": "1: the early gather (copies planned from earlier calls' load, issued before the gate; "
+                              "t the larger of the measured hiding degree and the experts whose copies pay); 0 "
+                              "(default): planned after the gate with t = E"}
 
 LANCET = "lancet"            # the row of Lancet's core layer
 LANCET_OPTIONS = {"r": "pipeline degree (an int; 'auto' or 'tune' as for the schedules' rows): Lancet with "
@@ -122,10 +125,11 @@ def build_plugin_row(spec: RowSpec, data: CaseData, *, layer_cls: Callable[..., 
 
 
 def build_hecate_row(spec: RowSpec, data: CaseData) -> Row:
-    """``hecate[@remat=1]``: the hecate schedule configured with ``rematerialize``; its notes give the copies'
-    peak bytes on this rank (the schedule's memory ledger)."""
+    """``hecate[@remat=1][@prefetch=1]``: the hecate schedule configured with ``rematerialize`` / ``prefetch`` (no
+    block before the layer here: the gather is issued when the call starts); its notes give the copies' peak bytes
+    on this rank (the schedule's memory ledger)."""
     row = build_plugin_row(spec, data, schedule=_schedule(spec, data).configured(
-        HecateConfig(rematerialize=spec.option("remat", "0") == "1")))
+        HecateConfig(rematerialize=spec.option("remat", "0") == "1", prefetch=spec.option("prefetch", "0") == "1")))
     layer, describe = row.module, row.describe
     return replace(row, describe=lambda: tuple(describe()) + (
         f"copies' peak {layer.schedule.memory.peak_bytes / 2 ** 20:.2f} MiB on this rank",))
@@ -241,8 +245,9 @@ def row_problems(spec: RowSpec) -> List[str]:
     if kind.kind == "plugin" and spec.name != LANCET and spec.option("exchange") is not None:
         problems += [f"row ({spec.label!r}): {p}" for p in exchange_problems(
             default_registry().schedule_class(spec.name), spec.option("exchange"), spec.option("r", "1"))]
-    if spec.name == HECATE and spec.option("remat", "0") not in ("0", "1"):
-        problems.append(f"row ({spec.label!r}): remat ({spec.option('remat')!r}) must be 0 or 1")
+    for key in ("remat", "prefetch") if spec.name == HECATE else ():
+        if spec.option(key, "0") not in ("0", "1"):
+            problems.append(f"row ({spec.label!r}): {key} ({spec.option(key)!r}) must be 0 or 1")
     if spec.name == "deepspeed":
         problems += adapter_row_problems(spec)
     if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):
