@@ -196,6 +196,8 @@ def checkpoint_across(ckpt_dir: str, saver: str, loader: str, steps: int = 4) ->
                     for x, t in data(steps):
                         step(model, opt, pgc, x, t)
                     res["before"] = by_expert(layer, pgc)
+                    if handle is not None:
+                        res["async_error"] = async_save_error(layer, ckpt_dir, metadata)
                     with cpu_saver():
                         dist_checkpointing.save(layer.sharded_state_dict(metadata=metadata), ckpt_dir)
                     dist.barrier()
@@ -210,6 +212,17 @@ def checkpoint_across(ckpt_dir: str, saver: str, loader: str, steps: int = 4) ->
                 res.update(homes=homes_of(layer), experts=by_expert(layer, pgc),
                            stock=layer.token_dispatcher.schedule.stock_homes() if handle is not None else None)
     return out
+
+
+def async_save_error(layer: Any, ckpt_dir: str, metadata: Dict[str, Any]) -> Optional[str]:
+    """The error of an asynchronous ``dist_checkpointing.save`` (refused before anything moves: the write would
+    outlive the experts' move back), or None."""
+    from megatron.core import dist_checkpointing
+    try:
+        dist_checkpointing.save(layer.sharded_state_dict(metadata=metadata), ckpt_dir, async_sharded_save=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def refused_layer() -> Dict[str, Any]:
