@@ -43,7 +43,8 @@ from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.schedule import with_exchange
 from moe_plugins.hecate.config import prefetch_on
 from moe_plugins.plugins import default_registry
-from moe_plugins.patches.deepspeed_hecate import HecateBlockHooks, config_choices, hecate_class, hecate_config, weights_source
+from moe_plugins.patches.deepspeed_hecate import (HecateBlockHooks, config_choices, hecate_class, hecate_config,
+                                                  weights_source)
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
 from moe_plugins.patches.deepspeed_lancet import LancetHooks

@@ -122,9 +122,7 @@ class EngineResharder:
             return original(*args, **kwargs)
 
     def _load_checkpoint(self, original, *args, **kwargs):
-        stock = [schedule.stock_homes() for schedule, _ in self.resharder.layers]
-        optimizer, extra = self._moving()
-        self.resharder.reshard(optimizer, stock, extra)
+        self.resharder.to_stock(*self._moving())
         return original(*args, **kwargs)
 
 

@@ -103,8 +103,9 @@ def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[Megat
         raise ValueError(f"{SECTION}.lina needs the plugin enabled (enable(), the {FLAG} flag or moe-plugins "
                          "launch), which hooks Megatron's DistributedDataParallel; the spec provider alone does not")
     from moe_plugins.hecate.config import reshard_interval
-    if reshard_interval(plugin) and hecate is None:
-        raise ValueError(f"{SECTION}.hecate.reshard_every ({reshard_interval(plugin)}) needs the plugin enabled "
+    every = reshard_interval(plugin)
+    if every and hecate is None:
+        raise ValueError(f"{SECTION}.hecate.reshard_every ({every}) needs the plugin enabled "
                          f"(enable(), the {FLAG} flag or moe-plugins launch), which hooks Megatron's optimizer and "
                          "dist_checkpointing; the spec provider alone does not")
     from moe_plugins.patches.megatron_lancet import lancet_or_none
@@ -116,7 +117,7 @@ def plugin_spec(stock_spec: Any, plugin: PluginConfig, *, groups: Optional[Megat
         params["lina"] = lina
     if engines is not None:
         params["engines"] = engines
-    if hecate is not None and reshard_interval(plugin):
+    if hecate is not None and every:
         params["resharding"] = hecate
     return with_layer_class(stock_spec, PluginMoELayer, params)
 
@@ -285,7 +286,8 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
         engines = LayoutEngines(ledger=ledger, record_timeline=record_timeline)
     from moe_plugins.patches.megatron_hecate_early import MegatronEarlyGather
     from moe_plugins.patches.megatron_hecate_reshard import MegatronResharding
-    hecate = MegatronResharding(reshard_interval(config)) if reshard_interval(config) else None
+    every = reshard_interval(config)
+    hecate = MegatronResharding(every) if every else None
     handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
                             engines=engines, lancet=lancet, hecate=hecate,
                             early=MegatronEarlyGather() if prefetch_on(config) else None)

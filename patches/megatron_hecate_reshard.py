@@ -35,7 +35,7 @@ import inspect
 import logging
 import weakref
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -89,8 +89,8 @@ class MegatronResharding:
         @functools.wraps(original)
         def __init__(opt, optimizer, *args, **kwargs):
             chunks = signature.bind(opt, optimizer, *args, **kwargs).arguments.get("model_chunks") or []
-            params = [p for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]]
-            if state._held_by(params + [p for chunk in chunks for p in chunk.parameters()]):
+            held = _param_ids(optimizer) | {id(p) for chunk in chunks for p in chunk.parameters()}
+            if any(id(p) in held for layer in state.layers() for p in layer.experts.parameters()):
                 raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's fp32 non-distributed optimizer "
                                  f"(FP32Optimizer), whose Adam state is keyed by the experts' own parameters; "
                                  f"this model's is a {type(opt).__name__} (bf16/fp16 or use_distributed_optimizer"
@@ -146,27 +146,23 @@ class MegatronResharding:
 
     def to_stock(self) -> None:
         """Every re-sharded layer's experts to their stock owners, to stay (before loading stock-layout state)."""
-        self.reshard(stock=True)
-
-    def reshard(self, homes_LE: Optional[Sequence[Sequence[int]]] = None, stock: bool = False) -> None:
-        """Re-shard now (collective), each optimizer's layers to Algorithm 2's plan, to ``homes_LE`` (one homes
-        tuple per layer, in build order), or with ``stock`` to their stock owners."""
         for optimizer, resharder in list(self._resharders.items()):
-            if resharder is None:
-                continue
-            homes = [s.stock_homes() for s, _ in resharder.layers] if stock else homes_LE
-            resharder.reshard(optimizer, homes)
+            if resharder is not None:
+                resharder.to_stock(optimizer)
 
-    def _held_by(self, params: List[torch.Tensor]) -> bool:
-        held = {id(p) for p in params}
-        return any(id(p) in held for layer in self.layers() for p in layer.experts.parameters())
+    def reshard(self, homes_LE: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """Re-shard now (collective), each optimizer's layers to Algorithm 2's plan or to ``homes_LE`` (one homes
+        tuple per layer, in build order)."""
+        for optimizer, resharder in list(self._resharders.items()):
+            if resharder is not None:
+                resharder.reshard(optimizer, homes_LE)
 
     def _resharder(self, optimizer: torch.optim.Optimizer) -> Optional[Resharder]:
         """The Resharder of the layers whose experts ``optimizer`` holds (None: it holds none), made at its first
         step. A layer whose experts it holds only in part is refused: their state would stay behind."""
         if optimizer in self._resharders:
             return self._resharders[optimizer]
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        held = _param_ids(optimizer)
         layers, partial = [], []
         for layer in self.layers():
             ids = [id(p) in held for p in layer.experts.parameters()]
@@ -189,6 +185,10 @@ class MegatronResharding:
 
     def close(self) -> None:
         self._resharders.clear()
+
+
+def _param_ids(optimizer: Optional[torch.optim.Optimizer]) -> Set[int]:
+    return {id(p) for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]}
 
 
 def _slots(layer: Any) -> List[List[Any]]:

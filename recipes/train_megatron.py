@@ -142,7 +142,7 @@ def build_model(args, size: models.ModelSize, vocab_size: int, settings: Megatro
     return wrap(moe_layers[0].config, hf_model), moe_layers
 
 
-def dense_layers(module, moe_layers) -> None:
+def plugin_model_hooks(module, moe_layers) -> None:
     """With Lancet's ``dense_wgrad``: the HF model's dense Linear / Conv1D layers defer their dW too (its
     attention and MLPs are not Megatron's parallel linears, which the enabled plugin wraps when they are built).
     With Hecate's ``prefetch``: the HF blocks holding MoE layers issue their early gather."""
@@ -299,7 +299,7 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
     tokenizer, blocks = load_text(args, size)
     module, moe_layers = build_model(args, size, len(tokenizer), settings, pgc)
-    dense_layers(module, moe_layers)
+    plugin_model_hooks(module, moe_layers)
     module.to(device)
     overlap = args.overlap_grad_reduce or (plugin is not None and plugin.enabled and plugin.lina is not None)
     model = DistributedDataParallel(module.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap), module,

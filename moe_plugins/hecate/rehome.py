@@ -155,12 +155,18 @@ class Resharder:
         log.info("hecate: re-sharded %d layers at step %d (%d elements sent here); homes %s", len(self.layers),
                  self.steps, moved, [list(h) for h in homes_LE])
 
+    def to_stock(self, optimizer: Optional[Any], extra: Optional[Extra] = None) -> None:
+        """Every layer's experts to expert parallelism's homes, to stay (before loading stock-layout state)."""
+        self.reshard(optimizer, self._stock(), extra)
+
+    def _stock(self) -> Tuple[Homes, ...]:
+        return tuple(s.stock_homes() for s, _ in self.layers)
+
     @contextmanager
     def stock_homes(self, optimizer: Optional[Any], extra: Optional[Extra] = None) -> Iterator[None]:
         """Inside: every layer's experts on expert parallelism's homes (a checkpoint written here is stock's);
         after: back where they were (also when the body raised)."""
-        current = tuple(s.homes for s, _ in self.layers)
-        stock = tuple(s.stock_homes() for s, _ in self.layers)
+        current, stock = tuple(s.homes for s, _ in self.layers), self._stock()
         if current == stock:
             yield
             return
