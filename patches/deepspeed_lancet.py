@@ -44,21 +44,16 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
-from moe_plugins.core.profile_ops import cached_profile
-from moe_plugins.lancet.auto import AutoPartitions, StackFacts, moe_every_of
-from moe_plugins.lancet.block_kinds import kind_of
 from moe_plugins.lancet.blocks import BlockExecutor
-from moe_plugins.lancet.config import AUTO, TUNE, WORDS, LancetConfig
-from moe_plugins.lancet.tune import TunedPartitions
-from moe_plugins.lancet.plan_cli import costs_from_profile
+from moe_plugins.lancet.config import LancetConfig
 from moe_plugins.lancet.dense import defer_model_dense, dense_wgrad, wrap_problems
 from moe_plugins.lancet.overlap import ExchangeOverlap
-from moe_plugins.lancet.partition import PartitionedCall, partition_bounds, partitions_problem, start_partitions
+from moe_plugins.lancet.partition import partition_bounds, start_partitions
+from moe_plugins.lancet.request import PartitionRequest, partition_policy, partition_stack
 from moe_plugins.lancet.wgrad_queue import WgradQueue
 from moe_plugins.patches.deepspeed_layer import GateReplay, SwappedLayer
 
@@ -93,50 +88,6 @@ def _deferred_experts(experts: Callable[[torch.Tensor], torch.Tensor], linears: 
         return experts(x_ElRM)
 
 
-def auto_partitions(blocks: List[nn.Module], moe: List[int], layer: SwappedLayer,
-                    profile_dir: Optional[str]) -> AutoPartitions:
-    """``"partitions": "auto"``'s policy for a GPT-2 or BERT stack whose first MoE layer is ``layer``: the
-    planner's model priced by the cost profile cached in ``profile_dir`` for the layer's layout (a ValueError naming
-    the command that measures it when there is none)."""
-    cfg, layout = layer.schedule.config, layer.groups.layout
-    profile = cached_profile(profile_dir, layout, dist.get_backend(), next(blocks[moe[0]].parameters()).device)
-    if profile is None:
-        raise ValueError(f"{SECTION}.lancet.partitions ('auto') needs the cost profile of layout "
-                         f"{layout.describe()} cached in {profile_dir}: run `moe-plugins profile` on these ranks "
-                         "first, or give an integer")
-    first = blocks[moe[0]]
-    facts = StackFacts(M=cfg.hidden, H=cfg.ffn, heads=kind_of(first).heads(first), E=cfg.num_experts, k=cfg.k,
-                       f=cfg.capacity_factor, P=layer.groups.ep.size, layers=len(blocks),
-                       moe_every=moe_every_of(moe, len(blocks)), element_bytes=next(first.parameters()).element_size())
-    return AutoPartitions(facts, costs_from_profile(profile), f"profile {profile.key.slug()}")
-
-
-class PartitionRequest:
-    """The block executor's request to the next swapped-layer forward: start a partitioned call of ``parts``
-    partitions and hand it back here (``call``), returning ``placeholder`` to the block's ``mlp``."""
-
-    def __init__(self) -> None:
-        self.parts, self.call, self.placeholder = 0, None, None
-
-    def start(self, block: nn.Module, h_BLM: torch.Tensor, parts: int) -> PartitionedCall:
-        """The block's MoE call (``block.mlp(h_BLM)`` in GPT-2, ``block.output.block(h_BLM)`` in the recipes' BERT)
-        with the request armed: the partitioned call its swapped layer started."""
-        kind = kind_of(block)
-        self.parts, self.call, self.placeholder = parts, None, None
-        try:
-            out = kind.moe_call(block, h_BLM)
-        finally:
-            call, placeholder, self.parts, self.call, self.placeholder = self.call, self.placeholder, 0, None, None
-        where = f"{type(block).__name__}.{kind.moe_path}"
-        if call is None:
-            raise ValueError(f"Lancet's batch partitions: {where} did not call a DeepSpeed MoE layer the plugin "
-                             "swapped")
-        if out is not placeholder:
-            raise ValueError(f"Lancet's batch partitions: {where} changes the MoE layer's output (a residual MoE, a "
-                             "scale...); partitions need it to return the layer's output as is; use partitions 1")
-        return call
-
-
 @dataclass(frozen=True)
 class LancetSwappedLayer(SwappedLayer):
     """A swapped layer whose experts' Linear weight gradients are deferred to ``queue`` (None: not deferred), and
@@ -154,7 +105,7 @@ class LancetSwappedLayer(SwappedLayer):
 
     def forward(self, layer: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor]) -> torch.Tensor:
         request = self.request
-        if request is None or not request.parts or request.call is not None or not layer.training:
+        if request is None or not request.armed or not layer.training:
             return super().forward(layer, x, used_token)
         x_SM = x.reshape(-1, x.shape[-1])
         bounds = partition_bounds(x.shape[0], request.parts, x_SM.shape[0] // x.shape[0])
@@ -162,8 +113,7 @@ class LancetSwappedLayer(SwappedLayer):
                                 experts=self.experts(layer), groups=self.groups,
                                 num_experts=self.schedule.config.num_experts, rec=self.schedule.rec)
         layer.l_aux, layer.exp_counts = call.aux_loss, call.exp_counts_E
-        request.call, request.placeholder = call, x.new_empty(x.shape)
-        return request.placeholder
+        return request.hand_back(call, x.new_empty(x.shape))
 
 
 def _lancet_layers(model: nn.Module, swapped: Mapping[nn.Module, Any], field: str) -> List[nn.Module]:
@@ -181,7 +131,7 @@ class LancetHooks:
         self.layers: List[str] = []
         self.dense: List[str] = []                           # the dense modules whose dW it defers (dense_wgrad)
         self.overlaps: List[ExchangeOverlap] = []           # one per layer: how often it ran dW behind an exchange
-        self.request = PartitionRequest()
+        self.request = PartitionRequest("DeepSpeed")
         self.executors: List[BlockExecutor] = []
         self._parts = 1                                      # partitions of the layers being swapped
         self._dense = False                                  # dense_wgrad of the layers being swapped
@@ -239,20 +189,9 @@ class LancetHooks:
         mine = _lancet_layers(model, swapped, "request")
         if not mine:
             return
-        parts = self._parts
-        problem = None if parts in WORDS else partitions_problem(int(engine.train_micro_batch_size_per_gpu()), parts,
-                                                                f"{SECTION}.lancet.partitions")
-        stacks = [s for s in model.modules() if isinstance(s, nn.ModuleList)
-                  and any(any(m in mine for m in b.modules()) for b in s)]
-        if problem is None and len(stacks) != 1:
-            problem = (f"{SECTION}.lancet.partitions ({parts}): Lancet's batch partitions need the model's MoE layers "
-                       f"in one torch.nn.ModuleList of blocks; found {len(stacks)}")
-        if problem is not None:
-            raise ValueError(problem)
-        blocks = list(stacks[0])
-        moe = [i for i, b in enumerate(blocks) if any(m in mine for m in b.modules())]
-        policy = (auto_partitions(blocks, moe, swapped[mine[0]], profile_dir) if parts == AUTO
-                  else TunedPartitions(swapped[mine[0]].groups) if parts == TUNE else parts)
+        parts, field, first = self._parts, f"{SECTION}.lancet.partitions", swapped[mine[0]]
+        blocks, moe = partition_stack(model, mine, parts, int(engine.train_micro_batch_size_per_gpu()), field)
+        policy = partition_policy(parts, blocks, moe, first.schedule.config, first.groups, profile_dir, field)
         self.executors.append(BlockExecutor(blocks, moe, self.request.start, policy).install())
         if self.executors[-1].kind.caches and getattr(getattr(model, "config", None), "use_cache", False):
             logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "

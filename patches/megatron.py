@@ -276,8 +276,9 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     if config.enabled and config.lina is not None:
         from moe_plugins.patches.megatron_lina import LinaState
         lina = LinaState.create(config, package_info.__version__, ledger=ledger, record_timeline=record_timeline)
-    from moe_plugins.patches.megatron_lancet import LancetState, defers_dense, defers_wgrad
-    lancet = LancetState(record_timeline, dense=defers_dense(config)) if defers_wgrad(config) else None
+    from moe_plugins.patches.megatron_lancet import LancetState, defers_dense, defers_wgrad, lancet_on, partition_count
+    lancet = LancetState(record_timeline, dense=defers_dense(config), defer=defers_wgrad(config),
+                         parts=partition_count(config)) if lancet_on(config) else None
     engines = None
     from moe_plugins.hecate.config import prefetch_on, reshard_interval
     if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet

@@ -92,7 +92,7 @@ def _activation_name(fn: Any) -> str:
 
 
 def config_choices() -> Dict[str, Any]:
-    """``default_registry().config_choices()`` with the ``lancet`` section (defer_wgrad; no batch partitions) and the
+    """``default_registry().config_choices()`` with the ``lancet`` section and the
     ``hecate`` section checked as the Megatron adapter runs them: ``PluginConfig.from_dict(section,
     **config_choices())``."""
     from moe_plugins.lancet.config import NAME, host_rules

@@ -12,8 +12,7 @@ them while they fly (docs/lancet.md).
   ``finish_grad_sync``, which the training loop calls after it).
 
 Refused, naming the setting: experts other than ``SequentialMLP`` (grouped GEMMs), fused or Transformer Engine
-activations, biases with expert tensor parallelism, and Lancet's batch partitions (DeepSpeed's HF GPT-2 blocks
-only).
+activations, biases with expert tensor parallelism. Batch partitions: patches/megatron_lancet_parts.py.
 
 Shapes: E_l local experts, N rows per expert, M model dim, H (H_s) FFN hidden (this rank's shard).
 """
@@ -21,17 +20,29 @@ Shapes: E_l local experts, N rows per expert, M model dim, H (H_s) FFN hidden (t
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
 
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
-from moe_plugins.lancet.config import LancetConfig
+from moe_plugins.lancet.config import LancetConfig, partitioned
 from moe_plugins.lancet.overlap import ExchangeOverlap
 from moe_plugins.lancet.wgrad import deferred_linear
 from moe_plugins.lancet.wgrad_queue import WgradQueue
 
 logger = logging.getLogger("moe_plugins.megatron")
+
+
+def lancet_on(plugin: PluginConfig) -> bool:
+    """Whether the section runs Lancet at all: deferred weight gradients, batch partitions, or both."""
+    if not plugin.enabled or plugin.lancet is None:
+        return False
+    return LancetConfig.from_dict(plugin.lancet).defer_wgrad or partitioned(plugin.lancet)
+
+
+def partition_count(plugin: PluginConfig) -> Union[int, str]:
+    """The section's ``partitions`` (1: none)."""
+    return LancetConfig.from_dict(plugin.lancet).partitions if lancet_on(plugin) else 1
 
 
 def defers_wgrad(plugin: PluginConfig) -> bool:
@@ -91,11 +102,16 @@ def deferred_local_experts(experts: torch.nn.Module, x_ElNM: torch.Tensor, *, co
 
 class LancetState:
     """The enabled plugin's Lancet state on Megatron: one queue (a model runs one backward at a time), the
-    overlap callback of each layer built while enabled and, with ``dense``, the dense linear layers whose dW it
-    defers (patches/megatron_lancet_dense.py)."""
+    overlap callback of each layer built while enabled (``defer``: the experts' dW deferred) and, with ``dense``,
+    the dense linear layers whose dW it defers (patches/megatron_lancet_dense.py); with ``parts`` other than 1,
+    the batch partitions (``partitions``: patches/megatron_lancet_parts.py)."""
 
-    def __init__(self, record_timeline: bool = False, dense: bool = False):
+    def __init__(self, record_timeline: bool = False, dense: bool = False, defer: bool = True,
+                 parts: Union[int, str] = 1):
         from moe_plugins.patches.megatron_lancet_dense import DenseLayers
+        from moe_plugins.patches.megatron_lancet_parts import MegatronPartitions
+        self.defer = defer
+        self.partitions = MegatronPartitions(parts) if parts != 1 else None
         self.queue = WgradQueue(record_timeline=record_timeline)
         self.overlaps: List[ExchangeOverlap] = []
         self.layers: List[str] = []
@@ -115,16 +131,20 @@ class LancetState:
 
     def close(self) -> None:
         try:
-            if self.dense is not None:
-                self.dense.restore()
+            if self.partitions is not None:
+                self.partitions.close()
         finally:
-            self.queue.clear()
+            try:
+                if self.dense is not None:
+                    self.dense.restore()
+            finally:
+                self.queue.clear()
 
 
 def lancet_or_none(plugin: PluginConfig, lancet: Optional[LancetState]) -> Optional[LancetState]:
-    """``lancet`` when the section defers weight gradients; a ValueError when it does but the plugin is not
+    """``lancet`` when the section runs Lancet (:func:`lancet_on`); a ValueError when it does but the plugin is not
     enabled (the spec provider alone has no queue to share)."""
-    if not defers_wgrad(plugin):
+    if not lancet_on(plugin):
         return None
     if lancet is None:
         raise ValueError(f"{SECTION}.lancet needs the plugin enabled (enable(), the Megatron-LM flag or moe-plugins "

@@ -214,22 +214,30 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.rec = self.schedule.rec = Recorder(self.ledger, name, self.engine, schedule=type(self.schedule).name,
                                                 while_in_flight=self.overlap)
 
-    def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
-        esp = self.groups.esp
+    def expert_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The core's experts contract on Megatron's experts (their dW deferred with Lancet), ESP reduction included."""
         run = _run_experts
         if self.lancet is not None:
             from moe_plugins.patches.megatron_lancet import deferred_local_experts
             run = partial(deferred_local_experts, config=self.config, queue=self.lancet.queue, layer=self.rec.layer)
-        experts = partial(megatron_experts, experts=self.experts, esp=esp, rec=self.rec, run=run)
+        return partial(megatron_experts, experts=self.experts, esp=self.groups.esp, rec=self.rec, run=run)
+
+    def _params(self, x_SM: torch.Tensor, own: Routing) -> LayerParams:
+        esp = self.groups.esp
+        experts = self.expert_call()
         rows = partial(_run_expert_rows, self.experts) if esp.size == 1 and self.lancet is None else None
         weights = megatron_hecate.stacked_weights(self.experts) if self.schedule.needs_expert_weights else None
         return HostLayerParams(router=MegatronRouting(self.router, x_SM, own), experts=experts,
                                partial_experts=partial(_run_experts, self.experts), row_experts=rows,
                                expert_weights=weights)
 
+    def routing(self, probs_SE: torch.Tensor, map_SE: torch.Tensor) -> Routing:
+        """Megatron's router outputs for this rank's tokens as the core's Routing (its capacity agreed if dropless)."""
+        return routing_from_megatron(probs_SE, map_SE, block_capacity(map_SE, self.config, self.groups, self.rec))
+
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         x_SM = hidden_states.reshape(-1, hidden_states.shape[-1])
-        own = routing_from_megatron(probs, routing_map, block_capacity(routing_map, self.config, self.groups, self.rec))
+        own = self.routing(probs, routing_map)
         params = self._params(x_SM, own)
         if self._pipelined:
             self._pass = _Pass(hidden_states.shape, params, None)
@@ -319,6 +327,9 @@ class PluginMoELayer(MoELayer):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                          **host_layer_kwargs(is_mtp_layer, name))
         self.plugin = plugin
+        self.lancet_parts = lancet.partitions if lancet is not None else None      # Lancet's batch partitions
+        if lancet is not None and not lancet.defer:
+            lancet = None                  # partitions only: the experts' dW stay stock
         self.moe_groups = token_view(layout_groups)
         self.token_dispatcher = ScheduleTokenDispatcher(
             config, pg_collection, groups=self.moe_groups, plugin=plugin, router=self.router, experts=self.experts,
@@ -368,6 +379,16 @@ class PluginMoELayer(MoELayer):
         if self.token_dispatcher.schedule.needs_expert_weights:
             with torch.no_grad():
                 self.token_dispatcher.schedule.prefetch(megatron_hecate.stacked_weights(self.experts))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """Megatron's forward, or, while Lancet's block executor has its request armed, the partitioned call
+        (patches/megatron_lancet_parts.py)."""
+        parts = self.lancet_parts
+        if parts is not None and self.training:
+            parts.check_covered(self)
+            if parts.request.armed:
+                return parts.forward(self, hidden_states, *args, **kwargs)
+        return super().forward(hidden_states, *args, **kwargs)
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Megatron's stage between dispatch and combine: the schedule's expert step (Megatron's experts, ESP

@@ -131,23 +131,29 @@ def wrap(config: Any, hf_model: torch.nn.Module) -> torch.nn.Module:
     return RecipeModel()
 
 
-def build_model(args, size: models.ModelSize, vocab_size: int, settings: MegatronMoESettings, pgc: Any):
+def build_model(args, size: models.ModelSize, vocab_size: int, settings: MegatronMoESettings, pgc: Any,
+                partitions: bool = False):
     """The HF model with Megatron MoE layers (same initial weights on every rank and in every run) and the list
-    of those layers."""
+    of those layers. ``partitions``: Lancet's batch partitions run the blocks (GPT-2 then builds no KV cache)."""
     moe_layers: list = []
     factory = megatron_moe_factory(size, settings, pgc, moe_layers)
-    build = models.build_gpt2_moe if args.model == "gpt2-moe" else models.build_bert_moe
     torch.manual_seed(args.seed)
-    hf_model = build(size, vocab_size, factory)
+    if args.model == "gpt2-moe":
+        hf_model = models.build_gpt2_moe(size, vocab_size, factory, use_cache=False if partitions else None)
+    else:
+        hf_model = models.build_bert_moe(size, vocab_size, factory)
     return wrap(moe_layers[0].config, hf_model), moe_layers
 
 
-def plugin_model_hooks(module, moe_layers) -> None:
+def plugin_model_hooks(module, moe_layers, micro_batch: int) -> None:
     """With Lancet's ``dense_wgrad``: the HF model's dense Linear / Conv1D layers defer their dW too (its
     attention and MLPs are not Megatron's parallel linears, which the enabled plugin wraps when they are built).
-    With Hecate's ``prefetch``: the HF blocks holding MoE layers issue their early gather."""
+    With Lancet's ``partitions``: the HF blocks run partition by partition after each gate (``micro_batch``
+    samples per rank). With Hecate's ``prefetch``: the HF blocks holding MoE layers issue their early gather."""
     from moe_plugins.patches.megatron import active
     handle = active()
+    if handle is not None and handle.lancet is not None and handle.lancet.partitions is not None:
+        handle.lancet.partitions.wrap_model(module, moe_layers, micro_batch=micro_batch)
     if handle is not None and handle.lancet is not None and handle.lancet.dense is not None:
         handle.lancet.dense.wrap_model(module, moe_layers)
     if handle is not None and handle.early is not None:      # Hecate's early gather: when each HF block starts
@@ -277,9 +283,9 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
                 settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin,
                                                ranks_per_node=rpn, seed=args.seed, engines=engines)
                 return _run(args, size, settings, pgc, optimizer_shims, plugin)
-        # Lina patches Megatron's DDP, Lancet its linear layers and shares one dW queue, Hecate's re-sharding the
-        # optimizer's step and its early gather hooks the blocks: build the model (Megatron's own spec, replaced by the plugin's) and train inside
-        # enable(), which closes their engines when training ends
+        # Lina patches Megatron's DDP, Lancet its linear layers and blocks and shares one dW queue, Hecate's
+        # re-sharding the optimizer's step and its early gather hooks the blocks: build the model (Megatron's own
+        # spec, replaced by the plugin's) and train inside enable(), which closes their engines when training ends
         from moe_plugins.patches.megatron import enable
         settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=None, ranks_per_node=rpn,
                                        seed=args.seed)
@@ -298,8 +304,9 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
     tokenizer, blocks = load_text(args, size)
-    module, moe_layers = build_model(args, size, len(tokenizer), settings, pgc)
-    plugin_model_hooks(module, moe_layers)
+    partitions = handle is not None and handle.lancet is not None and handle.lancet.partitions is not None
+    module, moe_layers = build_model(args, size, len(tokenizer), settings, pgc, partitions)
+    plugin_model_hooks(module, moe_layers, args.micro_batch_size)
     module.to(device)
     overlap = args.overlap_grad_reduce or (plugin is not None and plugin.enabled and plugin.lina is not None)
     model = DistributedDataParallel(module.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap), module,
@@ -322,6 +329,10 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
         if ckpt is not None and args.save_every and (step + 1) % args.save_every == 0:
             with resharding.stock_homes() if resharding is not None else contextlib.nullcontext():
                 save_checkpoint(ckpt, step + 1, model, optimizer, meta)
+    if partitions:                     # Lancet's batch partitions: the ranges run and the partition counts chosen
+        executors = handle.lancet.partitions.executors
+        log.meta["lancet_partitions"] = {"ranges": sum(e.ranges_run for e in executors),
+                                         "chosen": sorted({k for e in executors for k in e.chosen})}
     if handle is not None and handle.early is not None:        # the MoE layers whose block issues the early gather
         log.meta["hecate_early_blocks"] = len(handle.early.hooked)
     if resharding is not None:         # where Hecate's re-sharding left each layer's experts, and how often it ran

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_plugins.lancet.blocks import DropoutReplay, block_problems
+from moe_plugins.lancet.blocks import DropoutReplay, block_problems, in_layout, memory_order
 from tests.workers.lancet_blocks import stock_and_partitioned
 
 EXACT = 1e-12
@@ -27,6 +27,31 @@ def test_dropout_replay_gives_each_partition_its_rows_of_the_whole_mask():
             parts.append(torch.nn.functional.dropout(x[2 * p:2 * p + 2], 0.3, True))
     assert torch.equal(torch.cat(parts), whole)
     assert torch.nn.functional.dropout is not replay.dropout              # restored
+
+
+def _replayed(x_BLM: torch.Tensor, order) -> torch.Tensor:
+    torch.manual_seed(3)
+    replay = DropoutReplay(2)
+    with replay.patched():
+        parts = []
+        for p in range(2):
+            replay.start(p)
+            parts.append(torch.nn.functional.dropout(in_layout(x_BLM[2 * p:2 * p + 2].contiguous(), order), 0.3, True))
+    return torch.cat(parts)
+
+
+def test_dropout_replay_draws_in_the_memory_layout_of_its_input():
+    """A dropout draws its mask in memory order: on a transposed MoE output (Megatron's sequence-first layer behind
+    a batch-first block) stock's mask is not the contiguous one. Partitions laid out as the whole output was
+    (:func:`in_layout` with its :func:`memory_order`) get stock's mask; contiguous partitions another one."""
+    x_BLM = torch.randn(3, 4, 5, dtype=torch.float64).transpose(0, 1)         # [B 4, L 3, M 5], sequence-first
+    assert memory_order(x_BLM) == [1, 0, 2] and memory_order(x_BLM.contiguous()) == [0, 1, 2]
+    torch.manual_seed(3)
+    stock = torch.nn.functional.dropout(x_BLM, 0.3, True)
+    assert torch.equal(_replayed(x_BLM, memory_order(x_BLM)), stock)
+    assert not torch.equal(_replayed(x_BLM, None), stock)
+    laid = in_layout(x_BLM.contiguous(), [1, 0, 2])
+    assert torch.equal(laid, x_BLM) and laid.stride() == x_BLM.stride()
 
 
 def test_unknown_blocks_and_unreplayable_dropout_are_refused():

@@ -99,15 +99,17 @@ def test_overlap_fractions():
 def test_readers_other_than_the_host_adapters_refuse_the_section():
     """The registry's own rules (a reader that is not a host adapter) refuse an enabled section, so that no reader
     runs the layer without Lancet silently; a section that defers nothing passes. The Megatron-core adapter reads
-    it with its own rules: defer_wgrad runs there, batch partitions do not."""
+    it with its own rules: defer_wgrad and batch partitions run there."""
     with pytest.raises(ValueError, match=r"moe_plugins.lancet: Lancet runs through the DeepSpeed and Megatron-core "
                                          r"adapters \(enable\(\)\) or the core LancetMoELayer; this reader does not"):
         PluginConfig.from_dict({"lancet": {}}, "moe_plugins", **default_registry().config_choices())
     from moe_plugins.patches.megatron_config import config_choices as megatron_choices
     assert PluginConfig.from_dict({"lancet": {}}, "moe_plugins", **megatron_choices()).lancet == {}
-    with pytest.raises(ValueError, match=r"moe_plugins\.lancet\.partitions \('auto'\): batch partitions run HF GPT-2 "
-                                         r"blocks on DeepSpeed only; on megatron use partitions 1"):
-        PluginConfig.from_dict({"lancet": {"partitions": "auto"}}, "moe_plugins", **megatron_choices())
+    assert PluginConfig.from_dict({"lancet": {"partitions": "auto"}}, "moe_plugins",
+                                  **megatron_choices()).lancet == {"partitions": "auto"}
+    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \(2\) cannot run with moe_plugins\.lancet\."
+                                         r"partitions \(2\)"):
+        PluginConfig.from_dict({"pipeline_degree": 2, "lancet": {"partitions": 2}}, "moe_plugins", **megatron_choices())
     assert PluginConfig.from_dict({"lancet": {"dense_wgrad": True}}, "moe_plugins",            # both hosts wrap them
                                   **megatron_choices()).lancet == {"dense_wgrad": True}
     from moe_plugins.patches.deepspeed_hecate import config_choices as deepspeed_choices

@@ -58,9 +58,8 @@ def test_twenty_steps_equal_losses(world):
         assert len(r["lancet"]) == 20
 
 
-def test_partitions_and_bare_spec_refused():
-    partitions, spec = jobs.refused({"schedule": "baseline", "lancet": {"partitions": 2}})
-    assert "moe_plugins.lancet.partitions (2): batch partitions run HF GPT-2 blocks on DeepSpeed only; on megatron " \
-           "use partitions 1 (defer_wgrad runs)" in partitions, partitions
-    _, bare = jobs.refused({"schedule": "baseline", "lancet": {}})
-    assert "moe_plugins.lancet needs the plugin enabled" in bare, bare
+def test_bare_spec_refused():
+    """The spec provider alone (no enable()) refuses the section, deferred dW or partitions alike."""
+    for lancet in ({}, {"partitions": 2, "defer_wgrad": False}):
+        enabled, bare = jobs.refused({"schedule": "baseline", "lancet": lancet})
+        assert enabled == "" and "moe_plugins.lancet needs the plugin enabled" in bare, (enabled, bare)

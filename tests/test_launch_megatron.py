@@ -137,18 +137,21 @@ def test_launch_enables_the_plugin_in_every_rank(tmp_path):
     assert out.stderr.count("moe_plugins: Megatron-core MoE specs patched by moe-plugins launch") == 1
 
 
-def test_deepspeed_launch_accepts_the_sections_its_adapter_runs_and_megatron_refuses_them(tmp_path):
+def test_launch_accepts_the_sections_both_adapters_run_and_refuses_partitions_with_a_pipeline_degree(tmp_path):
     """A ds_config with Hecate's or Lancet's section launches (the DeepSpeed adapter runs them); on Megatron-core,
-    Lancet's batch partitions are refused before anything starts, and Hecate (its re-sharding and early gather
-    included) and Lancet's deferred weight gradients launch (its adapter runs them)."""
-    refusals = {"lancet": "batch partitions run HF GPT-2 blocks on DeepSpeed only"}
-    for section in ({"lancet": {"defer_wgrad": True, "partitions": 2}},):
-        config = tmp_path / "ds.json"
-        config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "moe_plugins": section}))
-        out = launch("--dry-run", "--config", str(config), "--", "python", "train.py")
-        assert out.returncode == 0, out.stderr
-        refused = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps(section))
-        assert refused.returncode != 0 and refusals[next(iter(section))] in refused.stderr, refused.stderr
+    Lancet's batch partitions with a pipeline degree are refused before anything starts, and Hecate (its
+    re-sharding and early gather included) and Lancet (deferred weight gradients, partitions) launch."""
+    section = {"lancet": {"defer_wgrad": True, "partitions": 2}}
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "moe_plugins": section}))
+    out = launch("--dry-run", "--config", str(config), "--", "python", "train.py")
+    assert out.returncode == 0, out.stderr
+    accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps(section))
+    assert accepted.returncode == 0 and "'partitions': 2" in accepted.stderr, accepted.stderr
+    refused = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"pipeline_degree": 2,
+                                                                                           **section}))
+    wanted = ".pipeline_degree (2) cannot run with --moe-plugins (in the command).lancet.partitions (2): the partitions"
+    assert refused.returncode != 0 and wanted in refused.stderr, refused.stderr
     accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"lancet": {}}))
     assert accepted.returncode == 0 and "'lancet': {}}" in accepted.stderr, accepted.stderr
     accepted = launch("--dry-run", "--", *TORCHRUN, *MOE_ARGS, "--moe-plugins", json.dumps({"hecate": {}}))

@@ -169,6 +169,14 @@ def test_hecate_early_gather_in_the_recipe_equals_stock_megatron(world, tmp_path
     assert on["hecate_early_blocks"] == 2
 
 
+def test_lancet_partitions_in_the_recipe_equal_stock_megatron(world, tmp_path):
+    """The recipe's flag with Lancet's batch partitions at EP 2 x expert-DP 2 (the HF GPT-2 blocks handed to the
+    executor by ``plugin_model_hooks``; the experts' dW deferred too) matches stock Megatron over 12 steps."""
+    on = on_equals_stock(world, tmp_path, ["--tp", "1", "--ep", "2", "--etp", "1"],
+                         '{"exchange": "padded", "lancet": {"partitions": 2}}')
+    assert on["lancet_partitions"] == {"ranges": 12 * 2, "chosen": [2]}, on["lancet_partitions"]
+
+
 def test_lancet_dense_wgrad_in_the_recipe_equals_stock_megatron(world, tmp_path):
     """The recipe's flag with Lancet's deferred expert and dense weight gradients at TP 2 x EP 2 (the recipe's
     dense layers are HF GPT-2's Conv1D, handed to Lancet by ``wrap_model``) matches stock Megatron."""

@@ -50,10 +50,26 @@ def block_problems(block: nn.Module, where: str, moe: bool = False) -> List[str]
     return [unknown_problem(block, where)] if kind is None else kind.problems(block, where, moe)
 
 
+def memory_order(x: torch.Tensor) -> List[int]:
+    """``x``'s dims from the slowest-varying in memory to the fastest (``range(x.dim())`` when contiguous)."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def in_layout(x: torch.Tensor, order: Optional[Sequence[int]]) -> torch.Tensor:
+    """``x``'s values laid out in memory in dim ``order`` (as :func:`memory_order` reads it; None: any): ``x`` itself
+    when it already is, else a copy."""
+    if order is None or x.dim() != len(order) or list(order) == memory_order(x):
+        return x
+    inverse = sorted(range(len(order)), key=lambda d: order[d])
+    return x.permute(*order).contiguous().permute(*inverse)
+
+
 class DropoutReplay:
     """``torch.nn.functional.dropout`` while a range runs partitions (patched through the core Patcher, restored
     in ``finally``): partition 0 draws each call's mask on the whole batch, in call order, and every partition
-    multiplies its rows by it, as the unpartitioned call does (bitwise: the same draws, the same product)."""
+    multiplies its rows by it, as the unpartitioned call does (bitwise: the same draws, the same product). A mask
+    is drawn in memory order, so the whole-batch mask is laid out as the partition's input is (a transposed MoE
+    output: :func:`in_layout`), as the unpartitioned input was."""
 
     def __init__(self, parts: int):
         self.parts, self.part, self.calls = parts, 0, 0
@@ -69,7 +85,8 @@ class DropoutReplay:
         index, self.calls = self.calls, self.calls + 1
         rows = input.shape[0]
         if self.part == 0:
-            whole = torch.ones((rows * self.parts,) + tuple(input.shape[1:]), dtype=input.dtype, device=input.device)
+            whole = in_layout(torch.ones((rows * self.parts,) + tuple(input.shape[1:]), dtype=input.dtype,
+                                         device=input.device), memory_order(input))
             self.masks.append(self._original(whole, p, True, False))
         if index >= len(self.masks) or self.masks[index].shape[0] != rows * self.parts:
             raise ValueError(f"partition {self.part}: dropout call {index} has {rows} rows, not 1/{self.parts} of the "
@@ -184,7 +201,8 @@ class BlockExecutor:
                 replay.start(p)
                 mask_p = _rows(mask, batch, a, b)
                 extra_p = {k: _rows(v, batch, a, b) for k, v in extra.items()}
-                x_p = kind.after(self.blocks[i], x_BLM[a:b], call.output(p).view(b - a, *x_BLM.shape[1:]))
+                y_p = in_layout(call.output(p).view(b - a, *x_BLM.shape[1:]), call.block_order)
+                x_p = kind.after(self.blocks[i], x_BLM[a:b], y_p)
                 for d in dense:                  # through the module (its hooks), on to the stock forward
                     x_p = kind.whole(self.blocks[d], x_p, mask_p, extra_p)
                 if nxt is not None:

@@ -10,8 +10,7 @@
                                # from the cost profile cached for the layout (`moe-plugins profile`); "tune":
                                # chosen per batch shape by timing the executor's own ranges (lancet/tune.py)
         "dense_wgrad": false   # defer the model's dense weight gradients too (its nn.Linear and HF Conv1D
-                               # modules outside the MoE layers; tied ones stay stock): DeepSpeed only, with
-                               # defer_wgrad on
+                               # modules outside the MoE layers; tied ones stay stock), with defer_wgrad on
     }
 
 With ``defer_wgrad`` on, the section runs with schedule ``baseline`` and the padded exchange at any fixed or
@@ -36,7 +35,6 @@ WORDS = (AUTO, TUNE)                # partition counts chosen per batch shape
 SCHEDULES = ("baseline",)           # the schedules whose exchanges carry the overlap hook
 EXCHANGES = ("padded",)
 HOSTS = ("deepspeed", "megatron")   # the adapters that run the section (the core layer takes a LancetConfig)
-PARTITION_HOSTS = ("deepspeed",)    # those that run batch partitions (HF GPT-2 and BERT blocks)
 DENSE_HOSTS = ("deepspeed", "megatron")   # those that wrap the model's dense layers (dense_wgrad)
 
 
@@ -135,9 +133,6 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
         problems.append(f"{path}.{NAME}: Lancet runs through the DeepSpeed and Megatron-core adapters (enable()) or "
                         "the core LancetMoELayer; this reader does not run it")
     else:
-        if partitioned(section[NAME]) and host not in PARTITION_HOSTS:
-            problems.append(f"{path}.{NAME}.partitions ({section[NAME]['partitions']!r}): batch partitions run HF "
-                            f"GPT-2 blocks on DeepSpeed only; on {host} use partitions 1 (defer_wgrad runs)")
         if section[NAME].get("dense_wgrad") is True and host not in DENSE_HOSTS:
             problems.append(f"{path}.{NAME}.dense_wgrad (True): the dense layers' weight gradients are deferred on "
                             f"{' and '.join(DENSE_HOSTS)} only; on {host} use false (defer_wgrad runs)")

@@ -190,6 +190,7 @@ class PartitionedCall:
     def __init__(self, routing: Routing, parts: List[_Part], combines: List[Pending]):
         self.routing, self._parts, self._combines = routing, parts, combines
         self._landed = [False] * len(parts)
+        self.block_order: Optional[List[int]] = None     # the memory order the block sees the MoE output in
 
     @property
     def aux_loss(self) -> torch.Tensor:

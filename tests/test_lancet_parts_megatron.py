@@ -1,0 +1,59 @@
+"""Lancet's batch partitions on Megatron-core (patches/megatron_lancet_parts.py + moe_plugins/lancet/blocks.py): the
+recipes' GPT-2-MoE and BERT-MoE with Megatron's MoE layers in Megatron's DDP on 4 gloo ranks, fp64, dropout on:
+every ``main_grad`` equal to stock Megatron's (<= 1e-12) at 2 and 4 partitions, with the experts' dW deferred too,
+with gradient accumulation over 2 micro-steps, at EP 4 and at EP 2 (expert-DP 2); each DDP hook once per parameter
+and backward; a skewed top-2 gate drops the same routes; the blocks restored on disable; bad setups refused in one
+line naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.workers.lancet_parts_megatron import refused, train  # noqa: E402
+
+EXACT = 1e-12
+TIMEOUT_S = 900
+
+
+def _max_diff(a, b) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize("lancet,kw", [({"partitions": 2, "defer_wgrad": False}, {"steps": 4}),
+                                       ({"partitions": 4}, {"accumulate": 2}),
+                                       ({"partitions": 2, "defer_wgrad": False}, {"ep": 2, "skew": True}),
+                                       ({"partitions": 2}, {"bert": True})],
+                         ids=["gpt2-parts2", "gpt2-parts4-dw-gas2", "gpt2-ep2-skewed", "bert-parts2-dw"])
+def test_partitions_on_megatron_equal_stock(world, lancet, kw):
+    pool = world(4)
+    stock = pool.run(train, None, **kw, timeout_s=TIMEOUT_S)
+    plugin = pool.run(train, {"schedule": "baseline", "exchange": "padded", "lancet": lancet}, **kw,
+                      timeout_s=TIMEOUT_S)
+    steps, accumulate = kw.get("steps", 3), kw.get("accumulate", 1)
+    for s, p in zip(stock, plugin):
+        assert len(p["grads"]) == steps and len(p["losses"]) == steps * accumulate
+        assert max(abs(a - b) for a, b in zip(s["losses"], p["losses"])) <= EXACT, (s["losses"], p["losses"])
+        assert max(_max_diff(a, b) for a, b in zip(s["grads"], p["grads"])) <= EXACT
+        assert all(set(c.values()) == {1} for c in p["hooks"]) and p["hooks"] == s["hooks"]
+        assert p["dropped"] == s["dropped"] and len(p["dropped"]) == 2 * steps * accumulate
+        if kw.get("skew"):
+            assert min(p["dropped"]) > 0, p["dropped"]          # the gate drops routes every forward
+        assert p["ranges"] == 2 * steps * accumulate and p["stock_calls"] == 0
+        assert p["chosen"] == [lancet["partitions"]] and p["restored"]
+        assert p["blocks"] == ["BertLayer" if kw.get("bert") else "GPT2Block"] * 4
+
+
+def test_bad_setups_refused_in_one_line(world):
+    pool = world(4)
+    section = {"schedule": "baseline", "exchange": "padded", "lancet": {"partitions": 3, "defer_wgrad": False}}
+    assert all("moe_plugins.lancet.partitions (3) must divide the batch (4 samples per rank)" in e
+               for e in pool.run(refused, section, timeout_s=TIMEOUT_S))
+    section["lancet"]["partitions"] = 2
+    assert all("this MoE layer's model was not handed to handle.lancet.partitions.wrap_model" in e
+               for e in pool.run(refused, section, skip_wrap=True, timeout_s=TIMEOUT_S))
+    assert all("GPT2Block.mlp changes the MoE layer's output (a residual MoE, a scale, a copy...); partitions need it "
+               "to return the layer's output y or a view of all of it (batch-first: y.transpose(0, 1)), not a copy" in e
+               for e in pool.run(refused, section, copying=True, timeout_s=TIMEOUT_S))
