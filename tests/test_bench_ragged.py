@@ -130,3 +130,24 @@ def test_hecate_rows_with_and_without_rematerialization(world):
     assert "re-gathered in backward" in remat["notes"][0] and "re-gathered" not in kept["notes"][0]
     peaks = [float(row["notes"][-1].split()[2]) for row in (kept, remat)]
     assert kept["notes"][-1].startswith("copies' peak") and 0 < peaks[1] <= peaks[0], peaks
+
+
+def test_bytes_are_metered_in_the_last_warmup_round(world):
+    """A prefetching Hecate row plans its copies from the load of earlier calls: in round 0 it has none and copies
+    nothing (the ragged baseline's bytes, plus its plan's load all-reduce); the bytes reported come from the last
+    warm-up round, where its copies keep the hot expert's rows home (the busiest rank's bytes below half)."""
+    from moe_plugins.tools.bench.matrix import BenchPlan, CaseConfig
+    from moe_plugins.tools.bench.runner import RankJob
+    from tests.workers.bench import run_bench_plan
+    case = CaseConfig(tokens=256, hidden=16, ffn=32, experts=8, k=2, drop_tokens=False, ep=4, skew=0.9)
+    labels = ("baseline@exchange=ragged", "hecate@exchange=ragged,prefetch=1")
+    out = {}
+    for warmup in (1, 2):
+        plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=1, warmup=warmup,
+                         rows=tuple(matrix.parse_row(label) for label in labels))
+        (group,) = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
+        out[warmup] = [group["rows"][label]["model_bytes_per_rank"] for label in labels]
+    ragged, prefetch = out[1]
+    assert all(0 <= p - r <= 256 for r, p in zip(ragged, prefetch)), out    # round 0: no copy (the plan's few bytes)
+    ragged, prefetch = out[2]
+    assert ragged == out[1][0] and max(prefetch) < 0.5 * max(ragged), out   # steady state: copies where tokens are

@@ -124,34 +124,43 @@ def _difference(y: torch.Tensor, part: Optional[slice], ref: torch.Tensor, ref_p
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
+def _metered_step(row: Row, data: CaseData, ifname: Optional[str], round_index: int = 0):
+    """One step of ``row`` between barriers with its traffic meter on: (its output or the error's text, model bytes,
+    NIC bytes or None)."""
+    dist.barrier()
+    tx0 = nic_tx_bytes(ifname)
+    row.meter.start()
+    error = None
+    try:
+        out = fwd_bwd(row, data, round_index)
+    except Exception as exc:  # reported as the row's skip reason
+        error = f"failed in its first step: {type(exc).__name__}: {exc}"
+    finally:
+        model_bytes = row.meter.stop()
+    error = _agree(error)
+    if error is not None:
+        return error, model_bytes, None
+    dist.barrier()
+    tx1 = nic_tx_bytes(ifname)
+    return out, model_bytes, None if tx0 is None or tx1 is None else tx1 - tx0
+
+
 def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str],
                    failed: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
-    """First step of every row. A row whose step raises (on any rank; deterministic errors raise on all of
-    them before their collectives) is recorded in ``failed`` and dropped from ``rows``."""
+    """First step of every row (its output checked against the first row's, its bytes metered). A row whose step
+    raises (on any rank; deterministic errors raise on all of them before their collectives) is recorded in
+    ``failed`` and dropped from ``rows``."""
     out, ref_y = {}, None
     for row in list(rows):
-        dist.barrier()
-        tx0 = nic_tx_bytes(ifname)
-        row.meter.start()
-        error = None
-        try:
-            y_SM = fwd_bwd(row, data)
-        except Exception as exc:  # reported as the row's skip reason
-            error = f"failed in its first step: {type(exc).__name__}: {exc}"
-        finally:
-            model_bytes = row.meter.stop()
-        error = _agree(error)
-        if error is not None:
-            failed[row.label] = error
+        y_SM, model_bytes, nic = _metered_step(row, data, ifname)
+        if isinstance(y_SM, str):
+            failed[row.label] = y_SM
             rows.remove(row)
             continue
-        dist.barrier()
-        tx1 = nic_tx_bytes(ifname)
         if ref_y is None:
             ref_y, ref_part = y_SM.float(), row.tokens
         diff = _difference(y_SM.float(), row.tokens, ref_y, ref_part)
-        out[row.label] = {"model_bytes": model_bytes, "source": row.meter.source,
-                          "nic_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
+        out[row.label] = {"model_bytes": model_bytes, "source": row.meter.source, "nic_tx_bytes": nic,
                           "max_abs_diff": _max_over_ranks(diff)}
     scale = _max_over_ranks(float(ref_y.abs().max())) if ref_y is not None else 0.0
     for v in out.values():
@@ -166,7 +175,15 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
     traffic = _traffic_round(rows, data, ifname, failed)
     for r in range(1, plan.warmup):
         for row in round_order(rows, plan.seed, r):
-            fwd_bwd(row, data, r)
+            if r < plan.warmup - 1:
+                fwd_bwd(row, data, r)
+                continue
+            # the last warm-up round is metered again: a row whose traffic depends on earlier steps (Hecate's
+            # copies planned from the load of earlier calls) moves its steady-state bytes there, not round 0's
+            y_SM, model_bytes, nic = _metered_step(row, data, ifname, r)
+            if isinstance(y_SM, str):
+                raise RuntimeError(f"row {row.label}: {y_SM} (the last warm-up round)")
+            traffic[row.label].update(model_bytes=model_bytes, nic_tx_bytes=nic)
     times: Dict[str, List[float]] = {row.label: [] for row in rows}
     exposure: Dict[str, List[Any]] = {row.label: [] for row in rows}
     for i in range(plan.iters):
