@@ -46,6 +46,27 @@ def test_partitions_on_megatron_equal_stock(world, lancet, kw):
         assert p["blocks"] == ["BertLayer" if kw.get("bert") else "GPT2Block"] * 4
 
 
+def test_auto_and_tune_on_megatron_stay_exact(world, tmp_path):
+    """``"auto"`` (the planner's model priced by a profile measured for the layers' layout) and ``"tune"`` (the
+    executor times its own ranges at 1, 2, 4 partitions) on Megatron: whatever they run, stock's gradients, and
+    every rank decides the same."""
+    pool = world(4)
+    steps = 12
+    stock = pool.run(train, None, steps=steps, timeout_s=TIMEOUT_S)
+    section = {"schedule": "baseline", "exchange": "padded", "lancet": {"partitions": "auto", "defer_wgrad": False}}
+    auto = pool.run(train, section, steps=2, profile_dir=str(tmp_path), timeout_s=TIMEOUT_S)
+    section["lancet"]["partitions"] = "tune"
+    tune = pool.run(train, section, steps=steps, timeout_s=TIMEOUT_S)
+    for s, a, t in zip(stock, auto, tune):
+        assert max(_max_diff(x, y) for x, y in zip(s["grads"][:2], a["grads"])) <= EXACT
+        assert max(_max_diff(x, y) for x, y in zip(s["grads"], t["grads"])) <= EXACT
+        assert len(a["chosen"]) == 1 and a["chosen"][0] in (1, 2, 4) and a["ranges"] == 4, a
+        ((choice, times),) = t["tuned"].values()                       # one batch shape, training
+        assert choice in (1, 2, 4) and 1 in times and set(times) <= {1, 2, 4} and len(times) >= 2, t["tuned"]
+        assert set(times) <= set(t["chosen"]) and t["ranges"] == 2 * steps
+    assert len({repr(a["chosen"]) for a in auto}) == 1 and len({repr(t["tuned"]) for t in tune}) == 1
+
+
 def test_bad_setups_refused_in_one_line(world):
     pool = world(4)
     section = {"schedule": "baseline", "exchange": "padded", "lancet": {"partitions": 3, "defer_wgrad": False}}

@@ -58,25 +58,42 @@ def _skew(layers: List[Any]) -> None:
             layer.router.weight[0] += 2.0
 
 
+def _measure_profile(layout: ParallelLayout, profile_dir: str) -> None:
+    """Collective: ``moe-plugins profile``'s measurement (the all-to-all on EP and the GEMM only, few sizes) for
+    ``layout``, cached in ``profile_dir``."""
+    from moe_plugins.core.costmodel import cache_path
+    from moe_plugins.tools.profiler import ProfileSpec, profile_rank
+    spec = ProfileSpec(layout=layout, sizes_bytes=(2 ** 12, 2 ** 14, 2 ** 16), gemm_rows=(16, 64, 256),
+                       gemm_shape=(1, 16, 24), ops=("gemm", "all_to_all"), groups=("ep",), warmup=1, repeats=2)
+    profile = profile_rank(spec, source="test", progress=False)
+    if profile is not None:
+        profile.save(cache_path(profile_dir, profile.key))
+    dist.barrier()
+
+
 def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, accumulate: int = 1,
-          bert: bool = False, skew: bool = False) -> Dict[str, Any]:
+          bert: bool = False, skew: bool = False, profile_dir: Optional[str] = None) -> Dict[str, Any]:
     """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last), each ended by DDP's
     ``finish_grad_sync`` and an SGD update on ``main_grad``: per micro-step the loss and the DDP hook's calls per
-    parameter (counted on its gradient accumulator), per step every ``main_grad``; the executor's ranges."""
+    parameter (counted on its gradient accumulator), per step every ``main_grad``; the executor's ranges and, with
+    ``"tune"``, its decisions. ``profile_dir``: a cost profile is measured and cached there first (``"auto"``)."""
     from moe_plugins.patches import megatron as mp
     world = dist.get_world_size()
     out: Dict[str, Any] = {"losses": [], "grads": [], "hooks": []}
     with ExitStack() as stack:
         stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=world, ranks_per_node=RPN, ep=ep)))
+        layout = ParallelLayout(world=world, ranks_per_node=RPN, ep=ep)
+        groups = stack.enter_context(mp.megatron_groups(layout))
         pgc = groups.pg_collection
+        if profile_dir is not None:
+            _measure_profile(layout, profile_dir)
         handle = stack.enter_context(mp.enable(section, groups=groups)) if section is not None else None
         module, layers = _model(ep, pgc, bert)
         if skew:
             _skew(layers)
         _count_drops(layers, out.setdefault("dropped", []))
         if handle is not None:
-            handle.lancet.partitions.wrap_model(module, layers, micro_batch=B)
+            handle.lancet.partitions.wrap_model(module, layers, micro_batch=B, profile_dir=profile_dir)
         model = _ddp(module.config, module, pgc, bucket_size=2000)
         calls: Dict[str, int] = {}
         for n, p in model.module.named_parameters():
@@ -101,7 +118,8 @@ def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, acc
         if handle is not None:
             executor = handle.lancet.partitions.executors[0]
             out.update(ranges=executor.ranges_run, stock_calls=executor.stock_calls,
-                       chosen=sorted(set(executor.chosen)), blocks=[type(b).__name__ for b in executor.blocks])
+                       chosen=sorted(set(executor.chosen)), blocks=[type(b).__name__ for b in executor.blocks],
+                       tuned=executor.parts.decisions() if hasattr(executor.parts, "decisions") else None)
     if handle is not None:
         out["restored"] = all("forward" not in b.__dict__ for b in executor.blocks)
     return out
