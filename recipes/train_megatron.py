@@ -338,7 +338,7 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
     if resharding is not None:         # where Hecate's re-sharding left each layer's experts, and how often it ran
         layers = [s for r in resharding.resharders for s, _ in r.layers]
         log.meta["hecate_reshard"] = {"homes": [list(s.homes) for s in layers], "reshards": sum(
-            r.moves for r in resharding.resharders), "window_load": [list(s.window_load()) for s in layers],
+            r.rounds for r in resharding.resharders), "window_load": [list(s.window_load()) for s in layers],
             "copied": [list(s.overlappable(s.window_load())) for s in layers]}
     return log.finish(Path(args.out)) if dist.get_rank() == 0 else {}
 

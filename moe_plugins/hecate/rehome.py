@@ -113,7 +113,9 @@ class Resharder:
         if not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every ({every!r}) must be an integer >= 1 (optimizer steps between re-shardings)")
         self.layers, self.every, self.world = list(layers), every, world
-        self.steps, self.moves = 0, 0
+        self.steps = 0
+        self.rounds = 0          # re-shard rounds run (collective; a round may leave every layer where it was)
+        self.layers_moved = 0    # layers those rounds moved
 
     def step_end(self, optimizer: Optional[Any], extra: Optional[Extra] = None) -> bool:
         """Count one optimizer step; every ``every``-th, re-shard (collective). Whether it re-sharded."""
@@ -151,7 +153,8 @@ class Resharder:
             with torch.no_grad():
                 moved += rehome(tensors, schedule.homes, tuple(homes), schedule.groups.ep, schedule.rec)
             schedule.set_homes(tuple(homes))
-        self.moves += 1
+            self.layers_moved += 1
+        self.rounds += 1
         log.info("hecate: re-sharded %d layers at step %d (%d elements sent here); homes %s", len(self.layers),
                  self.steps, moved, [list(h) for h in homes_LE])
 

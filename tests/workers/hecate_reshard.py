@@ -62,7 +62,7 @@ def reshard_training(spec: VerifySpec, steps: int, every: int, extra_experts: An
                    "moments": {e: [opt.state[getattr(layer, k)]["exp_avg"][i].clone() for k in KEYS]
                                for i, e in enumerate(ids)}}
             if name == "reshard":
-                run["moves"] = resharder.moves
+                run["moves"] = resharder.rounds
                 with resharder.stock_homes(opt):
                     stock = local_experts(layer.schedule.homes, groups.ep.rank)
                     run["stock"] = {e: [getattr(layer, k)[i].detach().clone() for k in KEYS]

@@ -84,7 +84,7 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
             homes = layer.schedule.homes if layer is not None else None
             out[name]["experts"] = by_expert(engine, homes)
             if handle is not None:
-                out[name]["moves"] = handle.hecate.resharders[0].resharder.moves
+                out[name]["moves"] = handle.hecate.resharders[0].resharder.rounds
                 out[name]["stock"] = layer.schedule.stock_homes()
             engine.destroy()
         out[name]["wrapped_after"] = sorted(k for k in ("step", "save_checkpoint") if k in engine.__dict__)

@@ -166,7 +166,7 @@ def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Se
                     homes.append(homes_of(layer))
                 out[name] = {"losses": losses, "homes": homes, "experts": by_expert(layer, pgc, opt)}
                 if handle is not None:
-                    out[name].update(moves=handle.hecate.resharders[0].moves,
+                    out[name].update(moves=handle.hecate.resharders[0].rounds,
                                      stock=layer.token_dispatcher.schedule.stock_homes())
     return out
 
