@@ -77,4 +77,9 @@ def test_partitioned_layer_equals_the_whole_call(world):
             uneven = [on for op, on in forward if op == "all_to_all"][1:]          # after the counts' exchange
             assert len(uneven) == 2 * parts, forward                        # one dispatch and one combine each
             assert set(uneven) == {"pipeline" if lane else "main"}, forward
+            # backward: one reverse exchange per forward one, issued when autograd reaches the landing and waited
+            # for at the anchor, after the other partitions' work: on the lane, both partitions' combine
+            # gradients fly at once (the backward pipelines them); inline, each is done before the next starts
+            assert r["backward"] == ["pipeline" if lane else "main"] * (2 * parts), r["backward"]
+            assert r["in_flight"] == 0 and r["peak"] == (parts if lane else 0), (r["peak"], parts, lane)
     assert dropped > 0

@@ -108,9 +108,33 @@ def part_plans(mine_EP: Sequence[Sequence[int]], recv_SLP: Sequence[Sequence[Seq
 
 # ---- the exchange, issued now and landed later ----------------------------------------------------------
 
+class Backlog:
+    """One partitioned call's reverse exchanges in backward: how many were issued and not yet waited for, at most
+    (``peak``; 2 or more: the backward pipelines partitions against each other)."""
+
+    def __init__(self) -> None:
+        self.in_flight, self.peak, self.issued = 0, 0, 0
+
+    def issue(self) -> None:
+        self.in_flight, self.issued = self.in_flight + 1, self.issued + 1
+        self.peak = max(self.peak, self.in_flight)
+
+    def landed(self) -> None:
+        self.in_flight -= 1
+
+
+@dataclass
+class _Reverse:
+    """The reverse exchange of one landed exchange: issued by ``_Landed``'s backward, waited for by ``_Anchor``'s."""
+
+    backlog: Backlog
+    handle: Any = None
+
+
 @dataclass(frozen=True)
 class Pending:
-    """An uneven exchange issued on the engine (``handle``: its result, None when the group is one rank)."""
+    """An uneven exchange issued on the engine (``handle``: its result, None when the group is one rank);
+    ``x``: its input behind the anchor that waits for its reverse exchange in backward."""
 
     x: torch.Tensor
     handle: Any
@@ -118,23 +142,56 @@ class Pending:
     recv: Tuple[int, ...]
     group: Group
     rec: Recorder
+    reverse: Optional[_Reverse] = None
 
 
 def issue_exchange(x_RM: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group,
-                   rec: Recorder) -> Pending:
+                   rec: Recorder, backlog: Optional[Backlog] = None) -> Pending:
     """Start one uneven ``all_to_all_single`` of ``x_RM``'s rows: on the engine's pipeline lane when it has one
-    (returns at once), else inline. :func:`land` gives its result, with the reverse exchange as its gradient."""
+    (returns at once), else inline. :func:`land` gives its result, with the reverse exchange as its gradient:
+    issued when autograd reaches the landing and waited for when it reaches the anchor put on ``x_RM`` here, which
+    autograd reaches later (it runs the nodes made later first: the other partitions' work in between)."""
     send, recv = tuple(int(n) for n in send), tuple(int(n) for n in recv)
     if group.size == 1:
         return Pending(x_RM, None, send, recv, group, rec)
     lane = PIPELINE if rec.engine.has_lane(PIPELINE) else None
     handle = rec.engine.issue("all_to_all", group, x_RM.detach().contiguous(), lane=lane, layer=rec.layer,
                               phase="forward", ledger=rec.ledger, splits=(send, recv))
-    return Pending(x_RM, handle, send, recv, group, rec)
+    if lane is None:                  # inline both ways: the reverse exchange runs where autograd reaches it
+        return Pending(x_RM, handle, send, recv, group, rec)
+    reverse = _Reverse(backlog if backlog is not None else Backlog())
+    return Pending(_Anchor.apply(x_RM, reverse, rec), handle, send, recv, group, rec, reverse)
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity in forward; in backward, waits for the reverse exchange its landing issued (running the Recorder's
+    ``while_in_flight`` work meanwhile) and passes its result on as the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, reverse, rec):
+        ctx.reverse, ctx.rec = reverse, rec
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        reverse, rec = ctx.reverse, ctx.rec
+        handle, reverse.handle = reverse.handle, None
+        try:
+            try:
+                if rec.while_in_flight is not None:
+                    rec.while_in_flight(handle)
+            finally:
+                out = handle.wait()          # collective: waited for even if the callback failed
+        except CommError as exc:
+            raise rec.failed(exc) from exc
+        finally:
+            reverse.backlog.landed()
+        return out, None, None
 
 
 class _Landed(torch.autograd.Function):
-    """y = the exchange of x issued earlier (forward: wait for it); backward: the reverse exchange."""
+    """y = the exchange of x issued earlier (forward: wait for it); backward: the reverse exchange, issued here and
+    waited for by the anchor on x (a zero placeholder passes between them)."""
 
     @staticmethod
     def forward(ctx, x, pending):
@@ -146,7 +203,18 @@ class _Landed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return reverse_exchange(g.contiguous(), ctx.pending), None
+        pending = ctx.pending
+        if pending.reverse is None:
+            return reverse_exchange(g.contiguous(), pending), None
+        rec = pending.rec
+        try:
+            pending.reverse.handle = rec.engine.issue("all_to_all", pending.group, g.contiguous(), lane=PIPELINE,
+                                                      layer=rec.layer, phase="backward", ledger=rec.ledger,
+                                                      splits=(pending.recv, pending.send))
+        except CommError as exc:
+            raise rec.failed(exc) from exc
+        pending.reverse.backlog.issue()
+        return g.new_zeros(()).expand(pending.x.shape), None
 
 
 def reverse_exchange(g_QM: torch.Tensor, pending: Pending) -> torch.Tensor:
@@ -187,8 +255,8 @@ class PartitionedCall:
     """One MoE layer call on a batch cut into partitions (module docstring): built by :func:`start_partitions`
     with every partition's experts run and combine issued; :meth:`output` lands partition p's rows."""
 
-    def __init__(self, routing: Routing, parts: List[_Part], combines: List[Pending]):
-        self.routing, self._parts, self._combines = routing, parts, combines
+    def __init__(self, routing: Routing, parts: List[_Part], combines: List[Pending], backlog: Backlog):
+        self.routing, self._parts, self._combines, self.backlog = routing, parts, combines, backlog
         self._landed = [False] * len(parts)
         self.block_order: Optional[List[int]] = None     # the memory order the block sees the MoE output in
 
@@ -251,16 +319,17 @@ def start_partitions(x_SM: torch.Tensor, bounds: Sequence[Tuple[int, int]], *,
                                                       top_EN=counts_EP), ep, rec)        # the one host read
     plans = part_plans(mine_EP, recv_SLP, ep.size)
     parts = [_Part(r, o, plan) for r, o, plan in zip(routings, orders, plans)]
+    backlog = Backlog()
     dispatches = []
     for (a, b), part in zip(bounds, parts):
         kept = sum(part.plan.send)
         d_RM = x_SM[a:b].index_select(0, part.order.token_X[:kept])
-        dispatches.append(issue_exchange(d_RM, part.plan.send, part.plan.recv, ep, rec))
+        dispatches.append(issue_exchange(d_RM, part.plan.send, part.plan.recv, ep, rec, backlog))
     combines = []
     for part, pending in zip(parts, dispatches):
         o_QM = _experts_on(land(pending), part.plan, experts, ep.size, num_experts // ep.size)
-        combines.append(issue_exchange(o_QM, part.plan.recv, part.plan.send, ep, rec))
-    return PartitionedCall(routing, parts, combines)
+        combines.append(issue_exchange(o_QM, part.plan.recv, part.plan.send, ep, rec, backlog))
+    return PartitionedCall(routing, parts, combines, backlog)
 
 
 def layer_start(layer: Any, x: torch.Tensor, parts: int, rows_per_sample: int = 1) -> PartitionedCall:

@@ -55,6 +55,10 @@ def whole_and_parts(jobs: List[Tuple[VerifySpec, int, bool]]) -> List[Dict[str, 
                         aux, dropped, counts = call.aux_loss, int(call.dropped), call.exp_counts_E
                         res["exchanges"] = [(r.op, r.lane, r.phase) for r in engine.timeline[before:]]
                     ((y * g_BLM).sum() + AUX_COEF * aux).backward()
+                    if name == "parts":           # the backward's reverse exchanges, and how many flew at once
+                        res["backward"] = [r.lane for r in engine.timeline[before:] if r.phase == "backward"
+                                           and r.op == "all_to_all"]
+                        res["peak"], res["in_flight"] = call.backlog.peak, call.backlog.in_flight
                     res[name] = {"y": y.detach(), "grad_x": x.grad, "aux": aux.detach(), "dropped": dropped,
                                  "counts": counts, "grads": _grads(layer)}
                 out.append(res)
