@@ -20,9 +20,11 @@ One call (:func:`start_partitions`), in the order the planner (:mod:`moe_plugins
 
 While partition p's experts run, the dispatches of p+1.. fly; while the caller computes on y_p (the block
 executor runs the following attention and dense layers on it), the combines of p+1.. fly. In backward each
-exchange's gradient is the reverse uneven exchange, in autograd's order; with Lancet's deferred weight gradients
-(the Recorder's ``while_in_flight``) it flies on the pipeline lane while the queued dW runs
-(:func:`reverse_exchange`), else inline.
+exchange's gradient is the reverse uneven exchange. On an engine with a pipeline lane it is issued there when
+autograd reaches the landing (``_Landed``) and waited for at an anchor on the exchange's input (``_Anchor``), made
+before the other partitions' work, which autograd therefore runs in between (it runs later-made nodes first): the
+backward pipelines the partitions too; the anchor runs Lancet's deferred weight gradients (the Recorder's
+``while_in_flight``) before it waits. Without a lane the reverse exchange runs inline (:func:`reverse_exchange`).
 
 Supported: ESP 1 and MP 1 (the baseline's data flow without the ESP all-gather and the replicas); others are
 refused by :func:`partition_layout_problems`. Shapes: S tokens, M model dim, E experts (E_l local), P EP members,
