@@ -49,6 +49,9 @@ def layer_problems(layer: Any, name: str) -> List[str]:
     where = f"{FIELD} on Megatron MoE layer {name}"
     config = layer.config
     problems = [f"{where}: {p}" for p in partition_layout_problems(layer.moe_groups)]
+    tp = config.tensor_model_parallel_size
+    if tp != 1:           # the layer then sees its TP rank's sequence slice (sequence parallel), not whole samples
+        problems.append(f"{where}: tensor_model_parallel_size ({tp}) must be 1; partitions cut whole samples")
     for flag, value in (("moe_shared_expert_intermediate_size", config.moe_shared_expert_intermediate_size),
                         ("moe_latent_size", getattr(config, "moe_latent_size", None))):
         if value is not None:

@@ -78,3 +78,6 @@ def test_bad_setups_refused_in_one_line(world):
     assert all("GPT2Block.mlp changes the MoE layer's output (a residual MoE, a scale, a copy...); partitions need it "
                "to return the layer's output y or a view of all of it (batch-first: y.transpose(0, 1)), not a copy" in e
                for e in pool.run(refused, section, copying=True, timeout_s=TIMEOUT_S))
+    for e in pool.run(refused, section, ep=2, tp=2, timeout_s=TIMEOUT_S):      # every layer named, in one error
+        assert e.count("tensor_model_parallel_size (2) must be 1; partitions cut whole samples") == 2, e
+        assert "moe_plugins.lancet.partitions on Megatron MoE layer megatron.moe.2" in e, e

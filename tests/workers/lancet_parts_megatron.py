@@ -21,7 +21,7 @@ from tests.workers.lina_megatron import _ddp
 VOCAB, SEQ, B, RPN, LR = 64, 8, 4, 2, 0.05
 
 
-def _model(ep: int, pgc: Any, bert: bool, k: int = 2, capacity_factor: float = 1.0):
+def _model(ep: int, pgc: Any, bert: bool, k: int = 2, capacity_factor: float = 1.0, tp: int = 1):
     """The HF model (fp64) with Megatron MoE layers on every other block (built from the spec Megatron hands out:
     the plugin's while it is enabled), wrapped as the MegatronModule DDP takes, and those layers."""
     from moe_plugins.patches.megatron_specs import build_layer
@@ -31,7 +31,7 @@ def _model(ep: int, pgc: Any, bert: bool, k: int = 2, capacity_factor: float = 1
     from moe_plugins.recipes.train_megatron import wrap
     size = models.ModelSize(layers=4, hidden=16, heads=2, ffn=24, seq_len=SEQ, experts=4, k=k,
                             capacity_factor=capacity_factor)
-    settings = MegatronMoESettings(ep=ep, ranks_per_node=RPN)
+    settings = MegatronMoESettings(tp=tp, ep=ep, ranks_per_node=RPN)
     layers: List[Any] = []
     numbers = [i + 1 for i in models.moe_layer_indices(size)]
 
@@ -42,7 +42,7 @@ def _model(ep: int, pgc: Any, bert: bool, k: int = 2, capacity_factor: float = 1
         layer.set_layer_number(number)
         init_experts(layer.experts, config, 3, number, pgc.ep.rank(), 0)
         layers.append(layer)
-        return MegatronMoE(layer, pgc.tp, 1)
+        return MegatronMoE(layer, pgc.tp, tp)
 
     torch.manual_seed(0)
     build = models.build_bert_moe if bert else models.build_gpt2_moe
@@ -141,16 +141,17 @@ def _copying(wrapper: Any):
     return forward
 
 
-def refused(section: Dict[str, Any], ep: int = 4, **extra) -> str:
-    """The error of handing the model to the executor (``micro_batch``), of a training forward without that
-    (``skip_wrap``), or of a training forward whose MoE wrapper returns a copy of the output (``copying``)."""
+def refused(section: Dict[str, Any], ep: int = 4, tp: int = 1, **extra) -> str:
+    """The error of handing the model (at TP ``tp``) to the executor (``micro_batch``), of a training forward without
+    that (``skip_wrap``), or of a training forward whose MoE wrapper returns a copy of the output (``copying``)."""
     from moe_plugins.patches import megatron as mp
     world = dist.get_world_size()
     with ExitStack() as stack:
         stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=world, ranks_per_node=RPN, ep=ep)))
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=world, ranks_per_node=RPN, mp=tp,
+                                                                       ep=ep)))
         handle = stack.enter_context(mp.enable(section, groups=groups))
-        module, layers = _model(ep, groups.pg_collection, False)
+        module, layers = _model(ep, groups.pg_collection, False, tp=tp)
         try:
             if extra.get("skip_wrap"):
                 module(input_ids=torch.zeros(B, SEQ, dtype=torch.long))
