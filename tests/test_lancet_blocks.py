@@ -14,22 +14,8 @@ from tests.workers.lancet_blocks import stock_and_partitioned
 EXACT = 1e-12
 
 
-def test_dropout_replay_gives_each_partition_its_rows_of_the_whole_mask():
-    x = torch.randn(4, 3, 5, dtype=torch.float64)
-    torch.manual_seed(3)
-    whole = torch.nn.functional.dropout(x, 0.3, True)
-    torch.manual_seed(3)
-    replay = DropoutReplay(2)
-    with replay.patched():
-        parts = []
-        for p in range(2):
-            replay.start(p)
-            parts.append(torch.nn.functional.dropout(x[2 * p:2 * p + 2], 0.3, True))
-    assert torch.equal(torch.cat(parts), whole)
-    assert torch.nn.functional.dropout is not replay.dropout              # restored
-
-
 def _replayed(x_BLM: torch.Tensor, order) -> torch.Tensor:
+    """Two partitions of ``x_BLM`` through one replayed dropout, each laid out in dim ``order`` (None: as cut)."""
     torch.manual_seed(3)
     replay = DropoutReplay(2)
     with replay.patched():
@@ -37,7 +23,15 @@ def _replayed(x_BLM: torch.Tensor, order) -> torch.Tensor:
         for p in range(2):
             replay.start(p)
             parts.append(torch.nn.functional.dropout(in_layout(x_BLM[2 * p:2 * p + 2].contiguous(), order), 0.3, True))
+    assert torch.nn.functional.dropout is not replay.dropout              # restored
     return torch.cat(parts)
+
+
+def test_dropout_replay_gives_each_partition_its_rows_of_the_whole_mask():
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    torch.manual_seed(3)
+    whole = torch.nn.functional.dropout(x, 0.3, True)
+    assert torch.equal(_replayed(x, None), whole)
 
 
 def test_dropout_replay_draws_in_the_memory_layout_of_its_input():

@@ -38,17 +38,11 @@ def measure_profile(handle, profile_dir: str) -> None:
     layout the plugin will give the model's layers, cached in ``profile_dir`` for ``handle`` to read."""
     import torch.distributed as dist
 
-    from moe_plugins.core.costmodel import cache_path
     from moe_plugins.core.layout import ParallelLayout
-    from moe_plugins.tools.profiler import ProfileSpec, profile_rank
+    from tests.workers.profiles import measure_ep_profile
     world = dist.get_world_size()
-    layout = ParallelLayout(world=world, ranks_per_node=handle.ranks_per_node or world, ep=world)
-    spec = ProfileSpec(layout=layout, sizes_bytes=(2 ** 12, 2 ** 14, 2 ** 16), gemm_rows=(16, 64, 256),
-                       gemm_shape=(1, 16, 24), ops=("gemm", "all_to_all"), groups=("ep",), warmup=1, repeats=2)
-    profile = profile_rank(spec, source="test", progress=False)
-    if profile is not None:
-        profile.save(cache_path(profile_dir, profile.key))
-    dist.barrier()
+    measure_ep_profile(ParallelLayout(world=world, ranks_per_node=handle.ranks_per_node or world, ep=world),
+                       profile_dir)
     handle.profile_dir = profile_dir
 
 

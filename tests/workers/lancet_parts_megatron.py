@@ -17,6 +17,7 @@ import torch.distributed as dist
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu
 from tests.workers.lina_megatron import _ddp
+from tests.workers.profiles import measure_ep_profile
 
 VOCAB, SEQ, B, RPN, LR = 64, 8, 4, 2, 0.05
 
@@ -58,19 +59,6 @@ def _skew(layers: List[Any]) -> None:
             layer.router.weight[0] += 2.0
 
 
-def _measure_profile(layout: ParallelLayout, profile_dir: str) -> None:
-    """Collective: ``moe-plugins profile``'s measurement (the all-to-all on EP and the GEMM only, few sizes) for
-    ``layout``, cached in ``profile_dir``."""
-    from moe_plugins.core.costmodel import cache_path
-    from moe_plugins.tools.profiler import ProfileSpec, profile_rank
-    spec = ProfileSpec(layout=layout, sizes_bytes=(2 ** 12, 2 ** 14, 2 ** 16), gemm_rows=(16, 64, 256),
-                       gemm_shape=(1, 16, 24), ops=("gemm", "all_to_all"), groups=("ep",), warmup=1, repeats=2)
-    profile = profile_rank(spec, source="test", progress=False)
-    if profile is not None:
-        profile.save(cache_path(profile_dir, profile.key))
-    dist.barrier()
-
-
 def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, accumulate: int = 1,
           bert: bool = False, skew: bool = False, profile_dir: Optional[str] = None) -> Dict[str, Any]:
     """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last), each ended by DDP's
@@ -86,7 +74,7 @@ def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, acc
         groups = stack.enter_context(mp.megatron_groups(layout))
         pgc = groups.pg_collection
         if profile_dir is not None:
-            _measure_profile(layout, profile_dir)
+            measure_ep_profile(layout, profile_dir)
         handle = stack.enter_context(mp.enable(section, groups=groups)) if section is not None else None
         module, layers = _model(ep, pgc, bert)
         if skew:
