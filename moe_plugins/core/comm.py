@@ -74,8 +74,17 @@ class Recorder:
         try:
             handle = self.engine.issue(op, group, x, priority=URGENT, lane=PIPELINE, layer=self.layer, phase=phase,
                                        ledger=self.ledger, splits=splits)
+        except CommError as exc:
+            raise self.failed(exc) from exc
+        return self.wait_overlapped(handle)
+
+    def wait_overlapped(self, handle: Any) -> torch.Tensor:
+        """The result of an op in flight, ``while_in_flight(handle)`` run first when there is a callback; a failed
+        collective raised naming the layer and schedule."""
+        try:
             try:
-                self.while_in_flight(handle)
+                if self.while_in_flight is not None:
+                    self.while_in_flight(handle)
             finally:
                 out = handle.wait()          # the exchange is collective: wait for it even if the callback failed
             return out

@@ -115,10 +115,10 @@ class Backlog:
     (``peak``; 2 or more: the backward pipelines partitions against each other)."""
 
     def __init__(self) -> None:
-        self.in_flight, self.peak, self.issued = 0, 0, 0
+        self.in_flight, self.peak = 0, 0
 
     def issue(self) -> None:
-        self.in_flight, self.issued = self.in_flight + 1, self.issued + 1
+        self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
 
     def landed(self) -> None:
@@ -176,19 +176,12 @@ class _Anchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _placeholder):
-        reverse, rec = ctx.reverse, ctx.rec
+        reverse = ctx.reverse
         handle, reverse.handle = reverse.handle, None
         try:
-            try:
-                if rec.while_in_flight is not None:
-                    rec.while_in_flight(handle)
-            finally:
-                out = handle.wait()          # collective: waited for even if the callback failed
-        except CommError as exc:
-            raise rec.failed(exc) from exc
+            return ctx.rec.wait_overlapped(handle), None, None
         finally:
             reverse.backlog.landed()
-        return out, None, None
 
 
 class _Landed(torch.autograd.Function):
