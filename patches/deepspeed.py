@@ -183,7 +183,7 @@ class DeepSpeedPlugin:
             plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = found, names, lina, infer
             try:
                 result = original(engine, model)
-                plugin.lina.install(lina, engine, model)
+                plugin.lina.install(lina, engine, model, plugin)
                 plugin.lancet.install_model(engine, model, plugin._layers, plugin.profile_dir or None)
                 plugin.hecate.install(model, plugin._layers, engine)
                 return result

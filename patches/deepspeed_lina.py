@@ -42,6 +42,7 @@ from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.microops import micro_op_bytes
 from moe_plugins.lina.reducer import GradReducer, PendingReduce
+from moe_plugins.patches import deepspeed_lina_packing as packing
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
@@ -95,8 +96,6 @@ def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: s
         problems.append(f"{PATH} does not support sparse gradients (nn.Embedding(sparse=True): {', '.join(sparse)})")
     if getattr(engine, "sequence_parallel_size", 1) > 1:
         problems.append(f"{PATH} does not support sequence parallelism (size {engine.sequence_parallel_size})")
-    if lina.packing != 1:
-        problems.append(f"{PATH}.packing ({lina.packing!r}) is not supported by the DeepSpeed adapter yet; use 1")
     return problems
 
 
@@ -127,6 +126,7 @@ class LinaEngine:
         self.handles: List[Any] = []
         self.submitted = self.skipped = self.passed = 0
         self.mode = ""
+        self.packer: Any = None                 # patches/deepspeed_lina_packing.EnginePacker when packing != 1
 
     # -- micro-ops -------------------------------------------------------------------------------------
 
@@ -241,6 +241,23 @@ class LinaEngine:
             self.pending.clear()
 
 
+def _packer(engine, model: torch.nn.Module, lina: LinaConfig, layout: ParallelLayout, plugin: Any,
+            problems: List[str]) -> Optional[packing.EnginePacker]:
+    """The engine's packer when ``lina.packing`` != 1 (its layout's problems added to ``problems``)."""
+    if lina.packing == 1:
+        return None
+    from deepspeed.moe.layer import MoE
+    layers = [packing.PackedLayer(m, plugin._layers) for m in model.modules()
+              if isinstance(m, MoE) and m.deepspeed_moe in plugin._layers]
+    problems += packing.layout_problems(layout, layers[0].config.num_experts, lina)
+    stock = layers[0].moe.expert_group_name
+
+    def register(target: ParallelLayout):
+        name = stock if target == layout else f"ep_size_{target.ep}"
+        return name, plugin._register(name, plugin._host_groups(target, False))
+    return packing.EnginePacker(engine, layers, lina, register, lambda t: plugin._host_groups(t, False).groups)
+
+
 class LinaHooks:
     """The Lina part of one ``moe_plugins.enable()``: which DeepSpeed engine is being set up with a ``lina``
     section (:attr:`current`), and the engines set up so (:attr:`engines`)."""
@@ -259,6 +276,7 @@ class LinaHooks:
         if not lina.training:
             return None
         problems = config_problems(engine, model, lina, deepspeed.__version__)
+        problems += packing.config_problems(engine, cfg, lina)
         if problems:
             raise ValueError("moe_plugins cannot run Lina on this DeepSpeed engine: " + "; ".join(problems))
         return _Setup(config=lina)
@@ -285,11 +303,12 @@ class LinaHooks:
         """A MoE layer of the engine being set up runs on ``layout`` with the engine ``comm``."""
         self.current.layouts.setdefault(layout, (groups, comm, profile_fn))
 
-    def install(self, setup: Optional[_Setup], engine, model: torch.nn.Module) -> None:
-        """After the engine's MoE layers are set up: check the layout, then hook this engine (collective-free)."""
+    def install(self, setup: Optional[_Setup], engine, model: torch.nn.Module, plugin: Any) -> None:
+        """After the engine's MoE layers are set up (``plugin``: the DeepSpeedPlugin that swapped them): check the
+        layout, then hook this engine (collective-free)."""
         if setup is None:
             return
-        problems = []
+        problems, packer = [], None
         if len(setup.layouts) != 1:
             found = "; ".join(f"mp={lay.mp} ep={lay.ep} esp={lay.esp}" for lay in setup.layouts)
             problems.append(f"{PATH} needs the model's swapped MoE layers on exactly one layout; found "
@@ -301,6 +320,7 @@ class LinaHooks:
             if ds_dp != tuple(groups.dp.ranks):
                 problems.append(f"{PATH}: DeepSpeed's data-parallel group {list(ds_dp)} differs from the MoE "
                                 f"layout's {list(groups.dp.ranks)} (mp={layout.mp} ep={layout.ep} esp={layout.esp})")
+            packer = _packer(engine, model, setup.config, layout, plugin, problems)
         if problems:
             raise ValueError("moe_plugins cannot run Lina on this DeepSpeed engine: " + "; ".join(problems))
         lina = setup.config
@@ -309,6 +329,9 @@ class LinaHooks:
         dense = [p for p in model.parameters() if p.requires_grad and not _is_moe_param(p)]
         state = LinaEngine(engine, GradReducer(comm, micro_op_bytes=size, priority=lina.priority), groups.dp, dense)
         self.engines.append(state)
+        if packer is not None:
+            state.packer = packer
+            state.patchers.append(packer.patcher().apply())
         stage = engine.zero_optimization_stage()
         if stage == 0:
             state.mode = "boundary-hook"

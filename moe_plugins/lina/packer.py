@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -41,12 +41,15 @@ class PackingController:
     ``packing``: an int p (regroup once, now: collective) or ``"auto"`` (the paper's rule at the check steps).
     ``optimizer``: whose state moves with the expert parameters. ``max_packing``: the paper's cap on experts
     per device (default: all on every device). ``group``: where the timings are agreed (default: the world).
-    Groups it builds for a packing are kept for a return to it and destroyed by :meth:`close`."""
+    Groups it builds for a packing are kept for a return to it and destroyed by :meth:`close`. A host passes
+    ``regroup(layers, groups, optimizer)`` (its own move; default: the core layers') and ``groups_for(packing)``
+    (groups it builds, registers and frees itself; default: built here)."""
 
     def __init__(self, layers: Sequence[Any], groups: MoEProcessGroups, *, packing: Union[int, str] = AUTO,
                  optimizer: Optional[Any] = None, start: int = START_STEP, every: int = EVERY_STEPS,
                  max_packing: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
-                 path: str = "moe_plugins.lina"):
+                 path: str = "moe_plugins.lina", regroup: Callable[..., None] = regroup_layers,
+                 groups_for: Optional[Callable[[int], MoEProcessGroups]] = None):
         if not layers:
             raise ValueError("PackingController needs at least one MoE layer")
         problems = packing_layout_problems(packing, groups.layout, layers[0].config.num_experts, path)
@@ -63,6 +66,7 @@ class PackingController:
         self.base_ep = groups.layout.ep
         self.packing, self.groups, self.steps = 1, groups, 0
         self._groups: Dict[int, MoEProcessGroups] = {1: groups}
+        self._regroup, self._groups_for, self._owned = regroup, groups_for, set()
         self._window: Deque[MicroOpTimes] = deque(maxlen=every)
         self.decisions: List[Tuple[int, MicroOpTimes, int, int]] = []   # (step, agreed times, from, to)
         self.probe = PackingProbe()
@@ -108,8 +112,12 @@ class PackingController:
         if packing == self.packing:
             return
         if packing not in self._groups:         # collective over the default group, like every group build
-            self._groups[packing] = build_process_groups(packed_layout(self._groups[1].layout, packing))
-        regroup_layers(self.layers, self._groups[packing], self.optimizer)
+            if self._groups_for is not None:
+                self._groups[packing] = self._groups_for(packing)
+            else:
+                self._groups[packing] = build_process_groups(packed_layout(self._groups[1].layout, packing))
+                self._owned.add(packing)
+        self._regroup(self.layers, self._groups[packing], self.optimizer)
         self.packing, self.groups = packing, self._groups[packing]
         self._window.clear()                    # timings of the old layout say nothing about the new one
 
@@ -118,9 +126,8 @@ class PackingController:
         groups first, or no longer used."""
         if self.packing != 1:
             raise ValueError(f"close() with the layers packed ({self.packing}): set_packing(1) first, or drop them")
-        for packing, groups in list(self._groups.items()):
-            if packing != 1:
-                destroy_process_groups(groups)
-                del self._groups[packing]
+        for packing in sorted(self._owned):
+            destroy_process_groups(self._groups.pop(packing))
+        self._owned.clear()
         for layer in self.layers:
             PackingProbe.detach(layer)

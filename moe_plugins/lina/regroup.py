@@ -21,10 +21,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from moe_plugins.core.comm import Recorder
 from moe_plugins.core.executor import Sequential
 from moe_plugins.core.groups import Group, MoEProcessGroups, int_spread
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.lina.packing import EXPERT_KEYS, MovePlan, expert_block, move_plan, regroup_problems
+from moe_plugins.lina.packing import EXPERT_KEYS, expert_block, move_plan, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,8 @@ def regroup_layers(layers: Sequence[Any], groups: MoEProcessGroups, optimizer: O
         raise ValueError("cannot regroup: " + "; ".join(problems))
     schedules = [rebuild_schedule(layer.schedule, groups) for layer in layers]   # raises before moving
     if old.layout.ep != groups.layout.ep:
-        fine = old if old.layout.ep >= groups.layout.ep else groups
         items = [item for layer in layers for item in _moved(layer, optimizer)]
-        plan = move_plan(num_experts, old.layout.ep, groups.layout.ep)
-        new = _move(items, plan, fine.ep, old.layout, groups.layout, layers[0])
+        new = move_experts([t for _, _, t in items], num_experts, old, groups, layers[0].rec)
         for (param, slot, _), tensor in zip(items, new):
             _assign(param, slot, tensor, optimizer)
         log.info("lina packing: regrouped %d MoE layers from ep %d to ep %d (%d experts; %d tensors moved)",
@@ -90,25 +89,33 @@ def _assign(param: torch.nn.Parameter, slot: str, tensor: torch.Tensor, optimize
         optimizer.state[param][slot] = tensor
 
 
-def _move(items: List[Moved], plan: MovePlan, fine: Group, old: ParallelLayout, new: ParallelLayout,
-          recorder_of: Any) -> List[torch.Tensor]:
-    """The new tensors (leading dim: the new local experts) for ``items``: one all-to-all per dtype (one in
-    practice) on ``fine`` (this rank's EP group of the finer layout), rows of whole experts."""
+def move_experts(items: Sequence[Sequence[torch.Tensor]], num_experts: int, old_groups: MoEProcessGroups,
+                 new_groups: MoEProcessGroups, rec: Optional[Recorder] = None) -> List[torch.Tensor]:
+    """Whole experts moved from ``old_groups``' layout to ``new_groups``' (EP degrees dividing one another):
+    ``items[n][i]`` is item ``n``'s tensor for this rank's ``i``-th local expert under the old layout (a stacked
+    ``[E_l, ...]`` tensor or a list of per-expert tensors; every item holds one tensor per local expert); the
+    result, per item, is the stacked ``[E_l', ...]`` tensor for the new local experts. One all-to-all per dtype
+    (one in practice) on this rank's EP group of the finer layout, recorded in ``rec``'s engine and ledger."""
+    old, new = old_groups.layout, new_groups.layout
+    fine = (old_groups if old.ep >= new.ep else new_groups).ep
+    plan = move_plan(num_experts, old.ep, new.ep)
     j = fine.rank
     old_ids = expert_block(plan.num_experts, old.ep, j % old.ep)
     new_ids = expert_block(plan.num_experts, new.ep, j % new.ep)
     out: List[Optional[torch.Tensor]] = [None] * len(items)
     by_dtype: Dict[torch.dtype, List[int]] = {}
-    for n, (_, _, t) in enumerate(items):
-        by_dtype.setdefault(t.dtype, []).append(n)
-    _check_same_everywhere(sum(t[0].numel() for _, _, t in items), len(items), len(by_dtype), fine)
+    for n, t in enumerate(items):
+        if len(t) != len(old_ids):
+            raise ValueError(f"item {n} holds {len(t)} experts; this rank holds {len(old_ids)} under ep {old.ep}")
+        by_dtype.setdefault(t[0].dtype, []).append(n)
+    _check_same_everywhere(sum(t[0].numel() for t in items), len(items), len(by_dtype), fine)
     for idx in by_dtype.values():
-        tensors = [items[n][2] for n in idx]
+        tensors = [items[n] for n in idx]
         widths = [t[0].numel() for t in tensors]
         width = sum(widths)
         rows = [torch.cat([t[e - old_ids.start].reshape(-1) for t in tensors])
                 for i in range(plan.size) for e in plan.sends[j][i]]
-        send = torch.cat(rows) if rows else tensors[0].new_empty(0)
+        send = torch.cat(rows) if rows else tensors[0][0].new_empty(0)
         in_splits = [len(plan.sends[j][i]) * width for i in range(plan.size)]
         out_splits = [len(plan.sends[i][j]) * width for i in range(plan.size)]
         recv = send.new_empty(sum(out_splits))
@@ -117,14 +124,14 @@ def _move(items: List[Moved], plan: MovePlan, fine: Group, old: ParallelLayout, 
         else:
             start = time.perf_counter_ns()
             dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=fine.pg)
-            _record(recorder_of, fine, send, in_splits, new, start)
+            _record(rec, fine, send, in_splits, new, start)
         order = plan.received(j)
         got = recv.view(len(order), width)
         rows_by_id = {e: got[k] for k, e in enumerate(order)}
         stacked = torch.stack([rows_by_id[e] for e in new_ids])       # new local order
         offset = 0
         for n, t, w in zip(idx, tensors, widths):
-            out[n] = stacked[:, offset:offset + w].reshape((len(new_ids),) + tuple(t.shape[1:])).clone()
+            out[n] = stacked[:, offset:offset + w].reshape((len(new_ids),) + tuple(t[0].shape)).clone()
             offset += w
     return out
 
@@ -140,12 +147,12 @@ def _check_same_everywhere(width: int, count: int, dtypes: int, fine: Group) -> 
                          "the same gradients and optimizer state on every rank (e.g. after zero_grad on all)")
 
 
-def _record(layer: Any, fine: Group, send: torch.Tensor, in_splits: List[int], layout: ParallelLayout,
+def _record(rec: Optional[Recorder], fine: Group, send: torch.Tensor, in_splits: List[int], layout: ParallelLayout,
             start_ns: int) -> None:
-    engine = getattr(getattr(layer, "rec", None), "engine", None)
-    if engine is None:
+    if rec is None:
         return
+    engine = rec.engine
     me = layout.node_of(fine.ranks[fine.rank])
     remote = sum(n for r, n in zip(fine.ranks, in_splits) if layout.node_of(r) != me)
     engine.record(layer="lina-packing", op="all_to_all", group=fine, numel=send.numel(), elsize=send.element_size(),
-                  remote_elems=remote, phase="regroup", ledger=layer.ledger, start_ns=start_ns)
+                  remote_elems=remote, phase="regroup", ledger=rec.ledger, start_ns=start_ns)

@@ -1,0 +1,313 @@
+"""Lina's expert packing on a DeepSpeed engine (``"lina": {"packing": p | "auto"}``; docs/lina.md, "Packing").
+
+Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank holds p times its stock experts
+(DeepSpeed expert modules), and expert-DP grows by p (moe_plugins/lina/packing.py). The pieces:
+
+- :func:`config_problems` (the section and the engine's settings, before anything is set up) and
+  :func:`layout_problems` (the swapped layers' layout, before anything is patched): ZeRO stage 0 in fp32 (ZeRO
+  1/2, fp16 and bf16 flatten the parameters into buffers that a change in the number of experts per rank would
+  have to rebuild), the ``baseline`` schedule at pipeline degree 1 with MP 1 and ESP 1, no Hecate or Lancet, and
+  ``"auto"`` only off CUDA (its probe times micro-ops by the wall clock).
+- :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
+  DeepSpeed layers. The experts' values, gradients and optimizer state shaped like them move with one
+  all-to-all per fine EP group (:func:`moe_plugins.lina.regroup.move_experts`); each layer's
+  ``deepspeed_experts`` then grows (copies of its first expert module, their parameters added to the optimizer
+  group of the ones they copy, with its scalar state: Adam's ``step``) or shrinks (parameters and state
+  dropped); every expert parameter names the layout's DeepSpeed group (``ep_size_{ep}``, registered with the
+  layout's EP and expert-DP groups by the plugin); the plugin's swapped layer is rebuilt on the new groups.
+  The gate keeps its stock EP group: the dropless capacity is agreed over the stock EP group (a superset of
+  the packed one), so routing, capacities and drops are stock's.
+- :class:`EnginePacker` wraps four methods of the engine (instance attributes, undone with Lina's patches):
+  ``_configure_optimizer`` makes the controller once the optimizer exists (a fixed p regroups there, before the
+  first step); ``step`` calls ``step_end`` at every gradient-accumulation boundary ("auto" checks at steps 10,
+  14, ...); ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call,
+  packed again after), so the files are stock DeepSpeed's both ways.
+
+Gradients need no rescaling: DeepSpeed 0.19.8 averages expert gradients over the DP world size at ZeRO 0
+(``DeepSpeedEngine._reduce_expert_gradients``), whatever the expert-DP size.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from moe_plugins.core.groups import MoEProcessGroups
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.core.patcher import Patch, Patcher
+from moe_plugins.core.plugin_config import SECTION
+from moe_plugins.lina.config import LinaConfig
+from moe_plugins.lina.packer import PackingController
+from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
+from moe_plugins.lina.probe import rebuild_schedule
+from moe_plugins.lina.regroup import move_experts
+
+logger = logging.getLogger("moe_plugins.deepspeed")
+FIELD = f"{SECTION}.lina.packing"
+SCHEDULES = ("baseline",)
+Register = Callable[[ParallelLayout], Tuple[str, Any]]    # layout -> (DeepSpeed group name, its EP process group)
+
+
+def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
+    """Why this section and engine cannot pack (empty: they can, or ``packing`` is 1), each naming its field."""
+    if lina.packing == 1:
+        return []
+    what, problems = f"{FIELD} ({lina.packing!r})", []
+    stage = int(engine.zero_optimization_stage())
+    if stage != 0:
+        problems.append(f"{what} runs on zero_optimization.stage 0, and it is {stage}: ZeRO 1/2 flatten the "
+                        "expert parameters into partitioned buffers, which a change of experts per rank would rebuild")
+    for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
+        if on:
+            problems.append(f"{what} runs in fp32, and {name}.enabled is true: DeepSpeed's {name} optimizer keeps "
+                            "flat master copies that packing does not resize")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"{what} runs the schedule {' or '.join(map(repr, SCHEDULES))}, and "
+                        f"{SECTION}.schedule is {cfg.schedule!r}")
+    if cfg.pipeline_degree != 1:
+        problems.append(f"{what} needs {SECTION}.pipeline_degree 1 (got {cfg.pipeline_degree!r}): a pipelined "
+                        "executor's lanes hold groups of the stock layout")
+    if cfg.esp not in (None, 1):
+        problems.append(f"{what} needs {SECTION}.esp 1 (got {cfg.esp})")
+    for name in ("hecate", "lancet"):
+        if getattr(cfg, name) is not None:
+            problems.append(f"{what} does not combine with {SECTION}.{name}: both move or wrap the expert modules")
+    if lina.inference is not None:
+        problems.append(f"{what} does not combine with {SECTION}.lina.inference (its replicas assume stock homes)")
+    device = getattr(engine, "device", None)
+    if lina.packing == AUTO and getattr(device, "type", str(device)) == "cuda":
+        problems.append(f'{what}: "auto" times the micro-ops by the wall clock, which on CUDA measures kernel '
+                        "launches; give a fixed packing there")
+    return problems
+
+
+def layout_problems(layout: ParallelLayout, num_experts: int, lina: LinaConfig) -> List[str]:
+    """Why the swapped layers' ``layout`` cannot pack (a fixed p must divide ep; MP and ESP 1)."""
+    problems = packing_layout_problems(lina.packing, layout, num_experts, f"{SECTION}.lina")
+    if layout.mp != 1 or layout.esp != 1:
+        problems.append(f"{FIELD} ({lina.packing!r}) runs with tensor parallelism 1 and esp 1 (the layout has "
+                        f"mp {layout.mp}, esp {layout.esp})")
+    return problems
+
+
+class PackedLayer:
+    """One swapped DeepSpeed MoE layer (``moe``: ``deepspeed.moe.layer.MoE``) as the controller sees it: its
+    ``name``, ``config``, ``groups``, ``rec`` and ``schedule``; setting ``schedule`` replaces the plugin's
+    SwappedLayer record in ``table``."""
+
+    def __init__(self, moe: torch.nn.Module, table: Any):
+        self.moe, self._table = moe, table
+
+    @property
+    def swapped(self) -> Any:
+        return self._table[self.moe.deepspeed_moe]
+
+    name = property(lambda self: self.swapped.name)
+    config = property(lambda self: self.swapped.schedule.config)
+    groups = property(lambda self: self.swapped.groups)
+    rec = property(lambda self: self.swapped.schedule.rec)
+    experts = property(lambda self: self.moe.deepspeed_moe.experts.deepspeed_experts)
+
+    @property
+    def schedule(self) -> Any:
+        return self.swapped.schedule
+
+    @schedule.setter
+    def schedule(self, value: Any) -> None:
+        if self.moe.deepspeed_moe in self._table:          # gone once the plugin is disabled
+            self._table[self.moe.deepspeed_moe] = dataclasses.replace(self.swapped, schedule=value)
+
+    def rebuilt(self, groups: MoEProcessGroups, schedule: Any) -> None:
+        self._table[self.moe.deepspeed_moe] = dataclasses.replace(self.swapped, schedule=schedule, groups=groups)
+
+
+Item = Tuple[PackedLayer, str, str]          # (layer, parameter name inside an expert, "data" | "grad" | state key)
+
+
+def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any], *,
+                      register: Register) -> None:
+    """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves."""
+    old = layers[0].groups
+    num_experts = layers[0].config.num_experts
+    problems = regroup_problems(old.layout, groups.layout, num_experts)
+    problems += [f"layer {layer.name}: on layout {layer.groups.layout}, not {old.layout}" for layer in layers
+                 if layer.groups.layout != old.layout]
+    if problems:
+        raise ValueError(f"{FIELD}: cannot regroup: " + "; ".join(problems))
+    schedules = [rebuild_schedule(layer.schedule, groups) for layer in layers]    # raises before moving
+    if old.layout.ep == groups.layout.ep:
+        return
+    where: List[Item] = []
+    tensors: List[List[torch.Tensor]] = []
+    scalars: Dict[Tuple[int, str], Dict[str, Any]] = {}
+    for layer in layers:
+        for key, params in _by_name(layer.experts).items():
+            for slot, found in _slots(key, params, optimizer, layer.name):
+                where.append((layer, key, slot))
+                tensors.append(found)
+            scalars[(id(layer), key)] = _scalar_state(key, params, optimizer, layer.name)
+    moved = move_experts(tensors, num_experts, old, groups, layers[0].rec)
+    name, ep_pg = register(groups.layout)
+    local = num_experts // groups.layout.ep
+    for layer in layers:
+        _resize(layer, local, optimizer, scalars, name)
+    for (layer, key, slot), stacked in zip(where, moved):
+        for i, expert in enumerate(layer.experts):
+            param = dict(expert.named_parameters())[key]
+            if slot == "data":
+                param.data = stacked[i].clone()
+            elif slot == "grad":
+                param.grad = stacked[i].clone()
+            else:
+                optimizer.state[param][slot] = stacked[i].clone()
+    for layer, schedule in zip(layers, schedules):
+        moe, inner = layer.moe, layer.moe.deepspeed_moe
+        moe.ep_size = inner.ep_size = groups.layout.ep
+        moe.num_local_experts = inner.num_local_experts = inner.experts.num_local_experts = local
+        moe.expert_group_name, inner.ep_group = name, ep_pg     # the gate keeps the stock EP group (docstring)
+        layer.rebuilt(groups, schedule)
+    logger.info("moe_plugins: Lina packing regrouped %d DeepSpeed MoE layers from ep %d to ep %d (%d experts per "
+                "rank, DeepSpeed group %s)", len(layers), old.layout.ep, groups.layout.ep, local, name)
+
+
+def _by_name(experts: torch.nn.ModuleList) -> Dict[str, List[torch.nn.Parameter]]:
+    """Per parameter name inside an expert module, that parameter of every local expert (in local order)."""
+    names = [n for n, _ in experts[0].named_parameters()]
+    return {n: [dict(e.named_parameters())[n] for e in experts] for n in names}
+
+
+def _slots(key: str, params: List[torch.nn.Parameter], optimizer: Optional[Any],
+           layer: str) -> List[Tuple[str, List[torch.Tensor]]]:
+    """What moves with parameter ``key`` of every local expert: values, gradients, optimizer tensors like it."""
+    out = [("data", [p.data for p in params])]
+    has_grad = {p.grad is not None for p in params}
+    if len(has_grad) != 1:
+        raise ValueError(f"{FIELD}: layer {layer}: some experts' {key} have a gradient and some not; regroup at a "
+                         "step boundary")
+    if has_grad == {True}:
+        out.append(("grad", [p.grad for p in params]))
+    states = [optimizer.state.get(p, {}) if optimizer is not None else {} for p in params]
+    keys = sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.shape == params[0].shape)
+    for k in keys:
+        if any(k not in s for s in states):
+            raise ValueError(f"{FIELD}: layer {layer}: optimizer state {k!r} of {key} is missing on some experts")
+        out.append((k, [s[k] for s in states]))
+    return out
+
+
+def _scalar_state(key: str, params: List[torch.nn.Parameter], optimizer: Optional[Any],
+                  layer: str) -> Dict[str, Any]:
+    """The optimizer state of ``key`` not shaped like it (Adam's ``step``), the same on every local expert: what
+    a new expert module's parameter starts with."""
+    if optimizer is None:
+        return {}
+    states = [{k: v for k, v in optimizer.state.get(p, {}).items() if not (torch.is_tensor(v) and
+               v.shape == p.shape)} for p in params]
+    first = states[0]
+    for s in states[1:]:
+        if s.keys() != first.keys() or any(not _same(s[k], first[k]) for k in s):
+            raise ValueError(f"{FIELD}: layer {layer}: the experts' {key} differ in optimizer state "
+                             f"{sorted(first)} (stepped apart?); packing copies it to new experts")
+    return first
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool(torch.equal(a, b)) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
+
+
+def _resize(layer: PackedLayer, local: int, optimizer: Optional[Any], scalars: Mapping[Tuple[int, str], Any],
+            name: str) -> None:
+    """``layer``'s expert modules grown or shrunk to ``local``, in the optimizer too; every expert parameter
+    names DeepSpeed's group ``name``."""
+    experts = layer.experts
+    template = dict(experts[0].named_parameters())
+    groups = {key: _group_of(optimizer, p) for key, p in template.items()} if optimizer is not None else {}
+    while len(experts) > local:
+        for p in experts[-1].parameters():
+            if optimizer is not None:
+                optimizer.state.pop(p, None)
+                for group in optimizer.param_groups:
+                    group["params"] = [q for q in group["params"] if q is not p]
+        del experts[len(experts) - 1]
+    while len(experts) < local:
+        clone = copy.deepcopy(experts[0])
+        for key, p in clone.named_parameters():
+            p.grad = None
+            if optimizer is not None:
+                groups[key]["params"].append(p)
+                optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else copy.copy(v)
+                                      for k, v in scalars[(id(layer), key)].items()}
+        experts.append(clone)
+    for p in experts.parameters():
+        p.allreduce, p.group_name = False, name
+
+
+def _group_of(optimizer: Any, param: torch.nn.Parameter) -> Dict[str, Any]:
+    for group in optimizer.param_groups:
+        if any(q is param for q in group["params"]):
+            return group
+    raise ValueError(f"{FIELD}: an expert parameter {tuple(param.shape)} is in no optimizer parameter group")
+
+
+class EnginePacker:
+    """Packing on one DeepSpeed engine (module docstring). ``controller`` is None until the engine has an
+    optimizer (an engine without one trains nothing, and stays unpacked)."""
+
+    WRAPPED = ("_configure_optimizer", "step", "save_checkpoint", "load_checkpoint")
+
+    def __init__(self, engine: Any, layers: List[PackedLayer], lina: LinaConfig, register: Register,
+                 groups_for: Callable[[ParallelLayout], MoEProcessGroups]):
+        self.engine, self.layers, self.lina = engine, layers, lina
+        self.register, self.groups_for = register, groups_for
+        self.controller: Optional[PackingController] = None
+
+    def patcher(self) -> Patcher:
+        return Patcher([Patch(self.engine, name, functools.partial(getattr(self, name.lstrip("_") + "_"),
+                                                                   getattr(self.engine, name)))
+                        for name in self.WRAPPED], logger=logger)
+
+    def configure_optimizer_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        optimizer = self.engine.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"{FIELD} ({self.lina.packing!r}) moves the state of a torch optimizer keyed by the "
+                             f"parameters; the engine's optimizer is {type(optimizer).__qualname__}")
+        base = self.layers[0].groups
+        self.controller = PackingController(
+            self.layers, base, packing=self.lina.packing, optimizer=optimizer, path=f"{SECTION}.lina",
+            regroup=functools.partial(regroup_deepspeed, register=self.register),
+            groups_for=lambda p: self.groups_for(packed_layout(base.layout, p)))
+        return out
+
+    def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        before = self.engine.global_steps
+        out = original(*args, **kwargs)
+        if self.controller is not None and self.engine.global_steps != before:
+            self.controller.step_end()
+        return out
+
+    def save_checkpoint_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        with self._stock():
+            return original(*args, **kwargs)
+
+    def load_checkpoint_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        with self._stock():
+            return original(*args, **kwargs)
+
+    @contextmanager
+    def _stock(self) -> Iterator[None]:
+        """Inside: the experts on the stock layout (collective on the way in and out when packed)."""
+        packing = self.controller.packing if self.controller is not None else 1
+        if packing != 1:
+            self.controller.set_packing(1)
+        try:
+            yield
+        finally:
+            if packing != 1:
+                self.controller.set_packing(packing)

@@ -1,0 +1,118 @@
+"""Lina's expert packing on DeepSpeed (patches/deepspeed_lina_packing.py): 4 gloo ranks, ZeRO 0, the tiny MoE model
+of tests/workers/deepspeed.py (4 experts at EP 4), trained with ``"lina": {"packing": p}`` against stock DeepSpeed."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from moe_plugins.core.plugin_config import PluginConfig  # noqa: E402
+from moe_plugins.lina.config import LinaConfig  # noqa: E402
+from moe_plugins.lina.packing import decide_packing, MicroOpTimes  # noqa: E402
+from moe_plugins.patches.deepspeed_hecate import config_choices  # noqa: E402
+from moe_plugins.patches.deepspeed_lina_packing import config_problems  # noqa: E402
+from tests.workers import lina_packing_deepspeed as jobs  # noqa: E402
+
+STEPS = 20
+
+
+def _merged(results, run):
+    out = {}
+    for res in results:
+        out.update(res[run]["experts"])
+    return out
+
+
+@pytest.mark.parametrize("packing,ep,k", [(2, 4, 1), (4, 4, 2), ("auto", 4, 1)], ids=["p2-k1", "p4-k2", "auto"])
+def test_packed_training_equals_stock_deepspeed(world, packing, ep, k):
+    """A fixed packing regroups when the optimizer is built, before the first step; "auto" decides at steps 10,
+    14, 18 from the agreed micro-op timings. Either way the 20 losses are stock's (fp32, 1e-5), and so are the
+    experts and their Adam moments, matched by global expert id over every rank (the packed layout's replicas
+    hold equal copies)."""
+    results = world(4).run(jobs.train_vs_stock, packing, ep, k, 3, STEPS)
+    for rank, res in enumerate(results):
+        off, on = res["off"], res["on"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
+        assert len(on["losses"]) == STEPS and rel <= 1e-5, (rank, rel)
+        assert on["wrapped_after"] == []                       # destroy() took the engine's wrappers off
+        assert on["packings"] == results[0]["on"]["packings"]  # every rank packs alike, at the same step
+    on = results[0]["on"]
+    if packing == "auto":
+        assert [d[0] for d in on["decisions"]] == [s for s in (10, 14, 18) if s <= STEPS][:len(on["decisions"])]
+        assert on["decisions"], on
+        current = 1
+        for step, expert_s, a2a_s, frm, to in on["decisions"]:
+            times = MicroOpTimes(expert_s=expert_s, expert_n=1, a2a_s=a2a_s, a2a_n=1)
+            assert frm == current and to == decide_packing(frm, times, ep), on["decisions"]
+            assert on["packings"][step - 1] == to
+            current = to
+        final = current
+    else:
+        assert set(on["packings"]) == {packing}
+        final = packing
+    assert jobs.local_counts(results) == [4 // ep * final] * 4
+    assert on["group_names"] == [f"ep_size_{ep // final}"]
+    assert on["optimizer_params"] == 5 + 4 * (4 // ep * final)       # inp, gate, head: 5; 4 per local expert
+    moves = 1 if packing != "auto" else sum(frm != to for _, _, _, frm, to in on["decisions"])
+    assert on["regroups"] == ["regroup:all_to_all@ep"] * moves
+    off_experts, on_experts = _merged(results, "off"), _merged(results, "on")
+    assert set(off_experts) == set(on_experts) and off_experts
+    worst = max(float((off_experts[n] - on_experts[n]).abs().max() / off_experts[n].abs().max().clamp_min(1e-12))
+                for n in off_experts)
+    assert worst <= 1e-4, worst
+    for res in results:          # the replicas of an expert (expert-DP grew by the packing) hold the same values
+        for name, value in res["on"]["experts"].items():
+            assert torch.equal(value, on_experts[name]), name
+
+
+@pytest.mark.parametrize("save,load", [(2, None), (None, 2), (2, 4)], ids=["packed-to-stock", "stock-to-packed",
+                                                                         "p2-to-p4"])
+def test_checkpoints_are_stock_files_both_ways(world, tmp_path, save, load):
+    """Saved while packed, the files are stock DeepSpeed's (the experts are unpacked around the write): a stock
+    engine loads them, and the other way; the loaded experts and Adam moments equal the saved ones bitwise, and
+    the resumed losses the saver's."""
+    sections = {None: None, 2: jobs.section(2), 4: jobs.section(4)}
+    results = world(4).run(jobs.checkpoint_across, sections[save], sections[load], 4, str(tmp_path))
+    saved, loaded = {}, {}
+    for res in results:
+        saved.update(res["saver"]["experts"])
+        loaded.update(res["loader"]["experts"])
+        assert res["saver"]["packing"] == (save or 1) and res["loader"]["packing"] == (load or 1)
+        rel = max(abs(a - b) / abs(a) for a, b in zip(res["saver"]["after"], res["loader"]["after"]))
+        assert rel <= 1e-6, (res["saver"]["after"], res["loader"]["after"])
+    assert set(saved) == set(loaded) and any(n.endswith("exp_avg") for n in saved)
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+def test_refusals_through_deepspeed_initialize_name_the_field_and_register_nothing(world):
+    """ZeRO 1 is refused before set-up; a packing that does not divide ep after the layers are swapped, before
+    anything is patched or regrouped: no packed DeepSpeed group is left registered either way."""
+    zero1, three = world(4).run(jobs.refused, jobs.section(2), 1), world(4).run(jobs.refused, jobs.section(3))
+    for res in zero1:
+        assert "moe_plugins.lina.packing (2) runs on zero_optimization.stage 0, and it is 1" in res["error"], res
+        assert res["extra_groups"] == []
+    for res in three:
+        assert "moe_plugins.lina.packing (3) must divide ep (4)" in res["error"], res
+        assert res["extra_groups"] == []
+
+
+def test_config_problems_name_every_field():
+    cfg = PluginConfig.from_dict({"schedule": "parm-s1", "pipeline_degree": 2, "esp": 2,
+                                  "lina": {"packing": "auto", "inference": {"table": "t.json"}}}, **config_choices())
+    cfg = dataclasses.replace(cfg, hecate={"enabled": True})   # a section the host's across-rules may refuse first
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
+                             bfloat16_enabled=lambda: True, device=torch.device("cuda", 0))
+    problems = config_problems(engine, cfg, LinaConfig.from_dict(cfg.lina))
+    text = "\n".join(problems)
+    for needle in ("zero_optimization.stage 0, and it is 2", "bf16.enabled is true", "moe_plugins.schedule is "
+                   "'parm-s1'", "moe_plugins.pipeline_degree 1 (got 2)", "moe_plugins.esp 1 (got 2)",
+                   "does not combine with moe_plugins.hecate", "does not combine with moe_plugins.lina.inference",
+                   '"auto" times the micro-ops by the wall clock'):
+        assert needle in text, (needle, problems)
+    assert len(problems) == 8
+    assert config_problems(engine, cfg, LinaConfig.from_dict({"packing": 1})) == []

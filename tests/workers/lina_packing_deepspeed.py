@@ -1,0 +1,121 @@
+"""Pool jobs for Lina's expert packing on DeepSpeed (tests/test_lina_packing_deepspeed.py): tests/workers/deepspeed.py's
+tiny MoE model (4 experts) at ZeRO 0 trained through ``deepspeed.initialize`` with ``"lina": {"packing": p}`` and
+without the plugin, and checkpoints written by one and read by the other."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.core.ledger import CommLedger
+from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
+from tests.workers import deepspeed as jobs
+
+
+def section(packing: Union[int, str], **extra: Any) -> Dict[str, Any]:
+    return {"ranks_per_node": 2, "lina": {"packing": packing, "micro_op_mb": 0.25}, **extra}
+
+
+def by_expert(engine) -> Dict[str, torch.Tensor]:
+    """The experts' parameters (and their Adam moments) keyed by global id, on whatever layout the layer is."""
+    from deepspeed.utils import groups
+    moe = engine.module.moe
+    rank = groups._get_expert_parallel_rank(moe.expert_group_name)
+    out = {}
+    for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+        for n, p in expert.named_parameters():
+            out[f"{rank * moe.num_local_experts + i}.{n}"] = p.detach().clone()
+            for key, v in sorted(engine.optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    out[f"{rank * moe.num_local_experts + i}.{n}.{key}"] = v.clone()
+    return out
+
+
+def _packer(handle, engine):
+    if handle is None:
+        return None
+    return next(s.packer for s in handle.lina.engines if s.ds_engine is engine)
+
+
+def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
+    """``steps`` steps of the stock engine, then of the plugin's with ``packing``: losses, the packing after every
+    step, the controller's decisions, the experts by global id, and what the engine holds after ``destroy``."""
+    import moe_plugins
+    init_deepspeed_comm()
+    out: Dict[str, Any] = {}
+    for name, plugin in (("off", None), ("on", section(packing))):
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            handle = stack.enter_context(moe_plugins.enable(ledger=CommLedger())) if plugin is not None else None
+            engine = jobs.make_engine(0, plugin, ep, k, seed)
+            packer = _packer(handle, engine)
+            losses, packings = [], []
+            for step in range(steps):
+                losses += jobs.train(engine, seed, range(step, step + 1))
+                packings.append(packer.controller.packing if packer is not None else 1)
+            res: Dict[str, Any] = {"losses": losses, "packings": packings, "experts": by_expert(engine)}
+            if packer is not None:
+                ctl = packer.controller
+                res["decisions"] = [(s, t.expert_mean_s, t.a2a_mean_s, a, b) for s, t, a, b in ctl.decisions]
+                res["local_experts"] = len(engine.module.moe.deepspeed_moe.experts.deepspeed_experts)
+                res["optimizer_params"] = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+                res["group_names"] = sorted({p.group_name for p in engine.module.parameters()
+                                             if hasattr(p, "group_name")})
+                res["regroups"] = [f"{r.phase}:{r.op}@{r.group}" for r in handle.ledger.records if r.phase == "regroup"]
+            engine.destroy()
+            res["wrapped_after"] = sorted(n for n in ("step", "save_checkpoint", "_configure_optimizer")
+                                          if n in engine.__dict__)
+            out[name] = res
+    return out
+
+
+def checkpoint_across(save: Optional[Dict[str, Any]], load: Optional[Dict[str, Any]], ep: int, path: str,
+                      steps: int = 4) -> Dict[str, Any]:
+    """Train ``steps`` steps under ``save`` (a section or None: stock) and save; go on 2 steps. A fresh engine
+    (another seed) under ``load`` loads the checkpoint and runs the same 2 steps. The experts by global id (with
+    their Adam moments) after the save and after the load, and the two runs' last losses."""
+    import moe_plugins
+    init_deepspeed_comm()
+    seed, results = 5, {}
+    for role, plugin, init_seed in (("saver", save, seed), ("loader", load, seed + 100)):
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
+            engine = jobs.make_engine(0, plugin, ep, 1, init_seed)
+            if role == "saver":
+                jobs.train(engine, seed, range(steps))
+                engine.save_checkpoint(path, tag="t")
+            else:
+                jobs.train(engine, init_seed, range(1))      # optimizer state of its own, overwritten by the load
+                engine.load_checkpoint(path, tag="t")
+            packer = _packer(handle, engine)
+            results[role] = {"experts": by_expert(engine), "after": jobs.train(engine, seed, range(steps, steps + 2)),
+                             "packing": packer.controller.packing if packer is not None else 1}
+            engine.destroy()
+    dist.barrier()
+    return results
+
+
+def refused(plugin: Dict[str, Any], stage: int = 0, ep: int = 4) -> Dict[str, Any]:
+    """``deepspeed.initialize`` under ``plugin``: its error (None: none), and whether DeepSpeed's group registry
+    and the expert modules are as before."""
+    import moe_plugins
+    from deepspeed.utils import groups
+    init_deepspeed_comm()
+    error = None
+    with deepspeed_groups(None), moe_plugins.enable():
+        registry = dict(groups._EXPERT_PARALLEL_GROUP)
+        try:
+            engine = jobs.make_engine(stage, plugin, ep, 1, 0)
+            engine.destroy()
+        except ValueError as exc:
+            error = str(exc)
+        extra = sorted(set(groups._EXPERT_PARALLEL_GROUP) - set(registry) - {f"ep_size_{ep}"})
+    return {"error": error, "extra_groups": extra}
+
+
+def local_counts(results: List[Dict[str, Any]]) -> List[int]:
+    return [r["on"]["local_experts"] for r in results]
