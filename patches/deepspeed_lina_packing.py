@@ -4,10 +4,11 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 (DeepSpeed expert modules), and expert-DP grows by p (moe_plugins/lina/packing.py). The pieces:
 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
-  :func:`layout_problems` (the swapped layers' layout, before anything is patched): ZeRO stage 0 in fp32 (ZeRO
-  1/2, fp16 and bf16 flatten the parameters into buffers that a change in the number of experts per rank would
-  have to rebuild), the ``baseline`` schedule at pipeline degree 1 with MP 1 and ESP 1, no Hecate or Lancet, and
-  ``"auto"`` only off CUDA (its probe times micro-ops by the wall clock).
+  :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 (DeepSpeed's fp16 and
+  bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, ``"auto"`` on stage 0 only (ZeRO 1/2 flatten
+  and partition the parameters into buffers built once; a fixed packing is applied before they are built), the
+  ``baseline`` schedule at pipeline degree 1 with MP 1 and ESP 1, no Hecate or Lancet, and ``"auto"`` only off
+  CUDA (its probe times micro-ops by the wall clock).
 - :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
   DeepSpeed layers. The experts' values, gradients and optimizer state shaped like them move with one
   all-to-all per fine EP group (:func:`moe_plugins.lina.regroup.move_experts`); each layer's
@@ -17,11 +18,14 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
   layout's EP and expert-DP groups by the plugin); the plugin's swapped layer is rebuilt on the new groups.
   The gate keeps its stock EP group: the dropless capacity is agreed over the stock EP group (a superset of
   the packed one), so routing, capacities and drops are stock's.
-- :class:`EnginePacker` wraps four methods of the engine (instance attributes, undone with Lina's patches):
+- :class:`EnginePacker` wraps methods of the engine (instance attributes, undone with Lina's patches). ZeRO 0:
   ``_configure_optimizer`` makes the controller once the optimizer exists (a fixed p regroups there, before the
   first step); ``step`` calls ``step_end`` at every gradient-accumulation boundary ("auto" checks at steps 10,
   14, ...); ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call,
-  packed again after), so the files are stock DeepSpeed's both ways.
+  packed again after), so the files are stock DeepSpeed's both ways. ZeRO 1/2: ``_configure_zero_optimizer``
+  regroups the torch optimizer before ZeRO flattens it (the MoE groups' ``name`` becomes the packed group's, so
+  ZeRO partitions them over the packed expert-DP group); checkpoints are the packed layout's (ZeRO partitions the
+  optimizer state by it), and ``load_checkpoint`` refuses optimizer state written at another EP size.
 
 Gradients need no rescaling: DeepSpeed 0.19.8 averages expert gradients over the DP world size at ZeRO 0
 (``DeepSpeedEngine._reduce_expert_gradients``), whatever the expert-DP size.
@@ -60,9 +64,12 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
         return []
     what, problems = f"{FIELD} ({lina.packing!r})", []
     stage = int(engine.zero_optimization_stage())
-    if stage != 0:
-        problems.append(f"{what} runs on zero_optimization.stage 0, and it is {stage}: ZeRO 1/2 flatten the "
-                        "expert parameters into partitioned buffers, which a change of experts per rank would rebuild")
+    if stage not in (0, 1, 2):
+        problems.append(f"{what} runs on zero_optimization.stage 0, 1 or 2, and it is {stage}")
+    elif stage != 0 and lina.packing == AUTO:
+        problems.append(f'{what}: "auto" regroups during training, which runs on zero_optimization.stage 0 '
+                        f"(it is {stage}: ZeRO 1/2 partition the expert parameters into flat buffers built once); "
+                        "give a fixed packing, applied before ZeRO builds them")
     for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
         if on:
             problems.append(f"{what} runs in fp32, and {name}.enabled is true: DeepSpeed's {name} optimizer keeps "
@@ -241,11 +248,15 @@ def _resize(layer: PackedLayer, local: int, optimizer: Optional[Any], scalars: M
             p.grad = None
             if optimizer is not None:
                 groups[key]["params"].append(p)
-                optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else copy.copy(v)
-                                      for k, v in scalars[(id(layer), key)].items()}
+                if scalars[(id(layer), key)]:         # no state yet (before the first step): none to copy
+                    optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else copy.copy(v)
+                                          for k, v in scalars[(id(layer), key)].items()}
         experts.append(clone)
     for p in experts.parameters():
         p.allreduce, p.group_name = False, name
+    for group in groups.values():
+        if "name" in group:                   # DeepSpeed's MoE groups: ZeRO 1/2 reduce them over this group
+            group["name"] = name
 
 
 def _group_of(optimizer: Any, param: torch.nn.Parameter) -> Dict[str, Any]:
@@ -259,31 +270,49 @@ class EnginePacker:
     """Packing on one DeepSpeed engine (module docstring). ``controller`` is None until the engine has an
     optimizer (an engine without one trains nothing, and stays unpacked)."""
 
-    WRAPPED = ("_configure_optimizer", "step", "save_checkpoint", "load_checkpoint")
+    WRAPPED = {0: ("_configure_optimizer", "step", "save_checkpoint", "load_checkpoint"),
+               1: ("_configure_zero_optimizer", "load_checkpoint"), 2: ("_configure_zero_optimizer", "load_checkpoint")}
 
     def __init__(self, engine: Any, layers: List[PackedLayer], lina: LinaConfig, register: Register,
                  groups_for: Callable[[ParallelLayout], MoEProcessGroups]):
         self.engine, self.layers, self.lina = engine, layers, lina
         self.register, self.groups_for = register, groups_for
+        self.stage = int(engine.zero_optimization_stage())
         self.controller: Optional[PackingController] = None
 
     def patcher(self) -> Patcher:
-        return Patcher([Patch(self.engine, name, functools.partial(getattr(self, name.lstrip("_") + "_"),
-                                                                   getattr(self.engine, name)))
-                        for name in self.WRAPPED], logger=logger)
+        """The wrappers, and at ZeRO 0 ``engine.moe_plugins_checkpoint_ep``: the stock EP the engine's checkpoint
+        files are written and read at (patches/deepspeed_reshard.current_layout reads it)."""
+        patches = [Patch(self.engine, name, functools.partial(getattr(self, name.lstrip("_") + "_"),
+                                                              getattr(self.engine, name)))
+                   for name in self.WRAPPED[self.stage]]
+        if self.stage == 0:
+            patches.append(Patch(self.engine, "moe_plugins_checkpoint_ep", self.layers[0].groups.layout.ep))
+        return Patcher(patches, logger=logger)
 
     def configure_optimizer_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """ZeRO 0: once the engine's optimizer is the torch optimizer itself."""
         out = original(*args, **kwargs)
-        optimizer = self.engine.optimizer
+        self._control(self.engine.optimizer)
+        return out
+
+    def configure_zero_optimizer_(self, original: Callable, optimizer: Any) -> Any:
+        """ZeRO 1/2: a fixed packing regroups the torch optimizer (no state yet) before ZeRO flattens its groups."""
+        self._control(optimizer)
+        return original(optimizer)
+
+    def _control(self, optimizer: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"{FIELD} ({self.lina.packing!r}) moves the state of a torch optimizer keyed by the "
                              f"parameters; the engine's optimizer is {type(optimizer).__qualname__}")
         base = self.layers[0].groups
         self.controller = PackingController(
             self.layers, base, packing=self.lina.packing, optimizer=optimizer, path=f"{SECTION}.lina",
-            regroup=functools.partial(regroup_deepspeed, register=self.register),
-            groups_for=lambda p: self.groups_for(packed_layout(base.layout, p)))
-        return out
+            regroup=self._regroup, groups_for=lambda p: self.groups_for(packed_layout(base.layout, p)))
+
+    def _regroup(self, layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any]) -> None:
+        regroup_deepspeed(layers, groups, optimizer, register=self.register)
+        self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
 
     def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         before = self.engine.global_steps
@@ -296,9 +325,20 @@ class EnginePacker:
         with self._stock():
             return original(*args, **kwargs)
 
-    def load_checkpoint_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        with self._stock():
-            return original(*args, **kwargs)
+    def load_checkpoint_(self, original: Callable, load_dir: str, tag: Optional[str] = None, *args: Any,
+                         **kwargs: Any) -> Any:
+        """ZeRO 0: loaded unpacked, like any stock file. ZeRO 1/2: the files hold the optimizer state partitioned
+        over the layout that wrote them; loading it from another EP size is refused (patches/deepspeed_reshard.py),
+        the weights alone (``load_optimizer_states=False``) load from any."""
+        if self.stage == 0:
+            with self._stock():
+                return original(load_dir, tag, *args, **kwargs)
+        if kwargs.get("load_optimizer_states", args[1] if len(args) > 1 else True):
+            from moe_plugins.patches.deepspeed_reshard import check_resume, current_layout, latest_tag, read_saved_layout
+            name = tag or latest_tag(load_dir)
+            check_resume(read_saved_layout(load_dir, name, self.engine.checkpoint_mp_rank), current_layout(self.engine),
+                         where=f"checkpoint {load_dir}/{name} (with {FIELD} {self.lina.packing})")
+        return original(load_dir, tag, *args, **kwargs)
 
     @contextmanager
     def _stock(self) -> Iterator[None]:

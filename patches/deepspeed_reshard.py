@@ -175,7 +175,8 @@ def current_layout(engine: Any) -> Layout:
     eps = {m.ep_size for m in layers.values()}
     if len(eps) > 1:
         raise ValueError(f"MoE layers with different ep_size ({sorted(eps)}) are not supported by the reshard tool")
-    return Layout(world=engine.world_size, dp=engine.seq_dp_world_size, ep=eps.pop() if eps else None,
+    ep = getattr(engine, "moe_plugins_checkpoint_ep", None)     # Lina's packing at ZeRO 0: files at the stock EP
+    return Layout(world=engine.world_size, dp=engine.seq_dp_world_size, ep=ep or (eps.pop() if eps else None),
                   zero_stage=engine.zero_optimization_stage(),
                   num_experts=tuple(m.num_experts for m in layers.values()),
                   half=engine.fp16_enabled() or engine.bfloat16_enabled())

@@ -26,7 +26,9 @@ class RunLog:
             for rec in layers or []:
                 self.bar.write(f"moe_plugins: {rec['layer']}: schedule {rec['schedule']}, pipeline degree "
                                f"{rec['pipeline_degree']}, mp={rec['mp']} ep={rec['ep']} esp={rec['esp']} "
-                               f"E={rec['num_experts']} k={rec['k']}")
+                               f"E={rec['num_experts']} k={rec['k']}" + (
+                                   f", Lina packing {rec['lina_packing']} ({rec['experts_per_rank']} experts per "
+                                   "rank)" if "lina_packing" in rec else ""))
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.steps.append({"step": step, "loss": loss, "time_s": seconds})

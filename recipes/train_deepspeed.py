@@ -189,8 +189,16 @@ def _mean_over_ranks(t: torch.Tensor) -> float:
 
 
 def _plugin_summary(plugin) -> Any:
-    """One record per swapped MoE layer: its schedule, pipeline degree and layout (None when off)."""
-    return None if plugin is None else list(plugin.swaps)
+    """One record per swapped MoE layer: its schedule, pipeline degree and layout (None when off), and Lina's
+    expert packing where one is set (``lina_packing``: as configured; ``experts_per_rank`` now)."""
+    if plugin is None:
+        return None
+    packers = [s.packer for s in plugin.lina.engines if s.packer is not None and s.packer.controller is not None]
+    if not packers:
+        return list(plugin.swaps)
+    ctl = packers[0].controller                      # the recipe builds one engine
+    return [dict(rec, lina_packing=packers[0].lina.packing, experts_per_rank=rec["num_experts"] // rec["ep"]
+                 * ctl.packing) for rec in plugin.swaps]
 
 
 if __name__ == "__main__":

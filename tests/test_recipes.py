@@ -83,3 +83,21 @@ def test_kill_and_resume_reproduces_losses(tmp_path):
     assert overlap, "no step ran both before the kill and after the resume"
     for step in overlap:
         assert resumed[step] == pytest.approx(before[step], rel=1e-6, abs=0), step
+
+
+def test_lina_packing_in_the_recipe_equals_the_plugin_off(tmp_path):
+    """The shipped tiny config (ZeRO 1) with ``"lina": {"packing": 2}`` at ``--ep 4``: the GPT-2-MoE's 4 experts
+    per layer run 2 per rank (EP 2), and the 12 losses are those of the run without the plugin."""
+    cfg = json.loads(CONFIG.read_text())
+    cfg["moe_plugins"]["lina"] = {"packing": 2, "micro_op_mb": 1}
+    packed = tmp_path / "packed.json"
+    packed.write_text(json.dumps(cfg))
+    steps = ["--steps", "12", "--ep", "4", "--ds-config", str(packed)]
+    finish(torchrun(steps, tmp_path / "on"))
+    finish(torchrun(steps + ["--no-plugins"], tmp_path / "off"))
+    on, off = losses(tmp_path / "on"), losses(tmp_path / "off")
+    assert sorted(on) == sorted(off) == list(range(12))
+    assert all(abs(on[s] - off[s]) <= 1e-5 * abs(off[s]) for s in off), (on, off)
+    report = json.loads((tmp_path / "on" / "report.json").read_text())
+    assert [(r["ep"], r["lina_packing"], r["experts_per_rank"]) for r in report["plugin"]] == [(4, 2, 2)] * 2
+    assert "Lina packing 2 (2 experts per rank)" in (tmp_path / "on.log").read_text()

@@ -40,8 +40,8 @@ class TinyMoEModel(nn.Module):
         return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1) + 0.01 * aux
 
 
-def ds_config(stage: int, plugin: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1) -> Dict[str, Any]:
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     if plugin is not None:
@@ -56,7 +56,7 @@ def batch(seed: int, step: int):
 
 
 def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
-                prepare: Optional[Callable[[nn.Module], None]] = None):
+                prepare: Optional[Callable[[nn.Module], None]] = None, gas: int = 1):
     """A fresh engine; every global expert gets weights from (seed, id), wherever the layout places it.
     ``prepare(model)``: changes made to the model before ``deepspeed.initialize``."""
     import deepspeed
@@ -68,7 +68,7 @@ def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, s
     if prepare is not None:
         prepare(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, plugin))
+                                           config=ds_config(stage, plugin, gas))
     return engine
 
 

@@ -40,9 +40,11 @@ def _packer(handle, engine):
     return next(s.packer for s in handle.lina.engines if s.ds_engine is engine)
 
 
-def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
-    """``steps`` steps of the stock engine, then of the plugin's with ``packing``: losses, the packing after every
-    step, the controller's decisions, the experts by global id, and what the engine holds after ``destroy``."""
+def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: int, stage: int = 0,
+                   gas: int = 1) -> Dict[str, Any]:
+    """``steps`` micro-batches of the stock engine, then of the plugin's with ``packing`` (ZeRO ``stage``,
+    ``gas`` micro-batches per optimizer step): losses, the packing after every one, the controller's decisions,
+    the experts by global id, and what the engine holds after ``destroy``."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
@@ -50,7 +52,7 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable(ledger=CommLedger())) if plugin is not None else None
-            engine = jobs.make_engine(0, plugin, ep, k, seed)
+            engine = jobs.make_engine(stage, plugin, ep, k, seed, gas=gas)
             packer = _packer(handle, engine)
             losses, packings = [], []
             for step in range(steps):
@@ -73,10 +75,12 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
 
 
 def checkpoint_across(save: Optional[Dict[str, Any]], load: Optional[Dict[str, Any]], ep: int, path: str,
-                      steps: int = 4) -> Dict[str, Any]:
+                      steps: int = 4, via_tool: bool = False) -> Dict[str, Any]:
     """Train ``steps`` steps under ``save`` (a section or None: stock) and save; go on 2 steps. A fresh engine
-    (another seed) under ``load`` loads the checkpoint and runs the same 2 steps. The experts by global id (with
-    their Adam moments) after the save and after the load, and the two runs' last losses."""
+    (another seed) under ``load`` loads the checkpoint (``via_tool``: through the recipes' resume,
+    patches/deepspeed_reshard.load_checkpoint) and runs the same 2 steps. The experts by global id (with their Adam
+    moments) after the save and after the load, and the two runs' last losses."""
+    from moe_plugins.patches import deepspeed_reshard
     import moe_plugins
     init_deepspeed_comm()
     seed, results = 5, {}
@@ -90,13 +94,45 @@ def checkpoint_across(save: Optional[Dict[str, Any]], load: Optional[Dict[str, A
                 engine.save_checkpoint(path, tag="t")
             else:
                 jobs.train(engine, init_seed, range(1))      # optimizer state of its own, overwritten by the load
-                engine.load_checkpoint(path, tag="t")
+                if via_tool:
+                    deepspeed_reshard.load_checkpoint(engine, path, "t")
+                else:
+                    engine.load_checkpoint(path, tag="t")
             packer = _packer(handle, engine)
             results[role] = {"experts": by_expert(engine), "after": jobs.train(engine, seed, range(steps, steps + 2)),
                              "packing": packer.controller.packing if packer is not None else 1}
             engine.destroy()
     dist.barrier()
     return results
+
+
+def zero12_resume(stage: int, path: str, steps: int = 4) -> Dict[str, Any]:
+    """ZeRO ``stage`` (1 or 2) with packing 2: a packed run saves and goes on 2 steps; a packed engine (another
+    seed) loads and runs the same 2 steps; then a stock engine saves, and a packed engine's load of it is refused."""
+    import moe_plugins
+    init_deepspeed_comm()
+    seed, out = 5, {}
+    for role, plugin, init_seed in (("saver", section(2), seed), ("loader", section(2), seed + 100),
+                                    ("stock_saver", None, seed), ("refused", section(2), seed + 100)):
+        with ExitStack() as stack:
+            stack.enter_context(deepspeed_groups(None))
+            stack.enter_context(moe_plugins.enable())
+            engine = jobs.make_engine(stage, plugin, 4, 1, init_seed)
+            tag = "stock" if role in ("stock_saver", "refused") else "packed"
+            if role in ("saver", "stock_saver"):
+                jobs.train(engine, seed, range(steps))
+                engine.save_checkpoint(path, tag=tag)
+            else:
+                try:
+                    engine.load_checkpoint(path, tag=tag)
+                except ValueError as exc:
+                    out[role] = {"error": str(exc)}
+                    engine.destroy()
+                    continue
+            out[role] = {"experts": by_expert(engine), "after": jobs.train(engine, seed, range(steps, steps + 2))}
+            engine.destroy()
+    dist.barrier()
+    return out
 
 
 def refused(plugin: Dict[str, Any], stage: int = 0, ep: int = 4) -> Dict[str, Any]:
