@@ -1,7 +1,9 @@
-"""Does Lina's expert packing pay on a compute-light MoE layer, and does ``"auto"`` pick it?
+"""Does Lina's expert packing pay on a compute-light MoE layer, and does ``"auto"`` pick it? On the core layer
+(``--host core``, the default) and through DeepSpeed (``--host deepspeed``).
 
     python benchmarks/lina_packing.py --rates 1gbit --out /tmp/lina_packing          # emulated cluster
     python benchmarks/lina_packing.py --mode loopback --out /tmp/lina_packing         # no namespaces
+    python benchmarks/lina_packing.py --host deepspeed --rates 1gbit 200mbit --out /tmp/lpds
 
 Two nodes of two ranks (network namespaces joined by a tbf-shaped link, moe_plugins/tools/bench/cluster.py),
 one core ``MoELayer`` (baseline schedule, E = 8 experts, fp32) with a small FFN (H = 32: little compute per
@@ -14,6 +16,14 @@ Rows, in interleaved rounds on the same processes (the layer is regrouped betwee
 ``p=1``, ``p=2``, ``p=4`` (ep 4, 2, 1). Also: the regroup's own time, and what ``packing: "auto"`` decides
 from p = 1 with checks after steps 2, 4, ... (``--auto-steps`` steps), with the agreed mean micro-op times
 behind each decision. Timings on a shared 2-core machine are noisy: read the ratios of one run.
+
+``--host deepspeed``: the model is Linear -> DeepSpeed ``MoE`` (the same E, M, H; top-2, capacity factor 1, no
+RTS) -> Linear head, MSE loss, through ``deepspeed.initialize`` at ZeRO 0, fp32, torch's Adam; a step is
+forward + ``engine.backward`` + ``engine.step``. Rows, one engine each in the same processes, built from the same
+seed, interleaved the same way: ``deepspeed`` (stock), and the plugin with ``"lina": {"packing": p}`` for p = 1,
+2, 4 (Lina's gradient micro-ops on in all three, so they differ only in the packing). Then a fresh engine with
+``"packing": "auto"`` trains ``--auto-steps`` steps from p = 1 with the paper's schedule (checks after steps 10,
+14, 18, ...).
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ from datetime import timedelta
 from pathlib import Path
 
 PACKINGS = (1, 2, 4)
+
+
+def rank_entry(cfg: dict) -> None:
+    (rank_main_deepspeed if cfg["host"] == "deepspeed" else rank_main)(cfg)
 
 
 def rank_main(cfg: dict) -> None:
@@ -110,6 +124,93 @@ def rank_main(cfg: dict) -> None:
     dist.destroy_process_group()
 
 
+def rank_main_deepspeed(cfg: dict) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    import moe_plugins
+    from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
+    init_deepspeed_comm()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m, h, e, s, batch = cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["tokens"], 8
+
+    class Net(nn.Module):
+        def __init__(self):
+            from deepspeed.moe.layer import MoE
+            super().__init__()
+            self.inp, self.head = nn.Linear(m, m), nn.Linear(m, 1)
+            self.moe = MoE(hidden_size=m, expert=nn.Sequential(nn.Linear(m, h), nn.GELU(), nn.Linear(h, m)),
+                           num_experts=e, ep_size=world, k=2, capacity_factor=1.0, min_capacity=0, use_rts=False,
+                           top2_2nd_expert_sampling=False)
+
+        def forward(self, x_BLM, t_BL1):
+            h_BLM = self.inp(x_BLM)
+            y_BLM, aux, _ = self.moe(h_BLM)
+            return F.mse_loss(self.head(torch.tanh(y_BLM + h_BLM)), t_BL1) + 0.01 * aux
+
+    def engine(packing):
+        torch.manual_seed(0)
+        model = Net()
+        ds = {"train_micro_batch_size_per_gpu": batch, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 0}}
+        if packing is not None:
+            ds["moe_plugins"] = {"ranks_per_node": cfg["ranks_per_node"],
+                                 "lina": {"packing": packing, "micro_op_mb": 1}}
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)[0]
+
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, s // batch, m, generator=gen)
+    target = torch.sin(x.sum(-1, keepdim=True))
+
+    def step(eng):
+        loss = eng(x, target)
+        eng.backward(loss)
+        eng.step()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    with deepspeed_groups(None), moe_plugins.enable() as handle:
+        rows = {"deepspeed": engine(None)} | {f"p={p}": engine(p) for p in PACKINGS}
+        times = {name: [] for name in rows}
+        for _ in range(cfg["warmup"]):
+            for eng in rows.values():
+                step(eng)
+        for _ in range(cfg["rounds"]):
+            for name, eng in rows.items():
+                times[name].append(timed(lambda: [step(eng) for _ in range(cfg["iters"])]) / cfg["iters"])
+        packed = {name: len(eng.module.moe.deepspeed_moe.experts.deepspeed_experts) for name, eng in rows.items()}
+        for eng in rows.values():
+            eng.destroy()
+        auto = engine("auto")
+        controller = next(st.packer.controller for st in handle.lina.engines if st.ds_engine is auto)
+        auto_packing, auto_steps = [], []
+        for _ in range(cfg["auto_steps"]):
+            auto_steps.append(timed(lambda: step(auto)))
+            auto_packing.append(controller.packing)
+        decisions = [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a,
+                      "to": b} for st, t, a, b in controller.decisions]
+        auto.destroy()
+    if rank == 0:
+        Path(cfg["result"]).write_text(json.dumps({
+            "step_s": {n: statistics.median(v) for n, v in times.items()}, "step_all_s": times,
+            "local_experts": packed, "auto_packing": auto_packing, "auto_step_s": auto_steps,
+            "auto_decisions": decisions}))
+    dist.destroy_process_group()
+
+
 def launch(cfg: dict, cluster, workdir: Path) -> dict:
     """Start the ranks (inside the nodes' namespaces when ``cluster`` is given) and wait for them."""
     from moe_plugins.tools.bench.launch import run_script_ranks
@@ -130,6 +231,28 @@ def table(rate: str, data: dict) -> str:
     return "\n".join(lines)
 
 
+def table_deepspeed(rate: str, data: dict) -> str:
+    step = {n: v * 1e3 for n, v in data["step_s"].items()}
+    lines = [f"### link {rate}", "", "| row | ep | experts per rank | step ms (median) | vs p=1 | vs deepspeed |",
+             "|---|---|---|---|---|---|"]
+    for name, ms in step.items():
+        local = data["local_experts"][name]
+        lines.append(f"| {name} | {8 // local} | {local} | {ms:.1f} | {step['p=1'] / ms:.2f}x | "
+                     f"{step['deepspeed'] / ms:.2f}x |")
+    plugin = {n: v for n, v in step.items() if n != "deepspeed"}
+    last = data["auto_packing"][-1]
+    auto_tail = [t * 1e3 for t, p in zip(data["auto_step_s"], data["auto_packing"]) if p == last][1:]
+    lines += ["", f"fastest packing: {min(plugin, key=plugin.get)}; auto, packing after each step: "
+              f"{data['auto_packing']}"]
+    for d in data["auto_decisions"]:
+        lines.append(f"- auto at step {d['step']}: expert micro-op {d['expert_ms']:.2f} ms, all-to-all micro-op "
+                     f"{d['a2a_ms']:.2f} ms (means over ranks): p {d['from']} -> {d['to']}")
+    if auto_tail:
+        lines.append(f"- auto's steps at its final packing (p={last}, after the first): median "
+                     f"{statistics.median(auto_tail):.1f} ms over {len(auto_tail)}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank-config", default=None, help=argparse.SUPPRESS)
@@ -140,14 +263,18 @@ def main() -> int:
     p.add_argument("--ffn", type=int, default=32)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--auto-steps", type=int, default=6)
-    p.add_argument("--out", type=Path, default=None, help="write lina_packing.json / .md here")
+    p.add_argument("--warmup", type=int, default=None, help="default 1 (core), 2 (deepspeed)")
+    p.add_argument("--auto-steps", type=int, default=None, help="default 6 (core), 22 (deepspeed)")
+    p.add_argument("--host", choices=("core", "deepspeed"), default="core")
+    p.add_argument("--out", type=Path, default=None, help="write lina_packing[_deepspeed].json / .md here")
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args()
+    deepspeed = args.host == "deepspeed"
+    args.warmup = args.warmup if args.warmup is not None else 2 if deepspeed else 1
+    args.auto_steps = args.auto_steps if args.auto_steps is not None else 22 if deepspeed else 6
     if args.rank_config:
         from moe_plugins.tools.bench.outputs import run_rank_config
-        return run_rank_config(args.rank_config, rank_main)
+        return run_rank_config(args.rank_config, rank_entry)
     from moe_plugins.tools.bench.launch import signals_raise
     with signals_raise():            # SIGTERM/SIGHUP unwind, so the ranks are stopped and the namespaces removed
         return run(args)
@@ -162,23 +289,26 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = {"world": 4, "ranks_per_node": 2, "experts": 8, "tokens": args.tokens, "hidden": args.hidden,
                 "ffn": args.ffn, "iters": args.iters, "rounds": args.rounds, "warmup": args.warmup,
-                "auto_steps": args.auto_steps, "timeout_s": args.timeout_s, "result": str(Path(tmp) / "result.json")}
+                "auto_steps": args.auto_steps, "timeout_s": args.timeout_s, "result": str(Path(tmp) / "result.json"),
+                "host": args.host}
+        table_of = table_deepspeed if args.host == "deepspeed" else table
         if args.mode != "loopback" and reason is None:
             with emulated_cluster(ClusterSpec(nodes=2)) as cluster:
                 for rate in args.rates:
                     set_rate(cluster, rate)
                     out[rate] = launch(base, cluster, Path(tmp))
-                    md.append(table(rate, out[rate]))
+                    md.append(table_of(rate, out[rate]))
                     print(md[-1], flush=True)
         else:
             out["unshaped (loopback)"] = launch(base, None, Path(tmp))
-            md.append(table("unshaped (loopback: " + (reason or "requested") + ")", out["unshaped (loopback)"]))
+            md.append(table_of("unshaped (loopback: " + (reason or "requested") + ")", out["unshaped (loopback)"]))
             print(md[-1], flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "lina_packing.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
-                                                                 "runs": out}, indent=1, default=str))
-        (args.out / "lina_packing.md").write_text("\n\n".join(md) + "\n")
+        stem = "lina_packing_deepspeed" if args.host == "deepspeed" else "lina_packing"
+        (args.out / f"{stem}.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
+                                                          "runs": out}, indent=1, default=str))
+        (args.out / f"{stem}.md").write_text("\n\n".join(md) + "\n")
     return 0
 
 
