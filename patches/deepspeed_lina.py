@@ -221,7 +221,7 @@ class LinaEngine:
         patches = [Patch(zero, "reduce_ready_partitions_and_remove_grads", reduce_ready_partitions_and_remove_grads),
                    Patch(zero, "average_tensor", average_tensor)]
         self.patchers.append(Patcher(patches, logger=logger).apply())
-        if not hooked:
+        if not hooked and not self.handles:        # once: a ZeRO optimizer rebuilt by packing keeps the dense hooks
             self.handles += [p.register_post_accumulate_grad_hook(self.boundary_hook) for p in self.dense]
 
     @staticmethod

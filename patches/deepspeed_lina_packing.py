@@ -5,9 +5,7 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
   :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 (DeepSpeed's fp16 and
-  bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, ``"auto"`` on stage 0 only (ZeRO 1/2 flatten
-  and partition the parameters into buffers built once; a fixed packing is applied before they are built), the
-  ``baseline`` schedule at pipeline degree 1 with MP 1 and ESP 1, no Hecate or Lancet, and ``"auto"`` only off
+  bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, the ``baseline`` schedule at pipeline degree 1 with MP 1 and ESP 1, no Hecate or Lancet, and ``"auto"`` only off
   CUDA (its probe times micro-ops by the wall clock).
 - :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
   DeepSpeed layers. The experts' values, gradients and optimizer state shaped like them move with one
@@ -18,17 +16,17 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
   layout's EP and expert-DP groups by the plugin); the plugin's swapped layer is rebuilt on the new groups.
   The gate keeps its stock EP group: the dropless capacity is agreed over the stock EP group (a superset of
   the packed one), so routing, capacities and drops are stock's.
-- :class:`EnginePacker` wraps methods of the engine (instance attributes, undone with Lina's patches). ZeRO 0:
-  ``_configure_optimizer`` makes the controller once the optimizer exists (a fixed p regroups there, before the
-  first step); ``step`` calls ``step_end`` at every gradient-accumulation boundary ("auto" checks at steps 10,
-  14, ...); ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call,
-  packed again after), so the files are stock DeepSpeed's both ways. ZeRO 1/2: ``_configure_zero_optimizer``
-  regroups the torch optimizer before ZeRO flattens it (the MoE groups' ``name`` becomes the packed group's, so
-  ZeRO partitions them over the packed expert-DP group); checkpoints are the packed layout's (ZeRO partitions the
-  optimizer state by it), and ``load_checkpoint`` refuses optimizer state written at another EP size.
+- :class:`EnginePacker` wraps methods of the engine (instance attributes, undone with Lina's patches):
+  ``_configure_optimizer`` (ZeRO 0) or ``_configure_zero_optimizer`` (ZeRO 1/2) makes the controller once the
+  torch optimizer exists (a fixed p regroups there, before the first step, and before ZeRO flattens the groups:
+  the MoE groups' ``name`` becomes the packed group's, so ZeRO partitions them over the packed expert-DP group);
+  ``step`` calls ``step_end`` at every gradient-accumulation boundary ("auto" checks at steps 10, 14, ...);
+  ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call, packed again
+  after), so the files are stock DeepSpeed's both ways. A regroup once ZeRO 1/2 built its optimizer rebuilds that
+  optimizer around it (patches/deepspeed_lina_zero.py), each parameter's master value and moments carried whole.
 
-Gradients need no rescaling: DeepSpeed 0.19.8 averages expert gradients over the DP world size at ZeRO 0
-(``DeepSpeedEngine._reduce_expert_gradients``), whatever the expert-DP size.
+Gradients need no rescaling: DeepSpeed 0.19.8 divides expert gradients by the DP world size, not the expert-DP
+size (ZeRO 0: ``DeepSpeedEngine._reduce_expert_gradients``; ZeRO 1/2: ``gradient_reduction_w_predivide``).
 """
 
 from __future__ import annotations
@@ -66,10 +64,6 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
     stage = int(engine.zero_optimization_stage())
     if stage not in (0, 1, 2):
         problems.append(f"{what} runs on zero_optimization.stage 0, 1 or 2, and it is {stage}")
-    elif stage != 0 and lina.packing == AUTO:
-        problems.append(f'{what}: "auto" regroups during training, which runs on zero_optimization.stage 0 '
-                        f"(it is {stage}: ZeRO 1/2 partition the expert parameters into flat buffers built once); "
-                        "give a fixed packing, applied before ZeRO builds them")
     for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
         if on:
             problems.append(f"{what} runs in fp32, and {name}.enabled is true: DeepSpeed's {name} optimizer keeps "
@@ -135,11 +129,14 @@ class PackedLayer:
 
 
 Item = Tuple[PackedLayer, str, str]          # (layer, parameter name inside an expert, "data" | "grad" | state key)
+CARRIED = "carried:"                         # an Item's slot prefix for the tensors regroup_deepspeed's caller carries
 
 
 def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any], *,
-                      register: Register) -> None:
-    """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves."""
+                      register: Register, carried: Optional[Dict[int, Dict[str, torch.Tensor]]] = None) -> None:
+    """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves.
+    ``carried``: more tensors shaped like each parameter (by ``id``: ZeRO's master value and optimizer state,
+    patches/deepspeed_lina_zero.py), moved with the experts and keyed by the new expert parameters after."""
     old = layers[0].groups
     num_experts = layers[0].config.num_experts
     problems = regroup_problems(old.layout, groups.layout, num_experts)
@@ -158,6 +155,10 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
             for slot, found in _slots(key, params, optimizer, layer.name):
                 where.append((layer, key, slot))
                 tensors.append(found)
+            entries = [carried.pop(id(p)) for p in params] if carried is not None else []
+            for slot in sorted(entries[0]) if entries else ():
+                where.append((layer, key, CARRIED + slot))
+                tensors.append([entry[slot] for entry in entries])
             scalars[(id(layer), key)] = _scalar_state(key, params, optimizer, layer.name)
     moved = move_experts(tensors, num_experts, old, groups, layers[0].rec)
     name, ep_pg = register(groups.layout)
@@ -169,6 +170,8 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
             param = dict(expert.named_parameters())[key]
             if slot == "data":
                 param.data = stacked[i].clone()
+            elif slot.startswith(CARRIED):
+                carried.setdefault(id(param), {})[slot[len(CARRIED):]] = stacked[i].clone()
             elif slot == "grad":
                 param.grad = stacked[i].clone()
             else:
@@ -270,8 +273,7 @@ class EnginePacker:
     """Packing on one DeepSpeed engine (module docstring). ``controller`` is None until the engine has an
     optimizer (an engine without one trains nothing, and stays unpacked)."""
 
-    WRAPPED = {0: ("_configure_optimizer", "step", "save_checkpoint", "load_checkpoint"),
-               1: ("_configure_zero_optimizer", "load_checkpoint"), 2: ("_configure_zero_optimizer", "load_checkpoint")}
+    WRAPPED = ("step", "save_checkpoint", "load_checkpoint")
 
     def __init__(self, engine: Any, layers: List[PackedLayer], lina: LinaConfig, register: Register,
                  groups_for: Callable[[ParallelLayout], MoEProcessGroups]):
@@ -279,15 +281,15 @@ class EnginePacker:
         self.register, self.groups_for = register, groups_for
         self.stage = int(engine.zero_optimization_stage())
         self.controller: Optional[PackingController] = None
+        self._zero_built = False                # ZeRO 1/2: the engine has built its ZeRO optimizer
 
     def patcher(self) -> Patcher:
-        """The wrappers, and at ZeRO 0 ``engine.moe_plugins_checkpoint_ep``: the stock EP the engine's checkpoint
-        files are written and read at (patches/deepspeed_reshard.current_layout reads it)."""
+        """The wrappers, and ``engine.moe_plugins_checkpoint_ep``: the stock EP the engine's checkpoint files are
+        written and read at (patches/deepspeed_reshard.current_layout reads it)."""
+        names = ("_configure_optimizer" if self.stage == 0 else "_configure_zero_optimizer",) + self.WRAPPED
         patches = [Patch(self.engine, name, functools.partial(getattr(self, name.lstrip("_") + "_"),
-                                                              getattr(self.engine, name)))
-                   for name in self.WRAPPED[self.stage]]
-        if self.stage == 0:
-            patches.append(Patch(self.engine, "moe_plugins_checkpoint_ep", self.layers[0].groups.layout.ep))
+                                                              getattr(self.engine, name))) for name in names]
+        patches.append(Patch(self.engine, "moe_plugins_checkpoint_ep", self.layers[0].groups.layout.ep))
         return Patcher(patches, logger=logger)
 
     def configure_optimizer_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -297,9 +299,14 @@ class EnginePacker:
         return out
 
     def configure_zero_optimizer_(self, original: Callable, optimizer: Any) -> Any:
-        """ZeRO 1/2: a fixed packing regroups the torch optimizer (no state yet) before ZeRO flattens its groups."""
-        self._control(optimizer)
-        return original(optimizer)
+        """ZeRO 1/2: a fixed packing regroups the torch optimizer (no state yet) before ZeRO flattens its groups;
+        later regroups rebuild the ZeRO optimizer through the engine's ``_configure_zero_optimizer`` again (with
+        every wrapper on it, Lina's hooks included: :meth:`_regroup`)."""
+        if self.controller is None:
+            self._control(optimizer)
+        zero = original(optimizer)
+        self._zero_built = True
+        return zero
 
     def _control(self, optimizer: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -311,8 +318,19 @@ class EnginePacker:
             regroup=self._regroup, groups_for=lambda p: self.groups_for(packed_layout(base.layout, p)))
 
     def _regroup(self, layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any]) -> None:
-        regroup_deepspeed(layers, groups, optimizer, register=self.register)
-        self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
+        """The controller's regroup; once ZeRO 1/2 built its optimizer, that optimizer is rebuilt around it
+        (patches/deepspeed_lina_zero.py), the experts' master values and state moving with them."""
+        if not self._zero_built:
+            regroup_deepspeed(layers, groups, optimizer, register=self.register)
+            self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
+            return
+        from moe_plugins.patches import deepspeed_lina_zero as zero_state
+        snap = zero_state.snapshot(self.engine.optimizer)
+        basic = zero_state.release(self.engine.optimizer)
+        regroup_deepspeed(layers, groups, basic, register=self.register, carried=snap.values)
+        self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
+        self.engine.optimizer = self.engine._configure_zero_optimizer(basic)
+        zero_state.restore(self.engine.optimizer, snap)
 
     def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         before = self.engine.global_steps
@@ -325,20 +343,9 @@ class EnginePacker:
         with self._stock():
             return original(*args, **kwargs)
 
-    def load_checkpoint_(self, original: Callable, load_dir: str, tag: Optional[str] = None, *args: Any,
-                         **kwargs: Any) -> Any:
-        """ZeRO 0: loaded unpacked, like any stock file. ZeRO 1/2: the files hold the optimizer state partitioned
-        over the layout that wrote them; loading it from another EP size is refused (patches/deepspeed_reshard.py),
-        the weights alone (``load_optimizer_states=False``) load from any."""
-        if self.stage == 0:
-            with self._stock():
-                return original(load_dir, tag, *args, **kwargs)
-        if kwargs.get("load_optimizer_states", args[1] if len(args) > 1 else True):
-            from moe_plugins.patches.deepspeed_reshard import check_resume, current_layout, latest_tag, read_saved_layout
-            name = tag or latest_tag(load_dir)
-            check_resume(read_saved_layout(load_dir, name, self.engine.checkpoint_mp_rank), current_layout(self.engine),
-                         where=f"checkpoint {load_dir}/{name} (with {FIELD} {self.lina.packing})")
-        return original(load_dir, tag, *args, **kwargs)
+    def load_checkpoint_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        with self._stock():
+            return original(*args, **kwargs)
 
     @contextmanager
     def _stock(self) -> Iterator[None]:

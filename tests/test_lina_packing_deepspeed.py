@@ -29,14 +29,17 @@ def _merged(results, run):
 
 
 @pytest.mark.parametrize("packing,ep,k,stage,gas", [(2, 4, 1, 0, 1), (4, 4, 2, 0, 1), ("auto", 4, 1, 0, 1),
-                                                     (2, 4, 1, 0, 2), (2, 4, 1, 1, 1), (2, 4, 2, 2, 1)],
-                         ids=["p2-k1", "p4-k2", "auto", "p2-gas2", "p2-zero1", "p2-k2-zero2"])
+                                                     (2, 4, 1, 0, 2), (2, 4, 1, 1, 1), (2, 4, 2, 2, 1),
+                                                     ("auto", 4, 1, 1, 1), ("auto", 4, 2, 2, 1)],
+                         ids=["p2-k1", "p4-k2", "auto", "p2-gas2", "p2-zero1", "p2-k2-zero2", "auto-zero1",
+                              "auto-k2-zero2"])
 def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, gas):
     """A fixed packing regroups when the optimizer is built, before the first step (at ZeRO 1/2 before ZeRO
     flattens and partitions it over the packed expert-DP group); "auto" decides at steps 10, 14, 18 from the
-    agreed micro-op timings. Either way the 20 losses are stock's (fp32, 1e-5), and so are the experts (and, at
-    ZeRO 0, their Adam moments), matched by global expert id over every rank (the packed layout's replicas hold
-    equal copies); with gradient accumulation 2 the packing changes at optimizer steps only."""
+    agreed micro-op timings (at ZeRO 1/2 the ZeRO optimizer is rebuilt around each regroup, its master values
+    and moments carried). Either way the 20 losses are stock's (fp32, 1e-5), and so are the experts and their
+    Adam moments, matched by global expert id over every rank (the packed layout's replicas hold equal copies);
+    with gradient accumulation 2 the packing changes at optimizer steps only."""
     results = world(4).run(jobs.train_vs_stock, packing, ep, k, 3, STEPS, stage, gas)
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
@@ -74,15 +77,19 @@ def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, ga
             assert torch.equal(value, on_experts[name]), name
 
 
-@pytest.mark.parametrize("save,load,via_tool", [(2, None, False), (None, 2, False), (2, 4, False), (None, 2, True)],
-                         ids=["packed-to-stock", "stock-to-packed", "p2-to-p4", "stock-to-packed-recipe-resume"])
-def test_checkpoints_are_stock_files_both_ways(world, tmp_path, save, load, via_tool):
+@pytest.mark.parametrize("save,load,via_tool,stage", [(2, None, False, 0), (None, 2, False, 0), (2, 4, False, 0),
+                                                      (None, 2, True, 0), (2, None, False, 1), (None, 2, True, 1),
+                                                      (2, 4, False, 2)],
+                         ids=["packed-to-stock", "stock-to-packed", "p2-to-p4", "stock-to-packed-recipe-resume",
+                              "zero1-packed-to-stock", "zero1-stock-to-packed-recipe-resume", "zero2-p2-to-p4"])
+def test_checkpoints_are_stock_files_both_ways(world, tmp_path, save, load, via_tool, stage):
     """Saved while packed, the files are stock DeepSpeed's (the experts are unpacked around the write): a stock
     engine loads them, and the other way, also through the recipes' resume (which reads the engine's checkpoint
     EP: the stock one); the loaded experts and Adam moments equal the saved ones bitwise, and the resumed losses
     the saver's."""
     sections = {None: None, 2: jobs.section(2), 4: jobs.section(4)}
-    results = world(4).run(jobs.checkpoint_across, sections[save], sections[load], 4, str(tmp_path), 4, via_tool)
+    results = world(4).run(jobs.checkpoint_across, sections[save], sections[load], 4, str(tmp_path), 4, via_tool,
+                           stage)
     saved, loaded = {}, {}
     for res in results:
         saved.update(res["saver"]["experts"])
@@ -94,29 +101,12 @@ def test_checkpoints_are_stock_files_both_ways(world, tmp_path, save, load, via_
     assert all(torch.equal(saved[n], loaded[n]) for n in saved)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_checkpoints_resume_packed_and_refuse_another_ep(world, tmp_path, stage):
-    """At ZeRO 1/2 the files hold the optimizer state partitioned over the packed layout: a packed engine resumes
-    them bitwise (experts) with the saver's losses; a packed engine refuses a stock checkpoint (EP 4 against its
-    EP 2), naming both layouts, before loading anything."""
-    results = world(4).run(jobs.zero12_resume, stage, str(tmp_path))
-    saved, loaded = {}, {}
-    for res in results:
-        saved.update(res["saver"]["experts"])
-        loaded.update(res["loader"]["experts"])
-        assert res["saver"]["after"] == res["loader"]["after"], (res["saver"]["after"], res["loader"]["after"])
-        assert "cannot resume checkpoint" in res["refused"]["error"] and "EP 4" in res["refused"]["error"], res
-        assert "moe_plugins.lina.packing 2" in res["refused"]["error"], res["refused"]["error"]
-    assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
-
-
 def test_refusals_through_deepspeed_initialize_name_the_field_and_register_nothing(world):
     """ZeRO 3 is refused before set-up; a packing that does not divide ep after the layers are swapped, before
     anything is patched or regrouped: no packed DeepSpeed group is left registered either way."""
-    zero1, three = world(4).run(jobs.refused, jobs.section("auto"), 1), world(4).run(jobs.refused, jobs.section(3))
-    for res in zero1:
-        assert "moe_plugins.lina.packing ('auto'): \"auto\" regroups during training, which runs on " \
-               "zero_optimization.stage 0 (it is 1" in res["error"], res
+    zero3, three = world(4).run(jobs.refused, jobs.section(2), 3), world(4).run(jobs.refused, jobs.section(3))
+    for res in zero3:
+        assert "moe_plugins.lina.packing (2) runs on zero_optimization.stage 0, 1 or 2, and it is 3" in res["error"], res
         assert res["extra_groups"] == []
     for res in three:
         assert "moe_plugins.lina.packing (3) must divide ep (4)" in res["error"], res
@@ -131,10 +121,10 @@ def test_config_problems_name_every_field():
                              bfloat16_enabled=lambda: True, device=torch.device("cuda", 0))
     problems = config_problems(engine, cfg, LinaConfig.from_dict(cfg.lina))
     text = "\n".join(problems)
-    for needle in ("runs on zero_optimization.stage 0 (it is 2", "bf16.enabled is true", "moe_plugins.schedule is "
+    for needle in ("bf16.enabled is true", "moe_plugins.schedule is "
                    "'parm-s1'", "moe_plugins.pipeline_degree 1 (got 2)", "moe_plugins.esp 1 (got 2)",
                    "does not combine with moe_plugins.hecate", "does not combine with moe_plugins.lina.inference",
                    '"auto" times the micro-ops by the wall clock'):
         assert needle in text, (needle, problems)
-    assert len(problems) == 8
+    assert len(problems) == 7
     assert config_problems(engine, cfg, LinaConfig.from_dict({"packing": 1})) == []

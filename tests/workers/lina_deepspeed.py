@@ -141,7 +141,7 @@ def bad_inputs() -> Dict[str, str]:
     init_deepspeed_comm()
     before = (dict(vars(DeepSpeedEngine)), dict(vars(DeepSpeedZeroOptimizer)))
     out: Dict[str, Any] = {}
-    cases = {"settings": (ds_config(2, 1, {"packing": "auto"}, {"contiguous_gradients": False},
+    cases = {"settings": (ds_config(2, 1, {"packing": 2}, {"contiguous_gradients": False},
                                     {"prescale_gradients": True, "communication_data_type": "fp16"}), (2, 2)),
              "layouts": (ds_config(1, 1, {"micro_op_mb": 0.001}), (1, 2)),
              "auto_without_profile": (ds_config(1, 1, {"micro_op_mb": "auto"}), (2, 2))}

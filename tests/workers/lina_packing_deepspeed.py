@@ -20,16 +20,21 @@ def section(packing: Union[int, str], **extra: Any) -> Dict[str, Any]:
 
 
 def by_expert(engine) -> Dict[str, torch.Tensor]:
-    """The experts' parameters (and their Adam moments) keyed by global id, on whatever layout the layer is."""
+    """The experts' parameters and their Adam moments keyed by global id, on whatever layout the layer is (at ZeRO
+    1/2 the moments gathered whole from ZeRO's partitions: collective)."""
     from deepspeed.utils import groups
+
+    from moe_plugins.patches.deepspeed_lina_zero import snapshot
     moe = engine.module.moe
     rank = groups._get_expert_parallel_rank(moe.expert_group_name)
+    zero = snapshot(engine.optimizer).values if engine.zero_optimization_stage() else None
     out = {}
     for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
         for n, p in expert.named_parameters():
             out[f"{rank * moe.num_local_experts + i}.{n}"] = p.detach().clone()
-            for key, v in sorted(engine.optimizer.state.get(p, {}).items()):
-                if torch.is_tensor(v) and v.shape == p.shape:
+            state = engine.optimizer.state.get(p, {}) if zero is None else zero[id(p)]
+            for key, v in sorted(state.items()):
+                if torch.is_tensor(v) and v.shape == p.shape and key != "fp32":
                     out[f"{rank * moe.num_local_experts + i}.{n}.{key}"] = v.clone()
     return out
 
@@ -75,7 +80,7 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
 
 
 def checkpoint_across(save: Optional[Dict[str, Any]], load: Optional[Dict[str, Any]], ep: int, path: str,
-                      steps: int = 4, via_tool: bool = False) -> Dict[str, Any]:
+                      steps: int = 4, via_tool: bool = False, stage: int = 0) -> Dict[str, Any]:
     """Train ``steps`` steps under ``save`` (a section or None: stock) and save; go on 2 steps. A fresh engine
     (another seed) under ``load`` loads the checkpoint (``via_tool``: through the recipes' resume,
     patches/deepspeed_reshard.load_checkpoint) and runs the same 2 steps. The experts by global id (with their Adam
@@ -88,7 +93,7 @@ def checkpoint_across(save: Optional[Dict[str, Any]], load: Optional[Dict[str, A
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
-            engine = jobs.make_engine(0, plugin, ep, 1, init_seed)
+            engine = jobs.make_engine(stage, plugin, ep, 1, init_seed)
             if role == "saver":
                 jobs.train(engine, seed, range(steps))
                 engine.save_checkpoint(path, tag="t")
@@ -104,35 +109,6 @@ def checkpoint_across(save: Optional[Dict[str, Any]], load: Optional[Dict[str, A
             engine.destroy()
     dist.barrier()
     return results
-
-
-def zero12_resume(stage: int, path: str, steps: int = 4) -> Dict[str, Any]:
-    """ZeRO ``stage`` (1 or 2) with packing 2: a packed run saves and goes on 2 steps; a packed engine (another
-    seed) loads and runs the same 2 steps; then a stock engine saves, and a packed engine's load of it is refused."""
-    import moe_plugins
-    init_deepspeed_comm()
-    seed, out = 5, {}
-    for role, plugin, init_seed in (("saver", section(2), seed), ("loader", section(2), seed + 100),
-                                    ("stock_saver", None, seed), ("refused", section(2), seed + 100)):
-        with ExitStack() as stack:
-            stack.enter_context(deepspeed_groups(None))
-            stack.enter_context(moe_plugins.enable())
-            engine = jobs.make_engine(stage, plugin, 4, 1, init_seed)
-            tag = "stock" if role in ("stock_saver", "refused") else "packed"
-            if role in ("saver", "stock_saver"):
-                jobs.train(engine, seed, range(steps))
-                engine.save_checkpoint(path, tag=tag)
-            else:
-                try:
-                    engine.load_checkpoint(path, tag=tag)
-                except ValueError as exc:
-                    out[role] = {"error": str(exc)}
-                    engine.destroy()
-                    continue
-            out[role] = {"experts": by_expert(engine), "after": jobs.train(engine, seed, range(steps, steps + 2))}
-            engine.destroy()
-    dist.barrier()
-    return out
 
 
 def refused(plugin: Dict[str, Any], stage: int = 0, ep: int = 4) -> Dict[str, Any]:

@@ -1,0 +1,92 @@
+"""DeepSpeed's ZeRO 1/2 optimizer rebuilt around a regroup of the expert modules (Lina's packing during training,
+and unpacked around a checkpoint; patches/deepspeed_lina_packing.py).
+
+ZeRO 1/2 flatten each optimizer group's parameters into one buffer and keep the fp32 master copy and the
+optimizer state (Adam's moments) as flat partitions over the group's DP ranks (expert-DP for the experts). A
+change in the number of experts per rank changes those buffers, so the optimizer is rebuilt, carrying every
+parameter's values whole:
+
+1. :func:`snapshot` (collective: each group's DP ranks, every rank in the same order): every parameter's full
+   fp32 master value and optimizer state tensors, through DeepSpeed's ``safe_get_full_fp32_param`` and
+   ``safe_get_full_optimizer_state``, and the scalar state (Adam's ``step``, the same in every group).
+2. :func:`release`: the old optimizer's gradient hooks removed (its ``destroy``), the torch optimizer's groups
+   back to the model's parameters, its state emptied. The caller then regroups the modules; the expert
+   parameters' snapshot entries move with them.
+3. :func:`restore` on the optimizer the engine builds anew: its state made like the old one's, then filled from
+   the snapshot with ``safe_set_full_fp32_param`` and ``safe_set_full_optimizer_state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import torch
+
+FP32 = "fp32"
+
+
+@dataclass
+class Snapshot:
+    """Per parameter (by ``id``), its full fp32 value (``"fp32"``) and optimizer state tensors by key."""
+
+    values: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)
+    keys: List[str] = field(default_factory=list)        # the optimizer state tensors (Adam: exp_avg, exp_avg_sq)
+    scalars: Dict[str, Any] = field(default_factory=dict)
+
+
+def snapshot(zero: Any) -> Snapshot:
+    """Every parameter of ``zero``'s groups, whole (module docstring). Collective."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    out = Snapshot()
+    first = zero.optimizer.state.get(zero.single_partition_of_fp32_groups[0], {})
+    out.keys = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
+    out.scalars = {k: v for k, v in first.items() if k not in out.keys}
+    if out.keys:
+        _link_state(zero)
+    for params in zero.bit16_groups:
+        for p in params:
+            entry = {FP32: safe_get_full_fp32_param(p)}
+            for key in out.keys:
+                entry[key] = safe_get_full_optimizer_state(p, key)
+            out.values[id(p)] = entry
+    return out
+
+
+def release(zero: Any) -> Any:
+    """``zero`` taken off the model (module docstring, 2); returns its torch optimizer, ready to be rebuilt on."""
+    basic = zero.optimizer
+    zero.destroy()
+    for group, params in zip(basic.param_groups, zero.bit16_groups):
+        group["params"] = list(params)
+    basic.state.clear()
+    return basic
+
+
+def restore(zero: Any, snap: Snapshot) -> None:
+    """The new ``zero``'s master values and optimizer state from ``snap`` (module docstring, 3); every parameter
+    of its groups must have an entry."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    missing = [tuple(p.shape) for params in zero.bit16_groups for p in params if id(p) not in snap.values]
+    if missing:
+        raise ValueError(f"moe_plugins.lina.packing: no saved master value for parameters of shapes {missing}")
+    if snap.keys:
+        for flat in zero.single_partition_of_fp32_groups:
+            zero.optimizer.state[flat] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in snap.scalars.items()},
+                                          **{k: torch.zeros_like(flat) for k in snap.keys}}
+        _link_state(zero)
+    for params in zero.bit16_groups:
+        for p in params:
+            entry = snap.values[id(p)]
+            safe_set_full_fp32_param(p, entry[FP32])
+            for key in snap.keys:
+                safe_set_full_optimizer_state(p, entry[key], key)
+
+
+def _link_state(zero: Any) -> None:
+    """Point every parameter's fragment mapping at its group's optimizer state now (DeepSpeed links them once,
+    after its first step, and a checkpoint load re-links the parameters without it)."""
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+    for params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+        lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
+    zero._hp_optimizer_states_linked = True
