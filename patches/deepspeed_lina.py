@@ -255,7 +255,15 @@ def _packer(engine, model: torch.nn.Module, lina: LinaConfig, layout: ParallelLa
     def register(target: ParallelLayout):
         name = stock if target == layout else f"ep_size_{target.ep}"
         return name, plugin._register(name, plugin._host_groups(target, False))
-    return packing.EnginePacker(engine, layers, lina, register, lambda t: plugin._host_groups(t, False).groups)
+
+    def engine_for(groups):                 # pipelined layers: the layout's engine, with Lina's background lane
+        key = (groups.layout, True, True)
+        if key not in plugin._lanes:        # collective: every rank regroups alike; closed at disable
+            from moe_plugins.core.engine import build_engine
+            plugin._lanes[key] = build_engine(groups, pipeline=True, background=True, ledger=plugin.ledger)
+        return plugin._lanes[key]
+    return packing.EnginePacker(engine, layers, lina, register, lambda t: plugin._host_groups(t, False).groups,
+                                engine_for)
 
 
 class LinaHooks:
@@ -330,7 +338,7 @@ class LinaHooks:
         state = LinaEngine(engine, GradReducer(comm, micro_op_bytes=size, priority=lina.priority), groups.dp, dense)
         self.engines.append(state)
         if packer is not None:
-            state.packer = packer
+            state.packer, packer.reducer = packer, state.reducer
             state.patchers.append(packer.patcher().apply())
         stage = engine.zero_optimization_stage()
         if stage == 0:

@@ -5,8 +5,9 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
   :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 (DeepSpeed's fp16 and
-  bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, the ``baseline`` schedule at pipeline degree 1 with MP 1 and ESP 1, no Hecate or Lancet, and ``"auto"`` only off
-  CUDA (its probe times micro-ops by the wall clock).
+  bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, the ``baseline`` schedule at an integer
+  pipeline degree with MP 1 and ESP 1, no Hecate or Lancet, and ``"auto"`` only off CUDA (its probe times
+  micro-ops by the wall clock).
 - :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
   DeepSpeed layers. The experts' values, gradients and optimizer state shaped like them move with one
   all-to-all per fine EP group (:func:`moe_plugins.lina.regroup.move_experts`); each layer's
@@ -49,6 +50,7 @@ from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
 from moe_plugins.lina.regroup import move_experts
+from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 FIELD = f"{SECTION}.lina.packing"
@@ -71,9 +73,9 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
     if cfg.schedule not in SCHEDULES:
         problems.append(f"{what} runs the schedule {' or '.join(map(repr, SCHEDULES))}, and "
                         f"{SECTION}.schedule is {cfg.schedule!r}")
-    if cfg.pipeline_degree != 1:
-        problems.append(f"{what} needs {SECTION}.pipeline_degree 1 (got {cfg.pipeline_degree!r}): a pipelined "
-                        "executor's lanes hold groups of the stock layout")
+    if not isinstance(cfg.pipeline_degree, int):
+        problems.append(f"{what} needs an integer {SECTION}.pipeline_degree (got {cfg.pipeline_degree!r}): the "
+                        "cost profile that prices a degree is the stock layout's, not the packed one's")
     if cfg.esp not in (None, 1):
         problems.append(f"{what} needs {SECTION}.esp 1 (got {cfg.esp})")
     for name in ("hecate", "lancet"):
@@ -124,8 +126,9 @@ class PackedLayer:
         if self.moe.deepspeed_moe in self._table:          # gone once the plugin is disabled
             self._table[self.moe.deepspeed_moe] = dataclasses.replace(self.swapped, schedule=value)
 
-    def rebuilt(self, groups: MoEProcessGroups, schedule: Any) -> None:
-        self._table[self.moe.deepspeed_moe] = dataclasses.replace(self.swapped, schedule=schedule, groups=groups)
+    def rebuilt(self, groups: MoEProcessGroups, schedule: Any, lane: Any = None) -> None:
+        self._table[self.moe.deepspeed_moe] = dataclasses.replace(self.swapped, schedule=schedule, groups=groups,
+                                                                  lane=lane)
 
 
 Item = Tuple[PackedLayer, str, str]          # (layer, parameter name inside an expert, "data" | "grad" | state key)
@@ -133,10 +136,13 @@ CARRIED = "carried:"                         # an Item's slot prefix for the ten
 
 
 def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any], *,
-                      register: Register, carried: Optional[Dict[int, Dict[str, torch.Tensor]]] = None) -> None:
+                      register: Register, carried: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
+                      engine_for: Optional[Callable[[MoEProcessGroups], Any]] = None) -> None:
     """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves.
     ``carried``: more tensors shaped like each parameter (by ``id``: ZeRO's master value and optimizer state,
-    patches/deepspeed_lina_zero.py), moved with the experts and keyed by the new expert parameters after."""
+    patches/deepspeed_lina_zero.py), moved with the experts and keyed by the new expert parameters after.
+    ``engine_for(groups)``: the communication engine with a pipeline lane on ``groups`` (the layout's twins),
+    for layers that PipeMoE pipelines: their executor and schedule are rebuilt on it."""
     old = layers[0].groups
     num_experts = layers[0].config.num_experts
     problems = regroup_problems(old.layout, groups.layout, num_experts)
@@ -144,7 +150,14 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                  if layer.groups.layout != old.layout]
     if problems:
         raise ValueError(f"{FIELD}: cannot regroup: " + "; ".join(problems))
-    schedules = [rebuild_schedule(layer.schedule, groups) for layer in layers]    # raises before moving
+    pipelined = [layer.swapped.lane is not None for layer in layers]
+    if any(pipelined) and engine_for is None:
+        raise ValueError(f"{FIELD}: pipelined layers regroup with an engine for the new layout (engine_for)")
+    comm = engine_for(groups) if any(pipelined) else None        # collective the first time, before moving
+    schedules = [rebuild_schedule(layer.schedule, groups, dataclasses.replace(layer.rec, engine=comm) if lane else None)
+                 for layer, lane in zip(layers, pipelined)]     # raises before moving
+    lanes = [build_executor(layer.swapped.pipeline_degree, None, comm) if lane else None
+             for layer, lane in zip(layers, pipelined)]
     if old.layout.ep == groups.layout.ep:
         return
     where: List[Item] = []
@@ -176,12 +189,12 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                 param.grad = stacked[i].clone()
             else:
                 optimizer.state[param][slot] = stacked[i].clone()
-    for layer, schedule in zip(layers, schedules):
+    for layer, schedule, lane in zip(layers, schedules, lanes):
         moe, inner = layer.moe, layer.moe.deepspeed_moe
         moe.ep_size = inner.ep_size = groups.layout.ep
         moe.num_local_experts = inner.num_local_experts = inner.experts.num_local_experts = local
         moe.expert_group_name, inner.ep_group = name, ep_pg     # the gate keeps the stock EP group (docstring)
-        layer.rebuilt(groups, schedule)
+        layer.rebuilt(groups, schedule, lane)
     logger.info("moe_plugins: Lina packing regrouped %d DeepSpeed MoE layers from ep %d to ep %d (%d experts per "
                 "rank, DeepSpeed group %s)", len(layers), old.layout.ep, groups.layout.ep, local, name)
 
@@ -276,9 +289,11 @@ class EnginePacker:
     WRAPPED = ("step", "save_checkpoint", "load_checkpoint")
 
     def __init__(self, engine: Any, layers: List[PackedLayer], lina: LinaConfig, register: Register,
-                 groups_for: Callable[[ParallelLayout], MoEProcessGroups]):
+                 groups_for: Callable[[ParallelLayout], MoEProcessGroups],
+                 engine_for: Callable[[MoEProcessGroups], Any]):
         self.engine, self.layers, self.lina = engine, layers, lina
-        self.register, self.groups_for = register, groups_for
+        self.register, self.groups_for, self.engine_for = register, groups_for, engine_for
+        self.reducer: Any = None                 # Lina's GradReducer: its lane follows pipelined layers' engine
         self.stage = int(engine.zero_optimization_stage())
         self.controller: Optional[PackingController] = None
         self._zero_built = False                # ZeRO 1/2: the engine has built its ZeRO optimizer
@@ -321,16 +336,19 @@ class EnginePacker:
         """The controller's regroup; once ZeRO 1/2 built its optimizer, that optimizer is rebuilt around it
         (patches/deepspeed_lina_zero.py), the experts' master values and state moving with them."""
         if not self._zero_built:
-            regroup_deepspeed(layers, groups, optimizer, register=self.register)
+            regroup_deepspeed(layers, groups, optimizer, register=self.register, engine_for=self.engine_for)
             self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
-            return
-        from moe_plugins.patches import deepspeed_lina_zero as zero_state
-        snap = zero_state.snapshot(self.engine.optimizer)
-        basic = zero_state.release(self.engine.optimizer)
-        regroup_deepspeed(layers, groups, basic, register=self.register, carried=snap.values)
-        self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
-        self.engine.optimizer = self.engine._configure_zero_optimizer(basic)
-        zero_state.restore(self.engine.optimizer, snap)
+        else:
+            from moe_plugins.patches import deepspeed_lina_zero as zero_state
+            snap = zero_state.snapshot(self.engine.optimizer)
+            basic = zero_state.release(self.engine.optimizer)
+            regroup_deepspeed(layers, groups, basic, register=self.register, carried=snap.values,
+                              engine_for=self.engine_for)
+            self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
+            self.engine.optimizer = self.engine._configure_zero_optimizer(basic)
+            zero_state.restore(self.engine.optimizer, snap)
+        if self.reducer is not None and any(layer.swapped.lane is not None for layer in layers):
+            self.reducer.engine = layers[0].rec.engine    # one engine orders the exchanges and the micro-ops
 
     def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         before = self.engine.global_steps

@@ -28,19 +28,21 @@ def _merged(results, run):
     return out
 
 
-@pytest.mark.parametrize("packing,ep,k,stage,gas", [(2, 4, 1, 0, 1), (4, 4, 2, 0, 1), ("auto", 4, 1, 0, 1),
-                                                     (2, 4, 1, 0, 2), (2, 4, 1, 1, 1), (2, 4, 2, 2, 1),
-                                                     ("auto", 4, 1, 1, 1), ("auto", 4, 2, 2, 1)],
-                         ids=["p2-k1", "p4-k2", "auto", "p2-gas2", "p2-zero1", "p2-k2-zero2", "auto-zero1",
-                              "auto-k2-zero2"])
-def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, gas):
+@pytest.mark.parametrize("packing,ep,k,stage,gas,degree", [
+    (2, 4, 1, 0, 1, 1), (4, 4, 2, 0, 1, 1), ("auto", 4, 1, 0, 1, 1), (2, 4, 1, 0, 2, 1), (2, 4, 1, 1, 1, 1),
+    (2, 4, 2, 2, 1, 1), ("auto", 4, 1, 1, 1, 1), ("auto", 4, 2, 2, 1, 1), (2, 4, 2, 0, 1, 2), ("auto", 4, 1, 2, 1, 2)],
+    ids=["p2-k1", "p4-k2", "auto", "p2-gas2", "p2-zero1", "p2-k2-zero2", "auto-zero1", "auto-k2-zero2",
+         "p2-k2-pipemoe2", "auto-zero2-pipemoe2"])
+def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, gas, degree):
     """A fixed packing regroups when the optimizer is built, before the first step (at ZeRO 1/2 before ZeRO
     flattens and partitions it over the packed expert-DP group); "auto" decides at steps 10, 14, 18 from the
     agreed micro-op timings (at ZeRO 1/2 the ZeRO optimizer is rebuilt around each regroup, its master values
     and moments carried). Either way the 20 losses are stock's (fp32, 1e-5), and so are the experts and their
     Adam moments, matched by global expert id over every rank (the packed layout's replicas hold equal copies);
-    with gradient accumulation 2 the packing changes at optimizer steps only."""
-    results = world(4).run(jobs.train_vs_stock, packing, ep, k, 3, STEPS, stage, gas)
+    with gradient accumulation 2 the packing changes at optimizer steps only. Under PipeMoE's degree 2 the
+    layers' pipelined executor and schedule are rebuilt on the packed layout's engine, and Lina's reducer moves to
+    it (one engine orders the exchanges and the gradient micro-ops)."""
+    results = world(4).run(jobs.train_vs_stock, packing, ep, k, 3, STEPS, stage, gas, degree)
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
@@ -63,6 +65,7 @@ def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, ga
         final = packing
     assert jobs.local_counts(results) == [4 // ep * final] * 4
     assert on["group_names"] == [f"ep_size_{ep // final}"]
+    assert on["lane"] == (degree, True, ep // final) if degree > 1 else on["lane"][0] == 1
     if stage == 0:       # inp, gate, head: 5; 4 per local expert (ZeRO 1/2 hold one flat partition per group)
         assert on["optimizer_params"] == 5 + 4 * (4 // ep * final)
     moves = 1 if packing != "auto" else sum(frm != to for _, _, _, frm, to in on["decisions"])
@@ -114,7 +117,7 @@ def test_refusals_through_deepspeed_initialize_name_the_field_and_register_nothi
 
 
 def test_config_problems_name_every_field():
-    cfg = PluginConfig.from_dict({"schedule": "parm-s1", "pipeline_degree": 2, "esp": 2,
+    cfg = PluginConfig.from_dict({"schedule": "parm-s1", "pipeline_degree": "auto", "esp": 2,
                                   "lina": {"packing": "auto", "inference": {"table": "t.json"}}}, **config_choices())
     cfg = dataclasses.replace(cfg, hecate={"enabled": True})   # a section the host's across-rules may refuse first
     engine = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
@@ -122,7 +125,7 @@ def test_config_problems_name_every_field():
     problems = config_problems(engine, cfg, LinaConfig.from_dict(cfg.lina))
     text = "\n".join(problems)
     for needle in ("bf16.enabled is true", "moe_plugins.schedule is "
-                   "'parm-s1'", "moe_plugins.pipeline_degree 1 (got 2)", "moe_plugins.esp 1 (got 2)",
+                   "'parm-s1'", "an integer moe_plugins.pipeline_degree (got 'auto')", "moe_plugins.esp 1 (got 2)",
                    "does not combine with moe_plugins.hecate", "does not combine with moe_plugins.lina.inference",
                    '"auto" times the micro-ops by the wall clock'):
         assert needle in text, (needle, problems)

@@ -69,9 +69,10 @@ class TimedSchedule(Schedule):
             raise AttributeError(attr)
         return getattr(inner, attr)
 
-    def rebuilt(self, groups: MoEProcessGroups) -> "TimedSchedule":
-        """The same schedule class, freshly built on ``groups`` (after a regroup), still timed."""
-        return TimedSchedule(type(self.inner)(self.inner.config, groups, self.inner.rec), self.probe)
+    def rebuilt(self, groups: MoEProcessGroups, rec: Any = None) -> "TimedSchedule":
+        """The same schedule class, freshly built on ``groups`` (after a regroup; ``rec``: its recorder, default
+        the old one's), still timed."""
+        return TimedSchedule(type(self.inner)(self.inner.config, groups, rec or self.inner.rec), self.probe)
 
     def twin(self, groups: MoEProcessGroups) -> "TimedSchedule":
         return TimedSchedule(self.inner.twin(groups), self.probe)
@@ -110,13 +111,13 @@ class TimedSchedule(Schedule):
         return self.inner.finish(r, dispatched)
 
 
-def rebuild_schedule(schedule: Schedule, groups: MoEProcessGroups) -> Schedule:
-    """``schedule``'s class built afresh on ``groups`` (a timed one stays timed). Raises ValueError naming the
-    problems when that class cannot run on ``groups``' layout."""
+def rebuild_schedule(schedule: Schedule, groups: MoEProcessGroups, rec: Any = None) -> Schedule:
+    """``schedule``'s class built afresh on ``groups`` with ``rec`` (default: its own recorder; a timed one stays
+    timed). Raises ValueError naming the problems when that class cannot run on ``groups``' layout."""
     base = schedule.inner if isinstance(schedule, TimedSchedule) else schedule
     problems = type(base).layout_problems(groups.layout)
     if problems:
         raise ValueError(f"schedule {base.name!r} cannot run on the packed layout: " + "; ".join(problems))
     if isinstance(schedule, TimedSchedule):
-        return schedule.rebuilt(groups)
-    return type(base)(base.config, groups, base.rec)
+        return schedule.rebuilt(groups, rec)
+    return type(base)(base.config, groups, rec or base.rec)
