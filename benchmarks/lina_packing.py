@@ -39,6 +39,18 @@ from pathlib import Path
 PACKINGS = (1, 2, 4)
 
 
+def timed(fn) -> float:
+    """Seconds ``fn()`` took on the slowest rank, from a barrier (collective)."""
+    import torch
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def rank_entry(cfg: dict) -> None:
     (rank_main_deepspeed if cfg["host"] == "deepspeed" else rank_main)(cfg)
 
@@ -80,14 +92,6 @@ def rank_main(cfg: dict) -> None:
             pg = g.expert_dp.pg if name in EXPERT_KEYS else g.dp.pg
             if pg is not None:
                 dist.all_reduce(p.grad, group=pg)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     # "auto" from p = 1: its own layer, checks after steps 2, 4, ...
     auto_layer = build()
@@ -173,14 +177,6 @@ def rank_main_deepspeed(cfg: dict) -> None:
         loss = eng(x, target)
         eng.backward(loss)
         eng.step()
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     with deepspeed_groups(None), moe_plugins.enable() as handle:
         rows = {"deepspeed": engine(None)} | {f"p={p}": engine(p) for p in PACKINGS}
