@@ -6,9 +6,11 @@ optimizer state (Adam's moments) as flat partitions over the group's DP ranks (e
 change in the number of experts per rank changes those buffers, so the optimizer is rebuilt, carrying every
 parameter's values whole:
 
-1. :func:`snapshot` (collective: each group's DP ranks, every rank in the same order): every parameter's full
-   fp32 master value and optimizer state tensors, through DeepSpeed's ``safe_get_full_fp32_param`` and
-   ``safe_get_full_optimizer_state``, and the scalar state (Adam's ``step``, the same in every group).
+1. :func:`snapshot` (collective: each MoE group's expert-DP ranks, every rank in the same order): every expert
+   parameter's full fp32 master value and optimizer state tensors, through DeepSpeed's
+   ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``, and the scalar state (Adam's ``step``,
+   the same in every group). The dense groups keep their parameters and DP group, hence their partitions: this
+   rank's flat fp32 partition and state are kept as they are (no gather) and copied into the new ones.
 2. :func:`release`: the old optimizer's gradient hooks removed (its ``destroy``), the torch optimizer's groups
    back to the model's parameters, its state emptied. The caller then regroups the modules; the expert
    parameters' snapshot entries move with them.
@@ -33,6 +35,7 @@ class Snapshot:
     values: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)
     keys: List[str] = field(default_factory=list)        # the optimizer state tensors (Adam: exp_avg, exp_avg_sq)
     scalars: Dict[str, Any] = field(default_factory=dict)
+    partitions: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)   # dense group -> its flat ones
 
 
 def snapshot(zero: Any) -> Snapshot:
@@ -44,7 +47,12 @@ def snapshot(zero: Any) -> Snapshot:
     out.scalars = {k: v for k, v in first.items() if k not in out.keys}
     if out.keys:
         _link_state(zero)
-    for params in zero.bit16_groups:
+    for i, params in enumerate(zero.bit16_groups):
+        if not zero.is_moe_group(zero.optimizer.param_groups[i]):
+            flat = zero.single_partition_of_fp32_groups[i]
+            state = zero.optimizer.state.get(flat, {})
+            out.partitions[i] = {FP32: flat, **{key: state[key] for key in out.keys}}
+            continue
         for p in params:
             entry = {FP32: safe_get_full_fp32_param(p)}
             for key in out.keys:
@@ -67,15 +75,26 @@ def restore(zero: Any, snap: Snapshot) -> None:
     """The new ``zero``'s master values and optimizer state from ``snap`` (module docstring, 3); every parameter
     of its groups must have an entry."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    missing = [tuple(p.shape) for params in zero.bit16_groups for p in params if id(p) not in snap.values]
-    if missing:
-        raise ValueError(f"moe_plugins.lina.packing: no saved master value for parameters of shapes {missing}")
+    problems = [f"group {i}: partition {tuple(zero.single_partition_of_fp32_groups[i].shape)}, saved "
+                f"{tuple(saved[FP32].shape)}" for i, saved in snap.partitions.items()
+                if zero.single_partition_of_fp32_groups[i].shape != saved[FP32].shape]
+    problems += [f"no saved master value for a parameter of shape {tuple(p.shape)}" for i, params in
+                 enumerate(zero.bit16_groups) if i not in snap.partitions for p in params if id(p) not in snap.values]
+    if problems:
+        raise ValueError("moe_plugins.lina.packing: the rebuilt ZeRO optimizer does not match: " + "; ".join(problems))
     if snap.keys:
         for flat in zero.single_partition_of_fp32_groups:
             zero.optimizer.state[flat] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in snap.scalars.items()},
                                           **{k: torch.zeros_like(flat) for k in snap.keys}}
         _link_state(zero)
-    for params in zero.bit16_groups:
+    for i, saved in snap.partitions.items():
+        flat = zero.single_partition_of_fp32_groups[i]
+        flat.data.copy_(saved[FP32])
+        for key in snap.keys:
+            zero.optimizer.state[flat][key].copy_(saved[key])
+    for i, params in enumerate(zero.bit16_groups):
+        if i in snap.partitions:
+            continue
         for p in params:
             entry = snap.values[id(p)]
             safe_set_full_fp32_param(p, entry[FP32])
