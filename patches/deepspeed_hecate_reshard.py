@@ -5,9 +5,11 @@ Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, r
   fp32, without optimizer offload (fp16/bf16 and offload keep master copies elsewhere, which the move does not
   reach). One line per problem, naming the field.
 - ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
-  master partition and its Adam moments are flat tensors of the same layout; each expert parameter's slices of
-  those move with it. That needs the expert group unpartitioned (expert-DP 1: ``ep_size`` = world), checked at
-  the first re-shard, before anything moves.
+  master partition and its Adam moments are flat tensors of the same layout; with the expert group on one rank
+  (expert-DP 1: ``ep_size`` = world) each expert parameter's slices of those move with it, in place. An expert
+  group partitioned over expert-DP > 1 holds only a slice of each expert here: its master values and moments
+  are gathered whole for the move (collective), moved with the experts, and this rank's slices written back
+  after it (:class:`moe_plugins.patches.deepspeed_zero_state.GatheredState`).
 - :class:`EngineResharder`: after the engine configured its model, wraps three methods of that engine (instance
   attributes, taken off by :meth:`EngineResharder.remove`):
 
@@ -99,10 +101,10 @@ class EngineResharder:
             engine.__dict__.pop(name, None)
 
     def _moving(self) -> Tuple[Optional[torch.optim.Optimizer], Optional[Extra]]:
-        """What moves with the experts (:func:`_optimizer`), every expert parameter's views checked the first time
-        (a partitioned ZeRO group is refused at the first step, whether or not that step moves anything)."""
+        """What moves with the experts (:func:`_optimizer`), every expert parameter's ZeRO views checked the first
+        time (one in no ZeRO group is refused at the first step, whether or not that step moves anything)."""
         optimizer, extra = _optimizer(self.engine)
-        if extra is not None and not self._checked:
+        if extra is not None and not self._checked and not hasattr(extra, "done"):
             for _, slots in self.resharder.layers:
                 for slot in slots():
                     for param, _ in slot:
@@ -132,11 +134,17 @@ def _slots(moe: torch.nn.Module) -> List[List[Any]]:
 
 def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[Extra]]:
     """What moves besides the parameters: (a torch optimizer keyed by them (ZeRO 0), or None; the ZeRO 1/2
-    views, or None)."""
+    views (expert groups on one rank each), or the whole master values and moments gathered for the move and
+    written back after it (an expert group partitioned over expert-DP > 1: patches/deepspeed_zero_state.py), or
+    None)."""
     opt = getattr(engine, "optimizer", None)
     if opt is None:
         return None, None
     if int(engine.zero_optimization_stage()) in (1, 2):
+        if any(opt.is_moe_group(g) and dist.get_world_size(group=pg) > 1
+               for g, pg in zip(opt.optimizer.param_groups, opt.real_dp_process_group)):
+            from moe_plugins.patches.deepspeed_zero_state import GatheredState
+            return None, GatheredState(opt)
         return None, zero_views(opt)
     if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"{FIELD}: the engine's optimizer ({type(opt).__qualname__}) is not a torch optimizer "

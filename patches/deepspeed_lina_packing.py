@@ -24,7 +24,7 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
   ``step`` calls ``step_end`` at every gradient-accumulation boundary ("auto" checks at steps 10, 14, ...);
   ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call, packed again
   after), so the files are stock DeepSpeed's both ways. A regroup once ZeRO 1/2 built its optimizer rebuilds that
-  optimizer around it (patches/deepspeed_lina_zero.py), each parameter's master value and moments carried whole.
+  optimizer around it (patches/deepspeed_zero_state.py), each parameter's master value and moments carried whole.
 
 Gradients need no rescaling: DeepSpeed 0.19.8 divides expert gradients by the DP world size, not the expert-DP
 size (ZeRO 0: ``DeepSpeedEngine._reduce_expert_gradients``; ZeRO 1/2: ``gradient_reduction_w_predivide``).
@@ -140,7 +140,7 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                       engine_for: Optional[Callable[[MoEProcessGroups], Any]] = None) -> None:
     """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves.
     ``carried``: more tensors shaped like each parameter (by ``id``: ZeRO's master value and optimizer state,
-    patches/deepspeed_lina_zero.py), moved with the experts and keyed by the new expert parameters after.
+    patches/deepspeed_zero_state.py), moved with the experts and keyed by the new expert parameters after.
     ``engine_for(groups)``: the communication engine with a pipeline lane on ``groups`` (the layout's twins),
     for layers that PipeMoE pipelines: their executor and schedule are rebuilt on it."""
     old = layers[0].groups
@@ -334,12 +334,12 @@ class EnginePacker:
 
     def _regroup(self, layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any]) -> None:
         """The controller's regroup; once ZeRO 1/2 built its optimizer, that optimizer is rebuilt around it
-        (patches/deepspeed_lina_zero.py), the experts' master values and state moving with them."""
+        (patches/deepspeed_zero_state.py), the experts' master values and state moving with them."""
         if not self._zero_built:
             regroup_deepspeed(layers, groups, optimizer, register=self.register, engine_for=self.engine_for)
             self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
         else:
-            from moe_plugins.patches import deepspeed_lina_zero as zero_state
+            from moe_plugins.patches import deepspeed_zero_state as zero_state
             snap = zero_state.snapshot(self.engine.optimizer)
             basic = zero_state.release(self.engine.optimizer)
             regroup_deepspeed(layers, groups, basic, register=self.register, carried=snap.values,

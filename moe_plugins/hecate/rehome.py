@@ -142,7 +142,8 @@ class Resharder:
     def reshard(self, optimizer: Optional[Any], homes_LE: Optional[Sequence[Homes]] = None,
                 extra: Optional[Extra] = None) -> None:
         """Move every layer to ``homes_LE`` (default: :meth:`plan`), checked the same on every rank first, with
-        ``optimizer``'s state keyed by the parameters and the ``extra`` views (:func:`slot_tensors`)."""
+        ``optimizer``'s state keyed by the parameters and the ``extra`` views (:func:`slot_tensors`); an ``extra``
+        with a ``done()`` (tensors it gathered for the move rather than views) has it called after the moves."""
         homes_LE = self.plan() if homes_LE is None else tuple(tuple(h) for h in homes_LE)
         self._agree(homes_LE)
         moved = 0
@@ -154,6 +155,9 @@ class Resharder:
                 moved += rehome(tensors, schedule.homes, tuple(homes), schedule.groups.ep, schedule.rec)
             schedule.set_homes(tuple(homes))
             self.layers_moved += 1
+        done = getattr(extra, "done", None)       # a host's copies taken for the move, written back to its storage
+        if done is not None:
+            done()
         self.rounds += 1
         log.info("hecate: re-sharded %d layers at step %d (%d elements sent here); homes %s", len(self.layers),
                  self.steps, moved, [list(h) for h in homes_LE])

@@ -41,13 +41,14 @@ def _layer(handle, engine):
 
 
 def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any] = None) -> Dict[str, Any]:
-    """jobs.train, one step at a time, with the homes after each step; ``forced`` (resharder, homes): moved
+    """jobs.train, one step at a time, with the homes after each step; ``forced`` (the engine's resharder, homes): moved
     there after the first step, whatever Algorithm 2 would plan."""
     losses, homes = [], []
     for step in steps:
         losses += jobs.train(engine, seed, range(step, step + 1))
         if forced is not None and step == steps.start:
-            forced[0].reshard(engine.optimizer, [forced[1]])
+            optimizer, extra = forced[0]._moving()          # what the engine's own re-shards move (ZeRO's state)
+            forced[0].resharder.reshard(optimizer, [forced[1]], extra)
         homes.append(layer.schedule.homes if layer is not None else None)
     return {"losses": losses, "homes": homes}
 
@@ -79,7 +80,7 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
             engine = make_engine(stage, plugin, ep, k, seed)
             layer = _layer(handle, engine)
-            force = (handle.hecate.resharders[0].resharder, tuple(forced)) if forced and handle else None
+            force = (handle.hecate.resharders[0], tuple(forced)) if forced and handle else None
             out[name] = _train_tracking(engine, layer, seed, range(steps), force)
             homes = layer.schedule.homes if layer is not None else None
             out[name]["experts"] = by_expert(engine, homes)
@@ -119,24 +120,6 @@ def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Option
             engine.destroy()
     dist.barrier()
     return results
-
-
-def refused(stage: int, every: int, ep: int) -> Dict[str, Any]:
-    """Re-sharding at ZeRO ``stage`` and EP ``ep``, trained until a step raises (at most 2 ``every`` steps): the
-    error (None: none) and the homes after it."""
-    import moe_plugins
-    init_deepspeed_comm()
-    with deepspeed_groups(None), moe_plugins.enable() as handle:
-        engine = make_engine(stage, section(every), ep, 1, 0)
-        layer = _layer(handle, engine)
-        error = None
-        try:
-            jobs.train(engine, 0, range(2 * every))
-        except ValueError as exc:
-            error = str(exc)
-        homes, stock = layer.schedule.homes, layer.schedule.stock_homes()
-        engine.destroy()
-    return {"error": error, "homes_stock": homes == stock}
 
 
 def homes_moved(homes: List[Any], stock: Any) -> bool:

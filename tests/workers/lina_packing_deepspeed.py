@@ -24,7 +24,7 @@ def by_expert(engine) -> Dict[str, torch.Tensor]:
     1/2 the moments gathered whole from ZeRO's partitions: collective)."""
     from deepspeed.utils import groups
 
-    from moe_plugins.patches.deepspeed_lina_zero import snapshot
+    from moe_plugins.patches.deepspeed_zero_state import snapshot
     moe = engine.module.moe
     rank = groups._get_expert_parallel_rank(moe.expert_group_name)
     zero = snapshot(engine.optimizer).values if engine.zero_optimization_stage() else None

@@ -1,5 +1,7 @@
-"""DeepSpeed's ZeRO 1/2 optimizer rebuilt around a regroup of the expert modules (Lina's packing during training,
-and unpacked around a checkpoint; patches/deepspeed_lina_packing.py).
+"""DeepSpeed's ZeRO 1/2 optimizer state carried whole across a move of expert parameters: rebuilt around a regroup
+of the expert modules (Lina's packing during training, and unpacked around a checkpoint;
+patches/deepspeed_lina_packing.py), or written back after experts moved between ranks in place (Hecate's
+re-sharding with expert-DP > 1: :class:`GatheredState`, patches/deepspeed_hecate_reshard.py).
 
 ZeRO 1/2 flatten each optimizer group's parameters into one buffer and keep the fp32 master copy and the
 optimizer state (Adam's moments) as flat partitions over the group's DP ranks (expert-DP for the experts). A
@@ -74,7 +76,6 @@ def release(zero: Any) -> Any:
 def restore(zero: Any, snap: Snapshot) -> None:
     """The new ``zero``'s master values and optimizer state from ``snap`` (module docstring, 3); every parameter
     of its groups must have an entry."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     problems = [f"group {i}: partition {tuple(zero.single_partition_of_fp32_groups[i].shape)}, saved "
                 f"{tuple(saved[FP32].shape)}" for i, saved in snap.partitions.items()
                 if zero.single_partition_of_fp32_groups[i].shape != saved[FP32].shape]
@@ -92,6 +93,13 @@ def restore(zero: Any, snap: Snapshot) -> None:
         flat.data.copy_(saved[FP32])
         for key in snap.keys:
             zero.optimizer.state[flat][key].copy_(saved[key])
+    write_back(zero, snap)
+
+
+def write_back(zero: Any, snap: Snapshot) -> None:
+    """Every MoE group parameter's fragment of its master value and optimizer state from ``snap`` (this rank's
+    slices of the whole tensors; no collective)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     for i, params in enumerate(zero.bit16_groups):
         if i in snap.partitions:
             continue
@@ -100,6 +108,27 @@ def restore(zero: Any, snap: Snapshot) -> None:
             safe_set_full_fp32_param(p, entry[FP32])
             for key in snap.keys:
                 safe_set_full_optimizer_state(p, entry[key], key)
+
+
+class GatheredState:
+    """A move's ``extra`` (moe_plugins.hecate.rehome) for ZeRO 1/2 expert groups partitioned over expert-DP > 1:
+    at its first call, every expert parameter's master value and moments gathered whole (:func:`snapshot`,
+    collective: every rank moves the same layers in the same order), moved in place with the experts; ``done()``
+    writes this rank's fragments back (:func:`write_back`)."""
+
+    def __init__(self, zero: Any):
+        self.zero, self.snap = zero, None
+
+    def __call__(self, param: torch.nn.Parameter) -> List[torch.Tensor]:
+        if self.snap is None:
+            self.snap = snapshot(self.zero)
+        entry = self.snap.values[id(param)]
+        return [entry[FP32]] + [entry[key] for key in self.snap.keys]
+
+    def done(self) -> None:
+        if self.snap is not None:
+            snap, self.snap = self.snap, None
+            write_back(self.zero, snap)
 
 
 def _link_state(zero: Any) -> None:
