@@ -8,6 +8,7 @@ refused in one line."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe_plugins.lancet.tune import best_candidate
 from tests.workers.lancet_blocks_deepspeed import refused, train
@@ -124,3 +125,23 @@ def test_tuned_partitions_time_the_ranges_and_stay_exact(world):
         assert choice in (1, 2, 4) and 1 in times and set(times) <= {1, 2, 4} and len(times) >= 2, p["tuned"]
         assert set(times) <= set(p["chosen"][0]) and choice == best_candidate(times)   # what ran; the fewest near
         assert p["chosen"][0][-1] <= 4 and p["ranges"] == [2 * steps]                 # the fastest measured
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lina_micro_ops_beside_lancet_partitions_equal_stock(world, stage):
+    """Lina's gradient micro-ops with Lancet's partitions and deferred dW on one engine (its background and
+    pipeline lanes), fp32 (Lina sums in the gradients' dtype): stock's losses and reduced gradients to fp32
+    rounding (1e-5 of each flat partition's largest; Lancet's partitioned GEMMs alone differ from stock by about
+    7e-7 in fp32, and Lina's sum-then-divide by as much), each ZeRO hook once per parameter, micro-ops submitted,
+    the dW queue run while exchanges flew and empty after."""
+    pool = world(4)
+    steps, fp32 = 10, torch.float32
+    stock = pool.run(train, None, steps, 1, 4, None, stage, False, fp32, timeout_s=600)
+    plugin = pool.run(train, {"schedule": "baseline", "lancet": {"partitions": 2}, "lina": {"micro_op_mb": 0.05}},
+                      steps, 1, 4, None, stage, False, fp32, timeout_s=600)
+    for s, p in zip(stock, plugin):
+        assert max(abs(a - b) / abs(a) for a, b in zip(s["losses"], p["losses"])) <= 1e-5, (s["losses"], p["losses"])
+        assert len(p["grads"]) == steps and all(float((x - y).abs().max()) <= 1e-5 * float(x.abs().max())
+                                                for a, b in zip(s["grads"], p["grads"]) for x, y in zip(a, b))
+        assert p["hook_calls"] == s["hook_calls"] and all(set(c.values()) == {1} for c in p["hook_calls"])
+        assert p["lina_submitted"] > 0 and p["overlap_calls"] > 0 and p["queue_empty"], p

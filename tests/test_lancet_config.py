@@ -75,11 +75,21 @@ def test_every_problem_at_once_and_not_an_object():
     ({"schedule": "baseline-tp"}, r"moe_plugins\.schedule \('baseline-tp'\) cannot run with"),
     ({"exchange": "ragged"}, r"moe_plugins\.exchange \('ragged'\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
     ({"hecate": {}}, r"moe_plugins\.hecate \(enabled\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
-    ({"lina": {}}, r"moe_plugins\.lina \(its gradient micro-ops\) cannot run with moe_plugins\.lancet\.defer_wgrad"),
 ])
 def test_refused_combinations(section, message):
     with pytest.raises(ValueError, match=message):
         _parse({"lancet": {}, **section})
+
+
+def test_lina_beside_lancet_on_deepspeed_only():
+    """Lina's micro-ops and Lancet share the DeepSpeed adapter's engine (tests/test_lancet_blocks_deepspeed.py);
+    the Megatron-core adapter refuses the pair, naming the field."""
+    from moe_plugins.patches.megatron_config import config_choices as megatron_choices
+    both = {"lancet": {"partitions": 2}, "lina": {"micro_op_mb": 1}}
+    assert _parse(both).lina == {"micro_op_mb": 1}
+    with pytest.raises(ValueError, match=r"moe_plugins\.lina \(its gradient micro-ops\) runs with moe_plugins\.lancet "
+                                         r"on DeepSpeed only in this version \(one engine, both lanes\); not on megatron"):
+        PluginConfig.from_dict(both, "moe_plugins", **megatron_choices())
 
 
 # ---- the overlap arithmetic (pure) -----------------------------------------------------------------------------

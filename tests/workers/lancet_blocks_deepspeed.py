@@ -47,10 +47,12 @@ def measure_profile(handle, profile_dir: str) -> None:
 
 
 def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batch: int = 4,
-          profile_dir: Optional[str] = None, stage: int = 2, bert: bool = False) -> Dict[str, Any]:
-    """A fresh fp64 ZeRO-2 engine (the plugin enabled iff ``plugin`` is a section): per micro-step the loss and the
-    ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the executor's ranges.
-    ``profile_dir``: a cost profile is measured and cached there first (``"partitions": "auto"``)."""
+          profile_dir: Optional[str] = None, stage: int = 2, bert: bool = False,
+          dtype: torch.dtype = torch.float64) -> Dict[str, Any]:
+    """A fresh ZeRO-``stage`` engine in ``dtype`` (the plugin enabled iff ``plugin`` is a section): per micro-step
+    the loss and the ZeRO reduction hook's calls per parameter, the reduced gradients at each boundary, the
+    executor's ranges, Lina's micro-ops submitted. ``profile_dir``: a cost profile is measured and cached there
+    first (``"partitions": "auto"``)."""
     import deepspeed
 
     import moe_plugins
@@ -66,7 +68,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
         if profile_dir is not None:
             measure_profile(handle, profile_dir)
-        model = _model(bert).double()
+        model = _model(bert).to(dtype)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         calls: Dict[str, int] = {}
         stack.enter_context(count_zero_hooks(engine, calls))
@@ -86,6 +88,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["chosen"] = [sorted(set(e.chosen)) for e in executors]
         out["tuned"] = [e.parts.decisions() for e in executors if hasattr(e.parts, "decisions")]
         out["overlap_calls"] = 0 if handle is None else sum(o.calls for o in handle.lancet.overlaps)
+        out["lina_submitted"] = 0 if handle is None else sum(s.submitted for s in handle.lina.engines)
         out["queue_empty"] = handle is None or handle.lancet.queue is None or handle.lancet.queue.empty()
         out["dense"] = [] if handle is None else list(handle.lancet.dense)
         hecate = [] if handle is None else [s.schedule for s in handle._layers.values() if hasattr(s.schedule, "last")]
