@@ -135,14 +135,18 @@ Item = Tuple[PackedLayer, str, str]          # (layer, parameter name inside an 
 CARRIED = "carried:"                         # an Item's slot prefix for the tensors regroup_deepspeed's caller carries
 
 
+Carried = Dict[int, Dict[str, torch.Tensor]]
+
+
 def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any], *,
-                      register: Register, carried: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
-                      engine_for: Optional[Callable[[MoEProcessGroups], Any]] = None) -> None:
+                      register: Register, engine_for: Optional[Callable[[MoEProcessGroups], Any]] = None,
+                      before_move: Optional[Callable[[], Tuple[Any, Optional[Carried]]]] = None) -> None:
     """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves.
-    ``carried``: more tensors shaped like each parameter (by ``id``: ZeRO's master value and optimizer state,
-    patches/deepspeed_zero_state.py), moved with the experts and keyed by the new expert parameters after.
     ``engine_for(groups)``: the communication engine with a pipeline lane on ``groups`` (the layout's twins),
-    for layers that PipeMoE pipelines: their executor and schedule are rebuilt on it."""
+    for layers that PipeMoE pipelines: their executor and schedule are rebuilt on it. ``before_move()``, once the
+    checks passed: the optimizer to move the state of instead of ``optimizer``, and more tensors shaped like each
+    parameter (by ``id``: ZeRO's master values and moments, patches/deepspeed_zero_state.py), moved with the
+    experts and keyed by the new expert parameters after."""
     old = layers[0].groups
     num_experts = layers[0].config.num_experts
     problems = regroup_problems(old.layout, groups.layout, num_experts)
@@ -160,6 +164,9 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
              for layer, lane in zip(layers, pipelined)]
     if old.layout.ep == groups.layout.ep:
         return
+    carried: Optional[Carried] = None
+    if before_move is not None:
+        optimizer, carried = before_move()
     where: List[Item] = []
     tensors: List[List[torch.Tensor]] = []
     scalars: Dict[Tuple[int, str], Dict[str, Any]] = {}
@@ -340,13 +347,18 @@ class EnginePacker:
             self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
         else:
             from moe_plugins.patches import deepspeed_zero_state as zero_state
-            snap = zero_state.snapshot(self.engine.optimizer)
-            basic = zero_state.release(self.engine.optimizer)
-            regroup_deepspeed(layers, groups, basic, register=self.register, carried=snap.values,
-                              engine_for=self.engine_for)
-            self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
-            self.engine.optimizer = self.engine._configure_zero_optimizer(basic)
-            zero_state.restore(self.engine.optimizer, snap)
+            taken: Dict[str, Any] = {}
+
+            def release():                     # after the checks: the old ZeRO optimizer's state, whole
+                taken["snap"] = zero_state.snapshot(self.engine.optimizer)
+                taken["basic"] = zero_state.release(self.engine.optimizer)
+                return taken["basic"], taken["snap"].values
+            regroup_deepspeed(layers, groups, None, register=self.register, engine_for=self.engine_for,
+                              before_move=release)
+            if taken:                          # something moved: ZeRO built anew on the regrouped parameters
+                self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
+                self.engine.optimizer = self.engine._configure_zero_optimizer(taken["basic"])
+                zero_state.restore(self.engine.optimizer, taken["snap"])
         if self.reducer is not None and any(layer.swapped.lane is not None for layer in layers):
             self.reducer.engine = layers[0].rec.engine    # one engine orders the exchanges and the micro-ops
 
