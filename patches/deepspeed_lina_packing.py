@@ -6,8 +6,8 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
   :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 (DeepSpeed's fp16 and
   bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, the ``baseline`` schedule at an integer
-  pipeline degree with MP 1 and ESP 1, no Hecate or Lancet, and ``"auto"`` only off CUDA (its probe times
-  micro-ops by the wall clock).
+  pipeline degree with MP 1 and ESP 1, no Hecate, Lancet without batch partitions, and ``"auto"`` only off CUDA
+  (its probe times micro-ops by the wall clock).
 - :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
   DeepSpeed layers. The experts' values, gradients and optimizer state shaped like them move with one
   all-to-all per fine EP group (:func:`moe_plugins.lina.regroup.move_experts`); each layer's
@@ -78,9 +78,11 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
                         "cost profile that prices a degree is the stock layout's, not the packed one's")
     if cfg.esp not in (None, 1):
         problems.append(f"{what} needs {SECTION}.esp 1 (got {cfg.esp})")
-    for name in ("hecate", "lancet"):
-        if getattr(cfg, name) is not None:
-            problems.append(f"{what} does not combine with {SECTION}.{name}: both move or wrap the expert modules")
+    if cfg.hecate is not None:
+        problems.append(f"{what} does not combine with {SECTION}.hecate: both move the expert modules")
+    if cfg.lancet is not None and cfg.lancet.get("partitions", 1) != 1:
+        problems.append(f"{what} does not combine with {SECTION}.lancet.partitions "
+                        f"({cfg.lancet.get('partitions')!r}): the block executor holds the stock layout's layers")
     if lina.inference is not None:
         problems.append(f"{what} does not combine with {SECTION}.lina.inference (its replicas assume stock homes)")
     device = getattr(engine, "device", None)
@@ -143,7 +145,7 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                       before_move: Optional[Callable[[], Tuple[Any, Optional[Carried]]]] = None) -> None:
     """Move ``layers`` onto ``groups``' layout (module docstring). Every check runs before anything moves.
     ``engine_for(groups)``: the communication engine with a pipeline lane on ``groups`` (the layout's twins),
-    for layers that PipeMoE pipelines: their executor and schedule are rebuilt on it. ``before_move()``, once the
+    for layers that PipeMoE pipelines or Lancet overlaps: their executor and schedule are rebuilt on it. ``before_move()``, once the
     checks passed: the optimizer to move the state of instead of ``optimizer``, and more tensors shaped like each
     parameter (by ``id``: ZeRO's master values and moments, patches/deepspeed_zero_state.py), moved with the
     experts and keyed by the new expert parameters after."""
@@ -154,14 +156,14 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                  if layer.groups.layout != old.layout]
     if problems:
         raise ValueError(f"{FIELD}: cannot regroup: " + "; ".join(problems))
-    pipelined = [layer.swapped.lane is not None for layer in layers]
+    pipelined = [layer.swapped.lane is not None or layer.rec.while_in_flight is not None for layer in layers]
     if any(pipelined) and engine_for is None:
-        raise ValueError(f"{FIELD}: pipelined layers regroup with an engine for the new layout (engine_for)")
+        raise ValueError(f"{FIELD}: pipelined (or Lancet's) layers regroup with an engine for the new layout")
     comm = engine_for(groups) if any(pipelined) else None        # collective the first time, before moving
     schedules = [rebuild_schedule(layer.schedule, groups, dataclasses.replace(layer.rec, engine=comm) if lane else None)
                  for layer, lane in zip(layers, pipelined)]     # raises before moving
-    lanes = [build_executor(layer.swapped.pipeline_degree, None, comm) if lane else None
-             for layer, lane in zip(layers, pipelined)]
+    lanes = [build_executor(layer.swapped.pipeline_degree, None, comm) if layer.swapped.lane is not None else None
+             for layer in layers]
     if old.layout.ep == groups.layout.ep:
         return
     carried: Optional[Carried] = None
@@ -359,7 +361,7 @@ class EnginePacker:
                 self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
                 self.engine.optimizer = self.engine._configure_zero_optimizer(taken["basic"])
                 zero_state.restore(self.engine.optimizer, taken["snap"])
-        if self.reducer is not None and any(layer.swapped.lane is not None for layer in layers):
+        if self.reducer is not None and layers[0].rec.engine is not self.reducer.engine:
             self.reducer.engine = layers[0].rec.engine    # one engine orders the exchanges and the micro-ops
 
     def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:

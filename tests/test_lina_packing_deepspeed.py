@@ -28,12 +28,16 @@ def _merged(results, run):
     return out
 
 
-@pytest.mark.parametrize("packing,ep,k,stage,gas,degree", [
-    (2, 4, 1, 0, 1, 1), (4, 4, 2, 0, 1, 1), ("auto", 4, 1, 0, 1, 1), (2, 4, 1, 0, 2, 1), (2, 4, 1, 1, 1, 1),
-    (2, 4, 2, 2, 1, 1), ("auto", 4, 1, 1, 1, 1), ("auto", 4, 2, 2, 1, 1), (2, 4, 2, 0, 1, 2), ("auto", 4, 1, 2, 1, 2)],
+LANCET = {"defer_wgrad": True}
+
+
+@pytest.mark.parametrize("packing,ep,k,stage,gas,degree,lancet", [
+    (2, 4, 1, 0, 1, 1, None), (4, 4, 2, 0, 1, 1, None), ("auto", 4, 1, 0, 1, 1, None), (2, 4, 1, 0, 2, 1, None),
+    (2, 4, 1, 1, 1, 1, None), (2, 4, 2, 2, 1, 1, None), ("auto", 4, 1, 1, 1, 1, None), ("auto", 4, 2, 2, 1, 1, None),
+    (2, 4, 2, 0, 1, 2, None), ("auto", 4, 1, 2, 1, 2, None), (2, 4, 2, 2, 1, 1, LANCET), ("auto", 4, 1, 1, 1, 1, LANCET)],
     ids=["p2-k1", "p4-k2", "auto", "p2-gas2", "p2-zero1", "p2-k2-zero2", "auto-zero1", "auto-k2-zero2",
-         "p2-k2-pipemoe2", "auto-zero2-pipemoe2"])
-def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, gas, degree):
+         "p2-k2-pipemoe2", "auto-zero2-pipemoe2", "p2-k2-zero2-lancet", "auto-zero1-lancet"])
+def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, gas, degree, lancet):
     """A fixed packing regroups when the optimizer is built, before the first step (at ZeRO 1/2 before ZeRO
     flattens and partitions it over the packed expert-DP group); "auto" decides at steps 10, 14, 18 from the
     agreed micro-op timings (at ZeRO 1/2 the ZeRO optimizer is rebuilt around each regroup, its master values
@@ -42,7 +46,7 @@ def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, ga
     with gradient accumulation 2 the packing changes at optimizer steps only. Under PipeMoE's degree 2 the
     layers' pipelined executor and schedule are rebuilt on the packed layout's engine, and Lina's reducer moves to
     it (one engine orders the exchanges and the gradient micro-ops)."""
-    results = world(4).run(jobs.train_vs_stock, packing, ep, k, 3, STEPS, stage, gas, degree)
+    results = world(4).run(jobs.train_vs_stock, packing, ep, k, 3, STEPS, stage, gas, degree, lancet)
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
@@ -66,6 +70,8 @@ def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, ga
     assert jobs.local_counts(results) == [4 // ep * final] * 4
     assert on["group_names"] == [f"ep_size_{ep // final}"]
     assert on["lane"] == (degree, True, ep // final) if degree > 1 else on["lane"][0] == 1
+    if lancet is not None:        # Lancet's exchanges on the packed layout's engine, where Lina's reducer is too
+        assert on["lane"][1:] == (True, ep // final) and on["lancet_runs"] > 0, on["lane"]
     if stage == 0:       # inp, gate, head: 5; 4 per local expert (ZeRO 1/2 hold one flat partition per group)
         assert on["optimizer_params"] == 5 + 4 * (4 // ep * final)
     moves = 1 if packing != "auto" else sum(frm != to for _, _, _, frm, to in on["decisions"])

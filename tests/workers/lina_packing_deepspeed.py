@@ -46,14 +46,16 @@ def _packer(handle, engine):
 
 
 def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: int, stage: int = 0,
-                   gas: int = 1, degree: int = 1) -> Dict[str, Any]:
+                   gas: int = 1, degree: int = 1, lancet: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``steps`` micro-batches of the stock engine, then of the plugin's with ``packing`` (ZeRO ``stage``,
     ``gas`` micro-batches per optimizer step): losses, the packing after every one, the controller's decisions,
-    the experts by global id, and what the engine holds after ``destroy`` (``degree``: PipeMoE's)."""
+    the experts by global id, and what the engine holds after ``destroy`` (``degree``: PipeMoE's; ``lancet``: a
+    Lancet section beside it)."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
-    for name, plugin in (("off", None), ("on", section(packing, pipeline_degree=degree))):
+    extra = {"lancet": lancet} if lancet is not None else {}
+    for name, plugin in (("off", None), ("on", section(packing, pipeline_degree=degree, **extra))):
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable(ledger=CommLedger())) if plugin is not None else None
@@ -75,6 +77,7 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
                 swapped = handle._layers[engine.module.moe.deepspeed_moe]
                 res["lane"] = (getattr(swapped.lane, "degree", 1), swapped.schedule.rec.engine is packer.reducer.engine,
                                swapped.groups.layout.ep)
+                res["lancet_runs"] = sum(o.calls for o in handle.lancet.overlaps)
             engine.destroy()
             res["wrapped_after"] = sorted(n for n in ("step", "save_checkpoint", "_configure_optimizer")
                                           if n in engine.__dict__)
