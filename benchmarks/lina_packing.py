@@ -32,23 +32,10 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 PACKINGS = (1, 2, 4)
-
-
-def timed(fn) -> float:
-    """Seconds ``fn()`` took on the slowest rank, from a barrier (collective)."""
-    import torch
-    import torch.distributed as dist
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def rank_entry(cfg: dict) -> None:
@@ -66,6 +53,7 @@ def rank_main(cfg: dict) -> None:
     from moe_plugins.core.layout import ParallelLayout
     from moe_plugins.lina.packer import PackingController
     from moe_plugins.lina.packing import EXPERT_KEYS
+    from moe_plugins.tools.bench.ranks import slowest_seconds
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
@@ -116,8 +104,8 @@ def rank_main(cfg: dict) -> None:
             step(layer)
     for _ in range(cfg["rounds"]):
         for p in PACKINGS:
-            regroup[p].append(timed(lambda: ctl.set_packing(p)))
-            times[p].append(timed(lambda: [step(layer) for _ in range(cfg["iters"])]) / cfg["iters"])
+            regroup[p].append(slowest_seconds(lambda: ctl.set_packing(p)))
+            times[p].append(slowest_seconds(lambda: [step(layer) for _ in range(cfg["iters"])]) / cfg["iters"])
     ctl.set_packing(1)
     ctl.close()
     if rank == 0:
@@ -137,6 +125,7 @@ def rank_main_deepspeed(cfg: dict) -> None:
 
     import moe_plugins
     from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
+    from moe_plugins.tools.bench.ranks import slowest_seconds
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
@@ -186,7 +175,7 @@ def rank_main_deepspeed(cfg: dict) -> None:
                 step(eng)
         for _ in range(cfg["rounds"]):
             for name, eng in rows.items():
-                times[name].append(timed(lambda: [step(eng) for _ in range(cfg["iters"])]) / cfg["iters"])
+                times[name].append(slowest_seconds(lambda: [step(eng) for _ in range(cfg["iters"])]) / cfg["iters"])
         packed = {name: len(eng.module.moe.deepspeed_moe.experts.deepspeed_experts) for name, eng in rows.items()}
         for eng in rows.values():
             eng.destroy()
@@ -194,7 +183,7 @@ def rank_main_deepspeed(cfg: dict) -> None:
         controller = next(st.packer.controller for st in handle.lina.engines if st.ds_engine is auto)
         auto_packing, auto_steps = [], []
         for _ in range(cfg["auto_steps"]):
-            auto_steps.append(timed(lambda: step(auto)))
+            auto_steps.append(slowest_seconds(lambda: step(auto)))
             auto_packing.append(controller.packing)
         decisions = [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a,
                       "to": b} for st, t, a, b in controller.decisions]

@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,6 +45,7 @@ def rank_main(cfg: dict) -> None:
     from moe_plugins.core.groups import build_process_groups
     from moe_plugins.core.layout import ParallelLayout
     from moe_plugins.parm.saa import block_order, saa_raw
+    from moe_plugins.tools.bench.ranks import slowest_seconds
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
@@ -54,14 +54,6 @@ def rank_main(cfg: dict) -> None:
                                             ep=cfg["ep"], esp=cfg["esp"]))
     rec, esp, m = Recorder(None, "bench"), cfg["esp"], 256
     order = block_order(g.layout, g.mp, esp)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     results = []
     for z in cfg["sizes"]:
@@ -99,7 +91,7 @@ def rank_main(cfg: dict) -> None:
             names = list(fns)
             names = names[it % len(names):] + names[:it % len(names)]
             for name in names:
-                t = timed(fns[name])
+                t = slowest_seconds(fns[name])
                 if it >= cfg["warmup"]:
                     times[name].append(t)
         med = {k: statistics.median(v) for k, v in times.items()}

@@ -41,7 +41,8 @@ class Snapshot:
 
 
 def snapshot(zero: Any) -> Snapshot:
-    """Every parameter of ``zero``'s groups, whole (module docstring). Collective."""
+    """Every expert parameter of ``zero``'s MoE groups whole, the dense groups' partitions as they are (module
+    docstring, 1). Collective."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     out = Snapshot()
     first = zero.optimizer.state.get(zero.single_partition_of_fp32_groups[0], {})

@@ -42,6 +42,7 @@ from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.lancet.dense import dense_wgrad
 from moe_plugins.lancet.layer import LancetMoELayer
+from moe_plugins.tools.bench.ranks import max_over_ranks
 from moe_plugins.lancet.overlap import exchange_intervals, hidden_fraction, overlap_fraction
 from moe_plugins.lancet.wgrad_queue import WgradQueue
 from moe_plugins.tools.bench.cluster import Cluster, set_rate
@@ -149,12 +150,6 @@ def overlap_figures(records: Sequence[Any], spans: Sequence[Sequence[Any]]) -> D
             "dw_ms": sum(b - a for a, b in dw) / 1e6}
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _trace(records: Sequence[Any], spans: Sequence[Sequence[Any]]) -> Dict[str, Any]:
     return {"records": [{k: getattr(r, k) for k in TRACE_FIELDS} for r in records],
             "spans": [{"start_ns": s[0], "end_ns": s[1], "kind": s[2]} for s in spans]}
@@ -171,8 +166,8 @@ def _check_round(variants: List[Variant]) -> Dict[str, Dict[str, Any]]:
         empty[v.name] = v.queue is None or v.queue.empty()
     ref = grads.get(REFERENCE)
     return {v.name: {"grad_max_abs_diff_vs_baseline": None if ref is None else
-                     _max_over_ranks(float((grads[v.name] - ref).abs().max())),
-                     "queue_empty": bool(_max_over_ranks(0.0 if empty[v.name] else 1.0) == 0.0)}
+                     max_over_ranks(float((grads[v.name] - ref).abs().max())),
+                     "queue_empty": bool(max_over_ranks(0.0 if empty[v.name] else 1.0) == 0.0)}
             for v in variants}
 
 
@@ -195,7 +190,7 @@ def measure_rate(variants: List[Variant], engine: CommEngine, plan: TimelinePlan
             v.step()
             elapsed = time.perf_counter() - t0
             records, spans = list(engine.timeline), v.spans()
-            times[v.name].append(_max_over_ranks(elapsed))
+            times[v.name].append(max_over_ranks(elapsed))
             mine[v.name]["rounds"].append(overlap_figures(records, spans))
             mine[v.name]["traces"].append(_trace(records, spans))
     for name, t in times.items():          # keep the trace of the round nearest the median (the same on every rank)

@@ -73,6 +73,7 @@ def rank_main(cfg: Dict[str, Any]) -> None:
     from moe_plugins.recipes.infer import batch_ids, held_out_blocks
     from moe_plugins.recipes.infer_session import InferSession, SessionSpec
     from moe_plugins.tools.bench.runner import round_order
+    from moe_plugins.tools.bench.ranks import max_over_ranks
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=cfg.get("collective_timeout_s", 600)))
@@ -109,7 +110,7 @@ def rank_main(cfg: Dict[str, Any]) -> None:
                 with open(progress, "a") as f:
                     f.write(json.dumps({"round": i + 1, "rounds": cfg["rounds"]}) + "\n")
         summaries = {row: sessions[row].summary() for row in rows}
-        diffs = {row: _max_over_ranks(float((outputs[row] - outputs[REFERENCE]).abs().max())) for row in rows}
+        diffs = {row: max_over_ranks(float((outputs[row] - outputs[REFERENCE]).abs().max())) for row in rows}
     finally:
         plugin.disable()
     if rank == 0:
@@ -120,9 +121,3 @@ def rank_main(cfg: Dict[str, Any]) -> None:
         os.replace(tmp, cfg["result"])
 
 
-def _max_over_ranks(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())

@@ -39,6 +39,7 @@ from moe_plugins.core.experts import init_full_weights
 from moe_plugins.core.groups import MoEProcessGroups, build_process_groups, destroy_process_groups
 from moe_plugins.core.layer import MoELayer
 from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.tools.bench.ranks import max_over_ranks
 from moe_plugins.lina.reducer import GradReducer
 from moe_plugins.tools.bench.cluster import Cluster, set_rate
 from moe_plugins.tools.bench.lina_plan import (STEP_ROW_KINDS, StepModel, StepPlan, StepRowSpec,
@@ -222,12 +223,6 @@ class StepJob:
     progress_path: Optional[str] = None
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _grads(ctx: StepContext) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in ctx.dense]).clone()
 
@@ -246,7 +241,7 @@ def _check_round(rows: List[StepRow], ctx: StepContext) -> Dict[str, Optional[fl
         mine, ref = reduced[row.label], None if other is None else reduced[other.label]
         comparable = ref is not None and mine is not None and row.kind != "noreduce"
         diff = float((mine - ref).abs().max()) if comparable else -1.0
-        diff = _max_over_ranks(diff)
+        diff = max_over_ranks(diff)
         out[row.label] = None if diff < 0 else diff
     return out
 
@@ -285,7 +280,7 @@ def measure_rate(rows: List[StepRow], ctx: StepContext, plan: StepPlan, ifname: 
             t0 = time.perf_counter()
             row.step()
             elapsed = time.perf_counter() - t0
-            times[row.label].append(_max_over_ranks(elapsed))
+            times[row.label].append(max_over_ranks(elapsed))
             tx1 = nic_tx_bytes(ifname)
             m = mine[row.label]
             m["a2a"].append(_backward_exchanges(timeline))

@@ -40,6 +40,7 @@ from moe_plugins.tools.bench.profiles import (gemm_spec_for, link_spec_for, meas
 from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.tools.bench.case import CaseData, Row, close_rows, fwd_bwd, make_case_data
 from moe_plugins.tools.bench.lancet_exposure import begin_exposure, step_exposure
+from moe_plugins.tools.bench.ranks import max_over_ranks
 from moe_plugins.tools.bench.rows import LANCET, LANE, PROFILE, STOCK_ROWS, build_row, needs_profile
 from moe_plugins.tools.bench.traffic import nic_tx_bytes
 
@@ -90,12 +91,6 @@ def build_rows(specs: Sequence[RowSpec], data: CaseData) -> Tuple[List[Row], Dic
         else:
             rows.append(row)
     return rows, skipped
-
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def round_order(rows: List[Row], seed: int, round_index: int) -> List[Row]:
@@ -161,8 +156,8 @@ def _traffic_round(rows: List[Row], data: CaseData, ifname: Optional[str],
             ref_y, ref_part = y_SM.float(), row.tokens
         diff = _difference(y_SM.float(), row.tokens, ref_y, ref_part)
         out[row.label] = {"model_bytes": model_bytes, "source": row.meter.source, "nic_tx_bytes": nic,
-                          "max_abs_diff": _max_over_ranks(diff)}
-    scale = _max_over_ranks(float(ref_y.abs().max())) if ref_y is not None else 0.0
+                          "max_abs_diff": max_over_ranks(diff)}
+    scale = max_over_ranks(float(ref_y.abs().max())) if ref_y is not None else 0.0
     for v in out.values():
         v["ref_max_abs"] = scale
     return out
@@ -197,7 +192,7 @@ def measure(rows: List[Row], data: CaseData, plan: BenchPlan, ifname: Optional[s
                 elapsed = time.perf_counter() - t0
             finally:
                 row.meter.stop()
-            times[row.label].append(_max_over_ranks(elapsed))
+            times[row.label].append(max_over_ranks(elapsed))
             exposure[row.label].append(step_exposure(row))
     per_rank: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {k: (v["model_bytes"], v["nic_tx_bytes"], exposure[k])
