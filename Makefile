@@ -32,7 +32,8 @@ PY312        ?= $(HOME)/.pyenv/versions/3.12.1/bin/python
 MCORE19      ?= $(HOME)/.cache/moe_plugins/venv-py312-mcore0.19.2
 MCORE19_TESTS ?= tests/test_megatron.py tests/test_lina_megatron.py tests/test_ckpt_reshard_megatron.py \
 		 tests/test_recipes_megatron.py tests/test_launch_megatron.py tests/test_lancet_megatron.py \
-		 tests/test_hecate_megatron.py tests/test_hecate_reshard_megatron.py tests/test_lancet_parts_megatron.py
+		 tests/test_hecate_megatron.py tests/test_hecate_reshard_megatron.py tests/test_lancet_parts_megatron.py \
+		 tests/test_lina_packing_megatron.py
 
 $(MCORE19)/.installed: requirements.lock
 	test -x $(MCORE19)/bin/python || $(PY312) -m venv $(MCORE19)

@@ -32,7 +32,6 @@ size (ZeRO 0: ``DeepSpeedEngine._reduce_expert_gradients``; ZeRO 1/2: ``gradient
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import logging
@@ -46,6 +45,7 @@ from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.lina.config import LinaConfig
+from moe_plugins.lina.modules import moved_slots, params_by_name, resize_experts, scalar_state
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
@@ -173,15 +173,15 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
     tensors: List[List[torch.Tensor]] = []
     scalars: Dict[Tuple[int, str], Dict[str, Any]] = {}
     for layer in layers:
-        for key, params in _by_name(layer.experts).items():
-            for slot, found in _slots(key, params, optimizer, layer.name):
+        for key, params in params_by_name(layer.experts).items():
+            for slot, found in moved_slots(key, params, optimizer, f"{FIELD}: layer {layer.name}"):
                 where.append((layer, key, slot))
                 tensors.append(found)
             entries = [carried.pop(id(p)) for p in params] if carried is not None else []
             for slot in sorted(entries[0]) if entries else ():
                 where.append((layer, key, CARRIED + slot))
                 tensors.append([entry[slot] for entry in entries])
-            scalars[(id(layer), key)] = _scalar_state(key, params, optimizer, layer.name)
+            scalars[(id(layer), key)] = scalar_state(key, params, optimizer, f"{FIELD}: layer {layer.name}")
     moved = move_experts(tensors, num_experts, old, groups, layers[0].rec)
     name, ep_pg = register(groups.layout)
     local = num_experts // groups.layout.ep
@@ -208,87 +208,17 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                 "rank, DeepSpeed group %s)", len(layers), old.layout.ep, groups.layout.ep, local, name)
 
 
-def _by_name(experts: torch.nn.ModuleList) -> Dict[str, List[torch.nn.Parameter]]:
-    """Per parameter name inside an expert module, that parameter of every local expert (in local order)."""
-    names = [n for n, _ in experts[0].named_parameters()]
-    return {n: [dict(e.named_parameters())[n] for e in experts] for n in names}
-
-
-def _slots(key: str, params: List[torch.nn.Parameter], optimizer: Optional[Any],
-           layer: str) -> List[Tuple[str, List[torch.Tensor]]]:
-    """What moves with parameter ``key`` of every local expert: values, gradients, optimizer tensors like it."""
-    out = [("data", [p.data for p in params])]
-    has_grad = {p.grad is not None for p in params}
-    if len(has_grad) != 1:
-        raise ValueError(f"{FIELD}: layer {layer}: some experts' {key} have a gradient and some not; regroup at a "
-                         "step boundary")
-    if has_grad == {True}:
-        out.append(("grad", [p.grad for p in params]))
-    states = [optimizer.state.get(p, {}) if optimizer is not None else {} for p in params]
-    keys = sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.shape == params[0].shape)
-    for k in keys:
-        if any(k not in s for s in states):
-            raise ValueError(f"{FIELD}: layer {layer}: optimizer state {k!r} of {key} is missing on some experts")
-        out.append((k, [s[k] for s in states]))
-    return out
-
-
-def _scalar_state(key: str, params: List[torch.nn.Parameter], optimizer: Optional[Any],
-                  layer: str) -> Dict[str, Any]:
-    """The optimizer state of ``key`` not shaped like it (Adam's ``step``), the same on every local expert: what
-    a new expert module's parameter starts with."""
-    if optimizer is None:
-        return {}
-    states = [{k: v for k, v in optimizer.state.get(p, {}).items() if not (torch.is_tensor(v) and
-               v.shape == p.shape)} for p in params]
-    first = states[0]
-    for s in states[1:]:
-        if s.keys() != first.keys() or any(not _same(s[k], first[k]) for k in s):
-            raise ValueError(f"{FIELD}: layer {layer}: the experts' {key} differ in optimizer state "
-                             f"{sorted(first)} (stepped apart?); packing copies it to new experts")
-    return first
-
-
-def _same(a: Any, b: Any) -> bool:
-    return bool(torch.equal(a, b)) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
-
-
 def _resize(layer: PackedLayer, local: int, optimizer: Optional[Any], scalars: Mapping[Tuple[int, str], Any],
             name: str) -> None:
     """``layer``'s expert modules grown or shrunk to ``local``, in the optimizer too; every expert parameter
     names DeepSpeed's group ``name``."""
-    experts = layer.experts
-    template = dict(experts[0].named_parameters())
-    groups = {key: _group_of(optimizer, p) for key, p in template.items()} if optimizer is not None else {}
-    while len(experts) > local:
-        for p in experts[-1].parameters():
-            if optimizer is not None:
-                optimizer.state.pop(p, None)
-                for group in optimizer.param_groups:
-                    group["params"] = [q for q in group["params"] if q is not p]
-        del experts[len(experts) - 1]
-    while len(experts) < local:
-        clone = copy.deepcopy(experts[0])
-        for key, p in clone.named_parameters():
-            p.grad = None
-            if optimizer is not None:
-                groups[key]["params"].append(p)
-                if scalars[(id(layer), key)]:         # no state yet (before the first step): none to copy
-                    optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else copy.copy(v)
-                                          for k, v in scalars[(id(layer), key)].items()}
-        experts.append(clone)
-    for p in experts.parameters():
+    groups = resize_experts(layer.experts, local, optimizer, {key: s for (i, key), s in scalars.items()
+                                                              if i == id(layer)}, f"{FIELD}: layer {layer.name}")
+    for p in layer.experts.parameters():
         p.allreduce, p.group_name = False, name
     for group in groups.values():
         if "name" in group:                   # DeepSpeed's MoE groups: ZeRO 1/2 reduce them over this group
             group["name"] = name
-
-
-def _group_of(optimizer: Any, param: torch.nn.Parameter) -> Dict[str, Any]:
-    for group in optimizer.param_groups:
-        if any(q is param for q in group["params"]):
-            return group
-    raise ValueError(f"{FIELD}: an expert parameter {tuple(param.shape)} is in no optimizer parameter group")
 
 
 class EnginePacker:

@@ -183,7 +183,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
                  router: torch.nn.Module, experts: torch.nn.Module, ledger: Optional[CommLedger], name: str,
                  profile: Optional[CostProfile] = None, engine: Optional[CommEngine] = None, lancet: Any = None):
         super().__init__(config=config, pg_collection=pg_collection)
-        self.groups, self.plugin, self.ledger = groups, plugin, ledger
+        self.groups, self.plugin, self.ledger, self.stock_groups = groups, plugin, ledger, groups
         self.router, self.experts = router, experts
         self.moe_config = moe_config(facts_from_config(config))
         self.engine = engine               # pipelined: the caller's (PluginMoELayer checked there is one)
@@ -232,8 +232,10 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
                                expert_weights=weights)
 
     def routing(self, probs_SE: torch.Tensor, map_SE: torch.Tensor) -> Routing:
-        """Megatron's router outputs for this rank's tokens as the core's Routing (its capacity agreed if dropless)."""
-        return routing_from_megatron(probs_SE, map_SE, block_capacity(map_SE, self.config, self.groups, self.rec))
+        """Megatron's router outputs for this rank's tokens as the core's Routing (its capacity agreed if dropless,
+        over the stock EP group: Lina's packing keeps it when the schedule moves to a packed layout's groups)."""
+        return routing_from_megatron(probs_SE, map_SE, block_capacity(map_SE, self.config, self.stock_groups,
+                                                                      self.rec))
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         x_SM = hidden_states.reshape(-1, hidden_states.shape[-1])

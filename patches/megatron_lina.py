@@ -147,6 +147,7 @@ class LinaState:
     engines: Dict[Any, LinaEngine] = field(default_factory=dict)
     closed: List[CommEngine] = field(default_factory=list)
     routed: int = 0                                      # bucket groups routed to an engine so far
+    packing: Any = None                                  # megatron_lina_packing.MegatronPacking when packing != 1
     _routes: Any = field(default_factory=weakref.WeakKeyDictionary)
 
     @classmethod
@@ -157,12 +158,12 @@ class LinaState:
         if config.inference is not None:
             problems.append(f"{PATH}.inference is supported by the DeepSpeed adapter only (Lina's inference "
                             "scheduling is not wired into Megatron-core)")
-        if config.packing != 1:
-            problems.append(f"{PATH}.packing ({config.packing!r}) must be 1 on Megatron-core: expert packing "
-                            "is not wired into the Megatron adapter yet")
+        from moe_plugins.patches.megatron_lina_packing import MegatronPacking, config_problems
+        problems += config_problems(plugin, config)
         if problems:
             raise ValueError(f"{SECTION} cannot run Lina on this Megatron: " + "; ".join(problems))
-        return cls(plugin=plugin, config=config, **kw)
+        return cls(plugin=plugin, config=config, packing=MegatronPacking(config) if config.packing != 1 else None,
+                   **kw)
 
     def __deepcopy__(self, memo: Any) -> "LinaState":      # specs may be deep-copied: shared like the engine
         return self
@@ -194,12 +195,12 @@ class LinaState:
         from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
         return [Patch(DistributedDataParallel, "__init__", self._wrap_ddp_init(DistributedDataParallel.__init__)),
                 Patch(_ParamAndGradBucketGroup, "start_grad_sync",
-                      self._wrap_start_grad_sync(_ParamAndGradBucketGroup.start_grad_sync))]
+                      self._wrap_start_grad_sync(_ParamAndGradBucketGroup.start_grad_sync))] + (
+                    self.packing.patches() if self.packing is not None else [])
 
     def _engine_of(self, module: Any) -> List[LinaEngine]:
-        from moe_plugins.patches.megatron_layer import PluginMoELayer
         mine = {id(e.engine): e for e in self.engines.values()}
-        used = {id(m.token_dispatcher.engine) for m in module.modules() if isinstance(m, PluginMoELayer)}
+        used = {id(m.token_dispatcher.engine) for m in _plugin_layers(module)}
         return [mine[i] for i in sorted(used & set(mine))]
 
     def _wrap_ddp_init(self, original: Callable) -> Callable:
@@ -209,17 +210,24 @@ class LinaState:
             found = state._engine_of(module)
             if found:
                 pg_collection = kwargs.get("pg_collection", args[1] if len(args) > 1 else None)
-                state._check_ddp(ddp_config, pg_collection, found)
+                state._check_ddp(ddp_config, pg_collection, found, config, module)
             original(ddp, config, ddp_config, module, *args, **kwargs)
             if found:
                 state._route(ddp, found[0])
+                if state.packing is not None:      # a fixed packing regroups here, before the optimizer exists
+                    state.packing.add_ddp(ddp, _plugin_layers(module), state, found[0], pg_collection)
 
         __init__.__wrapped__ = original
         return __init__
 
-    def _check_ddp(self, ddp_config: Any, pg_collection: Any, found: List[LinaEngine]) -> None:
-        """Before Megatron's DDP is built: its settings, and the ranks its bucket groups will reduce over."""
+    def _check_ddp(self, ddp_config: Any, pg_collection: Any, found: List[LinaEngine], config: Any,
+                   module: Any) -> None:
+        """Before Megatron's DDP is built: its settings, the ranks its bucket groups will reduce over, and with
+        packing the model's."""
         problems = ddp_problems(ddp_config)
+        if self.packing is not None:
+            from moe_plugins.patches.megatron_lina_packing import model_problems
+            problems += model_problems(config, _plugin_layers(module), self.config)
         if len(found) > 1:
             problems.append(f"the model holds MoE layers of {len(found)} layouts "
                             f"({'; '.join(_short(e.groups.layout) for e in found)}); Lina needs one")
@@ -268,6 +276,8 @@ class LinaState:
 
     def close(self) -> None:
         """Close the engines (collective: every rank, in the same order) and forget the routes."""
+        if self.packing is not None:
+            self.packing.close()
         self._routes.clear()
         engines, self.engines = [e.engine for e in self.engines.values()], {}
         self.closed += engines
@@ -276,6 +286,11 @@ class LinaState:
         if not self.routed:
             logger.warning("moe_plugins: %s was on, but no Megatron DistributedDataParallel was built over the "
                            "plugin's MoE layers while it was enabled: no gradient went through Lina", PATH)
+
+
+def _plugin_layers(module: Any) -> List[Any]:
+    from moe_plugins.patches.megatron_layer import PluginMoELayer
+    return [m for m in module.modules() if isinstance(m, PluginMoELayer)]
 
 
 def _short(layout: Any) -> str:

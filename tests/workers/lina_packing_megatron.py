@@ -1,0 +1,201 @@
+"""Pool jobs for Lina's expert packing on Megatron-core (tests/test_lina_packing_megatron.py), on 4 ranks (2 nodes x
+2) under the CPU shims: the model of tests/workers/lina_megatron.py (dense linears around two of the plugin's MoE
+layers, built through Megatron's own spec builder while the plugin is enabled) in Megatron's DDP, stepped by
+``get_megatron_optimizer``'s fp32 Adam, once with ``"lina": {}`` (packing 1) and once packed.
+
+Every expert gets its own weights, drawn from (seed, layer, global id) (Megatron's CPU init gives every EP rank the
+same experts, which would hide a misplaced one); experts are compared by global id (the layer's
+``local_expert_indices``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from contextlib import ExitStack
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_plugins.core.layout import ParallelLayout
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
+from moe_plugins.tools.verify_megatron import transformer_config
+from tests.workers.ckpt_reshard_megatron import cpu_saver
+from tests.workers.lina_megatron import RANKS_PER_NODE, _batches, _ddp, _net, _spec
+
+
+def _plugin(packing: Any, **extra: Any) -> Dict[str, Any]:
+    return {"schedule": "baseline", "pipeline_degree": 1, "lina": {"packing": packing, "micro_op_mb": 0.001},
+            **extra}
+
+
+def _redraw(net: Any, seed: int) -> None:
+    with torch.no_grad():
+        for n, layer in enumerate(net.moe):
+            for i, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
+                for name, p in expert.named_parameters():
+                    gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{n}.{i}.{name}".encode()))
+                    p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+
+
+def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch.Tensor]:
+    """Every expert's parameters (with ``grads`` their ``main_grad``, with ``opt`` Adam's moments) by layer,
+    global id and name."""
+    states: Dict[Any, Any] = {}
+    for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
+        states.update(chained.optimizer.state)
+    out = {}
+    for n, layer in enumerate(net.moe):
+        for i, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
+            for name, p in expert.named_parameters():
+                key = f"{n}.{i}.{name}"
+                out[key] = p.detach().clone()
+                if grads:
+                    out[f"{key}.main_grad"] = p.main_grad.clone()
+                for k, v in states.get(p, {}).items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        out[f"{key}.{k}"] = v.clone()
+    return out
+
+
+def _optimizer(model: Any, pgc: Any, clip: float) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    with megatron_optimizer_on_cpu():
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
+                                                      clip_grad=clip), [model], use_gloo_process_groups=False,
+                                      pg_collection=pgc)
+
+
+def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> Dict[str, float]:
+    from megatron.core.distributed import finalize_model_grads
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), t)
+    loss.backward()
+    finalize_model_grads([model], pg_collection=pgc)
+    with megatron_optimizer_on_cpu():
+        opt.prepare_grads()
+        norm = opt.get_grad_norm()            # what clipping would scale by (clipping itself asserts CUDA grads)
+        ok, _, _ = opt.step()
+    if not ok:
+        raise RuntimeError("Megatron's optimizer skipped a step")
+    return {"loss": float(loss.detach()), "norm": float(norm)}
+
+
+def train_job(packing: Any, steps: int = 20, ep: int = 4) -> Dict[str, Any]:
+    """``steps`` fp32 Adam steps of the model with packing 1, then with ``packing``: per step loss and Megatron's
+    gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
+    how many experts each rank holds after, the controller's decisions, and the packed model's sharded
+    checkpoint keys' global expert count."""
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(1, ep, "float32")
+    out: Dict[str, Any] = {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                                       mp=1, ep=ep)))
+        pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
+        data = (_batches(torch.float32, 4, seed=21) * steps)[:steps]
+        for name, p in (("stock", 1), ("packed", packing)):
+            with mp.enable(_plugin(p), groups=groups) as handle:
+                net = _net(config, seed=7)
+                _redraw(net, seed=3)
+                model = _ddp(config, net, pgc, bucket_size=300)
+                opt = _optimizer(model, pgc, 0.0)
+                runs = [_step(model, opt, pgc, x, t) for x, t in data]
+                res = out[name] = {"losses": [r["loss"] for r in runs], "norms": [r["norm"] for r in runs],
+                                   "experts": by_expert(net, opt, grads=True),
+                                   "local": [layer.num_local_experts for layer in net.moe]}
+                if handle.lina.packing is not None:
+                    packer = handle.lina.packing.packers[0]
+                    res.update(packing=packer.controller.packing, regroups=packer.regroups,
+                               decisions=[(s, a, b) for s, _, a, b in packer.controller.decisions],
+                               global_experts=_sharded_experts(net.moe[0], pgc))
+    return out
+
+
+def _sharded_experts(layer: Any, pgc: Any) -> List[int]:
+    """The global expert indices Megatron's own ``sharded_state_dict`` gives this rank's experts."""
+    found = set()
+    for key, sh in layer.experts.sharded_state_dict(prefix="e.", metadata={"dp_cp_group": pgc.dp_cp}).items():
+        if key.endswith("linear_fc1.weight"):
+            found.add(sh.global_offset[0])
+    return sorted(found)
+
+
+def checkpoint_job(ckpt_dir: str, saver: Any, loader: Any, steps: int = 3) -> Dict[str, Any]:
+    """A model at packing ``saver`` trained ``steps`` steps and written through ``dist_checkpointing.save`` (its
+    model sharded state dict), read into a fresh model at packing ``loader`` (other weights) through
+    ``dist_checkpointing.load``. Both models' outputs on a probe batch, and their experts by global id; and a
+    per-rank ``state_dict()`` written inside ``stock_homes()`` loads into a stock model with the same outputs."""
+    from megatron.core import dist_checkpointing
+
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(1, 4, "float32")
+    out: Dict[str, Any] = {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                                       mp=1, ep=4)))
+        pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
+        probe = _batches(torch.float32, 1, seed=99)[0][0]
+        metadata = {"dp_cp_group": pgc.dp_cp}
+        for role, packing, seed in (("saver", saver, 7), ("loader", loader, 8)):
+            with mp.enable(_plugin(packing), groups=groups) as handle:
+                net = _net(config, seed=seed)
+                _redraw(net, seed=seed)
+                model = _ddp(config, net, pgc, bucket_size=300)
+                opt = _optimizer(model, pgc, 0.0)
+                res = out[role] = {}
+                if role == "saver":
+                    for x, t in _batches(torch.float32, steps, seed=5):
+                        _step(model, opt, pgc, x, t)
+                    with cpu_saver():
+                        dist_checkpointing.save(_moe_sharded(net, metadata), ckpt_dir)
+                    dist.barrier()
+                    dense = {k: v.clone() for k, v in net.dense.state_dict().items()}
+                    packed = handle.lina.packing
+                    with packed.stock_homes() if packed is not None else ExitStack():
+                        res["state"] = {k: v.clone() for k, v in net.state_dict().items() if torch.is_tensor(v)}
+                else:
+                    state = dist_checkpointing.load(_moe_sharded(net, metadata), ckpt_dir)
+                    net.load_state_dict({**state, **{f"dense.{k}": v for k, v in dense.items()}})
+                with torch.no_grad():
+                    res["out"] = net(probe).clone()
+                res.update(experts=by_expert(net), local=net.moe[0].num_local_experts)
+        with mp.enable(_plugin(1), groups=groups):
+            stock = _net(config, seed=9)
+            stock.load_state_dict(out["saver"].pop("state"))
+            with torch.no_grad():
+                out["stock_files_out"] = stock(probe).clone()
+    return out
+
+
+def _moe_sharded(net: Any, metadata: Dict[str, Any]) -> Dict[str, Any]:
+    """The MoE layers' sharded state dict (Megatron's own, by global expert id; the dense linears are plain torch
+    modules without one: the job carries them over itself)."""
+    out: Dict[str, Any] = {}
+    for n, layer in enumerate(net.moe):
+        out.update(layer.sharded_state_dict(prefix=f"moe.{n}.", metadata=metadata))
+    return out
+
+
+def refused_job(case: str) -> Optional[str]:
+    """The error of one refused setting: a plugin section (``enable``) or a model (Megatron's DDP)."""
+    from moe_plugins.patches import megatron as mp
+    sections = {"schedule": _plugin(2, schedule="parm-s1"), "degree": {**_plugin(2), "pipeline_degree": 2},
+                "divide": _plugin(3), "tp": _plugin(2)}
+    tp = 2 if case == "tp" else 1
+    spec = _spec(tp, 2 if tp == 2 else 4, "float32")
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                                       mp=tp, ep=spec.ep)))
+        config = transformer_config(spec, num_layers=2)
+        try:
+            with mp.enable(sections[case], groups=groups):
+                _ddp(config, _net(config, seed=1), groups.pg_collection, bucket_size=300)
+        except ValueError as exc:
+            return str(exc)
+    return None
