@@ -1,9 +1,11 @@
 """Does Lina's expert packing pay on a compute-light MoE layer, and does ``"auto"`` pick it? On the core layer
-(``--host core``, the default) and through DeepSpeed (``--host deepspeed``).
+(``--host core``, the default), through DeepSpeed (``--host deepspeed``) and through Megatron-core (``--host
+megatron``: benchmarks/lina_packing_megatron.py says how).
 
     python benchmarks/lina_packing.py --rates 1gbit --out /tmp/lina_packing          # emulated cluster
     python benchmarks/lina_packing.py --mode loopback --out /tmp/lina_packing         # no namespaces
     python benchmarks/lina_packing.py --host deepspeed --rates 1gbit 200mbit --out /tmp/lpds
+    python benchmarks/lina_packing.py --host megatron --rates 1gbit 200mbit --out /tmp/lpmc
 
 Two nodes of two ranks (network namespaces joined by a tbf-shaped link, moe_plugins/tools/bench/cluster.py),
 one core ``MoELayer`` (baseline schedule, E = 8 experts, fp32) with a small FFN (H = 32: little compute per
@@ -29,6 +31,7 @@ seed, interleaved the same way: ``deepspeed`` (stock), and the plugin with ``"li
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -39,6 +42,9 @@ PACKINGS = (1, 2, 4)
 
 
 def rank_entry(cfg: dict) -> None:
+    if cfg["host"] == "megatron":
+        from lina_packing_megatron import rank_main_megatron       # this script's folder is on sys.path
+        return rank_main_megatron(cfg)
     (rank_main_deepspeed if cfg["host"] == "deepspeed" else rank_main)(cfg)
 
 
@@ -216,15 +222,16 @@ def table(rate: str, data: dict) -> str:
     return "\n".join(lines)
 
 
-def table_deepspeed(rate: str, data: dict) -> str:
+def table_host(rate: str, data: dict, stock: str = "deepspeed") -> str:
+    """The table of a host run (``stock``: the host's own row)."""
     step = {n: v * 1e3 for n, v in data["step_s"].items()}
-    lines = [f"### link {rate}", "", "| row | ep | experts per rank | step ms (median) | vs p=1 | vs deepspeed |",
+    lines = [f"### link {rate}", "", f"| row | ep | experts per rank | step ms (median) | vs p=1 | vs {stock} |",
              "|---|---|---|---|---|---|"]
     for name, ms in step.items():
         local = data["local_experts"][name]
         lines.append(f"| {name} | {8 // local} | {local} | {ms:.1f} | {step['p=1'] / ms:.2f}x | "
-                     f"{step['deepspeed'] / ms:.2f}x |")
-    plugin = {n: v for n, v in step.items() if n != "deepspeed"}
+                     f"{step[stock] / ms:.2f}x |")
+    plugin = {n: v for n, v in step.items() if n != stock}
     last = data["auto_packing"][-1]
     auto_tail = [t * 1e3 for t, p in zip(data["auto_step_s"], data["auto_packing"]) if p == last][1:]
     lines += ["", f"fastest packing: {min(plugin, key=plugin.get)}; auto, packing after each step: "
@@ -248,15 +255,15 @@ def main() -> int:
     p.add_argument("--ffn", type=int, default=32)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=None, help="default 1 (core), 2 (deepspeed)")
-    p.add_argument("--auto-steps", type=int, default=None, help="default 6 (core), 22 (deepspeed)")
-    p.add_argument("--host", choices=("core", "deepspeed"), default="core")
-    p.add_argument("--out", type=Path, default=None, help="write lina_packing[_deepspeed].json / .md here")
+    p.add_argument("--warmup", type=int, default=None, help="default 1 (core), 2 (hosts)")
+    p.add_argument("--auto-steps", type=int, default=None, help="default 6 (core), 22 (hosts)")
+    p.add_argument("--host", choices=("core", "deepspeed", "megatron"), default="core")
+    p.add_argument("--out", type=Path, default=None, help="write lina_packing[_<host>].json / .md here")
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args()
-    deepspeed = args.host == "deepspeed"
-    args.warmup = args.warmup if args.warmup is not None else 2 if deepspeed else 1
-    args.auto_steps = args.auto_steps if args.auto_steps is not None else 22 if deepspeed else 6
+    host = args.host != "core"
+    args.warmup = args.warmup if args.warmup is not None else 2 if host else 1
+    args.auto_steps = args.auto_steps if args.auto_steps is not None else 22 if host else 6
     if args.rank_config:
         from moe_plugins.tools.bench.outputs import run_rank_config
         return run_rank_config(args.rank_config, rank_entry)
@@ -276,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
                 "ffn": args.ffn, "iters": args.iters, "rounds": args.rounds, "warmup": args.warmup,
                 "auto_steps": args.auto_steps, "timeout_s": args.timeout_s, "result": str(Path(tmp) / "result.json"),
                 "host": args.host}
-        table_of = table_deepspeed if args.host == "deepspeed" else table
+        table_of = table if args.host == "core" else functools.partial(table_host, stock=args.host)
         if args.mode != "loopback" and reason is None:
             with emulated_cluster(ClusterSpec(nodes=2)) as cluster:
                 for rate in args.rates:
@@ -290,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             print(md[-1], flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = "lina_packing_deepspeed" if args.host == "deepspeed" else "lina_packing"
+        stem = "lina_packing" if args.host == "core" else f"lina_packing_{args.host}"
         (args.out / f"{stem}.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                           "runs": out}, indent=1, default=str))
         (args.out / f"{stem}.md").write_text("\n\n".join(md) + "\n")

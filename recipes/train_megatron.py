@@ -297,9 +297,10 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
 
 def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, optimizer_shims,
          plugin: Optional[PluginConfig], handle: Any = None) -> Dict[str, Any]:
-    """``handle``: the enabled plugin, if any (with Hecate's re-sharding, checkpoints are written and read with the
-    experts on their stock owners)."""
+    """``handle``: the enabled plugin, if any (with Hecate's re-sharding or Lina's packing, checkpoints are written
+    and read with the experts on their stock owners)."""
     resharding = handle.hecate if handle is not None else None
+    packing = handle.lina.packing if handle is not None and handle.lina is not None else None
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     device = torch.device("cpu") if args.cpu_shims else torch.device("cuda", torch.cuda.current_device())
@@ -319,7 +320,8 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
     ckpt = Path(args.ckpt_dir) if args.ckpt_dir else None
     if args.resume and resharding is not None:
         resharding.to_stock()          # the files hold every expert on its stock owner
-    start = load_checkpoint(ckpt, model, optimizer, meta) if args.resume else 0
+    with packing.stock_homes() if packing is not None and args.resume else contextlib.nullcontext():
+        start = load_checkpoint(ckpt, model, optimizer, meta) if args.resume else 0
     log = report.RunLog(rank=dist.get_rank(), total=args.steps, start=start, out=Path(args.out), meta=meta)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
@@ -327,7 +329,8 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
         loss = train_step(model, optimizer, {k: v.to(device) for k, v in batch.items()}, pgc, optimizer_shims)
         log.step(step, _mean_over(loss, pgc.dp), time.perf_counter() - t0)
         if ckpt is not None and args.save_every and (step + 1) % args.save_every == 0:
-            with resharding.stock_homes() if resharding is not None else contextlib.nullcontext():
+            stock = resharding or packing
+            with stock.stock_homes() if stock is not None else contextlib.nullcontext():
                 save_checkpoint(ckpt, step + 1, model, optimizer, meta)
     if partitions:                     # Lancet's batch partitions: the ranges run and the partition counts chosen
         executors = handle.lancet.partitions.executors
@@ -335,6 +338,10 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
                                          "chosen": sorted({k for e in executors for k in e.chosen})}
     if handle is not None and handle.early is not None:        # the MoE layers whose block issues the early gather
         log.meta["hecate_early_blocks"] = len(handle.early.hooked)
+    if packing is not None:            # Lina's packing: where it ended and the decisions of "auto"
+        log.meta["lina_packing"] = [{"packing": p.controller.packing, "regroups": p.regroups,
+                                     "decisions": [[s, a, b] for s, _, a, b in p.controller.decisions]}
+                                    for p in packing.packers]
     if resharding is not None:         # where Hecate's re-sharding left each layer's experts, and how often it ran
         layers = [s for r in resharding.resharders for s, _ in r.layers]
         log.meta["hecate_reshard"] = {"homes": [list(s.homes) for s in layers], "reshards": sum(

@@ -119,6 +119,32 @@ def test_lina_in_the_recipe_equals_the_plugin_without_it(world, tmp_path):
     assert [r["schedule"] for r in lina["plugin"]] == ["baseline"] * 2
 
 
+def test_lina_packing_in_the_recipe_equals_unpacked_and_resumes_unpacked(world, tmp_path):
+    """Lina's packing 2 at EP 4 (two experts per rank, expert-DP 2) through the recipe's flag: 8 fp32 steps match
+    the unpacked Lina run within 1e-5 relative; its checkpoints (written with the experts unpacked) resume an
+    unpacked run at step 4 with the packed run's losses."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["--model", "gpt2-moe", "--steps", "8", "--tp", "1", "--ep", "4", "--etp", "1", "--ckpt-dir", str(ckpt)]
+
+    def section(packing):
+        return ["--moe-plugins", json.dumps({"schedule": "baseline", "lina": {"micro_op_mb": 0.02,
+                                                                             "packing": packing}})]
+    packed = train(world, argv + section(2) + ["--save-every", "4", "--out", str(tmp_path / "packed")])
+    # packed at DDP build, then unpacked and packed again around each of the 2 saves
+    assert packed["lina_packing"] == [{"packing": 2, "regroups": 1 + 2 * 2, "decisions": []}]
+    assert [r["ep"] for r in packed["plugin"]] == [2, 2]                  # the layers run on ep 4 / 2
+    unpacked = train(world, argv + section(1) + ["--out", str(tmp_path / "unpacked")])
+    a, b = losses(packed), losses(unpacked)
+    assert sorted(a) == list(range(8)) == sorted(b)
+    for step in range(8):
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    (ckpt / "latest").write_text("step4\n")
+    resumed = losses(train(world, argv + section(1) + ["--resume", "--out", str(tmp_path / "resumed")]))
+    assert sorted(resumed) == list(range(4, 8))
+    for step in range(4, 8):
+        assert resumed[step] == pytest.approx(a[step], rel=1e-5, abs=0), step
+
+
 def on_equals_stock(world, tmp_path, layout, section: str):
     """12 fp32 steps of the recipe's GPT-2-MoE with the flag ``section`` and without the plugin, equal within 1e-5
     relative; returns the plugin run's report."""
