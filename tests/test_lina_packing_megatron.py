@@ -54,6 +54,23 @@ def test_packed_training_equals_unpacked(world, packing):
     assert worst <= 1e-5, worst
 
 
+def test_fp64_gradients_by_global_expert_equal_unpacked(world):
+    """fp64, gradient accumulation 2 (no_sync), Lina's micro-ops: at packing 2 and 4 the outputs, every expert's
+    main_grad by global id and every dense main_grad are within 1e-12 of packing 1's."""
+    results = world(WORLD).run(jobs.grads_job, [1, 2, 4], timeout_s=JOB_TIMEOUT_S)
+    for packing in ("2", "4"):
+        assert all(res[packing]["local"] == int(packing) for res in results)
+        for res in results:
+            assert (res["1"]["out"] - res[packing]["out"]).abs().max() <= 1e-12
+            for k, g in res["1"]["dense"].items():
+                assert float((g - res[packing]["dense"][k]).abs().max()) <= 1e-12, (packing, k)
+        a, b = _merged(results, "1", "experts"), _merged(results, packing, "experts")
+        assert set(a) == set(b) and len(a) == 2 * 4 * 4            # 2 layers x 4 experts x 4 parameters
+        assert all(float(a[k].abs().max()) > 0 for k in a)
+        worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert worst <= 1e-12, (packing, worst)
+
+
 @pytest.mark.parametrize("saver,loader", [(2, 1), (1, 4), (4, 2)])
 def test_dist_checkpoints_load_across_packings(world, tmp_path, saver, loader):
     """A model saved through dist_checkpointing at one packing loads at another (stock Megatron's files: global

@@ -115,6 +115,41 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4) -> Dict[str, Any]:
     return out
 
 
+def grads_job(packings: List[int], accumulate: int = 2) -> Dict[str, Any]:
+    """fp64: one step of ``accumulate`` micro-batches (``no_sync`` on all but the last) through Megatron's DDP at
+    each packing: the model's output on the first micro-batch, every expert's ``main_grad`` by global id and the
+    dense ``main_grad``s, per packing."""
+    from contextlib import nullcontext
+
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(1, 4, "float64")
+    out: Dict[str, Any] = {}
+    with ExitStack() as stack:
+        stack.enter_context(megatron_on_cpu())
+        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                                       mp=1, ep=4)))
+        pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
+        data = _batches(torch.float64, accumulate, seed=31)
+        for packing in packings:
+            with mp.enable(_plugin(packing), groups=groups):
+                net = _net(config, seed=7)
+                _redraw(net, seed=3)
+                model = _ddp(config, net, pgc, bucket_size=300)
+                model.zero_grad_buffer()
+                for mb, (x, t) in enumerate(data):
+                    with model.no_sync() if mb < accumulate - 1 else nullcontext():
+                        y = model(x)
+                        if mb == 0:
+                            first = y.detach().clone()
+                        F.mse_loss(y, t).backward()
+                model.finish_grad_sync()
+                grads = {k: v for k, v in by_expert(net, grads=True).items() if k.endswith("main_grad")}
+                dense = {n: p.main_grad.clone() for n, p in net.named_parameters() if getattr(p, "allreduce", True)}
+                out[str(packing)] = {"out": first, "experts": grads, "dense": dense,
+                                     "local": net.moe[0].num_local_experts}
+    return out
+
+
 def _sharded_experts(layer: Any, pgc: Any) -> List[int]:
     """The global expert indices Megatron's own ``sharded_state_dict`` gives this rank's experts."""
     found = set()
