@@ -25,8 +25,9 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
   so the norm, and clipping, are stock's.
 
 Runs with fp32 parameters and Megatron's non-distributed optimizer (Lina refuses the distributed one), TP 1,
-expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at pipeline degree 1, and without Hecate
-or Lancet: :func:`config_problems` and :func:`model_problems` list the rest.
+expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
+executor is rebuilt on the packed layout's engine), and without Hecate or Lancet: :func:`config_problems` and
+:func:`model_problems` list the rest.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
 from moe_plugins.lina.regroup import move_experts
+from moe_plugins.pipemoe.runner import build_executor, needs_lane
 
 logger = logging.getLogger("moe_plugins.megatron")
 FIELD = f"{SECTION}.lina.packing"
@@ -66,9 +68,9 @@ def config_problems(plugin: PluginConfig, lina: LinaConfig) -> List[str]:
     what, problems = f"{FIELD} ({lina.packing!r})", []
     if plugin.schedule != "baseline":
         problems.append(f"{what} runs the schedule 'baseline', and {SECTION}.schedule is {plugin.schedule!r}")
-    if plugin.pipeline_degree != 1:
-        problems.append(f"{what} runs at {SECTION}.pipeline_degree 1 on Megatron-core (got "
-                        f"{plugin.pipeline_degree!r}): the pipeline lane is built for the stock layout")
+    if not isinstance(plugin.pipeline_degree, int):
+        problems.append(f"{what} needs an integer {SECTION}.pipeline_degree (got {plugin.pipeline_degree!r}): the "
+                        "cost profile that prices a degree is the stock layout's, not the packed one's")
     for name in ("hecate", "lancet"):
         if getattr(plugin, name) is not None:
             problems.append(f"{what} does not combine with {SECTION}.{name} on Megatron-core")
@@ -173,8 +175,8 @@ class DDPPacker:
     def _engine(self, packing: int, groups: MoEProcessGroups) -> Any:
         if packing not in self.engines:        # collective, the first time: every rank regroups alike
             from moe_plugins.patches.megatron_lina import LinaEngine, build_lina_engine
-            engine = build_lina_engine(groups, groups, pipeline=False, ledger=self.lina.ledger,
-                                       record_timeline=self.lina.record_timeline)
+            engine = build_lina_engine(groups, groups, pipeline=needs_lane(self.lina.plugin.pipeline_degree),
+                                       ledger=self.lina.ledger, record_timeline=self.lina.record_timeline)
             self.lina.engines[groups.layout] = LinaEngine(engine, self.found.reducer, groups)   # closed by Lina
             self.engines[packing] = engine
         return self.engines[packing]
@@ -244,6 +246,7 @@ class DDPPacker:
             dispatcher = layer.dispatcher
             dispatcher.groups = layer.layer.moe_groups = groups
             dispatcher.engine, dispatcher.rec, dispatcher.schedule = engine, schedule.rec, schedule
+            dispatcher.lane = build_executor(dispatcher.degree, None, engine)    # PipeMoE: on the new lane
         self.regroups += 1
         logger.info("moe_plugins: Lina packing regrouped %d Megatron MoE layers from ep %d to ep %d (%d experts "
                     "per rank)", len(layers), old.layout.ep, groups.layout.ep, local)

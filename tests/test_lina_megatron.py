@@ -63,10 +63,9 @@ def test_enable_refuses_an_unchecked_version_before_patching(monkeypatch):
     hooks = {(m, a): getattr(__import__(m, fromlist=[a]), a) for m, a in mp.HOOKS}
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(ValueError) as err:
-        mp.enable({"schedule": "baseline", "pipeline_degree": 2, "lina": dict(LINA, packing=2)})
+        mp.enable({"schedule": "baseline", "pipeline_degree": "auto", "lina": dict(LINA, packing=2)})
     assert "moe_plugins.lina needs megatron-core 0.16.1 or 0.19.2 (found 0.17.0)" in str(err.value)
-    assert "moe_plugins.lina.packing (2) runs at moe_plugins.pipeline_degree 1 on Megatron-core (got 2)" in \
-        str(err.value)
+    assert "moe_plugins.lina.packing (2) needs an integer moe_plugins.pipeline_degree (got 'auto')" in str(err.value)
     assert mp.active() is None and _originals() == before
     assert all(getattr(__import__(m, fromlist=[a]), a) is f for (m, a), f in hooks.items())
 

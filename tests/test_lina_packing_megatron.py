@@ -24,14 +24,16 @@ def _merged(results, role: str, key: str):
     return out
 
 
-@pytest.mark.parametrize("packing", [2, 4, "auto"])
-def test_packed_training_equals_unpacked(world, packing):
+@pytest.mark.parametrize("packing,degree", [(2, 1), (4, 1), ("auto", 1), (2, 2), ("auto", 2)],
+                         ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2"])
+def test_packed_training_equals_unpacked(world, packing, degree):
     """20 steps: losses within 1e-5 and Megatron's gradient norms (what clip_grad scales by: the packed copies
     must not count twice) within 1e-5 relative of the unpacked run's at every step; every expert's weights, last main_grad and Adam moments, by global id, within
     1e-5; each rank holds 4 / ep experts times the packing, and Megatron's sharded_state_dict names them by their
     global ids. "auto" decides at steps 10, 14 and 18 on every rank alike and packs (this layer is compute-light:
-    its expert micro-ops are far shorter than its all-to-alls)."""
-    results = world(WORLD).run(jobs.train_job, packing, timeout_s=JOB_TIMEOUT_S)
+    its expert micro-ops are far shorter than its all-to-alls). PipeMoE degree 2: both runs pipelined, the packed
+    one's executor rebuilt on the packed layout's engine."""
+    results = world(WORLD).run(jobs.train_job, packing, degree=degree, timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
@@ -88,7 +90,7 @@ def test_dist_checkpoints_load_across_packings(world, tmp_path, saver, loader):
 
 @pytest.mark.parametrize("case,needle", [
     ("schedule", "moe_plugins.lina.packing (2) runs the schedule 'baseline', and moe_plugins.schedule is 'parm-s1'"),
-    ("degree", "moe_plugins.lina.packing (2) runs at moe_plugins.pipeline_degree 1 on Megatron-core (got 2)"),
+    ("degree", "moe_plugins.lina.packing (2) needs an integer moe_plugins.pipeline_degree (got 'auto')"),
     ("divide", "moe_plugins.lina.packing (3) must divide ep (4)"),
     ("tp", "moe_plugins.lina.packing (2) runs with tensor_model_parallel_size 1 (got 2)"),
 ])

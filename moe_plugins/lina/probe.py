@@ -92,6 +92,15 @@ class TimedSchedule(Schedule):
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         return self.inner.prepare(x_SM, params)
 
+    def prefetch(self, weights: Any) -> None:
+        return self.inner.prefetch(weights)
+
+    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:    # the ragged exchange cuts its own
+        return self.inner.chunks(dispatched, degree)
+
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        return self.inner.join(outs, dispatched)
+
     def _timed(self, kind: str, step: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         t0 = time.perf_counter_ns()
         out = step(*args)

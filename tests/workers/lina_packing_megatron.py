@@ -25,8 +25,8 @@ from tests.workers.ckpt_reshard_megatron import cpu_saver
 from tests.workers.lina_megatron import RANKS_PER_NODE, _batches, _ddp, _net, _spec
 
 
-def _plugin(packing: Any, **extra: Any) -> Dict[str, Any]:
-    return {"schedule": "baseline", "pipeline_degree": 1, "lina": {"packing": packing, "micro_op_mb": 0.001},
+def _plugin(packing: Any, degree: Any = 1, **extra: Any) -> Dict[str, Any]:
+    return {"schedule": "baseline", "pipeline_degree": degree, "lina": {"packing": packing, "micro_op_mb": 0.001},
             **extra}
 
 
@@ -83,7 +83,7 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
     return {"loss": float(loss.detach()), "norm": float(norm)}
 
 
-def train_job(packing: Any, steps: int = 20, ep: int = 4) -> Dict[str, Any]:
+def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1) -> Dict[str, Any]:
     """``steps`` fp32 Adam steps of the model with packing 1, then with ``packing``: per step loss and Megatron's
     gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
@@ -98,7 +98,7 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4) -> Dict[str, Any]:
         pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
         data = (_batches(torch.float32, 4, seed=21) * steps)[:steps]
         for name, p in (("stock", 1), ("packed", packing)):
-            with mp.enable(_plugin(p), groups=groups) as handle:
+            with mp.enable(_plugin(p, degree), groups=groups) as handle:
                 net = _net(config, seed=7)
                 _redraw(net, seed=3)
                 model = _ddp(config, net, pgc, bucket_size=300)
@@ -219,7 +219,7 @@ def _moe_sharded(net: Any, metadata: Dict[str, Any]) -> Dict[str, Any]:
 def refused_job(case: str) -> Optional[str]:
     """The error of one refused setting: a plugin section (``enable``) or a model (Megatron's DDP)."""
     from moe_plugins.patches import megatron as mp
-    sections = {"schedule": _plugin(2, schedule="parm-s1"), "degree": {**_plugin(2), "pipeline_degree": 2},
+    sections = {"schedule": _plugin(2, schedule="parm-s1"), "degree": _plugin(2, "auto"),
                 "divide": _plugin(3), "tp": _plugin(2)}
     tp = 2 if case == "tp" else 1
     spec = _spec(tp, 2 if tp == 2 else 4, "float32")
