@@ -178,8 +178,9 @@ class LinaState:
         if found is None:
             size = micro_op_bytes(self.config.micro_op_mb, profile(tokens.layout) if self.config.micro_op_mb == "auto"
                                   else None)
+            from moe_plugins.patches.megatron_lancet import lancet_on     # Lancet's exchanges: the pipeline lane
             engine = build_lina_engine(groups, tokens, pipeline=needs_lane(self.plugin.pipeline_degree)
-                                       or prefetch_on(self.plugin),
+                                       or prefetch_on(self.plugin) or lancet_on(self.plugin),
                                        ledger=self.ledger, record_timeline=self.record_timeline)
             found = self.engines[groups.layout] = LinaEngine(
                 engine, GradReducer(engine, micro_op_bytes=size, priority=self.config.priority), groups)

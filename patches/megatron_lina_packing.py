@@ -26,8 +26,9 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
 
 Runs with fp32 parameters and Megatron's non-distributed optimizer (Lina refuses the distributed one), TP 1,
 expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
-executor is rebuilt on the packed layout's engine), and without Hecate or Lancet: :func:`config_problems` and
-:func:`model_problems` list the rest.
+executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
+lane), and without Hecate or Lancet's batch partitions: :func:`config_problems` and :func:`model_problems` list
+the rest.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from moe_plugins.core.groups import MoEProcessGroups
 from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
+from moe_plugins.lancet.config import partitioned
 from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.modules import moved_slots, params_by_name, resize_experts, scalar_state
 from moe_plugins.lina.packer import PackingController
@@ -71,9 +73,11 @@ def config_problems(plugin: PluginConfig, lina: LinaConfig) -> List[str]:
     if not isinstance(plugin.pipeline_degree, int):
         problems.append(f"{what} needs an integer {SECTION}.pipeline_degree (got {plugin.pipeline_degree!r}): the "
                         "cost profile that prices a degree is the stock layout's, not the packed one's")
-    for name in ("hecate", "lancet"):
-        if getattr(plugin, name) is not None:
-            problems.append(f"{what} does not combine with {SECTION}.{name} on Megatron-core")
+    if plugin.hecate is not None:
+        problems.append(f"{what} does not combine with {SECTION}.hecate: both move the expert modules")
+    if plugin.lancet is not None and partitioned(plugin.lancet):
+        problems.append(f"{what} does not combine with {SECTION}.lancet.partitions "
+                        f"({plugin.lancet.get('partitions')!r}): the block executor holds the stock layout's layers")
     return problems
 
 
@@ -175,7 +179,9 @@ class DDPPacker:
     def _engine(self, packing: int, groups: MoEProcessGroups) -> Any:
         if packing not in self.engines:        # collective, the first time: every rank regroups alike
             from moe_plugins.patches.megatron_lina import LinaEngine, build_lina_engine
-            engine = build_lina_engine(groups, groups, pipeline=needs_lane(self.lina.plugin.pipeline_degree),
+            from moe_plugins.patches.megatron_lancet import lancet_on      # Lancet's exchanges: the pipeline lane
+            plugin = self.lina.plugin
+            engine = build_lina_engine(groups, groups, pipeline=needs_lane(plugin.pipeline_degree) or lancet_on(plugin),
                                        ledger=self.lina.ledger, record_timeline=self.lina.record_timeline)
             self.lina.engines[groups.layout] = LinaEngine(engine, self.found.reducer, groups)   # closed by Lina
             self.engines[packing] = engine

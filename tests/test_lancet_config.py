@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
-from moe_plugins.lancet.config import LancetConfig, lancet_problems
+from moe_plugins.lancet.config import LancetConfig, lancet_across, lancet_problems
 from moe_plugins.lancet.overlap import covered, hidden_fraction, merged, overlap_fraction
 from moe_plugins.patches.deepspeed_hecate import config_choices
 from moe_plugins.plugins import default_registry
@@ -81,15 +81,20 @@ def test_refused_combinations(section, message):
         _parse({"lancet": {}, **section})
 
 
-def test_lina_beside_lancet_on_deepspeed_only():
-    """Lina's micro-ops and Lancet share the DeepSpeed adapter's engine (tests/test_lancet_blocks_deepspeed.py);
-    the Megatron-core adapter refuses the pair, naming the field."""
+def test_lina_beside_lancet_partitions_on_deepspeed_only():
+    """Lina's micro-ops and Lancet share the adapter's engine (tests/test_lancet_blocks_deepspeed.py; on Megatron
+    the deferred dW, tests/test_lancet_megatron.py); the Megatron-core adapter refuses Lina beside Lancet's batch
+    partitions, naming the field, and a reader that runs neither host refuses the pair."""
     from moe_plugins.patches.megatron_config import config_choices as megatron_choices
     both = {"lancet": {"partitions": 2}, "lina": {"micro_op_mb": 1}}
     assert _parse(both).lina == {"micro_op_mb": 1}
-    with pytest.raises(ValueError, match=r"moe_plugins\.lina \(its gradient micro-ops\) runs with moe_plugins\.lancet "
-                                         r"on DeepSpeed only in this version \(one engine, both lanes\); not on megatron"):
+    with pytest.raises(ValueError, match=r"moe_plugins\.lina \(its gradient micro-ops\) runs with moe_plugins\.lancet"
+                                         r"\.partitions \(2\) on DeepSpeed only in this version"):
         PluginConfig.from_dict(both, "moe_plugins", **megatron_choices())
+    deferred = {"lancet": {"defer_wgrad": True}, "lina": {"micro_op_mb": 1}}
+    assert PluginConfig.from_dict(deferred, "moe_plugins", **megatron_choices()).lina == {"micro_op_mb": 1}
+    assert any("through the DeepSpeed and Megatron-core adapters only" in p
+               for p in lancet_across(deferred, host=None))
 
 
 # ---- the overlap arithmetic (pure) -----------------------------------------------------------------------------

@@ -35,6 +35,17 @@ def test_deferred_expert_grads_equal_and_delivered_once(world, tp, ep, degree):
     _check(world(4).run(jobs.grads_job, tp, ep, pipeline_degree=degree, timeout_s=TIMEOUT_S), 2, 2)
 
 
+@pytest.mark.parametrize("tp,ep,degree", [(1, 4, 1), (1, 2, 2)], ids=["ep4", "ep2-pipemoe2"])
+def test_lina_micro_ops_beside_deferred_grads(world, tp, ep, degree):
+    """Lina and Lancet on one engine per layout: Lancet's exchanges (and its dW behind them) on the pipeline lane,
+    Lina's gradient micro-ops on the background lane; every main_grad equal to the plain plugin's (Megatron's own
+    reduction) in fp64 and delivered once."""
+    results = world(4).run(jobs.grads_job, tp, ep, pipeline_degree=degree, lina=True, timeout_s=TIMEOUT_S)
+    _check(results, 2, 2)
+    for r in results:
+        assert r["micro_ops"] > 0 and r["routed"] > 0, (r["micro_ops"], r["routed"])
+
+
 @pytest.mark.parametrize("tp,ep", [(1, 4), (2, 2)], ids=["ep4", "tp2-sequence_parallel-ep2"])
 def test_dense_wgrad_defers_megatron_parallel_linears(world, tp, ep):
     """``dense_wgrad`` on Megatron: the model's ColumnParallelLinear / RowParallelLinear layers (4 here; at TP 2

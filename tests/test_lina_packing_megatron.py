@@ -24,16 +24,18 @@ def _merged(results, role: str, key: str):
     return out
 
 
-@pytest.mark.parametrize("packing,degree", [(2, 1), (4, 1), ("auto", 1), (2, 2), ("auto", 2)],
-                         ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2"])
-def test_packed_training_equals_unpacked(world, packing, degree):
+@pytest.mark.parametrize("packing,degree,lancet", [(2, 1, False), (4, 1, False), ("auto", 1, False),
+                                                   (2, 2, False), ("auto", 2, False), ("auto", 1, True)],
+                         ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2", "auto-lancet"])
+def test_packed_training_equals_unpacked(world, packing, degree, lancet):
     """20 steps: losses within 1e-5 and Megatron's gradient norms (what clip_grad scales by: the packed copies
     must not count twice) within 1e-5 relative of the unpacked run's at every step; every expert's weights, last main_grad and Adam moments, by global id, within
     1e-5; each rank holds 4 / ep experts times the packing, and Megatron's sharded_state_dict names them by their
     global ids. "auto" decides at steps 10, 14 and 18 on every rank alike and packs (this layer is compute-light:
     its expert micro-ops are far shorter than its all-to-alls). PipeMoE degree 2: both runs pipelined, the packed
-    one's executor rebuilt on the packed layout's engine."""
-    results = world(WORLD).run(jobs.train_job, packing, degree=degree, timeout_s=JOB_TIMEOUT_S)
+    one's executor rebuilt on the packed layout's engine. Lancet's deferred dW in both runs: its exchanges (and the
+    dW behind them) move to the packed layout's engine."""
+    results = world(WORLD).run(jobs.train_job, packing, degree=degree, lancet=lancet, timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
@@ -41,6 +43,8 @@ def test_packed_training_equals_unpacked(world, packing, degree):
         assert min(stock["norms"]) > 0
         rel_norm = max(abs(a - b) / a for a, b in zip(stock["norms"], packed["norms"]))
         assert rel_norm <= 1e-5, (rank, rel_norm, stock["norms"][:3], packed["norms"][:3])
+        if lancet:     # 2 layers: stock's 40; packed from step 10: more than the 20 of its unpacked steps
+            assert stock["overlap_calls"] == 40 and packed["overlap_calls"] > 20, packed["overlap_calls"]
         p = packed["packing"]
         assert stock["local"] == [1, 1] and packed["local"] == [p, p]
         assert len(packed["global_experts"]) == p and packed["global_experts"] == sorted(packed["global_experts"])

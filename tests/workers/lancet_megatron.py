@@ -57,20 +57,25 @@ def _parallel_net(config, seed: int, tp_group):
 from tests.workers.megatron import adam_steps
 
 
-def _plugin(lancet: Optional[Dict[str, Any]], pipeline_degree: int = 1) -> Dict[str, Any]:
+def _plugin(lancet: Optional[Dict[str, Any]], pipeline_degree: int = 1,
+            lina: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     section: Dict[str, Any] = {"schedule": "baseline", "pipeline_degree": pipeline_degree}
     if lancet is not None:
         section["lancet"] = lancet
+    if lina is not None:
+        section["lina"] = lina
     return section
 
 
 def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline_degree: int = 1,
-              gated: bool = False, dense: bool = False) -> Dict[str, Any]:
+              gated: bool = False, dense: bool = False, lina: bool = False) -> Dict[str, Any]:
     """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last) in fp64, each ended by DDP's
     ``finish_grad_sync``: the largest difference of every ``main_grad`` between the runs with and without Lancet,
     per step and kind; how many times each parameter's DDP hook ran per backward with Lancet (counted on its
     gradient accumulator); the queue's state and how often it ran behind an exchange. ``dense``: the model of
-    Megatron's tensor-parallel linears (:func:`_parallel_net`) with ``dense_wgrad`` on too."""
+    Megatron's tensor-parallel linears (:func:`_parallel_net`) with ``dense_wgrad`` on too. ``lina``: the Lancet
+    run reduces the gradients as Lina's micro-ops too (one engine: Lancet's exchanges on its pipeline lane, the
+    micro-ops on its background lane); the other run keeps Megatron's own reduction."""
     from moe_plugins.patches import megatron as mp
     spec = _spec(tp, ep, "float64")
     runs, hooks, state = [], [], {}
@@ -87,7 +92,8 @@ def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline
                 parallel_state._set_global_memory_buffer()
                 stack.callback(parallel_state.destroy_global_memory_buffer)
         for section in (None, {"defer_wgrad": True, "dense_wgrad": dense}):
-            with mp.enable(_plugin(section, pipeline_degree), groups=groups, record_timeline=dense) as handle:
+            with mp.enable(_plugin(section, pipeline_degree, {"micro_op_mb": 0.001} if lina and section else None),
+                           groups=groups, record_timeline=dense or lina) as handle:
                 net = _parallel_net(config, 5, groups.pg_collection.tp) if dense else _net(config, seed=5)
                 model = _ddp(config, net, groups.pg_collection, bucket_size=200)
                 calls: Dict[str, int] = {}
@@ -114,6 +120,9 @@ def grads_job(tp: int, ep: int, *, steps: int = 2, accumulate: int = 2, pipeline
                              "dense_deferred": lancet.dense.deferred if lancet.dense is not None else 0,
                              "dense_names": sorted({s.name for s in lancet.queue.timeline if s.tag == "dense"})
                              if lancet.queue.timeline is not None else []}
+                    if lina:                   # micro-ops issued on the background lane of the layers' engine
+                        state["micro_ops"] = sum(r.lane == "background" for r in handle.lina.timeline())
+                        state["routed"] = handle.lina.routed
             if dense and section is not None:       # disable() put every wrapped layer back: Megatron's own GEMM
                 state["restored"] = all("_forward_impl" not in m.__dict__ for m in list(net.up) + list(net.down))
     off, on = runs

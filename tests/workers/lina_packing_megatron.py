@@ -83,7 +83,7 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
     return {"loss": float(loss.detach()), "norm": float(norm)}
 
 
-def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1) -> Dict[str, Any]:
+def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False) -> Dict[str, Any]:
     """``steps`` fp32 Adam steps of the model with packing 1, then with ``packing``: per step loss and Megatron's
     gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
@@ -98,7 +98,8 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1) -> Di
         pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
         data = (_batches(torch.float32, 4, seed=21) * steps)[:steps]
         for name, p in (("stock", 1), ("packed", packing)):
-            with mp.enable(_plugin(p, degree), groups=groups) as handle:
+            extra = {"lancet": {"defer_wgrad": True}} if lancet else {}
+            with mp.enable(_plugin(p, degree, **extra), groups=groups) as handle:
                 net = _net(config, seed=7)
                 _redraw(net, seed=3)
                 model = _ddp(config, net, pgc, bucket_size=300)
@@ -107,6 +108,8 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1) -> Di
                 res = out[name] = {"losses": [r["loss"] for r in runs], "norms": [r["norm"] for r in runs],
                                    "experts": by_expert(net, opt, grads=True),
                                    "local": [layer.num_local_experts for layer in net.moe]}
+                if lancet:                    # Lancet's dW ran behind exchanges of the packed layout too
+                    res["overlap_calls"] = sum(o.calls for o in handle.lancet.overlaps)
                 if handle.lina.packing is not None:
                     packer = handle.lina.packing.packers[0]
                     res.update(packing=packer.controller.packing, regroups=packer.regroups,
