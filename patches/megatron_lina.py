@@ -189,6 +189,18 @@ class LinaState:
                 self.config.priority)
         return found.engine
 
+    def packed_engine(self, groups: MoEProcessGroups, reducer: GradReducer) -> CommEngine:
+        """The engine of a packed layout (Lina's packing, patches/megatron_lina_packing.py): lanes on twins of
+        ``groups`` (MP 1 there), ``reducer`` shared; built by the first regroup to it (collective), closed here."""
+        found = self.engines.get(groups.layout)
+        if found is None:
+            from moe_plugins.patches.megatron_lancet import lancet_on     # Lancet's exchanges: the pipeline lane
+            engine = build_lina_engine(groups, groups, pipeline=needs_lane(self.plugin.pipeline_degree)
+                                       or lancet_on(self.plugin), ledger=self.ledger,
+                                       record_timeline=self.record_timeline)
+            found = self.engines[groups.layout] = LinaEngine(engine, reducer, groups)
+        return found.engine
+
     # ---- Megatron's DDP side ---------------------------------------------------------------------------------
 
     def patches(self) -> List[Patch]:

@@ -55,7 +55,7 @@ from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
 from moe_plugins.lina.regroup import move_experts
-from moe_plugins.pipemoe.runner import build_executor, needs_lane
+from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.megatron")
 FIELD = f"{SECTION}.lina.packing"
@@ -178,13 +178,7 @@ class DDPPacker:
 
     def _engine(self, packing: int, groups: MoEProcessGroups) -> Any:
         if packing not in self.engines:        # collective, the first time: every rank regroups alike
-            from moe_plugins.patches.megatron_lina import LinaEngine, build_lina_engine
-            from moe_plugins.patches.megatron_lancet import lancet_on      # Lancet's exchanges: the pipeline lane
-            plugin = self.lina.plugin
-            engine = build_lina_engine(groups, groups, pipeline=needs_lane(plugin.pipeline_degree) or lancet_on(plugin),
-                                       ledger=self.lina.ledger, record_timeline=self.lina.record_timeline)
-            self.lina.engines[groups.layout] = LinaEngine(engine, self.found.reducer, groups)   # closed by Lina
-            self.engines[packing] = engine
+            self.engines[packing] = self.lina.packed_engine(groups, self.found.reducer)
         return self.engines[packing]
 
     def _collection(self, packing: int) -> Any:
