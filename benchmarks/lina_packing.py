@@ -95,8 +95,7 @@ def rank_main(cfg: dict) -> None:
         step(auto_layer)
         auto.step_end()
         auto_packing.append(auto.packing)
-    decisions = [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a, "to": b}
-                 for st, t, a, b in auto.decisions]
+    decisions = decisions_of(auto)
     auto.set_packing(1)
     auto.close()
 
@@ -187,19 +186,31 @@ def rank_main_deepspeed(cfg: dict) -> None:
             eng.destroy()
         auto = engine("auto")
         controller = next(st.packer.controller for st in handle.lina.engines if st.ds_engine is auto)
-        auto_packing, auto_steps = [], []
-        for _ in range(cfg["auto_steps"]):
-            auto_steps.append(slowest_seconds(lambda: step(auto)))
-            auto_packing.append(controller.packing)
-        decisions = [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a,
-                      "to": b} for st, t, a, b in controller.decisions]
+        result = host_result(times, packed, controller, lambda: step(auto), cfg["auto_steps"])
         auto.destroy()
     if rank == 0:
-        Path(cfg["result"]).write_text(json.dumps({
-            "step_s": {n: statistics.median(v) for n, v in times.items()}, "step_all_s": times,
-            "local_experts": packed, "auto_packing": auto_packing, "auto_step_s": auto_steps,
-            "auto_decisions": decisions}))
+        Path(cfg["result"]).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def decisions_of(controller) -> list:
+    """A packing controller's ``"auto"`` decisions with the agreed mean micro-op times behind each."""
+    return [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a, "to": b}
+            for st, t, a, b in controller.decisions]
+
+
+def host_result(times: dict, local: dict, controller, step, steps: int) -> dict:
+    """A host run's result: the rows' median step times and experts per rank, then ``steps`` timed steps of the
+    ``"auto"`` model (``step()``; ``controller``: its packing controller): its packing after each, and its
+    decisions."""
+    from moe_plugins.tools.bench.ranks import slowest_seconds
+    auto_packing, auto_steps = [], []
+    for _ in range(steps):
+        auto_steps.append(slowest_seconds(step))
+        auto_packing.append(controller.packing)
+    return {"step_s": {n: statistics.median(v) for n, v in times.items()}, "step_all_s": times,
+            "local_experts": local, "auto_packing": auto_packing, "auto_step_s": auto_steps,
+            "auto_decisions": decisions_of(controller)}
 
 
 def launch(cfg: dict, cluster, workdir: Path) -> dict:

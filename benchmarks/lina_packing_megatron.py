@@ -16,7 +16,6 @@ trains ``auto_steps`` steps (checks after steps 10, 14, 18, ...).
 from __future__ import annotations
 
 import json
-import statistics
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 
 def rank_main_megatron(cfg: dict) -> None:
     import torch
+    from lina_packing import host_result           # the bench script's folder is on sys.path
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
@@ -114,15 +114,7 @@ def rank_main_megatron(cfg: dict) -> None:
         with mp.enable(section("auto"), groups=groups) as handle:
             auto = model()
             controller = handle.lina.packing.packers[0].controller
-            auto_packing, auto_steps = [], []
-            for _ in range(cfg["auto_steps"]):
-                auto_steps.append(slowest_seconds(lambda: step(auto)))
-                auto_packing.append(controller.packing)
-            decisions = [{"step": st, "expert_ms": t.expert_mean_s * 1e3, "a2a_ms": t.a2a_mean_s * 1e3, "from": a,
-                          "to": b} for st, t, a, b in controller.decisions]
+            result = host_result(times, local, controller, lambda: step(auto), cfg["auto_steps"])
     if rank == 0:
-        Path(cfg["result"]).write_text(json.dumps({
-            "step_s": {n: statistics.median(v) for n, v in times.items()}, "step_all_s": times,
-            "local_experts": local, "auto_packing": auto_packing, "auto_step_s": auto_steps,
-            "auto_decisions": decisions}))
+        Path(cfg["result"]).write_text(json.dumps(result))
     dist.destroy_process_group()

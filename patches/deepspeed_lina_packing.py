@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -309,14 +309,6 @@ class EnginePacker:
         with self._stock():
             return original(*args, **kwargs)
 
-    @contextmanager
-    def _stock(self) -> Iterator[None]:
+    def _stock(self) -> ContextManager[None]:
         """Inside: the experts on the stock layout (collective on the way in and out when packed)."""
-        packing = self.controller.packing if self.controller is not None else 1
-        if packing != 1:
-            self.controller.set_packing(1)
-        try:
-            yield
-        finally:
-            if packing != 1:
-                self.controller.set_packing(packing)
+        return self.controller.unpacked() if self.controller is not None else nullcontext()

@@ -40,7 +40,7 @@ import inspect
 import logging
 import weakref
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -297,18 +297,10 @@ class DDPPacker:
         self.controller.optimizer = self.optimizer
         self.controller.step_end()
 
-    @contextmanager
-    def stock(self) -> Iterator[None]:
+    def stock(self) -> ContextManager[None]:
         """Inside: the experts on the stock layout (collective on the way in and out when packed)."""
-        packing = self.controller.packing
         self.controller.optimizer = self.optimizer
-        if packing != 1:
-            self.controller.set_packing(1)
-        try:
-            yield
-        finally:
-            if packing != 1:
-                self.controller.set_packing(packing)
+        return self.controller.unpacked()
 
     def close(self) -> None:
         from moe_plugins.patches.megatron_groups import destroy_megatron_groups

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,19 @@ class PackingController:
         self._regroup(self.layers, self._groups[packing], self.optimizer)
         self.packing, self.groups = packing, self._groups[packing]
         self._window.clear()                    # timings of the old layout say nothing about the new one
+
+    @contextmanager
+    def unpacked(self) -> Iterator[None]:
+        """Inside: the layers on the unpacked layout, e.g. to write or read stock checkpoints (collective on the
+        way in and out when packed); after: the packing they had."""
+        packing = self.packing
+        if packing != 1:
+            self.set_packing(1)
+        try:
+            yield
+        finally:
+            if packing != 1:
+                self.set_packing(packing)
 
     def close(self) -> None:
         """Destroy the groups this controller built (collective). The layers must be back on the unpacked

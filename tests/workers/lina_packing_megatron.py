@@ -11,8 +11,8 @@ same experts, which would hide a misplaced one); experts are compared by global 
 from __future__ import annotations
 
 import zlib
-from contextlib import ExitStack
-from typing import Any, Dict, List, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,15 @@ from tests.workers.lina_megatron import RANKS_PER_NODE, _batches, _ddp, _net, _s
 def _plugin(packing: Any, degree: Any = 1, **extra: Any) -> Dict[str, Any]:
     return {"schedule": "baseline", "pipeline_degree": degree, "lina": {"packing": packing, "micro_op_mb": 0.001},
             **extra}
+
+
+@contextmanager
+def _on_cpu(spec: Any) -> Iterator[Any]:
+    """Megatron under the CPU shims, on the spec's layout groups (yielded)."""
+    from moe_plugins.patches import megatron as mp
+    with megatron_on_cpu(), mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
+                                                              mp=spec.mp, ep=spec.ep)) as groups:
+        yield groups
 
 
 def _redraw(net: Any, seed: int) -> None:
@@ -91,10 +100,7 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
     from moe_plugins.patches import megatron as mp
     spec = _spec(1, ep, "float32")
     out: Dict[str, Any] = {}
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
-                                                                       mp=1, ep=ep)))
+    with _on_cpu(spec) as groups:
         pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
         data = (_batches(torch.float32, 4, seed=21) * steps)[:steps]
         for name, p in (("stock", 1), ("packed", packing)):
@@ -127,10 +133,7 @@ def grads_job(packings: List[int], accumulate: int = 2) -> Dict[str, Any]:
     from moe_plugins.patches import megatron as mp
     spec = _spec(1, 4, "float64")
     out: Dict[str, Any] = {}
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
-                                                                       mp=1, ep=4)))
+    with _on_cpu(spec) as groups:
         pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
         data = _batches(torch.float64, accumulate, seed=31)
         for packing in packings:
@@ -172,10 +175,7 @@ def checkpoint_job(ckpt_dir: str, saver: Any, loader: Any, steps: int = 3) -> Di
     from moe_plugins.patches import megatron as mp
     spec = _spec(1, 4, "float32")
     out: Dict[str, Any] = {}
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
-                                                                       mp=1, ep=4)))
+    with _on_cpu(spec) as groups:
         pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
         probe = _batches(torch.float32, 1, seed=99)[0][0]
         metadata = {"dp_cp_group": pgc.dp_cp}
@@ -226,10 +226,7 @@ def refused_job(case: str) -> Optional[str]:
                 "divide": _plugin(3), "tp": _plugin(2)}
     tp = 2 if case == "tp" else 1
     spec = _spec(tp, 2 if tp == 2 else 4, "float32")
-    with ExitStack() as stack:
-        stack.enter_context(megatron_on_cpu())
-        groups = stack.enter_context(mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
-                                                                       mp=tp, ep=spec.ep)))
+    with _on_cpu(spec) as groups:
         config = transformer_config(spec, num_layers=2)
         try:
             with mp.enable(sections[case], groups=groups):
