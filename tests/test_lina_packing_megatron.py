@@ -49,7 +49,8 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet):
         assert stock["local"] == [1, 1] and packed["local"] == [p, p]
         assert len(packed["global_experts"]) == p and packed["global_experts"] == sorted(packed["global_experts"])
         if packing == "auto":
-            assert [d[0] for d in packed["decisions"]] == [10, 14][:len(packed["decisions"])]
+            # checks after steps 10, 14, 18 (none once at the cap, p = 4): which ones ran depends on the timings
+            assert [d[0] for d in packed["decisions"]] == [10, 14, 18][:len(packed["decisions"])]
             assert p > 1 and packed["regroups"] == sum(a != b for _, a, b in packed["decisions"])
             assert packed["decisions"] == results[0]["packed"]["decisions"]
         else:
