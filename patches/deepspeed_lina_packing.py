@@ -171,7 +171,7 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
         optimizer, carried = before_move()
     where: List[Item] = []
     tensors: List[List[torch.Tensor]] = []
-    scalars: Dict[Tuple[int, str], Dict[str, Any]] = {}
+    scalars: Dict[int, Dict[str, Dict[str, Any]]] = {}          # layer -> parameter name -> its scalar state
     for layer in layers:
         for key, params in params_by_name(layer.experts).items():
             for slot, found in moved_slots(key, params, optimizer, f"{FIELD}: layer {layer.name}"):
@@ -181,12 +181,12 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
             for slot in sorted(entries[0]) if entries else ():
                 where.append((layer, key, CARRIED + slot))
                 tensors.append([entry[slot] for entry in entries])
-            scalars[(id(layer), key)] = scalar_state(key, params, optimizer, f"{FIELD}: layer {layer.name}")
+            scalars.setdefault(id(layer), {})[key] = scalar_state(key, params, optimizer, f"{FIELD}: layer {layer.name}")
     moved = move_experts(tensors, num_experts, old, groups, layers[0].rec)
     name, ep_pg = register(groups.layout)
     local = num_experts // groups.layout.ep
     for layer in layers:
-        _resize(layer, local, optimizer, scalars, name)
+        _resize(layer, local, optimizer, scalars[id(layer)], name)
     for (layer, key, slot), stacked in zip(where, moved):
         for i, expert in enumerate(layer.experts):
             param = dict(expert.named_parameters())[key]
@@ -208,12 +208,11 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                 "rank, DeepSpeed group %s)", len(layers), old.layout.ep, groups.layout.ep, local, name)
 
 
-def _resize(layer: PackedLayer, local: int, optimizer: Optional[Any], scalars: Mapping[Tuple[int, str], Any],
+def _resize(layer: PackedLayer, local: int, optimizer: Optional[Any], scalars: Mapping[str, Dict[str, Any]],
             name: str) -> None:
     """``layer``'s expert modules grown or shrunk to ``local``, in the optimizer too; every expert parameter
     names DeepSpeed's group ``name``."""
-    groups = resize_experts(layer.experts, local, optimizer, {key: s for (i, key), s in scalars.items()
-                                                              if i == id(layer)}, f"{FIELD}: layer {layer.name}")
+    groups = resize_experts(layer.experts, local, optimizer, scalars, f"{FIELD}: layer {layer.name}")
     for p in layer.experts.parameters():
         p.allreduce, p.group_name = False, name
     for group in groups.values():

@@ -44,6 +44,7 @@ from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME
 from moe_plugins.hecate.rehome import Resharder
+from moe_plugins.patches.megatron_steps import after_fp32_steps
 
 logger = logging.getLogger("moe_plugins.megatron")
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -75,11 +76,10 @@ class MegatronResharding:
     def patches(self) -> List[Patch]:
         from megatron.core import dist_checkpointing
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
         return [Patch(cls, "__init__", self._wrap_init(cls.__init__))
                 for cls in (DistributedOptimizer, Float16OptimizerWithFloat16Params)] + [
-                Patch(FP32Optimizer, "step_with_ready_grads",
-                      self._wrap_step(FP32Optimizer.step_with_ready_grads)),
+                after_fp32_steps(self._step_end),
                 Patch(dist_checkpointing, "save", self._wrap_save(dist_checkpointing.save)),
                 Patch(dist_checkpointing, "load", self._wrap_load(dist_checkpointing.load))]
 
@@ -98,18 +98,10 @@ class MegatronResharding:
             original(opt, optimizer, *args, **kwargs)
         return __init__
 
-    def _wrap_step(self, original: Callable) -> Callable:
-        state = self
-
-        @functools.wraps(original)
-        def step_with_ready_grads(opt) -> bool:
-            ok = original(opt)
-            if ok and opt.optimizer is not None:
-                resharder = state._resharder(opt.optimizer)
-                if resharder is not None:
-                    resharder.step_end(opt.optimizer)
-            return ok
-        return step_with_ready_grads
+    def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
+        resharder = self._resharder(optimizer)
+        if resharder is not None:
+            resharder.step_end(optimizer)
 
     def _wrap_save(self, original: Callable) -> Callable:
         state, signature = self, inspect.signature(original)

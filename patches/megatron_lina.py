@@ -178,9 +178,7 @@ class LinaState:
         if found is None:
             size = micro_op_bytes(self.config.micro_op_mb, profile(tokens.layout) if self.config.micro_op_mb == "auto"
                                   else None)
-            from moe_plugins.patches.megatron_lancet import lancet_on     # Lancet's exchanges: the pipeline lane
-            engine = build_lina_engine(groups, tokens, pipeline=needs_lane(self.plugin.pipeline_degree)
-                                       or prefetch_on(self.plugin) or lancet_on(self.plugin),
+            engine = build_lina_engine(groups, tokens, pipeline=self._pipeline_lane(),
                                        ledger=self.ledger, record_timeline=self.record_timeline)
             found = self.engines[groups.layout] = LinaEngine(
                 engine, GradReducer(engine, micro_op_bytes=size, priority=self.config.priority), groups)
@@ -189,14 +187,17 @@ class LinaState:
                 self.config.priority)
         return found.engine
 
+    def _pipeline_lane(self) -> bool:
+        """Whether the engines need a pipeline lane: PipeMoE's chunks, Hecate's early gather, Lancet's exchanges."""
+        from moe_plugins.patches.megatron_lancet import lancet_on
+        return needs_lane(self.plugin.pipeline_degree) or prefetch_on(self.plugin) or lancet_on(self.plugin)
+
     def packed_engine(self, groups: MoEProcessGroups, reducer: GradReducer) -> CommEngine:
         """The engine of a packed layout (Lina's packing, patches/megatron_lina_packing.py): lanes on twins of
         ``groups`` (MP 1 there), ``reducer`` shared; built by the first regroup to it (collective), closed here."""
         found = self.engines.get(groups.layout)
         if found is None:
-            from moe_plugins.patches.megatron_lancet import lancet_on     # Lancet's exchanges: the pipeline lane
-            engine = build_lina_engine(groups, groups, pipeline=needs_lane(self.plugin.pipeline_degree)
-                                       or lancet_on(self.plugin), ledger=self.ledger,
+            engine = build_lina_engine(groups, groups, pipeline=self._pipeline_lane(), ledger=self.ledger,
                                        record_timeline=self.record_timeline)
             found = self.engines[groups.layout] = LinaEngine(engine, reducer, groups)
         return found.engine

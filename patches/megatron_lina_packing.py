@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
@@ -55,6 +54,7 @@ from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
 from moe_plugins.lina.regroup import move_experts
+from moe_plugins.patches.megatron_steps import after_fp32_steps
 from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -155,11 +155,8 @@ class DDPPacker:
 
     def __init__(self, ddp: Any, layers: List[Any], config: LinaConfig, lina: Any, found: Any, pgc: Any):
         self.ddp, self.layers, self.lina, self.found, self.pgc = ddp, [PackedLayer(x) for x in layers], lina, found, pgc
-        self.config = config
         self.base: MoEProcessGroups = self.layers[0].groups
-        self.optimizer: Optional[torch.optim.Optimizer] = None
         self.made: Dict[int, Any] = {}           # packing -> MegatronGroups built for it
-        self.engines: Dict[int, Any] = {1: found.engine}
         self.holder: Optional[Any] = None        # the DDP over the experts alone, once regrouped
         self.regroups = 0
         self.controller = PackingController(
@@ -176,11 +173,6 @@ class DDPPacker:
     def _packing_of(self, groups: MoEProcessGroups) -> int:
         return self.base.layout.ep // groups.layout.ep
 
-    def _engine(self, packing: int, groups: MoEProcessGroups) -> Any:
-        if packing not in self.engines:        # collective, the first time: every rank regroups alike
-            self.engines[packing] = self.lina.packed_engine(groups, self.found.reducer)
-        return self.engines[packing]
-
     def _collection(self, packing: int) -> Any:
         """Megatron's groups for the experts at ``packing``: the DDP's own, expert-DP (and EP) packed."""
         if packing == 1:
@@ -195,19 +187,18 @@ class DDPPacker:
 
     def regroup(self, layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any]) -> None:
         """The controller's regroup (module docstring). Every check, group and engine comes before anything
-        moves. ``optimizer``: ignored; the torch optimizer learnt from Megatron's (:attr:`optimizer`) is used."""
+        moves. ``optimizer``: the controller's, learnt from Megatron's FP32Optimizer (None before it exists)."""
         old = layers[0].groups
         num_experts = layers[0].config.num_experts
         problems = regroup_problems(old.layout, groups.layout, num_experts)
         if problems:
             raise ValueError(f"{FIELD}: cannot regroup: " + "; ".join(problems))
         packing = self._packing_of(groups)
-        engine = self._engine(packing, groups)
+        engine = self.lina.packed_engine(groups, self.found.reducer)     # the stock layout's: Lina's own
         schedules = [rebuild_schedule(layer.schedule, groups, dataclasses.replace(layer.rec, engine=engine))
                      for layer in layers]                              # raises before moving
         if old.layout.ep == groups.layout.ep:
             return
-        optimizer = self.optimizer
         where: List[Tuple[PackedLayer, str, str]] = []
         tensors: List[List[torch.Tensor]] = []
         scalars: Dict[int, Dict[str, Dict[str, Any]]] = {}
@@ -293,13 +284,13 @@ class DDPPacker:
                              "torch optimizer must step them all (their state moves with them)")
         return all(mine)
 
-    def step_end(self) -> None:
-        self.controller.optimizer = self.optimizer
-        self.controller.step_end()
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer holding the experts (learnt when Megatron's FP32Optimizer is built over it)."""
+        return self.controller.optimizer
 
     def stock(self) -> ContextManager[None]:
         """Inside: the experts on the stock layout (collective on the way in and out when packed)."""
-        self.controller.optimizer = self.optimizer
         return self.controller.unpacked()
 
     def close(self) -> None:
@@ -318,7 +309,6 @@ class MegatronPacking:
     def __init__(self, config: LinaConfig):
         self.config = config
         self.packers: List[DDPPacker] = []
-        self._stepped: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     def add_ddp(self, ddp: Any, layers: List[Any], lina: Any, found: Any, pgc: Any) -> DDPPacker:
         if pgc is None:
@@ -331,7 +321,7 @@ class MegatronPacking:
     def patches(self) -> List[Patch]:
         from megatron.core.optimizer.optimizer import FP32Optimizer
         return [Patch(FP32Optimizer, "__init__", self._wrap_init(FP32Optimizer.__init__)),
-                Patch(FP32Optimizer, "step_with_ready_grads", self._wrap_step(FP32Optimizer.step_with_ready_grads))]
+                after_fp32_steps(self._step_end)]
 
     def _wrap_init(self, original: Callable) -> Callable:
         state, signature = self, inspect.signature(original)
@@ -342,20 +332,13 @@ class MegatronPacking:
             optimizer = signature.bind(opt, *args, **kwargs).arguments.get("optimizer")
             for packer in state.packers:
                 if optimizer is not None and packer.holds(optimizer):
-                    packer.optimizer = optimizer
+                    packer.controller.optimizer = optimizer
         return __init__
 
-    def _wrap_step(self, original: Callable) -> Callable:
-        state = self
-
-        @functools.wraps(original)
-        def step_with_ready_grads(opt) -> bool:
-            ok = original(opt)
-            for packer in state.packers:
-                if ok and opt.optimizer is not None and opt.optimizer is packer.optimizer:
-                    packer.step_end()
-            return ok
-        return step_with_ready_grads
+    def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
+        for packer in self.packers:
+            if optimizer is packer.optimizer:
+                packer.controller.step_end()
 
     @contextmanager
     def stock_homes(self) -> Iterator[None]:
