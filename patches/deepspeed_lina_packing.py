@@ -45,11 +45,10 @@ from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.patcher import Patch, Patcher
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.lina.config import LinaConfig
-from moe_plugins.lina.modules import moved_slots, params_by_name, resize_experts, scalar_state
+from moe_plugins.lina.modules import Carried, regroup_modules, resize_experts
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
-from moe_plugins.lina.regroup import move_experts
 from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -133,13 +132,6 @@ class PackedLayer:
                                                                   lane=lane)
 
 
-Item = Tuple[PackedLayer, str, str]          # (layer, parameter name inside an expert, "data" | "grad" | state key)
-CARRIED = "carried:"                         # an Item's slot prefix for the tensors regroup_deepspeed's caller carries
-
-
-Carried = Dict[int, Dict[str, torch.Tensor]]
-
-
 def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any], *,
                       register: Register, engine_for: Optional[Callable[[MoEProcessGroups], Any]] = None,
                       before_move: Optional[Callable[[], Tuple[Any, Optional[Carried]]]] = None) -> None:
@@ -169,35 +161,14 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
     carried: Optional[Carried] = None
     if before_move is not None:
         optimizer, carried = before_move()
-    where: List[Item] = []
-    tensors: List[List[torch.Tensor]] = []
-    scalars: Dict[int, Dict[str, Dict[str, Any]]] = {}          # layer -> parameter name -> its scalar state
-    for layer in layers:
-        for key, params in params_by_name(layer.experts).items():
-            for slot, found in moved_slots(key, params, optimizer, f"{FIELD}: layer {layer.name}"):
-                where.append((layer, key, slot))
-                tensors.append(found)
-            entries = [carried.pop(id(p)) for p in params] if carried is not None else []
-            for slot in sorted(entries[0]) if entries else ():
-                where.append((layer, key, CARRIED + slot))
-                tensors.append([entry[slot] for entry in entries])
-            scalars.setdefault(id(layer), {})[key] = scalar_state(key, params, optimizer, f"{FIELD}: layer {layer.name}")
-    moved = move_experts(tensors, num_experts, old, groups, layers[0].rec)
     name, ep_pg = register(groups.layout)
+    lists = [(f"{FIELD}: layer {layer.name}", layer.experts,
+              functools.partial(_resize, layer, optimizer=optimizer, name=name)) for layer in layers]
+    grads = regroup_modules(lists, num_experts, old, groups, layers[0].rec, optimizer, carried=carried)
+    for p in (p for layer in layers for p in layer.experts.parameters()):
+        if id(p) in grads:
+            p.grad = grads[id(p)].clone()
     local = num_experts // groups.layout.ep
-    for layer in layers:
-        _resize(layer, local, optimizer, scalars[id(layer)], name)
-    for (layer, key, slot), stacked in zip(where, moved):
-        for i, expert in enumerate(layer.experts):
-            param = dict(expert.named_parameters())[key]
-            if slot == "data":
-                param.data = stacked[i].clone()
-            elif slot.startswith(CARRIED):
-                carried.setdefault(id(param), {})[slot[len(CARRIED):]] = stacked[i].clone()
-            elif slot == "grad":
-                param.grad = stacked[i].clone()
-            else:
-                optimizer.state[param][slot] = stacked[i].clone()
     for layer, schedule, lane in zip(layers, schedules, lanes):
         moe, inner = layer.moe, layer.moe.deepspeed_moe
         moe.ep_size = inner.ep_size = groups.layout.ep
@@ -208,7 +179,7 @@ def regroup_deepspeed(layers: List[PackedLayer], groups: MoEProcessGroups, optim
                 "rank, DeepSpeed group %s)", len(layers), old.layout.ep, groups.layout.ep, local, name)
 
 
-def _resize(layer: PackedLayer, local: int, optimizer: Optional[Any], scalars: Mapping[str, Dict[str, Any]],
+def _resize(layer: PackedLayer, local: int, scalars: Mapping[str, Dict[str, Any]], *, optimizer: Optional[Any],
             name: str) -> None:
     """``layer``'s expert modules grown or shrunk to ``local``, in the optimizer too; every expert parameter
     names DeepSpeed's group ``name``."""

@@ -39,7 +39,7 @@ import functools
 import inspect
 import logging
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,11 +49,10 @@ from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.lancet.config import partitioned
 from moe_plugins.lina.config import LinaConfig
-from moe_plugins.lina.modules import moved_slots, params_by_name, resize_experts, scalar_state
+from moe_plugins.lina.modules import regroup_modules, resize_experts
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
-from moe_plugins.lina.regroup import move_experts
 from moe_plugins.patches.megatron_steps import after_fp32_steps
 from moe_plugins.pipemoe.runner import build_executor
 
@@ -199,32 +198,13 @@ class DDPPacker:
                      for layer in layers]                              # raises before moving
         if old.layout.ep == groups.layout.ep:
             return
-        where: List[Tuple[PackedLayer, str, str]] = []
-        tensors: List[List[torch.Tensor]] = []
-        scalars: Dict[int, Dict[str, Dict[str, Any]]] = {}
-        for layer in layers:
-            what = f"{FIELD}: layer {layer.name}"
-            for key, params in params_by_name(layer.experts).items():
-                for slot, found in moved_slots(key, params, optimizer, what,
-                                               grad_of=lambda p: getattr(p, "main_grad", None)):
-                    where.append((layer, key, slot))
-                    tensors.append(found)
-                scalars.setdefault(id(layer), {})[key] = scalar_state(key, params, optimizer, what)
-        moved = move_experts(tensors, num_experts, old, groups, layers[0].rec)
+        def resize(layer: PackedLayer) -> Callable[[int, Dict[str, Dict[str, Any]]], None]:
+            return lambda local, scalars: resize_experts(layer.experts, local, optimizer, scalars,
+                                                         f"{FIELD}: layer {layer.name}", clone=clone_expert)
+        lists = [(f"{FIELD}: layer {layer.name}", layer.experts, resize(layer)) for layer in layers]
+        grads = regroup_modules(lists, num_experts, old, groups, layers[0].rec, optimizer,
+                                grad_of=lambda p: getattr(p, "main_grad", None))
         local = num_experts // groups.layout.ep
-        for layer in layers:
-            resize_experts(layer.experts, local, optimizer, scalars[id(layer)], f"{FIELD}: layer {layer.name}",
-                           clone=clone_expert)
-        grads: Dict[int, torch.Tensor] = {}
-        for (layer, key, slot), stacked in zip(where, moved):
-            for i, expert in enumerate(layer.experts):
-                param = dict(expert.named_parameters())[key]
-                if slot == "data":
-                    param.data = stacked[i].clone()
-                elif slot == "grad":
-                    grads[id(param)] = stacked[i]
-                else:
-                    optimizer.state[param][slot] = stacked[i].clone()
         pgc = self._collection(packing)
         for layer in layers:
             experts, moe = layer.layer.experts, layer.layer

@@ -81,16 +81,14 @@ def test_refused_combinations(section, message):
         _parse({"lancet": {}, **section})
 
 
-def test_lina_beside_lancet_partitions_on_deepspeed_only():
+def test_lina_beside_lancet_on_both_hosts_only():
     """Lina's micro-ops and Lancet share the adapter's engine (tests/test_lancet_blocks_deepspeed.py; on Megatron
-    the deferred dW, tests/test_lancet_megatron.py); the Megatron-core adapter refuses Lina beside Lancet's batch
-    partitions, naming the field, and a reader that runs neither host refuses the pair."""
+    tests/test_lancet_megatron.py and tests/test_lancet_parts_megatron.py): both hosts take the pair, partitions
+    or deferred dW, and a reader that runs neither host refuses it."""
     from moe_plugins.patches.megatron_config import config_choices as megatron_choices
     both = {"lancet": {"partitions": 2}, "lina": {"micro_op_mb": 1}}
     assert _parse(both).lina == {"micro_op_mb": 1}
-    with pytest.raises(ValueError, match=r"moe_plugins\.lina \(its gradient micro-ops\) runs with moe_plugins\.lancet"
-                                         r"\.partitions \(2\) on DeepSpeed only in this version"):
-        PluginConfig.from_dict(both, "moe_plugins", **megatron_choices())
+    assert PluginConfig.from_dict(both, "moe_plugins", **megatron_choices()).lina == {"micro_op_mb": 1}
     deferred = {"lancet": {"defer_wgrad": True}, "lina": {"micro_op_mb": 1}}
     assert PluginConfig.from_dict(deferred, "moe_plugins", **megatron_choices()).lina == {"micro_op_mb": 1}
     assert any("through the DeepSpeed and Megatron-core adapters only" in p

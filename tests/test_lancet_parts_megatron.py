@@ -46,6 +46,24 @@ def test_partitions_on_megatron_equal_stock(world, lancet, kw):
         assert p["blocks"] == ["BertLayer" if kw.get("bert") else "GPT2Block"] * 4
 
 
+def test_lina_micro_ops_beside_partitions_equal_stock(world):
+    """Lina's gradient micro-ops (the engine's background lane) beside 2 partitions with deferred dW (their
+    exchanges and dW on the same engine's pipeline lane), EP 2 x expert-DP 2, accumulation 2: every ``main_grad``
+    and loss stock Megatron's (fp64), each DDP hook once, the buckets reduced as micro-ops."""
+    pool = world(4)
+    kw = {"ep": 2, "accumulate": 2}
+    stock = pool.run(train, None, **kw, timeout_s=TIMEOUT_S)
+    section = {"schedule": "baseline", "exchange": "padded", "lancet": {"partitions": 2},
+               "lina": {"micro_op_mb": 0.001}}
+    plugin = pool.run(train, section, **kw, timeout_s=TIMEOUT_S)
+    for s, p in zip(stock, plugin):
+        assert len(p["grads"]) == 3 and max(abs(a - b) for a, b in zip(s["losses"], p["losses"])) <= EXACT
+        assert max(_max_diff(a, b) for a, b in zip(s["grads"], p["grads"])) <= EXACT
+        assert all(set(c.values()) == {1} for c in p["hooks"]) and p["hooks"] == s["hooks"]
+        assert p["ranges"] == 2 * 3 * 2 and p["chosen"] == [2] and p["restored"]
+        assert p["micro_ops"] > 0 and p["routed"] > 0, (p["micro_ops"], p["routed"])
+
+
 def test_auto_and_tune_on_megatron_stay_exact(world, tmp_path):
     """``"auto"`` (the planner's model priced by a profile measured for the layers' layout) and ``"tune"`` (the
     executor times its own ranges at 1, 2, 4 partitions) on Megatron: whatever they run, stock's gradients, and

@@ -122,9 +122,6 @@ def lancet_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     if lina_training and host not in HOSTS:
         problems.append(f"{path}.lina (its gradient micro-ops) runs with {path}.{NAME} through the DeepSpeed and "
                         f"Megatron-core adapters only (one engine, both lanes); not on {host or 'this reader'}")
-    elif lina_training and host == "megatron" and partitioned(section[NAME]):
-        problems.append(f"{path}.lina (its gradient micro-ops) runs with {path}.{NAME}.partitions "
-                        f"({section[NAME]['partitions']!r}) on DeepSpeed only in this version (untested on Megatron-core)")
     hecate = section.get("hecate")
     if isinstance(hecate, Mapping) and hecate.get("enabled", True) is True:
         problems.append(f"{path}.hecate (enabled) cannot run with {path}.{NAME}.defer_wgrad: Hecate's expert copies "

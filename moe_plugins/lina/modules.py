@@ -3,7 +3,8 @@
 (with the optimizer's parameter groups and scalar state) once the experts moved.
 
 Pure of any host: the host adapters (``patches/deepspeed_lina_packing.py``, ``patches/megatron_lina_packing.py``)
-pass their module lists, their optimizer (a torch optimizer keyed by the parameters) and how to read a gradient.
+pass their module lists, their optimizer (a torch optimizer keyed by the parameters), how to read a gradient and
+how to resize a list; :func:`regroup_modules` is the move itself, for both.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from moe_plugins.core.groups import MoEProcessGroups
+from moe_plugins.lina.regroup import move_experts
+
 Slot = Tuple[str, List[torch.Tensor]]          # ("data" | "grad" | an optimizer state key, one tensor per expert)
+Carried = Dict[int, Dict[str, torch.Tensor]]   # parameter id -> more tensors shaped like it (ZeRO's master copies)
+Resize = Callable[[int, Dict[str, Dict[str, Any]]], None]     # (local experts, scalar state per parameter name)
+ExpertList = Tuple[str, torch.nn.ModuleList, Resize]          # (what, in errors; the modules; how the host resizes)
+CARRIED = "carried:"                           # a moved slot's prefix for the caller's carried tensors
 
 
 def params_by_name(experts: Iterable[torch.nn.Module]) -> Dict[str, List[torch.nn.Parameter]]:
@@ -97,3 +105,46 @@ def resize_experts(experts: torch.nn.ModuleList, local: int, optimizer: Optional
                                           for k, v in scalars[key].items()}
         experts.append(new)
     return groups
+
+
+def regroup_modules(lists: List[ExpertList], num_experts: int, old: MoEProcessGroups, groups: MoEProcessGroups,
+                    rec: Any, optimizer: Optional[Any], *,
+                    grad_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = lambda p: p.grad,
+                    carried: Optional[Carried] = None) -> Dict[int, torch.Tensor]:
+    """Move every list's experts from ``old``'s layout to ``groups``' (collective: one all-to-all per fine EP group,
+    :func:`moe_plugins.lina.regroup.move_experts`): what :func:`moved_slots` finds, and the ``carried`` tensors
+    (popped by parameter id, refilled keyed by the new parameters). Each list's ``resize`` runs after the move with
+    the new local count and the scalar state per parameter name (:func:`scalar_state`); then the values and the
+    optimizer state land on the new parameters. Returns the moved gradients by new parameter id: the host puts
+    them where its gradients live (DeepSpeed's ``.grad``, Megatron's ``main_grad``)."""
+    where: List[Tuple[int, str, str]] = []            # (list, parameter name inside an expert, slot)
+    tensors: List[List[torch.Tensor]] = []
+    scalars: List[Dict[str, Dict[str, Any]]] = []
+    for index, (what, experts, _) in enumerate(lists):
+        scalars.append({})
+        for key, params in params_by_name(experts).items():
+            for slot, found in moved_slots(key, params, optimizer, what, grad_of=grad_of):
+                where.append((index, key, slot))
+                tensors.append(found)
+            entries = [carried.pop(id(p)) for p in params] if carried is not None else []
+            for slot in sorted(entries[0]) if entries else ():
+                where.append((index, key, CARRIED + slot))
+                tensors.append([entry[slot] for entry in entries])
+            scalars[index][key] = scalar_state(key, params, optimizer, what)
+    moved = move_experts(tensors, num_experts, old, groups, rec)
+    local = num_experts // groups.layout.ep
+    for (_, _, resize), per_name in zip(lists, scalars):
+        resize(local, per_name)
+    grads: Dict[int, torch.Tensor] = {}
+    for (index, key, slot), stacked in zip(where, moved):
+        for i, expert in enumerate(lists[index][1]):
+            param = dict(expert.named_parameters())[key]
+            if slot == "data":
+                param.data = stacked[i].clone()
+            elif slot == "grad":
+                grads[id(param)] = stacked[i]
+            elif slot.startswith(CARRIED):
+                carried.setdefault(id(param), {})[slot[len(CARRIED):]] = stacked[i].clone()
+            else:
+                optimizer.state[param][slot] = stacked[i].clone()
+    return grads

@@ -75,7 +75,8 @@ def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, acc
         pgc = groups.pg_collection
         if profile_dir is not None:
             measure_ep_profile(layout, profile_dir)
-        handle = stack.enter_context(mp.enable(section, groups=groups)) if section is not None else None
+        handle = stack.enter_context(mp.enable(section, groups=groups, record_timeline="lina" in section)) \
+            if section is not None else None
         module, layers = _model(ep, pgc, bert)
         if skew:
             _skew(layers)
@@ -104,6 +105,9 @@ def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, acc
                 for p in model.module.parameters():
                     p.sub_(LR * p.main_grad)
         if handle is not None:
+            if handle.lina is not None:
+                out["micro_ops"] = sum(r.lane == "background" for r in handle.lina.timeline())
+                out["routed"] = handle.lina.routed
             executor = handle.lancet.partitions.executors[0]
             out.update(ranges=executor.ranges_run, stock_calls=executor.stock_calls,
                        chosen=sorted(set(executor.chosen)), blocks=[type(b).__name__ for b in executor.blocks],
