@@ -6,8 +6,8 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
   :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 (DeepSpeed's fp16 and
   bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, the ``baseline`` schedule at an integer
-  pipeline degree with MP 1 and ESP 1, no Hecate, Lancet without batch partitions, and ``"auto"`` only off CUDA
-  (its probe times micro-ops by the wall clock).
+  pipeline degree with MP 1 and ESP 1, no Hecate, Lancet's batch partitions with a fixed packing only (their calls run no timed schedule steps), and
+  ``"auto"`` only off CUDA (its probe times micro-ops by the wall clock).
 - :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
   DeepSpeed layers. The experts' values, gradients and optimizer state shaped like them move with one
   all-to-all per fine EP group (:func:`moe_plugins.lina.regroup.move_experts`); each layer's
@@ -79,9 +79,10 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
         problems.append(f"{what} needs {SECTION}.esp 1 (got {cfg.esp})")
     if cfg.hecate is not None:
         problems.append(f"{what} does not combine with {SECTION}.hecate: both move the expert modules")
-    if cfg.lancet is not None and cfg.lancet.get("partitions", 1) != 1:
+    if cfg.lancet is not None and cfg.lancet.get("partitions", 1) != 1 and lina.packing == AUTO:
         problems.append(f"{what} does not combine with {SECTION}.lancet.partitions "
-                        f"({cfg.lancet.get('partitions')!r}): the block executor holds the stock layout's layers")
+                        f"({cfg.lancet.get('partitions')!r}): \"auto\" times the schedule's micro-ops, which "
+                        "partitioned calls do not run; give a fixed packing")
     if lina.inference is not None:
         problems.append(f"{what} does not combine with {SECTION}.lina.inference (its replicas assume stock homes)")
     device = getattr(engine, "device", None)

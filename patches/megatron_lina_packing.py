@@ -27,8 +27,8 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
 Runs with fp32 parameters and Megatron's non-distributed optimizer (Lina refuses the distributed one), TP 1,
 expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
-lane), and without Hecate or Lancet's batch partitions: :func:`config_problems` and :func:`model_problems` list
-the rest.
+lane), without Hecate, and beside Lancet's batch partitions only at a fixed p (their calls run no timed schedule
+steps for ``"auto"``): :func:`config_problems` and :func:`model_problems` list the rest.
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ def config_problems(plugin: PluginConfig, lina: LinaConfig) -> List[str]:
                         "cost profile that prices a degree is the stock layout's, not the packed one's")
     if plugin.hecate is not None:
         problems.append(f"{what} does not combine with {SECTION}.hecate: both move the expert modules")
-    if plugin.lancet is not None and partitioned(plugin.lancet):
+    if plugin.lancet is not None and partitioned(plugin.lancet) and lina.packing == AUTO:
         problems.append(f"{what} does not combine with {SECTION}.lancet.partitions "
-                        f"({plugin.lancet.get('partitions')!r}): the block executor holds the stock layout's layers")
+                        f"({plugin.lancet.get('partitions')!r}): \"auto\" times the schedule's micro-ops, which "
+                        "partitioned calls do not run; give a fixed packing")
     return problems
 
 

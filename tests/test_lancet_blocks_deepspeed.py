@@ -145,3 +145,19 @@ def test_lina_micro_ops_beside_lancet_partitions_equal_stock(world, stage):
                                                 for a, b in zip(s["grads"], p["grads"]) for x, y in zip(a, b))
         assert p["hook_calls"] == s["hook_calls"] and all(set(c.values()) == {1} for c in p["hook_calls"])
         assert p["lina_submitted"] > 0 and p["overlap_calls"] > 0 and p["queue_empty"], p
+
+
+def test_lina_packing_beside_lancet_partitions_equals_stock(world):
+    """Lina's packing p = 2 (EP 4 -> 2, two experts per rank, moved with their Adam state before ZeRO-1 flattens
+    them) with Lancet's 2 partitions and deferred dW, in fp32: the partitions exchange over the packed layout's
+    groups on its engine, and the losses are stock's (1e-5), each ZeRO hook once per parameter."""
+    pool = world(4)
+    steps, fp32 = 10, torch.float32
+    stock = pool.run(train, None, steps, 1, 4, None, 1, False, fp32, timeout_s=600)
+    section = {"schedule": "baseline", "lancet": {"partitions": 2}, "lina": {"micro_op_mb": 0.05, "packing": 2}}
+    plugin = pool.run(train, section, steps, 1, 4, None, 1, False, fp32, timeout_s=600)
+    for s, p in zip(stock, plugin):
+        assert max(abs(a - b) / abs(a) for a, b in zip(s["losses"], p["losses"])) <= 1e-5, (s["losses"], p["losses"])
+        assert all(set(c.values()) == {1} for c in p["hook_calls"]) and len(p["losses"]) == steps
+        assert p["packing"] == [2] and p["local_experts"] == [2] and s["local_experts"] == [1], p
+        assert p["ranges"] == [2 * steps] and p["lina_submitted"] > 0 and p["overlap_calls"] > 0 and p["queue_empty"]

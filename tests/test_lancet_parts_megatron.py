@@ -64,6 +64,22 @@ def test_lina_micro_ops_beside_partitions_equal_stock(world):
         assert p["micro_ops"] > 0 and p["routed"] > 0, (p["micro_ops"], p["routed"])
 
 
+def test_lina_packing_beside_partitions_equals_stock(world):
+    """Lina's packing p = 2 (EP 4 -> 2: two experts per rank, regrouped when DDP is built) with 2 partitions and
+    deferred dW: the partitions exchange over the packed layout's groups on its engine; the losses and every
+    non-expert ``main_grad`` are stock Megatron's in fp64 (the experts' gradients live on other ranks now)."""
+    pool = world(4)
+    stock = pool.run(train, None, timeout_s=TIMEOUT_S)
+    section = {"schedule": "baseline", "exchange": "padded", "lancet": {"partitions": 2},
+               "lina": {"micro_op_mb": 0.001, "packing": 2}}
+    plugin = pool.run(train, section, timeout_s=TIMEOUT_S)
+    for s, p in zip(stock, plugin):
+        assert max(abs(a - b) for a, b in zip(s["losses"], p["losses"])) <= EXACT, (s["losses"], p["losses"])
+        dense = [{n: g for n, g in step.items() if "local_experts" not in n} for step in s["grads"]]
+        assert len(dense[0]) > 0 and max(_max_diff(a, {n: b[n] for n in a}) for a, b in zip(dense, p["grads"])) <= EXACT
+        assert p["local_experts"] == [2] and p["ranges"] == 2 * 3 and p["micro_ops"] > 0
+
+
 def test_auto_and_tune_on_megatron_stay_exact(world, tmp_path):
     """``"auto"`` (the planner's model priced by a profile measured for the layers' layout) and ``"tune"`` (the
     executor times its own ranges at 1, 2, 4 partitions) on Megatron: whatever they run, stock's gradients, and

@@ -125,7 +125,8 @@ def test_refusals_through_deepspeed_initialize_name_the_field_and_register_nothi
 def test_config_problems_name_every_field():
     cfg = PluginConfig.from_dict({"schedule": "parm-s1", "pipeline_degree": "auto", "esp": 2,
                                   "lina": {"packing": "auto", "inference": {"table": "t.json"}}}, **config_choices())
-    cfg = dataclasses.replace(cfg, hecate={"enabled": True})   # a section the host's across-rules may refuse first
+    cfg = dataclasses.replace(cfg, hecate={"enabled": True},   # sections the host's across-rules may refuse first
+                              lancet={"partitions": 2})
     engine = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
                              bfloat16_enabled=lambda: True, device=torch.device("cuda", 0))
     problems = config_problems(engine, cfg, LinaConfig.from_dict(cfg.lina))
@@ -133,7 +134,9 @@ def test_config_problems_name_every_field():
     for needle in ("bf16.enabled is true", "moe_plugins.schedule is "
                    "'parm-s1'", "an integer moe_plugins.pipeline_degree (got 'auto')", "moe_plugins.esp 1 (got 2)",
                    "does not combine with moe_plugins.hecate", "does not combine with moe_plugins.lina.inference",
-                   '"auto" times the micro-ops by the wall clock'):
+                   '"auto" times the micro-ops by the wall clock', "does not combine with moe_plugins.lancet.partitions "
+                   "(2): \"auto\" times the schedule's micro-ops"):
         assert needle in text, (needle, problems)
-    assert len(problems) == 7
+    assert len(problems) == 8
     assert config_problems(engine, cfg, LinaConfig.from_dict({"packing": 1})) == []
+    assert not any("lancet" in p for p in config_problems(engine, cfg, LinaConfig.from_dict({"packing": 2})))

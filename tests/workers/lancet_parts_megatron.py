@@ -108,6 +108,7 @@ def train(section: Optional[Dict[str, Any]], *, ep: int = 4, steps: int = 3, acc
             if handle.lina is not None:
                 out["micro_ops"] = sum(r.lane == "background" for r in handle.lina.timeline())
                 out["routed"] = handle.lina.routed
+            out["local_experts"] = sorted({len(layer.experts.local_experts) for layer in layers})
             executor = handle.lancet.partitions.executors[0]
             out.update(ranges=executor.ranges_run, stock_calls=executor.stock_calls,
                        chosen=sorted(set(executor.chosen)), blocks=[type(b).__name__ for b in executor.blocks],
