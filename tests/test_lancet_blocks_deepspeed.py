@@ -102,7 +102,7 @@ def test_auto_partitions_from_a_measured_profile(world, tmp_path):
                     timeout_s=600)
     for s, a in zip(stock, auto):
         assert all(_close(x, y, EXACT) for x, y in zip(s["grads"], a["grads"])) and len(a["grads"]) == 2
-        assert len(a["chosen"]) == 1 and len(a["chosen"][0]) == 1 and a["chosen"][0][0] in (1, 2, 4), a["chosen"]
+        assert len(a["chosen"]) == 1 and a["chosen"][0] and set(a["chosen"][0]) <= {1, 2, 4}, a["chosen"]  # per range
         assert a["ranges"] == [4] and a["restored"]
     assert len({tuple(a["chosen"][0]) for a in auto}) == 1          # every rank chose the same from the same file
 

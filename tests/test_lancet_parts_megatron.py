@@ -94,7 +94,7 @@ def test_auto_and_tune_on_megatron_stay_exact(world, tmp_path):
     for s, a, t in zip(stock, auto, tune):
         assert max(_max_diff(x, y) for x, y in zip(s["grads"][:2], a["grads"])) <= EXACT
         assert max(_max_diff(x, y) for x, y in zip(s["grads"], t["grads"])) <= EXACT
-        assert len(a["chosen"]) == 1 and a["chosen"][0] in (1, 2, 4) and a["ranges"] == 4, a
+        assert a["chosen"] and set(a["chosen"]) <= {1, 2, 4} and a["ranges"] == 4, a       # a count per range
         ((choice, times),) = t["tuned"].values()                       # one batch shape, training
         assert choice in (1, 2, 4) and 1 in times and set(times) <= {1, 2, 4} and len(times) >= 2, t["tuned"]
         assert set(times) <= set(t["chosen"]) and t["ranges"] == 2 * steps

@@ -341,7 +341,7 @@ def _stack():
 
 
 def test_executor_ranges_run_from_each_gate_to_the_next():
-    from moe_plugins.lancet.plan import executor_ranges
+    from moe_plugins.lancet.choice import executor_ranges
     ops = _stack()
     assert executor_ranges(ops) == [(2, 6)]
     two = ops + (Op(name="gate2", kind="compute", alpha=0.0, beta=0.1, barrier=True),
@@ -351,7 +351,7 @@ def test_executor_ranges_run_from_each_gate_to_the_next():
 
 
 def test_executor_time_pipelines_the_ranges_and_not_the_backward():
-    from moe_plugins.lancet.plan import executor_time
+    from moe_plugins.lancet.choice import executor_time
     ops = _stack()
     serial = sum(op.time(1) for op in ops)
     assert executor_time(ops, 1, "forward") == pytest.approx(serial)
@@ -365,10 +365,54 @@ def test_executor_time_pipelines_the_ranges_and_not_the_backward():
 
 
 def test_choose_partitions_follows_the_link_and_the_launch_cost():
-    from moe_plugins.lancet.plan import choose_partitions
-    k, times = choose_partitions(_stack(), [1, 2, 4], "forward")
+    from moe_plugins.lancet.choice import choose_partitions
+    (k,), (times,) = choose_partitions(_stack(), [1, 2, 4], "forward")
     assert k > 1 and times[k] == min(times.values()) and set(times) == {1, 2, 4}
     launch_bound = tuple(replace(op, alpha=10.0) for op in _stack())
-    assert choose_partitions(launch_bound, [1, 2, 4])[0] == 1
+    assert choose_partitions(launch_bound, [1, 2, 4])[0] == (1,)
     with pytest.raises(ValueError, match="ks is empty"):
         choose_partitions(_stack(), [])
+
+
+def _two_ranges(tail_compute: float):
+    """Two MoE blocks: the first range has attention behind its exchanges, the last ``tail_compute`` of it."""
+    gate = Op(name="gate2", kind="compute", alpha=0.0, beta=0.1, barrier=True)
+    tail = (Op(name="d2", kind="comm", alpha=0.5, beta=4.0), Op(name="e2", kind="compute", alpha=0.5, beta=0.4),
+            Op(name="c2", kind="comm", alpha=0.5, beta=4.0))
+    after = (Op(name="attn2", kind="compute", alpha=0.5, beta=tail_compute),) if tail_compute else ()
+    return tuple(replace(op, alpha=0.5) for op in _stack()) + (gate,) + tail + after
+
+
+def test_each_range_gets_its_own_count_and_the_last_one_fewer():
+    """The executor's ranges are timed on their own: the last MoE block, with nothing behind its combine, is
+    better off with fewer partitions than the first, which hides its exchanges under the next attention."""
+    from moe_plugins.lancet.choice import choose_partitions, executor_time
+    ks, times = choose_partitions(_two_ranges(0.0), [1, 2, 4], "forward")
+    assert ks[0] > ks[1] == 1 and len(times) == 2, (ks, times)
+    assert executor_time(_two_ranges(0.0), ks, "forward") < min(executor_time(_two_ranges(0.0), k, "forward")
+                                                                for k in (1, 2, 4))
+    assert choose_partitions(_two_ranges(6.0), [1, 2, 4], "forward")[0][1] > 1     # compute behind it again
+    with pytest.raises(ValueError, match=r"one count per range; the op list has 2"):
+        executor_time(_two_ranges(0.0), [2])
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("objective", ["forward", "training"])
+def test_the_per_range_choice_is_the_brute_force_optimum(seed, objective):
+    """Against every vector of counts over the ranges (3 ranges, 4 candidates: 64 vectors), on random op lists."""
+    import itertools
+    import random
+
+    from moe_plugins.lancet.choice import choose_partitions, executor_ranges, executor_time
+    rng = random.Random(seed)
+    ops = []
+    for block in range(3):
+        ops += [Op(name=f"a{block}", kind="compute", alpha=rng.uniform(0, 0.3), beta=rng.uniform(0, 5)),
+                Op(name=f"g{block}", kind="compute", alpha=0.0, beta=0.1, barrier=True)]
+        ops += [Op(name=f"{n}{block}", kind=kind, alpha=rng.uniform(0, 0.3), beta=rng.uniform(0, 5))
+                for n, kind in (("d", "comm"), ("e", "compute"), ("c", "comm"))]
+    ops.append(Op(name="head", kind="compute", alpha=0.0, beta=rng.uniform(0, 5)))
+    assert len(executor_ranges(ops)) == 3
+    ks, _ = choose_partitions(ops, [1, 2, 3, 4], objective)
+    best = min(executor_time(ops, v, objective) for v in itertools.product([1, 2, 3, 4], repeat=3))
+    assert executor_time(ops, ks, objective) == pytest.approx(best, rel=1e-9)

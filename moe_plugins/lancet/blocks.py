@@ -106,15 +106,15 @@ def _rows(value: Any, batch: int, a: int, b: int) -> Any:
 
 
 StartMoE = Callable[[nn.Module, torch.Tensor, int], Any]     # (block, h_BLM, parts) -> a PartitionedCall
-Parts = Union[int, Callable[[torch.Tensor], int]]            # a count, or a policy of the gate's input h_BLM
+Parts = Union[int, Callable[[torch.Tensor, int], int]]       # a count, or a policy of (gate input h_BLM, range)
 
 
 class BlockExecutor:
     """Runs ``blocks`` (an HF GPT-2 stack's ``h``, a BERT encoder's ``layer``) with batch partitions after each MoE
     block's gate. ``moe``: the indices of the MoE blocks; ``start_moe``: the host's partitioned MoE call for a block
     (its kind's ``moe_call`` with the host's request armed); ``parts``: the partition
-    count, or a policy choosing it per call from the gate's input (``moe_plugins.lancet.auto.AutoPartitions``; it
-    must divide the batch). :meth:`install` sets the blocks' instance forwards (core Patcher, undone by
+    count, or a policy choosing it per call from the gate's input and the range's index, in MoE block order
+    (``moe_plugins.lancet.auto.AutoPartitions``; it must divide the batch). :meth:`install` sets the blocks' instance forwards (core Patcher, undone by
     :meth:`remove`)."""
 
     def __init__(self, blocks: Sequence[nn.Module], moe: Sequence[int], start_moe: StartMoE, parts: Parts):
@@ -132,15 +132,16 @@ class BlockExecutor:
         self.chosen: List[int] = []                          # the partition count of each range run
         self.stock_calls = 0                                 # MoE blocks run stock (a cache, ...)
 
-    def _choose(self, h_BLM: torch.Tensor) -> Tuple[int, Any]:
-        """The partition count for this range, and its clock when a tuning policy times it (else None)."""
+    def _choose(self, h_BLM: torch.Tensor, i: int) -> Tuple[int, Any]:
+        """The partition count for the range of MoE block ``i``, and its clock when a tuning policy times it (else
+        None)."""
         if isinstance(self.parts, int):
             return self.parts, None
         timed = getattr(self.parts, "timed", None)
         if timed is not None:
             parts, sample = timed(h_BLM)
             return int(parts), sample
-        return int(self.parts(h_BLM)), None
+        return int(self.parts(h_BLM, self.moe.index(i))), None
 
     def range_of(self, i: int) -> Tuple[List[int], Optional[int]]:
         """The dense blocks after MoE block i, and the next MoE block (None: the range ends with the stack)."""
@@ -187,7 +188,7 @@ class BlockExecutor:
         else:
             x_BLM, h_BLM = kind.before(self.blocks[i], hidden, mask, extra)
         dense, nxt = self.range_of(i)
-        parts, sample = self._choose(h_BLM)
+        parts, sample = self._choose(h_BLM, i)
         if sample is not None:            # "tune": this range is timed, from its gate input's gradient back
             h_BLM = sample.wrap_input(h_BLM)
         call = self.start_moe(self.blocks[i], h_BLM, parts)

@@ -81,14 +81,14 @@ class Event:
     end: float
 
 
-def _check_k(k: Any) -> None:
+def check_k(k: Any) -> None:
     if not (_is_int(k) and k >= 1):
         raise ValueError(f"k ({k!r}) must be an integer >= 1")
 
 
 def segment_timeline(ops: Sequence[Op], k: int) -> Tuple[Event, ...]:
     """Every (op, partition)'s interval under :func:`segment_time`'s model, in the thread's walk order."""
-    _check_k(k)
+    check_k(k)
     thread, lane = 0.0, 0.0         # when the compute thread / the communication lane is next free
     done = [0.0] * k                # when each partition's previous op finished
     events = []
@@ -355,42 +355,3 @@ def gpt2_moe_ops(sizes: GPT2MoESizes, costs: LancetCosts) -> Tuple[Op, ...]:
                 compute(f"block{i}.experts", "experts", expert_macs(E=s.E, C=C, M=s.M, H=s.H)),
                 comm(f"block{i}.combine")]
     return tuple(ops)
-
-
-# ================================ 6. the runtime's choice of partitions ==================================
-
-def executor_ranges(ops: Sequence[Op]) -> List[Tuple[int, int]]:
-    """The ranges [a, b) the block executor (:mod:`moe_plugins.lancet.blocks`) runs partition by partition: from
-    each barrier's next op (the dispatch after the gate) up to the next barrier (excluded) or the end."""
-    gates = [i for i, op in enumerate(ops) if op.barrier]
-    return [(g + 1, nxt) for g, nxt in zip(gates, gates[1:] + [len(ops)]) if g + 1 < nxt]
-
-
-def executor_time(ops: Sequence[Op], k: int, objective: str = "training",
-                  backward_factor: float = BACKWARD_FACTOR) -> float:
-    """The model's time of the op list as the block executor runs it at k partitions: its ranges
-    (:func:`executor_ranges`) stage-major (:func:`segment_time`), every other op once on the whole batch; with
-    ``"training"`` plus the backward, which the executor does not pipeline: each range's mirrored ops one after
-    another, k calls each (``alpha`` paid k times)."""
-    _check_k(k)
-    ranges = executor_ranges(ops)
-    inside = {i for a, b in ranges for i in range(a, b)}
-    total = sum(segment_time(ops[a:b], k) for a, b in ranges)
-    total += sum(op.time(1) for i, op in enumerate(ops) if i not in inside)
-    if objective == "training":
-        back = backward_ops(ops, backward_factor)[::-1]            # back in forward order, beta scaled
-        total += sum(k * op.time(k) if i in inside else op.time(1) for i, op in enumerate(back))
-    elif objective != "forward":
-        raise ValueError(f"objective ({objective!r}) must be one of {', '.join(OBJECTIVES)}")
-    return total
-
-
-def choose_partitions(ops: Sequence[Op], ks: Sequence[int],
-                      objective: str = "training") -> Tuple[int, Dict[int, float]]:
-    """The k among ``ks`` with the least :func:`executor_time` (ties within :data:`TIE`: fewer partitions), and
-    every candidate's time."""
-    if not ks:
-        raise ValueError("ks is empty: at least k = 1 must be allowed")
-    times = {k: executor_time(ops, k, objective) for k in sorted(ks)}
-    best = min(times.values())
-    return next(k for k, t in times.items() if t <= best * (1 + TIE)), times

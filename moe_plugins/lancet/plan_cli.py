@@ -18,6 +18,10 @@ cached for this machine (`moe-plugins profile`) with ep == P, whose fitted lines
 
 Objective: training (default) adds each segment's mirrored backward with the same k (ops reversed, compute work
 x --backward-factor, all-to-alls unchanged); forward plans the forward pass alone.
+
+What runs (``"partitions": "auto"``): the block executor cannot cut free segments (the gate needs the whole batch);
+it pipelines the ranges from each gate to the next, each with its own k (moe_plugins/lancet/choice.py): printed
+after the plan, with every candidate's time per range.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Tuple
 from moe_plugins.core.costmodel import (PAPER_TESTBED, PAPER_TESTBED_SOURCE, CostProfile, default_cache_dir,
                                         model_problems)
 from moe_plugins.core.profile_ops import newest_cached, this_device
+from moe_plugins.lancet.choice import choose_partitions, executor_ranges, executor_time
 from moe_plugins.lancet.partition import MAX_PARTITIONS
 from moe_plugins.lancet.plan import (BACKWARD_FACTOR, COST_TERMS, INT_SIZES, NOT_ALLOWED, OBJECTIVES, GPT2MoESizes,
                                      LancetCosts, attention_macs, capacity, cost_problems, exchange_bytes,
@@ -131,6 +136,7 @@ def plan(args: argparse.Namespace) -> dict:
     ops = gpt2_moe_ops(sizes, costs)
     result = plan_segments(ops, args.max_partitions, lambda k: batch % k == 0, objective=args.objective,
                            backward_factor=args.backward_factor)
+    run_ks, run_times = choose_partitions(ops, list(result.ks), args.objective)
     s = sizes
     C = capacity(B=s.B, L=s.L, E=s.E, k=s.k, f=s.f)
     return {
@@ -148,6 +154,10 @@ def plan(args: argparse.Namespace) -> dict:
         "segments": [{**{f: getattr(seg, f) for f in ("start", "end", "k", "time_s", "forward_s", "backward_s")},
                       "ops": [op.name for op in ops[seg.start:seg.end]],
                       "candidates": [asdict(c) for c in seg.candidates]} for seg in result.segments],
+        "executor": {"ranges": [{"start": a, "end": b, "ops": [op.name for op in ops[a:b]], "k": k,
+                                 "candidates": {str(c): t for c, t in times.items()}}
+                                for (a, b), k, times in zip(executor_ranges(ops), run_ks, run_times)],
+                     "time_s": executor_time(ops, run_ks, args.objective, args.backward_factor)},
         "time_s": result.time_s, "serial_s": result.serial_s,
         "saving": 1 - result.time_s / result.serial_s if result.serial_s > 0 else 0.0,
         "units": UNITS,
@@ -200,4 +210,12 @@ def explain(out: dict) -> str:
             lines.append(f"      k = {cand['k']:2d}  {why}")
     lines.append("  Segments run one after another; within one, partitions overlap an all-to-all with another "
                  "partition's compute, and every op pays its start-up alpha once per partition.")
+    run = out["executor"]
+    lines.append(f"What runs (\"partitions\": \"auto\"): the block executor pipelines each range from a gate to the "
+                 f"next gate, with its own k; predicted {_ms(run['time_s'])}")
+    for n, rng in enumerate(run["ranges"], 1):
+        names = rng["ops"] if len(rng["ops"]) <= 6 else rng["ops"][:3] + ["..."] + rng["ops"][-2:]
+        cands = ", ".join(f"k = {k}: {_ms(t)}" for k, t in rng["candidates"].items())
+        lines.append(f"  range {n}: ops {rng['start']}..{rng['end'] - 1} [{', '.join(names)}]: k = {rng['k']} "
+                     f"({cands})")
     return "\n".join(lines)

@@ -101,8 +101,9 @@ def stock_and_partitioned(jobs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 finally:
                     executor.remove()
                 other = _step(model, ids, seed=6)
+                planned = list(parts.choose(job["batch"], 8)) if job["parts"] == "auto" else [parts] * 2
                 out.append({"stock": stock, "parted": parted, "again": again, "other": other,
-                            "ranges": executor.ranges_run, "chosen": executor.chosen,
+                            "ranges": executor.ranges_run, "chosen": executor.chosen, "planned": planned,
                             "restored": all("forward" not in vars(b) for b in model.transformer.h)})
             finally:
                 engine.close()
