@@ -25,8 +25,10 @@ For Megatron's optimizer, :func:`megatron_optimizer_on_cpu` (separate: it costs 
 enter it around the optimizer's construction and ``step`` only): ``megatron.core.optimizer`` creates bookkeeping
 tensors with a literal ``device='cuda'`` (``FP32Optimizer._scale``, ``MixedPrecisionOptimizer.found_inf``, the
 grad norm in ``clip_grads.py``); a ``TorchFunctionMode`` rewrites a CUDA ``device=`` argument of any torch call
-to CPU while it is active. Gradient clipping stays unusable on CPU (``clip_grad_by_total_norm_fp32`` asserts
-``torch.cuda.FloatTensor`` gradients): use ``clip_grad=0``.
+to CPU while it is active, and ``Tensor.type()`` names a CPU tensor's type as its CUDA one (``torch.cuda.BFloat16Tensor``:
+``Float16OptimizerWithFloat16Params`` accepts only those). Gradient clipping is not relied on here
+(``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients, which passes inside this shim; its
+CPU path is untested): the tests and CPU recipes use ``clip_grad=0`` and compare the norm it would scale by.
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ def megatron_on_cpu() -> Iterator[None]:
 
 class _CudaDeviceToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:      # the type's name, as on CUDA
+            name = func(*args)
+            return name if args[0].is_cuda else name.replace("torch.", "torch.cuda.", 1)
         kwargs = dict(kwargs or {})
         device = kwargs.get("device")
         if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":

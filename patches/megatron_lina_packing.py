@@ -24,7 +24,8 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
   every expert; the copies on EP members ``j >= ep / p`` are marked ``shared`` (Megatron's "do not double count"),
   so the norm, and clipping, are stock's.
 
-Runs with fp32 parameters and Megatron's non-distributed optimizer (Lina refuses the distributed one), TP 1,
+Runs with Megatron's non-distributed optimizer (Lina refuses the distributed one); in bf16/fp16 with a fixed p only
+(the regroup happens before the optimizer builds its fp32 masters; ``stock_homes`` is refused there), TP 1,
 expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
 lane), without Hecate, and beside Lancet's batch partitions only at a fixed p (their calls run no timed schedule
@@ -91,9 +92,10 @@ def model_problems(config: Any, layers: List[Any], lina: LinaConfig) -> List[str
         if (getattr(config, name, 1) or 1) != 1:
             problems.append(f"{what} runs with {name} 1 (got {getattr(config, name)})")
     for name in ("fp16", "bf16"):
-        if getattr(config, name, False):
-            problems.append(f"{what} runs in fp32, and {name} is on: Megatron's mixed-precision optimizer keeps "
-                            "master copies that packing does not resize")
+        if getattr(config, name, False) and lina.packing == AUTO:
+            problems.append(f"{what} regroups mid-training, in fp32 only, and {name} is on: Megatron's "
+                            "mixed-precision optimizer keeps master copies that a regroup does not move; give a "
+                            "fixed packing (it regroups when DDP is built, before the optimizer exists)")
     kinds = sorted({type(layer.experts).__name__ for layer in layers if not isinstance(layer.experts, SequentialMLP)})
     if kinds:
         problems.append(f"{what} moves SequentialMLP experts (one module per expert), and this model's are "
@@ -324,7 +326,15 @@ class MegatronPacking:
     @contextmanager
     def stock_homes(self) -> Iterator[None]:
         """Inside: every packed model's experts on the stock layout (a per-rank ``state_dict()`` written or read
-        here is stock Megatron's); after: packed again (collective)."""
+        here is stock Megatron's); after: packed again (collective). Refused (before anything moves) where
+        Megatron's mixed-precision optimizer holds fp32 master copies of the experts: a regroup does not move
+        them; ``dist_checkpointing`` (the layers' ``sharded_state_dict``, by global expert id) needs no regroup."""
+        masters = [layer.name for packer in self.packers if packer.controller.packing != 1 for layer in packer.layers
+                   if any(hasattr(p, "main_param") for p in layer.layer.experts.parameters())]
+        if masters:
+            raise ValueError(f"{FIELD}: the experts of {', '.join(masters)} have fp32 master copies in Megatron's "
+                             "mixed-precision optimizer, which a regroup to the stock homes does not move; save and "
+                             "load through dist_checkpointing (sharded_state_dict names experts by global id)")
         with ExitStack() as stack:
             for packer in self.packers:
                 stack.enter_context(packer.stock())

@@ -15,6 +15,7 @@ from tests.workers import lina_packing_megatron as jobs  # noqa: E402
 
 WORLD = 4
 JOB_TIMEOUT_S = 1800
+BF16_LOSS_REL = 2e-2       # bf16 rounding of the expert gradients, summed over expert-DP when packed, over 10 steps
 
 
 def _merged(results, role: str, key: str):
@@ -59,6 +60,28 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet):
     assert set(a) == set(b) and any(k.endswith("exp_avg_sq") for k in a) and any(k.endswith("main_grad") for k in a)
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-5, worst
+
+
+def test_bf16_with_a_fixed_packing(world):
+    """bf16 parameters under Megatron's mixed-precision Adam (fp32 masters built after the regroup at DDP build):
+    10 steps track the unpacked run to bf16 rounding (the packed copies' gradients are summed over expert-DP), the
+    copies of every expert stay bitwise equal on every rank that holds one, and ``stock_homes`` is refused (the
+    masters would not move) before anything moves."""
+    results = world(WORLD).run(jobs.train_job, 2, steps=10, bf16=True, timeout_s=JOB_TIMEOUT_S)
+    for rank, res in enumerate(results):
+        stock, packed = res["stock"], res["packed"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
+        assert rel <= BF16_LOSS_REL, (rank, rel, stock["losses"], packed["losses"])
+        assert packed["local"] == [2, 2] and packed["regroups"] == 1 and packed["local_after"] == [2, 2]
+        assert "fp32 master copies in Megatron's mixed-precision optimizer" in packed["stock_homes_error"], packed
+    copies = {}
+    for res in results:
+        for key, value in res["packed"]["experts"].items():
+            if key in copies:
+                assert torch.equal(copies[key], value), key
+            copies[key] = value
+    # 2 layers x 4 experts x 4 parameters (fc1/fc2 weight and bias), each with its main_grad: all held in bf16
+    assert len(copies) == 2 * 4 * 4 * 2 and all(v.dtype == torch.bfloat16 for v in copies.values())
 
 
 def test_fp64_gradients_by_global_expert_equal_unpacked(world):

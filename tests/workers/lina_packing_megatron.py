@@ -68,10 +68,12 @@ def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch
     return out
 
 
-def _optimizer(model: Any, pgc: Any, clip: float) -> Any:
+def _optimizer(model: Any, pgc: Any, clip: float, bf16: bool = False) -> Any:
+    """Megatron's Adam: fp32 (``FP32Optimizer``), or with ``bf16`` its mixed-precision optimizer (fp32 masters)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    dtype = torch.bfloat16 if bf16 else torch.float32
     with megatron_optimizer_on_cpu():
-        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=dtype, bf16=bf16,
                                                       clip_grad=clip), [model], use_gloo_process_groups=False,
                                       pg_collection=pgc)
 
@@ -92,8 +94,10 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
     return {"loss": float(loss.detach()), "norm": float(norm)}
 
 
-def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False) -> Dict[str, Any]:
-    """``steps`` fp32 Adam steps of the model with packing 1, then with ``packing``: per step loss and Megatron's
+def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False,
+              bf16: bool = False) -> Dict[str, Any]:
+    """``steps`` fp32 Adam steps (``bf16``: bf16 parameters, Megatron's mixed-precision Adam; then ``stock_homes``'s
+    refusal is recorded too) of the model with packing 1, then with ``packing``: per step loss and Megatron's
     gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
     checkpoint keys' global expert count."""
@@ -101,15 +105,17 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
     spec = _spec(1, ep, "float32")
     out: Dict[str, Any] = {}
     with _on_cpu(spec) as groups:
-        pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
-        data = (_batches(torch.float32, 4, seed=21) * steps)[:steps]
+        pgc = groups.pg_collection
+        config = transformer_config(spec, num_layers=2, **({"bf16": True, "params_dtype": torch.bfloat16} if bf16
+                                                           else {}))
+        data = (_batches(config.params_dtype, 4, seed=21) * steps)[:steps]
         for name, p in (("stock", 1), ("packed", packing)):
             extra = {"lancet": {"defer_wgrad": True}} if lancet else {}
             with mp.enable(_plugin(p, degree, **extra), groups=groups) as handle:
                 net = _net(config, seed=7)
                 _redraw(net, seed=3)
                 model = _ddp(config, net, pgc, bucket_size=300)
-                opt = _optimizer(model, pgc, 0.0)
+                opt = _optimizer(model, pgc, 0.0, bf16)
                 runs = [_step(model, opt, pgc, x, t) for x, t in data]
                 res = out[name] = {"losses": [r["loss"] for r in runs], "norms": [r["norm"] for r in runs],
                                    "experts": by_expert(net, opt, grads=True),
@@ -121,6 +127,13 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
                     res.update(packing=packer.controller.packing, regroups=packer.regroups,
                                decisions=[(s, a, b) for s, _, a, b in packer.controller.decisions],
                                global_experts=_sharded_experts(net.moe[0], pgc))
+                    if bf16:
+                        try:
+                            with handle.lina.packing.stock_homes():
+                                pass
+                        except ValueError as exc:
+                            res["stock_homes_error"] = str(exc)
+                        res["local_after"] = [layer.num_local_experts for layer in net.moe]
     return out
 
 
