@@ -53,9 +53,8 @@ PATH = f"{SECTION}.lina"
 
 # DistributedDataParallelConfig fields Lina cannot run exactly, as (field, Megatron-LM argument, fine value, why)
 DDP_UNSUPPORTED: Tuple[Tuple[str, str, Any, str], ...] = (
-    ("use_distributed_optimizer", "use_distributed_optimizer", False,
-     "the distributed optimizer reduce-scatters the buckets, and Lina's micro-ops are all-reduces "
-     "(not supported yet)"),
+    ("reduce_scatter_with_fp32_accumulation", "reduce_scatter_with_fp32_accumulation", False,
+     "Lina's micro-ops reduce in the gradients' dtype"),
     ("num_distributed_optimizer_instances", "num_distributed_optimizer_instances", 1,
      "several optimizer instances add an inter-instance all-reduce on a stream of their own"),
     ("average_in_collective", "ddp_average_in_collective", False,
@@ -242,6 +241,10 @@ class LinaState:
         if self.packing is not None:
             from moe_plugins.patches.megatron_lina_packing import model_problems
             problems += model_problems(config, _plugin_layers(module), self.config)
+            if getattr(ddp_config, "use_distributed_optimizer", False):
+                problems.append(f"{PATH}.packing ({self.config.packing!r}) runs with Megatron's non-distributed "
+                                "optimizer: use_distributed_optimizer (True) must be False (a regroup does not move "
+                                "its shards of the expert buffers)")
         if len(found) > 1:
             problems.append(f"the model holds MoE layers of {len(found)} layouts "
                             f"({'; '.join(_short(e.groups.layout) for e in found)}); Lina needs one")
@@ -260,7 +263,7 @@ class LinaState:
         for kind, bucket_groups in (("dp", ddp.bucket_groups), ("expert_dp", ddp.expert_parallel_bucket_groups)):
             group = getattr(found.groups, kind)
             for bucket_group in bucket_groups:
-                problems = group_problems(kind, tuple(dist.get_process_group_ranks(bucket_group.data_parallel_group)),
+                problems = group_problems(kind, tuple(dist.get_process_group_ranks(_reduced_over(bucket_group))),
                                           group, rank)
                 if problems:                   # the check before __init__ saw other groups: Megatron changed
                     raise RuntimeError("; ".join(problems))
@@ -350,9 +353,18 @@ def _sync_extra_grads(bucket_group: Any) -> None:
                 param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)
 
 
+def _reduced_over(bucket_group: Any) -> Any:
+    """The process group a bucket group reduces over: its data-parallel group, or with the distributed optimizer
+    (one instance: the same ranks) its instance's group."""
+    found = getattr(bucket_group, "data_parallel_group", None)
+    return found if found is not None else bucket_group.intra_distributed_optimizer_instance_group
+
+
 def _start_grad_sync(bucket_group: Any, reducer: GradReducer, group: Group, *,
                      force_all_reduce: Optional[bool] = False) -> None:
-    """Stock ``start_grad_sync`` (0.16.1 / 0.19.2, one optimizer instance, all-reduce) with Lina's micro-ops."""
+    """Stock ``start_grad_sync`` (0.16.1 / 0.19.2, one optimizer instance) with Lina's micro-ops: all-reduces, or
+    with the distributed optimizer (unless ``force_all_reduce``) reduce-scatters into each rank's shard of the
+    bucket, as stock's ``reduce_scatter_tensor`` writes it (:meth:`GradReducer.submit_scatter`)."""
     if bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None:
         return                                           # first batch: already dispatched
     _drain_predecessor(bucket_group, force_all_reduce)
@@ -369,6 +381,12 @@ def _start_grad_sync(bucket_group: Any, reducer: GradReducer, group: Group, *,
                 bucket.grad_data *= bucket.gradient_scaling_factor
     if group.size == 1:                                  # a sum over one rank: stock's collective is a no-op
         pending = []
+    elif ddp_config.use_distributed_optimizer and not force_all_reduce:
+        member = bucket_group.intra_distributed_optimizer_instance_rank          # the shard Megatron reads
+        if group.ranks[member] != dist.get_rank():
+            raise RuntimeError(f"Megatron's distributed-optimizer rank {member} is rank {dist.get_rank()}, and the "
+                               f"layout's {group.kind} group {list(group.ranks)} orders it elsewhere")
+        pending = [reducer.submit_scatter(bucket.grad_data, group, member) for bucket in bucket_group.buckets]
     else:
         pending = [reducer.submit(bucket.grad_data, group) for bucket in bucket_group.buckets]
     handle = BucketGroupReduce(pending)

@@ -24,7 +24,7 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
   every expert; the copies on EP members ``j >= ep / p`` are marked ``shared`` (Megatron's "do not double count"),
   so the norm, and clipping, are stock's.
 
-Runs with Megatron's non-distributed optimizer (Lina refuses the distributed one); in bf16/fp16 with a fixed p only
+Runs with Megatron's non-distributed optimizer (the distributed one is refused with packing); in bf16/fp16 with a fixed p only
 (the regroup happens before the optimizer builds its fp32 masters; ``stock_homes`` is refused there), TP 1,
 expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline

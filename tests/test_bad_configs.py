@@ -213,8 +213,10 @@ TABLE = [
         "hecate.reshard_every (2) runs with Megatron's fp32 non-distributed optimizer, and use_distributed_optimizer "
         "is True", "hecate.reshard_every (2) cannot run with add_bias_linear and sequence_parallel at "
         "tensor_model_parallel_size 2"),
-    row("megatron", "lina-with-distributed-optimizer", ({"lina": {}}, {"use_distributed_optimizer": True}),
-        "use_distributed_optimizer (True) must be False with $.lina"),
+    row("megatron", "lina-with-distributed-optimizer-instances", ({"lina": {}},
+                                                                   {"use_distributed_optimizer": True,
+                                                                    "num_distributed_optimizer_instances": 2}),
+        "num_distributed_optimizer_instances (2) must be 1 with $.lina"),
     row("megatron", "every-argument-problem",
         ({"esp": 4}, {"moe_token_dispatcher_type": "flex", "context_parallel_size": 2, "moe_input_jitter_eps": 0.1}),
         "moe_token_dispatcher_type ('flex') must be one of alltoall, allgather", "context_parallel_size (2) must be 1",

@@ -47,10 +47,11 @@ def _originals():
 
 def test_unsupported_ddp_settings_are_listed_with_their_values():
     config = DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2,
-                                           average_in_collective=True)
+                                           average_in_collective=True, reduce_scatter_with_fp32_accumulation=True)
     text = "; ".join(ddp_problems(config))
-    for needle in ("use_distributed_optimizer (True) must be False with moe_plugins.lina: the distributed optimizer "
-                   "reduce-scatters", "not supported yet", "num_distributed_optimizer_instances (2) must be 1",
+    assert "use_distributed_optimizer" not in text            # reduce-scattered as micro-ops
+    for needle in ("reduce_scatter_with_fp32_accumulation (True) must be False with moe_plugins.lina: Lina's "
+                   "micro-ops reduce in the gradients' dtype", "num_distributed_optimizer_instances (2) must be 1",
                    "average_in_collective (True) must be False", "gloo has no AVG"):
         assert needle in text, (needle, text)
     assert ddp_problems(DistributedDataParallelConfig(overlap_grad_reduce=True)) == []
@@ -74,14 +75,15 @@ def test_flag_path_lists_every_ddp_argument_lina_cannot_run():
     args = argparse.Namespace(world_size=4, tensor_model_parallel_size=1, expert_model_parallel_size=2,
                               num_experts=4, hidden_size=8, ffn_hidden_size=16, moe_router_topk=2,
                               moe_token_dispatcher_type="alltoall", use_distributed_optimizer=True,
-                              ddp_average_in_collective=True, use_custom_fsdp=False,
+                              num_distributed_optimizer_instances=2, ddp_average_in_collective=True,
+                              use_custom_fsdp=False,
                               moe_plugins='{"lina": {"micro_op_mb": 1}}')
     before = _originals()
     with pytest.raises(ValueError) as err:
         mp.enable_from_args(args)
-    for needle in ("use_distributed_optimizer (True) must be False", "ddp_average_in_collective (True) must be False"):
+    for needle in ("num_distributed_optimizer_instances (2) must be 1", "ddp_average_in_collective (True) must be False"):
         assert needle in str(err.value)
-    assert "use_custom_fsdp" not in str(err.value)
+    assert "use_custom_fsdp" not in str(err.value) and "use_distributed_optimizer" not in str(err.value)
     assert mp.active() is None and _originals() == before
 
 
@@ -173,6 +175,21 @@ def test_dp2_on_2_ranks_bitwise_with_and_without_overlap(world):
             _order(r["timeline"])
 
 
+@pytest.mark.parametrize("tp,ep,tolerance", [(2, 2, 0.0), (1, 2, 1e-12)], ids=["dp2-bitwise", "dp4-fp64"])
+def test_distributed_optimizer_shards_equal_stock(world, tp, ep, tolerance):
+    """Megatron's distributed optimizer: each bucket reduce-scattered as Lina's micro-ops (every shard's slices
+    together), so each rank's shard of every ``main_grad`` is stock's sum (bitwise at DP 2, fp64 <= 1e-12 at DP
+    4) and the rest of the buffer its own gradient, as stock leaves it; in Lina's order."""
+    _check_grads(world(4).run(jobs.grads_job, tp, ep, LINA, distributed=True, timeout_s=TIMEOUT_S), tolerance)
+
+
+def test_twenty_steps_with_the_distributed_optimizer_equal_stock(world):
+    for r in world(4).run(jobs.train_job, 1, 2, LINA, distributed=True, timeout_s=TIMEOUT_S):
+        assert r["routed"] >= 2 and len(r["lina"]) == len(r["off"]) == 20
+        assert max(abs(a - b) / abs(a) for a, b in zip(r["off"], r["lina"])) <= 1e-5, (r["off"], r["lina"])
+        assert sum(r["lina"][-4:]) < sum(r["lina"][:4])                      # it did learn
+
+
 def test_twenty_steps_equal_losses_and_checkpoints_load_both_ways(world):
     for r in world(4).run(jobs.train_job, 1, 2, LINA, timeout_s=TIMEOUT_S):
         assert r["routed"] >= 2 and len(r["lina"]) == len(r["off"]) == 20
@@ -187,7 +204,8 @@ def test_ddp_settings_and_groups_lina_cannot_run_are_refused_before_ddp_is_built
     for rank, r in enumerate(world(4).run(jobs.bad_ddp_job, LINA, timeout_s=TIMEOUT_S)):
         settings, groups = r["messages"]
         for needle in ("moe_plugins.lina cannot reduce this model's gradients",
-                       "use_distributed_optimizer (True) must be False", "average_in_collective (True) must be False",
+                       "reduce_scatter_with_fp32_accumulation (True) must be False",
+                       "average_in_collective (True) must be False",
                        "delay_wgrad_compute (True) must be False"):
             assert needle in settings, (needle, settings)
         want = [0, 2] if rank % 2 == 0 else [1, 3]

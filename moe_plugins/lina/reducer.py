@@ -24,8 +24,9 @@ from moe_plugins.lina.microops import micro_op_elements, micro_op_slices
 
 
 class PendingReduce:
-    """The micro-ops of one buffer. :meth:`wait` puts every summed slice back into the buffer (in place) and
-    returns it; a failed micro-op raises there (and on every rank: the engine is poisoned)."""
+    """The micro-ops of one buffer, each ``(a, b, handle)``: :meth:`wait` puts every summed slice back into the
+    buffer at ``[a, b)`` (in place) and returns it; a failed micro-op raises there (and on every rank: the engine
+    is poisoned)."""
 
     def __init__(self, flat: torch.Tensor, parts: List[Tuple[int, int, Handle]]):
         self.flat, self._parts = flat, parts
@@ -62,4 +63,28 @@ class GradReducer:
         parts = [(a, b, self.engine.issue("all_reduce", group, flat[a:b], priority=BACKGROUND, layer=self.name,
                                           phase=phase, yields=self.priority))
                  for a, b in micro_op_slices(flat.numel(), chunk)]
+        return PendingReduce(flat, parts)
+
+    def submit_scatter(self, flat: torch.Tensor, group: Group, member: int, *,
+                       phase: str = "backward") -> PendingReduce:
+        """Queue the sum reduce-scatter of ``flat`` over ``group`` as a distributed optimizer's (Megatron's):
+        ``flat`` is cut into ``group.size`` equal shards, and the group's ``member`` (its index in the group)
+        gets the sum of its shard written in place at :meth:`PendingReduce.wait`; the rest of ``flat`` is left as
+        it is. Micro-op j reduce-scatters the j-th slice of every shard (copied together: ``group.size`` slices),
+        so each shard is summed over the same ranks as by the host's one collective, and a micro-op moves about
+        ``micro_op_bytes``."""
+        size = group.size
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % size:
+            raise ValueError(f"flat must be a contiguous 1-D buffer whose length divides into {size} shards, got "
+                             f"shape {tuple(flat.shape)}")
+        if not 0 <= member < size:
+            raise ValueError(f"member ({member}) must be an index into the group of {size}")
+        shard = flat.numel() // size
+        chunk = max(1, micro_op_elements(self.micro_op_bytes, flat.element_size()) // size) if self.priority else 0
+        shards_GS = flat.view(size, shard)
+        base = member * shard
+        parts = [(base + a, base + b, self.engine.issue("reduce_scatter", group, shards_GS[:, a:b].reshape(-1),
+                                                        priority=BACKGROUND, layer=self.name, phase=phase,
+                                                        yields=self.priority))
+                 for a, b in micro_op_slices(shard, chunk)]
         return PendingReduce(flat, parts)

@@ -105,12 +105,13 @@ def _records(handle) -> List[Dict[str, Any]]:
 
 def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64", steps: int = 2,
               accumulate: int = 2, overlap: bool = True, bucket_size: int = 200,
-              pipeline_degree: int = 1, tied: bool = False) -> Dict[str, Any]:
+              pipeline_degree: int = 1, tied: bool = False, distributed: bool = False) -> Dict[str, Any]:
     """``steps`` steps of ``accumulate`` micro-batches (``no_sync`` on all but the last), each ended by DDP's
     ``finish_grad_sync``; the largest difference of every ``main_grad`` between the two runs, per step and per
     kind (dense / expert), the Lina run's timeline and step bounds, and how many bucket groups Lina routed.
     ``pipeline_degree`` > 1: PipeMoE's runner, its exchanges on the shared engine's pipeline lane. ``tied``: one
-    dense weight used at both ends of the model."""
+    dense weight used at both ends of the model. ``distributed``: DDP for Megatron's distributed optimizer (the
+    buckets reduce-scattered: each rank's shard of ``main_grad`` is the sum, the rest its own gradient)."""
     from moe_plugins.patches import megatron as mp
     spec = _spec(tp, ep, dtype)
     runs, timeline, bounds, routed = [], [], [], 0
@@ -123,7 +124,7 @@ def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64",
         for section in (None, lina):
             with mp.enable(_plugin(section, pipeline_degree), groups=groups, record_timeline=True) as handle:
                 model = _ddp(config, _net(config, seed=5, tied=tied), groups.pg_collection, bucket_size=bucket_size,
-                             overlap=overlap)
+                             overlap=overlap, use_distributed_optimizer=distributed)
                 per_step = []
                 for step in range(steps):
                     start = time.perf_counter_ns()
@@ -151,8 +152,8 @@ def grads_job(tp: int, ep: int, lina: Dict[str, Any], *, dtype: str = "float64",
 
 # ---- training, and checkpoints both ways ------------------------------------------------------------------------
 
-def _train(config, model, pgc, data) -> List[float]:
-    return adam_steps(model, pgc, data, megatron_optimizer_on_cpu)
+def _train(config, model, pgc, data, distributed: bool = False) -> List[float]:
+    return adam_steps(model, pgc, data, megatron_optimizer_on_cpu, distributed)
 
 
 def _saved(module) -> Dict[str, torch.Tensor]:
@@ -167,7 +168,7 @@ def _probe(module, x: torch.Tensor) -> torch.Tensor:
         return module(x).detach().clone()
 
 
-def train_job(tp: int, ep: int, lina: Dict[str, Any], steps: int = 20) -> Dict[str, Any]:
+def train_job(tp: int, ep: int, lina: Dict[str, Any], steps: int = 20, distributed: bool = False) -> Dict[str, Any]:
     """fp32 Adam through Megatron's DDP (overlapped, small buckets), finalize_model_grads and optimizer: losses
     with Lina and without. Then checkpoints: the trained Lina model's state dict loads into a fresh Lina-off model
     and the trained Lina-off model's into a fresh Lina model, each reproducing the saved model's outputs."""
@@ -182,13 +183,13 @@ def train_job(tp: int, ep: int, lina: Dict[str, Any], steps: int = 20) -> Dict[s
         data = (data * steps)[:steps]
         probe = _batches(torch.float32, 1, seed=99)[0][0]
         with mp.enable(_plugin(lina), groups=groups) as handle:
-            model = _ddp(config, _net(config, seed=7), pgc, bucket_size=300)
-            lina_losses = _train(config, model, pgc, data)
+            model = _ddp(config, _net(config, seed=7), pgc, bucket_size=300, use_distributed_optimizer=distributed)
+            lina_losses = _train(config, model, pgc, data, distributed)
             lina_state, lina_out = _saved(model.module), _probe(model.module, probe)
             routed = handle.lina.routed
         with mp.enable(_plugin(None), groups=groups):
-            model = _ddp(config, _net(config, seed=7), pgc, bucket_size=300)
-            off_losses = _train(config, model, pgc, data)
+            model = _ddp(config, _net(config, seed=7), pgc, bucket_size=300, use_distributed_optimizer=distributed)
+            off_losses = _train(config, model, pgc, data, distributed)
             off_state, off_out = _saved(model.module), _probe(model.module, probe)
             fresh = _net(config, seed=8)
             fresh.load_state_dict(lina_state)                                    # Lina -> off
@@ -219,6 +220,7 @@ def bad_ddp_job(lina: Dict[str, Any]) -> Dict[str, Any]:
             wrong = copy.copy(groups.pg_collection)
             wrong.dp = wrong.dp_cp = dist.group.WORLD          # the layout's dense DP group is {0, 2} or {1, 3}
             attempts = [(groups.pg_collection, dict(use_distributed_optimizer=True, average_in_collective=True,
+                                                    reduce_scatter_with_fp32_accumulation=True,
                                                     delay_wgrad_compute=True)),
                         (wrong, {})]
             for pgc, kw in attempts:

@@ -138,16 +138,17 @@ def _train(config, moe, pgc, data, overlap: bool) -> Tuple[List[float], int]:
     return adam_steps(model, pgc, data), sum(len(buffer.params) for buffer in model.expert_parallel_buffers)
 
 
-def adam_steps(model, pgc, data, optimizer_context=nullcontext) -> List[float]:
+def adam_steps(model, pgc, data, optimizer_context=nullcontext, distributed: bool = False) -> List[float]:
     """fp32 Adam steps of a Megatron DDP model on ``data`` ((x, target) pairs, MSE): zero the grad buffer,
-    backward, ``finalize_model_grads``, Megatron's optimizer (built and stepped inside ``optimizer_context``).
+    backward, ``finalize_model_grads``, Megatron's optimizer (built and stepped inside ``optimizer_context``;
+    ``distributed``: its distributed optimizer, for a DDP built with ``use_distributed_optimizer``).
     Returns every step's loss."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     with optimizer_context():
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
-                                                     clip_grad=0.0), [model], use_gloo_process_groups=False,
-                                     pg_collection=pgc)
+                                                     clip_grad=0.0, use_distributed_optimizer=distributed), [model],
+                                     use_gloo_process_groups=False, pg_collection=pgc)
     losses = []
     for x, t in data:
         model.zero_grad_buffer()
