@@ -354,8 +354,7 @@ def _sync_extra_grads(bucket_group: Any) -> None:
 
 
 def _reduced_over(bucket_group: Any) -> Any:
-    """The process group a bucket group reduces over: its data-parallel group, or with the distributed optimizer
-    (one instance: the same ranks) its instance's group."""
+    """A bucket group's data-parallel group, or with the distributed optimizer (one instance) its instance's."""
     found = getattr(bucket_group, "data_parallel_group", None)
     return found if found is not None else bucket_group.intra_distributed_optimizer_instance_group
 
