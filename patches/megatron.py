@@ -176,6 +176,11 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
     if plugin.enabled and plugin.lina is not None:
         from moe_plugins.patches.megatron_lina import ddp_problems
         problems += ddp_problems(args, args=True)
+        packing = plugin.lina.get("packing", 1) if isinstance(plugin.lina, dict) else 1
+        if packing != 1 and getattr(args, "use_distributed_optimizer", False):
+            problems.append(f"{SECTION}.lina.packing ({packing!r}) runs with Megatron's non-distributed optimizer: "
+                            "use_distributed_optimizer (True) must be False (a regroup does not move its shards of "
+                            "the expert buffers)")
     if problems:
         raise ValueError(f"{FLAG} cannot run this Megatron model: " + "; ".join(problems))
     if not plugin.enabled:
