@@ -177,10 +177,9 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
         from moe_plugins.patches.megatron_lina import ddp_problems
         problems += ddp_problems(args, args=True)
         packing = plugin.lina.get("packing", 1) if isinstance(plugin.lina, dict) else 1
-        if packing != 1 and getattr(args, "use_distributed_optimizer", False):
-            problems.append(f"{SECTION}.lina.packing ({packing!r}) runs with Megatron's non-distributed optimizer: "
-                            "use_distributed_optimizer (True) must be False (a regroup does not move its shards of "
-                            "the expert buffers)")
+        if packing == "auto" and getattr(args, "use_distributed_optimizer", False):
+            problems.append(f"{SECTION}.lina.packing ('auto') regroups mid-training, which does not move the "
+                            "distributed optimizer's shards: use_distributed_optimizer (True) needs a fixed packing")
     if problems:
         raise ValueError(f"{FLAG} cannot run this Megatron model: " + "; ".join(problems))
     if not plugin.enabled:

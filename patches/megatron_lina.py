@@ -241,10 +241,9 @@ class LinaState:
         if self.packing is not None:
             from moe_plugins.patches.megatron_lina_packing import model_problems
             problems += model_problems(config, _plugin_layers(module), self.config)
-            if getattr(ddp_config, "use_distributed_optimizer", False):
-                problems.append(f"{PATH}.packing ({self.config.packing!r}) runs with Megatron's non-distributed "
-                                "optimizer: use_distributed_optimizer (True) must be False (a regroup does not move "
-                                "its shards of the expert buffers)")
+            if self.config.packing == "auto" and getattr(ddp_config, "use_distributed_optimizer", False):
+                problems.append(f"{PATH}.packing ('auto') regroups mid-training, which does not move the distributed "
+                                "optimizer's shards: use_distributed_optimizer (True) needs a fixed packing")
         if len(found) > 1:
             problems.append(f"the model holds MoE layers of {len(found)} layouts "
                             f"({'; '.join(_short(e.groups.layout) for e in found)}); Lina needs one")

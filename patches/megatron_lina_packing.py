@@ -329,12 +329,17 @@ class MegatronPacking:
         here is stock Megatron's); after: packed again (collective). Refused (before anything moves) where
         Megatron's mixed-precision optimizer holds fp32 master copies of the experts: a regroup does not move
         them; ``dist_checkpointing`` (the layers' ``sharded_state_dict``, by global expert id) needs no regroup."""
-        masters = [layer.name for packer in self.packers if packer.controller.packing != 1 for layer in packer.layers
+        packed = [packer for packer in self.packers if packer.controller.packing != 1]
+        masters = [layer.name for packer in packed for layer in packer.layers
                    if any(hasattr(p, "main_param") for p in layer.layer.experts.parameters())]
         if masters:
             raise ValueError(f"{FIELD}: the experts of {', '.join(masters)} have fp32 master copies in Megatron's "
                              "mixed-precision optimizer, which a regroup to the stock homes does not move; save and "
                              "load through dist_checkpointing (sharded_state_dict names experts by global id)")
+        if any(packer.ddp.ddp_config.use_distributed_optimizer for packer in packed):
+            raise ValueError(f"{FIELD}: Megatron's distributed optimizer shards the packed experts' buffers, which a "
+                             "regroup to the stock homes does not move; save and load through dist_checkpointing "
+                             "(sharded_state_dict names experts by global id)")
         with ExitStack() as stack:
             for packer in self.packers:
                 stack.enter_context(packer.stock())

@@ -217,10 +217,9 @@ TABLE = [
                                                                    {"use_distributed_optimizer": True,
                                                                     "num_distributed_optimizer_instances": 2}),
         "num_distributed_optimizer_instances (2) must be 1 with $.lina"),
-    row("megatron", "lina-packing-with-distributed-optimizer", ({"lina": {"packing": 2}},
-                                                                 {"use_distributed_optimizer": True}),
-        "$.lina.packing (2) runs with Megatron's non-distributed optimizer: use_distributed_optimizer (True) must be "
-        "False"),
+    row("megatron", "lina-auto-packing-with-distributed-optimizer", ({"lina": {"packing": "auto"}},
+                                                                      {"use_distributed_optimizer": True}),
+        "$.lina.packing ('auto') regroups mid-training, which does not move the distributed optimizer's shards"),
     row("megatron", "every-argument-problem",
         ({"esp": 4}, {"moe_token_dispatcher_type": "flex", "context_parallel_size": 2, "moe_input_jitter_eps": 0.1}),
         "moe_token_dispatcher_type ('flex') must be one of alltoall, allgather", "context_parallel_size (2) must be 1",

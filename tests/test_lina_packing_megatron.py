@@ -84,6 +84,27 @@ def test_bf16_with_a_fixed_packing(world):
     assert len(copies) == 2 * 4 * 4 * 2 and all(v.dtype == torch.bfloat16 for v in copies.values())
 
 
+def test_fixed_packing_under_the_distributed_optimizer(world):
+    """A fixed packing regroups when DDP is built, before Megatron's distributed optimizer shards the (new) expert
+    buffers: 8 steps equal the unpacked run with the distributed optimizer (fp32, 1e-5; Lina reduce-scatters the
+    buckets as micro-ops), every expert's copies equal across ranks; ``stock_homes`` is refused (the shards would
+    not move)."""
+    results = world(WORLD).run(jobs.train_job, 2, steps=8, distributed=True, timeout_s=JOB_TIMEOUT_S)
+    for rank, res in enumerate(results):
+        stock, packed = res["stock"], res["packed"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
+        assert rel <= 1e-5 and len(packed["losses"]) == 8, (rank, rel)
+        assert packed["local"] == [2, 2] and packed["regroups"] == 1
+        assert "distributed optimizer shards the packed experts' buffers" in packed["stock_homes_error"], packed
+    values = {}
+    for res in results:
+        for key, value in res["packed"]["experts"].items():
+            if not key.endswith("main_grad"):          # the rest of a shard holds each rank's own gradient
+                assert key not in values or torch.equal(values[key], value), key
+                values[key] = value
+    assert len(values) == 2 * 4 * 4
+
+
 def test_fp64_gradients_by_global_expert_equal_unpacked(world):
     """fp64, gradient accumulation 2 (no_sync), Lina's micro-ops: at packing 2 and 4 the outputs, every expert's
     main_grad by global id and every dense main_grad are within 1e-12 of packing 1's."""

@@ -68,14 +68,15 @@ def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch
     return out
 
 
-def _optimizer(model: Any, pgc: Any, clip: float, bf16: bool = False) -> Any:
-    """Megatron's Adam: fp32 (``FP32Optimizer``), or with ``bf16`` its mixed-precision optimizer (fp32 masters)."""
+def _optimizer(model: Any, pgc: Any, clip: float, bf16: bool = False, distributed: bool = False) -> Any:
+    """Megatron's Adam: fp32 (``FP32Optimizer``), or with ``bf16`` its mixed-precision optimizer (fp32 masters);
+    ``distributed``: its distributed optimizer."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     dtype = torch.bfloat16 if bf16 else torch.float32
     with megatron_optimizer_on_cpu():
         return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=dtype, bf16=bf16,
-                                                      clip_grad=clip), [model], use_gloo_process_groups=False,
-                                      pg_collection=pgc)
+                                                      clip_grad=clip, use_distributed_optimizer=distributed),
+                                      [model], use_gloo_process_groups=False, pg_collection=pgc)
 
 
 def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> Dict[str, float]:
@@ -95,9 +96,10 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
 
 
 def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False,
-              bf16: bool = False) -> Dict[str, Any]:
-    """``steps`` fp32 Adam steps (``bf16``: bf16 parameters, Megatron's mixed-precision Adam; then ``stock_homes``'s
-    refusal is recorded too) of the model with packing 1, then with ``packing``: per step loss and Megatron's
+              bf16: bool = False, distributed: bool = False) -> Dict[str, Any]:
+    """``steps`` fp32 Adam steps (``bf16``: bf16 parameters, Megatron's mixed-precision Adam; ``distributed``: its
+    distributed optimizer; with either, ``stock_homes``'s refusal is recorded too) of the model with packing 1,
+    then with ``packing``: per step loss and Megatron's
     gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
     checkpoint keys' global expert count."""
@@ -114,8 +116,8 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
             with mp.enable(_plugin(p, degree, **extra), groups=groups) as handle:
                 net = _net(config, seed=7)
                 _redraw(net, seed=3)
-                model = _ddp(config, net, pgc, bucket_size=300)
-                opt = _optimizer(model, pgc, 0.0, bf16)
+                model = _ddp(config, net, pgc, bucket_size=300, use_distributed_optimizer=distributed)
+                opt = _optimizer(model, pgc, 0.0, bf16, distributed)
                 runs = [_step(model, opt, pgc, x, t) for x, t in data]
                 res = out[name] = {"losses": [r["loss"] for r in runs], "norms": [r["norm"] for r in runs],
                                    "experts": by_expert(net, opt, grads=True),
@@ -127,7 +129,7 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
                     res.update(packing=packer.controller.packing, regroups=packer.regroups,
                                decisions=[(s, a, b) for s, _, a, b in packer.controller.decisions],
                                global_experts=_sharded_experts(net.moe[0], pgc))
-                    if bf16:
+                    if bf16 or distributed:
                         try:
                             with handle.lina.packing.stock_homes():
                                 pass
