@@ -1,6 +1,6 @@
-"""DeepSpeed host adapter: ``deepspeed.moe.layer.MoE`` layers run the project's schedules, with DeepSpeed's own
-gate weights and routing (reproduced exactly by ``core/fastgate.py``) and DeepSpeed's own expert modules (state_dict keys and the expert parameters'
-``allreduce=False`` / ``group_name`` attributes stay DeepSpeed's).
+"""DeepSpeed host adapter: ``deepspeed.moe.layer.MoE`` layers run the project's schedules, with DeepSpeed's gate
+weights and routing (reproduced exactly by ``core/fastgate.py``) and expert modules (state_dict keys, ``allreduce``
+and ``group_name`` stay DeepSpeed's).
 
 Shapes: S tokens, M model dim, E experts (E_l local), K routes per token, C capacity, P = N_EP sources.
 
@@ -14,11 +14,11 @@ Hook points, checked against DeepSpeed 0.19.8 (docs/deepspeed.md lists what each
   read), give the EP group to the gate, and swap the layer to its schedule.
 - ``deepspeed.moe.sharded_moe.MOELayer.forward``: patched to run the schedule for swapped layers (its
   ``_AllToAll``, ``drop_tokens`` and ``gather_tokens`` are then unused); layers not swapped run the original.
-- ``deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model``: wrapped so that the engine's own ds_config
-  ``moe_plugins`` section decides what is on while its layers are set up.
+- ``deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model``: wrapped so that the engine's own
+  ds_config ``moe_plugins`` section decides what is on while its layers are set up.
 
-Everything is patched by :func:`enable` and restored by :meth:`DeepSpeedPlugin.disable` (the functions are put back
-as the identical objects, DeepSpeed's group registry as it was). Validation runs before any patch.
+:func:`enable` patches after validating; :meth:`DeepSpeedPlugin.disable` restores the identical functions and
+DeepSpeed's group registry.
 """
 
 from __future__ import annotations
@@ -66,24 +66,22 @@ _ACTIVE: Optional["DeepSpeedPlugin"] = None   # the one enabled plugin, so that 
 # ---- the plugin ----------------------------------------------------------------------------------------
 
 class DeepSpeedPlugin:
-    """The state of one :func:`enable`: the originals to restore, the swapped layers, the groups built.
-    Use as a context manager, or call :meth:`disable`."""
+    """The state of one :func:`enable` (originals, swapped layers, groups built): a context manager, or disable()."""
 
     def __init__(self, config: Optional[PluginConfig], *, ledger: Optional[CommLedger], ranks_per_node: Optional[int],
                  profile_dir: Optional[str]):
         self.config, self.ledger, self.ranks_per_node, self.profile_dir = config, ledger, ranks_per_node, profile_dir
         self.swaps: List[Dict[str, Any]] = []                    # one record per swapped layer, in setup order
-        self._layers: "weakref.WeakKeyDictionary[torch.nn.Module, SwappedLayer]" = weakref.WeakKeyDictionary()
+        self.swapped_layers: "weakref.WeakKeyDictionary[torch.nn.Module, SwappedLayer]" = weakref.WeakKeyDictionary()
         self._patcher: Optional[Patcher] = None
         self._built: Dict[ParallelLayout, MoEProcessGroups] = {}
         self._groups: Dict[Tuple[ParallelLayout, bool], HostGroups] = {}
         self._lanes: Dict[Tuple[ParallelLayout, bool, bool], Any] = {}   # (layout, pipeline, background) -> engine
         self._singletons: Optional[List[Any]] = None
         self._own_pgs: List[Any] = []                           # process groups built here that this rank is in
-        self._registered: List[str] = []
+        self._registered, self._names = [], {}                  # DeepSpeed group names; layer id -> its name
         self._etp_before: Optional[int] = None
         self._engine_config: Optional[PluginConfig] = None
-        self._names: Dict[int, str] = {}
         self._ds: Any = None
         self.lina, self.lancet, self.hecate = LinaHooks(), LancetHooks(), HecateBlockHooks()   # their model hooks
         self.infer = LinaInferenceHooks(config)                  # Lina's inference schedule (reads the table now)
@@ -111,9 +109,8 @@ class DeepSpeedPlugin:
             self._registered, self._etp_before = [], None
 
     def disable(self) -> None:
-        """Restore DeepSpeed: the patched functions (identical objects) and its group registry, and destroy the
-        process groups the plugin built. An engine set up under the plugin needs it enabled for as long as it
-        trains. Collective when the plugin built groups: every rank disables."""
+        """Restore DeepSpeed's functions and group registry; destroy the plugin's process groups (collective when
+        it built some). An engine set up under the plugin needs it enabled for as long as it trains."""
         global _ACTIVE
         if self._ds is None:
             return
@@ -128,7 +125,7 @@ class DeepSpeedPlugin:
                 self._restore_registry()
             finally:
                 self._free_groups()
-                self._layers.clear()
+                self.swapped_layers.clear()
                 self._ds = None
                 if _ACTIVE is self:
                     _ACTIVE = None
@@ -139,14 +136,13 @@ class DeepSpeedPlugin:
                            "the layers set up before enable(), or did the ds_config lack a %r section?)", SECTION)
 
     def built_process_groups(self) -> List[Any]:
-        """The process groups this rank is in that the plugin built (its layouts' groups, DeepSpeed's expert-DP
-        replicas, singletons; not the pipeline lanes'). :meth:`disable` destroys them."""
+        """The process groups of this rank that the plugin built (layouts', expert-DP replicas, singletons; not
+        the lanes'). :meth:`disable` destroys them."""
         pgs = [g.pg for groups in self._built.values() for g in groups.by_kind().values() if g.pg is not None]
         return list({id(pg): pg for pg in pgs + self._own_pgs}.values())
 
     def _free_groups(self) -> None:
-        """Close the pipeline lanes and destroy every process group the plugin built (gloo keeps threads per
-        group); every rank disables in the same order, as every rank built them."""
+        """Close the engines' lanes, destroy the plugin's process groups (in build order on every rank)."""
         for lane in self._lanes.values():
             lane.close()
         if dist.is_initialized():                    # the job may have torn down the default group already
@@ -184,8 +180,8 @@ class DeepSpeedPlugin:
             try:
                 result = original(engine, model)
                 plugin.lina.install(lina, engine, model, plugin)
-                plugin.lancet.install_model(engine, model, plugin._layers, plugin.profile_dir or None)
-                plugin.hecate.install(model, plugin._layers, engine)
+                plugin.lancet.install_model(engine, model, plugin.swapped_layers, plugin.profile_dir or None)
+                plugin.hecate.install(model, plugin.swapped_layers, engine)
                 return result
             finally:
                 plugin._engine_config, plugin._names, plugin.lina.current, plugin.infer.current = previous
@@ -211,7 +207,7 @@ class DeepSpeedPlugin:
         plugin = self
 
         def forward(layer, *inputs, **kwargs):
-            swapped = plugin._layers.get(layer)
+            swapped = plugin.swapped_layers.get(layer)
             if swapped is None:
                 return original(layer, *inputs, **kwargs)
             return swapped.forward(layer, inputs[0], inputs[1] if len(inputs) > 1 else None)
@@ -261,10 +257,10 @@ class DeepSpeedPlugin:
         if problems:            # layer_problems lists the layout's problems too: past here the layout is set
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced, overlap = esp != facts.host_esp, self.lancet.overlap(cfg)   # overlap: Lancet's, else None
-        host = self._host_groups(layout, sliced)
+        host = self.host_groups(layout, sliced)
         lanes = self.lancet.needs_lane(overlap) or prefetch_on(cfg)     # Lancet's or Hecate's early gather
         degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile, lanes)
-        ep_pg = self._register(moe.expert_group_name, host)
+        ep_pg = self.register_groups(moe.expert_group_name, host)
         if facts.expert_tp:
             if self._etp_before is None:
                 self._etp_before = self._ds.groups.expert_tensor_parallel_world_size
@@ -273,7 +269,7 @@ class DeepSpeedPlugin:
         cls = with_exchange(self._schedule_class(cfg.schedule, layout, moe, read_profile), cfg.exchange, degree)
         cls = hecate_class(cfg, cls, moe)               # Hecate's options and activation (else cls itself)
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, cls.name, overlap))
-        self._layers[moe.deepspeed_moe] = self.lancet.attach(SwappedLayer(
+        self.swapped_layers[moe.deepspeed_moe] = self.lancet.attach(SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
             slice_activation=facts.ffn_activation if sliced else None, expert_weights=weights_source(cls),
             inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec)), moe)
@@ -305,13 +301,8 @@ class DeepSpeedPlugin:
         background, pipeline = self.lina.current is not None, value != 1 or overlap
         if not (pipeline or background):
             return 1, None, None
-        from moe_plugins.core.engine import build_engine
         from moe_plugins.pipemoe.runner import build_executor
-        key = (layout, pipeline, background)
-        if key not in self._lanes:
-            self._lanes[key] = build_engine(groups, pipeline=pipeline, background=background,
-                                            ledger=self.ledger if background else None)
-        comm = self._lanes[key]
+        comm = self.lane_engine(groups, pipeline, background)
         if background:
             self.lina.layer(layout, groups, comm, partial(read_profile, layout))
         if value == 1:
@@ -320,7 +311,16 @@ class DeepSpeedPlugin:
         executor = build_executor(value, profile, comm)
         return executor.degree, executor, comm
 
-    def _host_groups(self, layout: ParallelLayout, sliced: bool) -> HostGroups:
+    def lane_engine(self, groups: MoEProcessGroups, pipeline: bool, background: bool) -> Any:
+        """The layout's shared engine with these lanes (collective the first time; closed at disable)."""
+        key = (groups.layout, pipeline, background)
+        if key not in self._lanes:
+            from moe_plugins.core.engine import build_engine
+            self._lanes[key] = build_engine(groups, pipeline=pipeline, background=background,
+                                            ledger=self.ledger if background else None)
+        return self._lanes[key]
+
+    def host_groups(self, layout: ParallelLayout, sliced: bool) -> HostGroups:
         """Collective the first time a layout is seen: every rank sets up the same layers in the same order.
         DeepSpeed's expert-DP group is the ranks holding the same expert parameters: the layout's expert-DP
         group when each rank holds its own shard, the ESP x expert-DP replicas when the plugin slices full
@@ -350,7 +350,7 @@ class DeepSpeedPlugin:
             self._own_pgs.append(self._singletons[dist.get_rank()])
         return self._singletons[dist.get_rank()]
 
-    def _register(self, name: str, host: HostGroups):
+    def register_groups(self, name: str, host: HostGroups):
         """Put the layout's EP and expert-DP groups in DeepSpeed's registry under ``name``; an entry already
         there must hold the same ranks (it is then kept: the engine may hold it)."""
         groups = self._ds.groups

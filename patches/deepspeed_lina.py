@@ -247,23 +247,17 @@ def _packer(engine, model: torch.nn.Module, lina: LinaConfig, layout: ParallelLa
     if lina.packing == 1:
         return None
     from deepspeed.moe.layer import MoE
-    layers = [packing.PackedLayer(m, plugin._layers) for m in model.modules()
-              if isinstance(m, MoE) and m.deepspeed_moe in plugin._layers]
+    layers = [packing.PackedLayer(m, plugin.swapped_layers) for m in model.modules()
+              if isinstance(m, MoE) and m.deepspeed_moe in plugin.swapped_layers]
     problems += packing.layout_problems(layout, layers[0].config.num_experts, lina)
     stock = layers[0].moe.expert_group_name
 
     def register(target: ParallelLayout):
         name = stock if target == layout else f"ep_size_{target.ep}"
-        return name, plugin._register(name, plugin._host_groups(target, False))
+        return name, plugin.register_groups(name, plugin.host_groups(target, False))
 
-    def engine_for(groups):                 # pipelined layers: the layout's engine, with Lina's background lane
-        key = (groups.layout, True, True)
-        if key not in plugin._lanes:        # collective: every rank regroups alike; closed at disable
-            from moe_plugins.core.engine import build_engine
-            plugin._lanes[key] = build_engine(groups, pipeline=True, background=True, ledger=plugin.ledger)
-        return plugin._lanes[key]
-    return packing.EnginePacker(engine, layers, lina, register, lambda t: plugin._host_groups(t, False).groups,
-                                engine_for)
+    return packing.EnginePacker(engine, layers, lina, register, lambda t: plugin.host_groups(t, False).groups,
+                                lambda groups: plugin.lane_engine(groups, True, True))   # with Lina's lane
 
 
 class LinaHooks:

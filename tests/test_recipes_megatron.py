@@ -108,14 +108,14 @@ def test_lina_in_the_recipe_equals_the_plugin_without_it(world, tmp_path):
     the dense and expert buckets as Lina's micro-ops; 12 fp32 steps match the plugin without lina on the same
     overlapped DDP within 1e-5 relative."""
     argv = ["--model", "gpt2-moe", "--steps", "12", "--tp", "1", "--ep", "2", "--etp", "1"]
-    lina = train(world, argv + ["--moe-plugins", '{"schedule": "baseline", "lina": {"micro_op_mb": 0.02}}',
+    lina = train(world, argv + ["--moe-plugins", '{"schedule": "baseline", "lina": {"micro_op_mb": 0.25}}',
                                 "--out", str(tmp_path / "lina")])
     plain = train(world, argv + PLUGIN + ["--overlap-grad-reduce", "--out", str(tmp_path / "plain")])
     a, b = losses(lina), losses(plain)
     assert sorted(a) == list(range(12)) == sorted(b)
     for step in range(12):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
-    assert lina["moe_plugins"]["lina"] == {"micro_op_mb": 0.02}
+    assert lina["moe_plugins"]["lina"] == {"micro_op_mb": 0.25}
     assert [r["schedule"] for r in lina["plugin"]] == ["baseline"] * 2
 
 
@@ -127,7 +127,7 @@ def test_lina_packing_in_the_recipe_equals_unpacked_and_resumes_unpacked(world, 
     argv = ["--model", "gpt2-moe", "--steps", "8", "--tp", "1", "--ep", "4", "--etp", "1", "--ckpt-dir", str(ckpt)]
 
     def section(packing):
-        return ["--moe-plugins", json.dumps({"schedule": "baseline", "lina": {"micro_op_mb": 0.02,
+        return ["--moe-plugins", json.dumps({"schedule": "baseline", "lina": {"micro_op_mb": 0.25,
                                                                              "packing": packing}})]
     packed = train(world, argv + section(2) + ["--save-every", "4", "--out", str(tmp_path / "packed")])
     # packed at DDP build, then unpacked and packed again around each of the 2 saves

@@ -75,7 +75,7 @@ def _side(spec: DeepSpeedVerifySpec, section: Optional[Dict[str, Any]], ledger: 
                          for n, p in moe.named_parameters()},
                "accumulated": dict(accumulated), "params": [n for n, p in moe.named_parameters() if p.requires_grad]}
         if handle is not None:
-            schedule = handle._layers[moe.deepspeed_moe].schedule
+            schedule = handle.swapped_layers[moe.deepspeed_moe].schedule
             last = schedule.last
             out.update(swaps=list(handle.swaps), hecate={
                 "ep_rank": schedule.groups.ep.rank, "ep_ranks": list(schedule.groups.ep.ranks),
@@ -127,7 +127,7 @@ def train_counted(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int,
         accumulated = _grad_counter(engine.module.named_parameters())
         zero_hooks = _count_zero_hooks(engine, stack)
         losses = jobs.train(engine, seed, range(steps))
-        layer = handle._layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
+        layer = handle.swapped_layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
         extra = layer.schedule.last.extra_copies() if layer is not None else None
         swaps = list(handle.swaps) if handle is not None else []
         params = [n for n, p in engine.module.named_parameters() if p.requires_grad]
@@ -157,5 +157,5 @@ def refusal(section: Dict[str, Any]) -> Dict[str, Any]:
             error = None
         except ValueError as exc:
             error = str(exc)
-        return {"error": error, "swaps": list(handle.swaps), "swapped": len(handle._layers),
+        return {"error": error, "swaps": list(handle.swaps), "swapped": len(handle.swapped_layers),
                 "registered": moe.expert_group_name in groups._EXPERT_PARALLEL_GROUP}

@@ -160,7 +160,7 @@ def deepspeed_training(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k:
         handle = stack.enter_context(moe_plugins.enable(ledger=ledger)) if plugin is not None else None
         engine = jobs.make_engine(stage, plugin, ep, k, seed)
         zero_hooks = _count_zero_hooks(engine, stack)
-        layer = handle._layers[engine.module.moe.deepspeed_moe] if handle is not None else None
+        layer = handle.swapped_layers[engine.module.moe.deepspeed_moe] if handle is not None else None
         memory = [layer.schedule.memory] if layer is not None else []
         bounds, losses, live_forward = [time.perf_counter_ns()], [], []
         for step in range(steps):             # jobs.train's step, with the copies alive read after the forward

@@ -37,7 +37,7 @@ def _lean(model: torch.nn.Module, hot: Sequence[int], skew: float) -> None:
 
 
 def _layer(handle, engine):
-    return handle._layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
+    return handle.swapped_layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
 
 
 def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any] = None) -> Dict[str, Any]:

@@ -94,7 +94,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["packing"] = [p.controller.packing for p in packers]
         out["local_experts"] = sorted({m.num_local_experts for m in model.modules() if hasattr(m, "deepspeed_moe")})
         out["dense"] = [] if handle is None else list(handle.lancet.dense)
-        hecate = [] if handle is None else [s.schedule for s in handle._layers.values() if hasattr(s.schedule, "last")]
+        hecate = [] if handle is None else [s.schedule for s in handle.swapped_layers.values() if hasattr(s.schedule, "last")]
         out["hecate"] = [{"extra": s.last.extra_copies(), "overlap": s.overlap, "notes": s.notes()} for s in hecate]
         out["prefetch_hooks"] = 0 if handle is None else len(handle.hecate.handles)
         engine.destroy()

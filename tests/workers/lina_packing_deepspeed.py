@@ -74,7 +74,7 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
                 res["group_names"] = sorted({p.group_name for p in engine.module.parameters()
                                              if hasattr(p, "group_name")})
                 res["regroups"] = [f"{r.phase}:{r.op}@{r.group}" for r in handle.ledger.records if r.phase == "regroup"]
-                swapped = handle._layers[engine.module.moe.deepspeed_moe]
+                swapped = handle.swapped_layers[engine.module.moe.deepspeed_moe]
                 res["lane"] = (getattr(swapped.lane, "degree", 1), swapped.schedule.rec.engine is packer.reducer.engine,
                                swapped.groups.layout.ep)
                 res["lancet_runs"] = sum(o.calls for o in handle.lancet.overlaps)

@@ -209,7 +209,7 @@ def build_row(row: ModelRow, case: ModelCase, plugin: Any, stack: ExitStack, see
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(row, case, zero, lr))
     stack.callback(engine.destroy)
-    swapped = [plugin._layers.get(m) for m in model.modules()]
+    swapped = [plugin.swapped_layers.get(m) for m in model.modules()]
     return BuiltRow(row, engine, plugin.lancet.executors[ex0:], plugin.lancet.overlaps[ov0:],
                     [s.schedule for s in swapped if s is not None])
 
