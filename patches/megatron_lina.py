@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from moe_plugins.core.engine import CommEngine
 from moe_plugins.core.groups import Group, MoEProcessGroups, build_process_groups
+from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ledger import CommLedger, CommRecord
 from moe_plugins.core.ops import BACKGROUND, PIPELINE
 from moe_plugins.core.patcher import Patch
@@ -106,18 +107,17 @@ class LinaEngine:
     groups: MoEProcessGroups
 
 
-def build_lina_engine(groups: MoEProcessGroups, tokens: MoEProcessGroups, *, pipeline: bool,
+def build_lina_engine(dense: ParallelLayout, tokens: ParallelLayout, *, pipeline: bool,
                       ledger: Optional[CommLedger], record_timeline: bool,
                       timeout_s: Optional[float] = None) -> CommEngine:
-    """Collective: an engine whose background lane runs on twins of ``groups``' layout (Megatron's DP groups,
-    MP = TP) and whose pipeline lane, if asked for, on twins of the token layout (MP = 1) the schedules run on.
-    (``build_engine`` puts every lane on one layout; with TP > 1 the two differ.) ``timeout_s`` None: the default
-    group's timeout."""
+    """Collective: an engine whose background lane runs on twins of the ``dense`` layout (Megatron's DP groups,
+    MP = TP), its pipeline lane (if asked for) on twins of the ``tokens`` layout (MP = 1) the schedules run on
+    (``build_engine`` puts every lane on one layout). ``timeout_s`` None: the default group's."""
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     lanes = {}
     if pipeline:
-        lanes[PIPELINE] = build_process_groups(tokens.layout, timeout=timeout)
-    lanes[BACKGROUND] = build_process_groups(groups.layout, timeout=timeout)
+        lanes[PIPELINE] = build_process_groups(tokens, timeout=timeout)
+    lanes[BACKGROUND] = build_process_groups(dense, timeout=timeout)
     cuda = "nccl" in str(dist.get_backend())
     return CommEngine(lanes, ledger=ledger, record_timeline=record_timeline, cuda=cuda)
 
@@ -177,7 +177,7 @@ class LinaState:
         if found is None:
             size = micro_op_bytes(self.config.micro_op_mb, profile(tokens.layout) if self.config.micro_op_mb == "auto"
                                   else None)
-            engine = build_lina_engine(groups, tokens, pipeline=self._pipeline_lane(),
+            engine = build_lina_engine(groups.layout, tokens.layout, pipeline=self._pipeline_lane(),
                                        ledger=self.ledger, record_timeline=self.record_timeline)
             found = self.engines[groups.layout] = LinaEngine(
                 engine, GradReducer(engine, micro_op_bytes=size, priority=self.config.priority), groups)
@@ -191,12 +191,13 @@ class LinaState:
         from moe_plugins.patches.megatron_lancet import lancet_on
         return needs_lane(self.plugin.pipeline_degree) or prefetch_on(self.plugin) or lancet_on(self.plugin)
 
-    def packed_engine(self, groups: MoEProcessGroups, reducer: GradReducer) -> CommEngine:
-        """The engine of a packed layout (Lina's packing, patches/megatron_lina_packing.py): lanes on twins of
-        ``groups`` (MP 1 there), ``reducer`` shared; built by the first regroup to it (collective), closed here."""
+    def packed_engine(self, groups: MoEProcessGroups, reducer: GradReducer, dense: ParallelLayout) -> CommEngine:
+        """A packed layout's engine (patches/megatron_lina_packing.py): the pipeline lane on twins of ``groups``
+        (tokens, MP 1), the background lane of the ``dense`` layout (MP = TP), ``reducer`` shared; built by the
+        first regroup to it (collective), closed here."""
         found = self.engines.get(groups.layout)
         if found is None:
-            engine = build_lina_engine(groups, groups, pipeline=self._pipeline_lane(), ledger=self.ledger,
+            engine = build_lina_engine(dense, groups.layout, pipeline=self._pipeline_lane(), ledger=self.ledger,
                                        record_timeline=self.record_timeline)
             found = self.engines[groups.layout] = LinaEngine(engine, reducer, groups)
         return found.engine

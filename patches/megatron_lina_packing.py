@@ -24,9 +24,9 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
   every expert; the copies on EP members ``j >= ep / p`` are marked ``shared`` (Megatron's "do not double count"),
   so the norm, and clipping, are stock's.
 
-Runs with Megatron's non-distributed optimizer (the distributed one is refused with packing); in bf16/fp16 with a fixed p only
-(the regroup happens before the optimizer builds its fp32 masters; ``stock_homes`` is refused there), TP 1,
-expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
+With Megatron's distributed optimizer or in bf16/fp16, a fixed p only (the regroup happens before the optimizer
+shards the buffers or builds its fp32 masters; ``stock_homes`` is refused there); any TP (at TP > 1 without expert
+biases under sequence parallelism), expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
 lane), without Hecate, and beside Lancet's batch partitions only at a fixed p (their calls run no timed schedule
 steps for ``"auto"``): :func:`config_problems` and :func:`model_problems` list the rest.
@@ -88,9 +88,14 @@ def model_problems(config: Any, layers: List[Any], lina: LinaConfig) -> List[str
     what, problems = f"{FIELD} ({lina.packing!r})", []
     layout = layers[0].token_dispatcher.groups.layout
     problems += packing_layout_problems(lina.packing, layout, config.num_moe_experts, f"{SECTION}.lina")
-    for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size", "pipeline_model_parallel_size"):
+    for name in ("expert_tensor_parallel_size", "pipeline_model_parallel_size"):
         if (getattr(config, name, 1) or 1) != 1:
             problems.append(f"{what} runs with {name} 1 (got {getattr(config, name)})")
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and getattr(config, "add_bias_linear", False) and getattr(config, "sequence_parallel", False):
+        problems.append(f"{what} cannot run with add_bias_linear and sequence_parallel at tensor_model_parallel_size "
+                        f"{tp}: Megatron all-reduces each expert's linear_fc2 bias gradient over the tensor-parallel "
+                        "group, adding the experts that share a local slot on the TP peers; packing changes which")
     for name in ("fp16", "bf16"):
         if getattr(config, name, False) and lina.packing == AUTO:
             problems.append(f"{what} regroups mid-training, in fp32 only, and {name} is on: Megatron's "
@@ -196,7 +201,8 @@ class DDPPacker:
         if problems:
             raise ValueError(f"{FIELD}: cannot regroup: " + "; ".join(problems))
         packing = self._packing_of(groups)
-        engine = self.lina.packed_engine(groups, self.found.reducer)     # the stock layout's: Lina's own
+        engine = self.lina.packed_engine(groups, self.found.reducer,       # the stock layout's: Lina's own
+                                         packed_layout(self.found.groups.layout, packing))   # DDP's: MP = TP
         schedules = [rebuild_schedule(layer.schedule, groups, dataclasses.replace(layer.rec, engine=engine))
                      for layer in layers]                              # raises before moving
         if old.layout.ep == groups.layout.ep:

@@ -25,18 +25,22 @@ def _merged(results, role: str, key: str):
     return out
 
 
-@pytest.mark.parametrize("packing,degree,lancet", [(2, 1, False), (4, 1, False), ("auto", 1, False),
-                                                   (2, 2, False), ("auto", 2, False), ("auto", 1, True)],
-                         ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2", "auto-lancet"])
-def test_packed_training_equals_unpacked(world, packing, degree, lancet):
+@pytest.mark.parametrize("packing,degree,lancet,tp", [(2, 1, False, 1), (4, 1, False, 1), ("auto", 1, False, 1),
+                                                      (2, 2, False, 1), ("auto", 2, False, 1), ("auto", 1, True, 1),
+                                                      (2, 1, False, 2)],
+                         ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2", "auto-lancet", "p2-tp2-ep2"])
+def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp):
     """20 steps: losses within 1e-5 and Megatron's gradient norms (what clip_grad scales by: the packed copies
     must not count twice) within 1e-5 relative of the unpacked run's at every step; every expert's weights, last main_grad and Adam moments, by global id, within
     1e-5; each rank holds 4 / ep experts times the packing, and Megatron's sharded_state_dict names them by their
     global ids. "auto" decides at steps 10, 14 and 18 on every rank alike and packs (this layer is compute-light:
     its expert micro-ops are far shorter than its all-to-alls). PipeMoE degree 2: both runs pipelined, the packed
     one's executor rebuilt on the packed layout's engine. Lancet's deferred dW in both runs: its exchanges (and the
-    dW behind them) move to the packed layout's engine."""
-    results = world(WORLD).run(jobs.train_job, packing, degree=degree, lancet=lancet, timeout_s=JOB_TIMEOUT_S)
+    dW behind them) move to the packed layout's engine. TP 2 x EP 2 (sequence parallel): EP 2 -> 1, every rank
+    holds the 4 experts, the dense buckets still reduce over Megatron's TP-aware DP group."""
+    ep = 4 // tp
+    results = world(WORLD).run(jobs.train_job, packing, degree=degree, lancet=lancet, tp=tp, ep=ep,
+                               timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
@@ -47,8 +51,8 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet):
         if lancet:     # 2 layers: stock's 40; packed from step 10: more than the 20 of its unpacked steps
             assert stock["overlap_calls"] == 40 and packed["overlap_calls"] > 20, packed["overlap_calls"]
         p = packed["packing"]
-        assert stock["local"] == [1, 1] and packed["local"] == [p, p]
-        assert len(packed["global_experts"]) == p and packed["global_experts"] == sorted(packed["global_experts"])
+        assert stock["local"] == [4 // ep] * 2 and packed["local"] == [4 // ep * p] * 2
+        assert len(packed["global_experts"]) == 4 // ep * p and packed["global_experts"] == sorted(packed["global_experts"])
         if packing == "auto":
             # checks after steps 10, 14, 18 (none once at the cap, p = 4): which ones ran depends on the timings
             assert [d[0] for d in packed["decisions"]] == [10, 14, 18][:len(packed["decisions"])]
@@ -141,7 +145,8 @@ def test_dist_checkpoints_load_across_packings(world, tmp_path, saver, loader):
     ("schedule", "moe_plugins.lina.packing (2) runs the schedule 'baseline', and moe_plugins.schedule is 'parm-s1'"),
     ("degree", "moe_plugins.lina.packing (2) needs an integer moe_plugins.pipeline_degree (got 'auto')"),
     ("divide", "moe_plugins.lina.packing (3) must divide ep (4)"),
-    ("tp", "moe_plugins.lina.packing (2) runs with tensor_model_parallel_size 1 (got 2)"),
+    ("tp", "moe_plugins.lina.packing (2) cannot run with add_bias_linear and sequence_parallel at "
+           "tensor_model_parallel_size 2: Megatron all-reduces each expert's linear_fc2 bias gradient"),
 ])
 def test_bad_settings_are_refused(world, case, needle):
     for res in world(WORLD).run(jobs.refused_job, case, timeout_s=JOB_TIMEOUT_S):

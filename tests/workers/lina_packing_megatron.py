@@ -96,7 +96,7 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
 
 
 def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False,
-              bf16: bool = False, distributed: bool = False) -> Dict[str, Any]:
+              bf16: bool = False, distributed: bool = False, tp: int = 1) -> Dict[str, Any]:
     """``steps`` fp32 Adam steps (``bf16``: bf16 parameters, Megatron's mixed-precision Adam; ``distributed``: its
     distributed optimizer; with either, ``stock_homes``'s refusal is recorded too) of the model with packing 1,
     then with ``packing``: per step loss and Megatron's
@@ -104,12 +104,14 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
     checkpoint keys' global expert count."""
     from moe_plugins.patches import megatron as mp
-    spec = _spec(1, ep, "float32")
+    spec = _spec(tp, ep, "float32")
     out: Dict[str, Any] = {}
     with _on_cpu(spec) as groups:
         pgc = groups.pg_collection
-        config = transformer_config(spec, num_layers=2, **({"bf16": True, "params_dtype": torch.bfloat16} if bf16
-                                                           else {}))
+        extra = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+        if tp > 1:                  # refused with packing: Megatron sums expert biases over TP peers (see the patch)
+            extra["add_bias_linear"] = False
+        config = transformer_config(spec, num_layers=2, **extra)
         data = (_batches(config.params_dtype, 4, seed=21) * steps)[:steps]
         for name, p in (("stock", 1), ("packed", packing)):
             extra = {"lancet": {"defer_wgrad": True}} if lancet else {}
