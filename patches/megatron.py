@@ -175,11 +175,8 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
                                ranks_per_node=rpn)
     if plugin.enabled and plugin.lina is not None:
         from moe_plugins.patches.megatron_lina import ddp_problems
-        problems += ddp_problems(args, args=True)
-        packing = plugin.lina.get("packing", 1) if isinstance(plugin.lina, dict) else 1
-        if packing == "auto" and getattr(args, "use_distributed_optimizer", False):
-            problems.append(f"{SECTION}.lina.packing ('auto') regroups mid-training, which does not move the "
-                            "distributed optimizer's shards: use_distributed_optimizer (True) needs a fixed packing")
+        problems += ddp_problems(args, args=True,
+                                 packing=plugin.lina.get("packing", 1) if isinstance(plugin.lina, dict) else 1)
     if problems:
         raise ValueError(f"{FLAG} cannot run this Megatron model: " + "; ".join(problems))
     if not plugin.enabled:

@@ -54,6 +54,7 @@ from moe_plugins.lina.modules import regroup_modules, resize_experts
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
+from moe_plugins.patches.megatron_config import facts_from_config
 from moe_plugins.patches.megatron_steps import after_fp32_steps
 from moe_plugins.pipemoe.runner import build_executor
 
@@ -91,10 +92,10 @@ def model_problems(config: Any, layers: List[Any], lina: LinaConfig) -> List[str
     for name in ("expert_tensor_parallel_size", "pipeline_model_parallel_size"):
         if (getattr(config, name, 1) or 1) != 1:
             problems.append(f"{what} runs with {name} 1 (got {getattr(config, name)})")
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    if tp > 1 and getattr(config, "add_bias_linear", False) and getattr(config, "sequence_parallel", False):
+    facts = facts_from_config(config)
+    if facts.tp > 1 and facts.bias_sp:           # the reason Hecate's re-sharding refuses it (megatron_config)
         problems.append(f"{what} cannot run with add_bias_linear and sequence_parallel at tensor_model_parallel_size "
-                        f"{tp}: Megatron all-reduces each expert's linear_fc2 bias gradient over the tensor-parallel "
+                        f"{facts.tp}: Megatron all-reduces each expert's linear_fc2 bias gradient over the tensor-parallel "
                         "group, adding the experts that share a local slot on the TP peers; packing changes which")
     for name in ("fp16", "bf16"):
         if getattr(config, name, False) and lina.packing == AUTO:
