@@ -3,9 +3,15 @@ module-level function ``fn`` on 4 ranks and returns the per-rank results in rank
 
 The pool lives for one test module: hosts create process groups they never destroy (DeepSpeed makes new ones
 for every engine), and each gloo group keeps threads, so fresh workers per module keep the suite fast. They are
-forked from a server that imported the heavy packages once (PRELOAD), not spawned afresh."""
+forked from a server that imported the heavy packages once (PRELOAD), not spawned afresh.
+
+Profiles: ``make test`` (CI) runs the ``ci`` share; ``MOE_PLUGINS_TESTS=full make test`` also runs the tests
+marked ``full``: end-to-end recipe runs whose path a cheaper test already covers at the pool level (each says
+which), kept for a release or a change to that recipe."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -16,6 +22,29 @@ from moe_plugins.tools.pool import WorkerPool
 # are forked with them loaded instead of importing them again (about 2-5 s of CPU each on this 2-core machine)
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "moe_plugins.patches.deepspeed", "megatron.core",
            "transformers", "moe_plugins.patches.megatron")
+
+PROFILES = ("ci", "full")
+PROFILE = os.environ.get("MOE_PLUGINS_TESTS", "ci")       # the module boundary: read nowhere else
+if PROFILE not in PROFILES:
+    raise pytest.UsageError(f"MOE_PLUGINS_TESTS ({PROFILE!r}) must be one of {', '.join(PROFILES)}")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full(covered_by=...): run only in the full profile (MOE_PLUGINS_TESTS=full); "
+                                       "covered_by names the cheaper tests that cover its path in CI")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("full")
+        if marker is None:
+            continue
+        covered_by = marker.kwargs.get("covered_by")
+        if not covered_by:
+            raise pytest.UsageError(f"{item.nodeid}: a full-profile test must name the tests that cover it in CI "
+                                    "(@pytest.mark.full(covered_by=...))")
+        if PROFILE != "full":
+            item.add_marker(pytest.mark.skip(reason=f"full profile only (MOE_PLUGINS_TESTS=full); in CI: {covered_by}"))
 
 
 @pytest.fixture(scope="module")

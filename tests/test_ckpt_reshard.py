@@ -165,6 +165,9 @@ def recipe(nproc: int, ep: int, config: Path, ckpt: Path, out: Path, steps: int)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.full(covered_by="test_zero0_reshards_exactly_and_continues_like_the_uninterrupted_run, "
+                             "test_zero_partitioned_state_at_another_size_is_refused_before_loading, "
+                             "test_check_resume_accepts_what_reshards_and_names_both_sizes_otherwise")
 def test_recipe_resumes_at_another_size_or_refuses(tmp_path):
     """Saved at world 4 / EP 4 (ZeRO 0); resumed at world 2 / EP 2 it trains on from the saved step; asked
     to resume with ZeRO 1 at world 2 it stops with the sizes named. (The recipe's batches are per rank, so its

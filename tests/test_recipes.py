@@ -43,7 +43,9 @@ def finish(proc, timeout=600):
     assert proc.returncode == 0, f"training failed; see {proc.args[proc.args.index('--out') + 1]}.log"
 
 
-@pytest.mark.parametrize("model", ["gpt2-moe", "bert-moe"])
+@pytest.mark.parametrize("model", ["gpt2-moe", pytest.param("bert-moe", marks=pytest.mark.full(
+    covered_by="test_lancet_blocks_deepspeed.py::test_partitions_on_bert_equal_stock (BERT-MoE through "
+               "DeepSpeed, stock-equal losses), test_recipes_megatron.py::test_plugin_on_equals_off[bert-moe-*]"))])
 def test_plugin_on_equals_off(tmp_path, model):
     steps = ["--model", model, "--steps", "20"]
     finish(torchrun(steps, tmp_path / "on"))
@@ -85,6 +87,9 @@ def test_kill_and_resume_reproduces_losses(tmp_path):
         assert resumed[step] == pytest.approx(before[step], rel=1e-6, abs=0), step
 
 
+@pytest.mark.full(covered_by="test_lina_packing_deepspeed.py::test_packed_training_equals_stock_deepspeed "
+                             "(deepspeed.initialize at ZeRO 0/1/2, 20 steps), "
+                             "test_recipes_megatron.py::test_lina_packing_in_the_recipe_equals_unpacked_and_resumes_unpacked")
 def test_lina_packing_in_the_recipe_equals_the_plugin_off(tmp_path):
     """The shipped tiny config (ZeRO 1) with ``"lina": {"packing": 2}`` at ``--ep 4``: the GPT-2-MoE's 4 experts
     per layer run 2 per rank (EP 2), and the 12 losses are those of the run without the plugin."""
