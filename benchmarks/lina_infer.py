@@ -8,7 +8,8 @@
    ``moe_plugins.recipes.train_deepspeed`` (``--train-steps``, 4 gloo ranks, EP 2, the first 600,000
    characters) into a temporary folder, unless ``--ckpt-dir`` names one.
 2. Profiles its routing with ``moe-plugins lina-profile`` on the ``--profile-chars`` characters after the
-   training text: the popularity table (path length 3; with 2 MoE layers only layer 1 is estimated).
+   training text: the popularity table (path length 3; with 2 MoE layers layer 1's path is layer 0's expert;
+   ``--start-layer 0``, the default, estimates layer 0 from its profiled marginal, so both layers are scheduled).
 3. Per case (``real``; ``skew=S`` for each ``--skew S``: the synthetic second case, the same checkpoint with
    MoE layer j's logits biased by S towards expert j mod E, profiled again with the same bias) and per link
    rate: 2 emulated nodes x 2 ranks (network namespaces, tbf-shaped links; loopback, labelled, where they are
@@ -61,9 +62,12 @@ def train(workdir: Path, steps: int, ranks: int, ep: int, timeout: float) -> Dic
             "wall_s": round(time.monotonic() - t0, 1), "command": " ".join(shlex.quote(c) for c in cmd[1:])}
 
 
-def profile(ckpt: str, table: Path, chars: int, batch_tokens_blocks: int, skew: float, timeout: float) -> Dict[str, Any]:
+def profile(ckpt: str, table: Path, chars: int, batch_tokens_blocks: int, skew: float, start_layer: Optional[int],
+            timeout: float) -> Dict[str, Any]:
     cmd = [sys.executable, "-m", "moe_plugins.tools.cli", "lina-profile", "--ckpt-dir", ckpt, "--skip-chars",
            str(TRAIN_CHARS), "--chars", str(chars), "--batch-size", str(batch_tokens_blocks), "--out", str(table)]
+    if start_layer is not None:
+        cmd += ["--start-layer", str(start_layer)]
     if skew:
         cmd += ["--skew", str(skew)]
     _run(cmd, "lina-profile", timeout)
@@ -145,6 +149,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--profile-chars", type=int, default=200_000)
     p.add_argument("--skew", type=float, nargs="*", default=[], help="synthetic cases: logit bias S per case")
+    p.add_argument("--start-layer", type=int, default=0,
+                   help="the table's first MoE layer (default 0: layer 0 from its profiled marginal, layer 1 from "
+                        "the path; -1: lina-profile's default, the paper's path length, here layer 1)")
     p.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="limit per launch of the ranks")
@@ -159,7 +166,8 @@ def arg_problems(args: argparse.Namespace) -> List[str]:
     from moe_plugins.tools.bench.matrix import parse_rate
     problems = [f"{flag} ({v}) must be an integer >= {low}" for flag, v, low in
                 (("--rounds", args.rounds, 2), ("--warmup", args.warmup, 1), ("--batch-size", args.batch_size, 1),
-                 ("--train-steps", args.train_steps, 1), ("--profile-chars", args.profile_chars, 10_000)) if v < low]
+                 ("--train-steps", args.train_steps, 1), ("--profile-chars", args.profile_chars, 10_000),
+                 ("--start-layer", args.start_layer, -1)) if v < low]
     problems += row_problems(list(args.rows or ROWS))
     problems += [f"--skew ({s}) must be a non-zero number of logits" for s in args.skew if not s or s != s]
     for rate in args.rates:
@@ -193,7 +201,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         cases = [("real", 0.0)] + [(f"skew={s:g}", s) for s in args.skew]
         for case, skew in cases:
             tables[case] = profile(trained["ckpt_dir"], work / f"table-{case}.json", args.profile_chars,
-                                   4 * args.batch_size, skew, args.timeout_s)
+                                   4 * args.batch_size, skew,
+                                   args.start_layer if args.start_layer >= 0 else None, args.timeout_s)
         base = {"world": 4, "ranks_per_node": 2, "rows": rows, "size": "tiny", "ckpt_dir": trained["ckpt_dir"],
                 "batch_size": args.batch_size, "rounds": args.rounds, "warmup": args.warmup, "seed": args.seed,
                 "skip_chars": TRAIN_CHARS + args.profile_chars, "cache_dir": args.cache_dir,

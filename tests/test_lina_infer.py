@@ -115,6 +115,18 @@ def test_top1_drops_with_phase_one_from_the_tables_start_equals_stock(world, tmp
     assert [s["estimate_total"] for s in stats] == [0, 0, case["batches"]]
 
 
+def test_a_table_from_layer_0_schedules_layer_0_from_its_marginal_and_equals_stock(world, tmp_path):
+    """``start_layer`` 0: layer 0's path is empty, so phase one places it from the profiled marginal (expert 0
+    hot in this table: replicated), the same placement every batch; outputs equal stock's."""
+    table = skewed_table(tmp_path / "t0.json", start=0)
+    case = {**CASE, "batches": 4, "rescale_at": None}
+    results = world(WORLD).run(jobs.compare_stack, section(table, max_experts_per_device=8), case, timeout_s=600)
+    stats = check_exact(results, case)
+    assert [s["estimate_total"] for s in stats] == [case["batches"]] * LAYERS
+    first_0 = [batch[0][1] for batch in results[0]["placements"]]         # layer 0's phase-one placements
+    assert all(p is not None and p == first_0[0] for p in first_0) and first_0[0][0] >= 2, first_0
+
+
 def test_engine_path_dropless_top2_equals_stock_engine(world, tmp_path):
     table = skewed_table(tmp_path / "t3.json", layers=2, k=2)
     case = {**CASE, "layers": 2, "k": 2, "drop": False, "batches": 3}
@@ -174,8 +186,8 @@ def test_table_of_another_model_is_refused_outside_an_engine(world, tmp_path):
 @pytest.mark.parametrize("inference, fragments", [
     ({"tabel": "x"}, ["inference.tabel is unknown", "(did you mean 'table'?)", "inference.table is missing"]),
     ({"table": "", "estimation": "yes"}, ["inference.table ('')", "inference.estimation ('yes') must be true"]),
-    ({"table": "t.json", "start_layer": 0, "max_experts_per_device": 0},
-     ["inference.start_layer (0) must be an integer >= 1", "inference.max_experts_per_device (0) must be an integer"]),
+    ({"table": "t.json", "start_layer": -2, "max_experts_per_device": 0},
+     ["inference.start_layer (-2) must be an integer >= 0", "inference.max_experts_per_device (0) must be an integer"]),
     ({"estimation": False, "start_layer": -1}, ["inference.start_layer (-1) must be an integer >= 0"]),
     ([1], ["moe_plugins.lina.inference ([1]) must be a JSON object"]),
 ])
@@ -252,10 +264,12 @@ def test_path_recorder_resets_at_layer_zero_and_checks_tokens():
     rec = PathRecorder()
     rec.record(0, torch.tensor([1, 2]))
     rec.record(1, torch.tensor([3, 0]))
-    assert rec.prefixes(2, 3, 2) == [(1, 3), (2, 0)]
-    assert rec.prefixes(2, 1, 2) == [(0, 3), (0, 0)]                     # only the path's layers are read
+    rec.record(2, torch.tensor([3, 3]))
+    assert rec.path_counts(3, 3, 2) == {(1, 3, 3): 1, (2, 0, 3): 1}
+    assert rec.path_counts(3, 1, 2) == {(3,): 2}                          # only the path's layers are read
+    assert rec.path_counts(0, 3, 5) == {(): 5}                            # layer 0: the empty path
     rec.record(0, torch.tensor([5, 5]))                                   # a new forward
     with pytest.raises(RuntimeError, match="layers \\[1\\] did not run"):
-        rec.prefixes(2, 3, 2)
+        rec.path_counts(2, 3, 2)
     with pytest.raises(RuntimeError, match="has 3 tokens and layer 0 had 2"):
-        rec.prefixes(1, 3, 3)
+        rec.path_counts(1, 3, 3)

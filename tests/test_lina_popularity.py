@@ -4,6 +4,7 @@ end on a checkpoint the DeepSpeed recipe trained for two steps."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -24,7 +25,7 @@ CONFIG = ROOT / "recipes" / "configs" / "gpt2_moe_tiny.json"
 def profiles(draw):
     layers, experts = draw(st.integers(2, 5)), draw(st.integers(1, 5))
     rows = draw(st.lists(st.tuples(*[st.integers(0, experts - 1)] * layers), max_size=60))
-    start = draw(st.integers(1, layers - 1))
+    start = draw(st.integers(0, layers - 1))         # 0: layer 0's path is empty (its marginal)
     n = draw(st.integers(1, 4))
     return pop.ModelFacts(num_layers=layers, num_experts=experts, top_k=1), rows, start, n
 
@@ -59,6 +60,9 @@ def test_unseen_paths_fall_back_to_the_marginal_and_loads_sum_to_the_batch(profi
             assert table.distribution(c.layer, path) == pytest.approx([x / sum(counts) for x in counts])
             assert table.distribution(c.layer, path, min_count=sum(counts) + 1) == marginal
         loads = pop.expected_loads(table, c.layer, batch)
+        span = pop.path_span(c.layer, n)
+        paths = collections.Counter(tuple(r[j] for j in span) for r in batch)     # the layer's form, per path
+        assert pop.path_loads(table, c.layer, paths) == pytest.approx(loads)
         assert sum(loads) == pytest.approx(len(batch))
         assert sum(pop.expected_loads(table, c.layer, batch, keep=1)) <= len(batch) + 1e-9
 
@@ -137,7 +141,8 @@ def test_a_malformed_table_lists_every_bad_field(tmp_path):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda f: pop.build_table([(0, 0)], f, start_layer=0), "start_layer (0) must be in [1, 2)"),
+    (lambda f: pop.build_table([(0, 0)], f, start_layer=2), "start_layer (2) must be in [0, 2)"),
+    (lambda f: pop.build_table([(0, 0)], f, start_layer=-1), "start_layer (-1) must be in [0, 2)"),
     (lambda f: pop.build_table([(0, 0)], f, start_layer=1, path_length=0), "path_length (0) must be an integer"),
     (lambda f: pop.build_table([(0, 4)], f, start_layer=1), "records[0][1] (4) must be an expert id in [0, 4)"),
     (lambda f: pop.build_table([(0,)], f, start_layer=1), "records[0] has 1 entries; expected one per MoE layer"),

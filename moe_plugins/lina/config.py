@@ -114,9 +114,9 @@ def inference_problems(section: Any, path: str = "moe_plugins.lina.inference") -
         problems.append(f"{path}.table is missing: estimation (true) needs the popularity table "
                         "`moe-plugins lina-profile` writes (or set estimation to false: phase 2 only)")
     start = section.get("start_layer")
-    if start is not None and not _int(start, 1 if estimation is not False else 0):
-        low = "1 (a path needs a MoE layer before it)" if estimation is not False else "0"
-        bad("start_layer", f"must be an integer >= {low}, or null for the table's start_layer")
+    if start is not None and not _int(start, 0):
+        bad("start_layer", "must be an integer >= 0 (at or above the table's start_layer with estimation), or null "
+                           "for the table's start_layer")
     if "max_experts_per_device" in section and not _int(section["max_experts_per_device"], 1):
         bad("max_experts_per_device", "must be an integer >= 1 (the paper's is 4)")
     return problems

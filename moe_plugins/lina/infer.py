@@ -36,7 +36,7 @@ from moe_plugins.core.schedule import LayerParams, Schedule
 from moe_plugins.lina.config import InferenceConfig
 from moe_plugins.lina.exchange import kept_routes, replica_exchange
 from moe_plugins.lina.placement import Placement, phase_two, plan_placement, split_tokens
-from moe_plugins.lina.popularity import PopularityTable, expected_loads, path_span
+from moe_plugins.lina.popularity import PopularityTable, path_loads, path_span
 from moe_plugins.lina.replicas import ExpertStore
 
 STATE_ATTR = "moe_plugins_lina_inference"      # the attribute of a host MoE module holding its LayerScheduler
@@ -54,24 +54,27 @@ class PathRecorder:
             self._top1.clear()
         self._top1[layer] = top1_S.detach().reshape(-1)
 
-    def prefixes(self, layer: int, path_length: int, num_tokens: int) -> List[Tuple[int, ...]]:
-        """Per token, its experts at layers 0 .. layer - 1 (only the path's layers are read; the others are 0)."""
+    def _span(self, layer: int, path_length: int, num_tokens: int) -> Dict[int, torch.Tensor]:
         span = path_span(layer, path_length)
         missing = [j for j in span if j not in self._top1]
         if missing:
             raise RuntimeError(f"lina inference: MoE layer {layer} needs the experts its tokens took at layers "
                                f"{list(span)}, and layers {missing} did not run in this forward (are the MoE layers "
                                "called in model order, every one of them, each forward?)")
-        cols = []
-        for j in range(layer):
-            top1 = self._top1.get(j) if j in span else None
-            if top1 is not None and top1.numel() != num_tokens:
+        for j in span:
+            if self._top1[j].numel() != num_tokens:
                 raise RuntimeError(f"lina inference: MoE layer {layer} has {num_tokens} tokens and layer {j} had "
-                                   f"{top1.numel()}: a token's path needs the same tokens at every MoE layer")
-            cols.append(top1.long().cpu() if top1 is not None else torch.zeros(num_tokens, dtype=torch.long))
-        if not cols:
-            return [()] * num_tokens
-        return [tuple(row) for row in torch.stack(cols, 1).tolist()]
+                                   f"{self._top1[j].numel()}: a token's path needs the same tokens at every MoE layer")
+        return {j: self._top1[j].long() for j in span}
+
+    def path_counts(self, layer: int, path_length: int, num_tokens: int) -> Dict[Tuple[int, ...], int]:
+        """How many of this rank's tokens took each path to ``layer`` (one unique over the path's columns and one
+        host read, instead of a tuple per token)."""
+        span = self._span(layer, path_length, num_tokens)
+        if not span or num_tokens == 0:
+            return {(): num_tokens} if not span and num_tokens else {}
+        paths_UP, counts_U = torch.unique(torch.stack([span[j] for j in sorted(span)], 1), dim=0, return_counts=True)
+        return {tuple(p): c for p, c in zip(paths_UP.tolist(), counts_U.tolist())}
 
 
 @dataclass
@@ -210,9 +213,8 @@ class LayerScheduler:
         n, m = self.group.size, self.config.max_experts_per_device
         first: Optional[Placement] = None
         if self.config.estimation:
-            prefixes = self.recorder.prefixes(self.index, self.table.path_length, x_SM.shape[0])
-            mine_E = torch.tensor(expected_loads(self.table, self.index, prefixes), dtype=torch.float64,
-                                  device=x_SM.device)
+            paths = self.recorder.path_counts(self.index, self.table.path_length, x_SM.shape[0])
+            mine_E = torch.tensor(path_loads(self.table, self.index, paths), dtype=torch.float64, device=x_SM.device)
             rows = self._gather(mine_E)
             loads = [sum(rows[r][e] for r in range(n)) for e in range(self.num_experts)]   # rank order
             first = self.estimated = plan_placement(loads, n, max_experts_per_device=m)

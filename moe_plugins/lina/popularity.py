@@ -9,7 +9,10 @@ path*) and profiles, per path, the distribution of the expert at ``l``; it sched
 with ``n = 3`` (§7.1). Here the path of a token at layer ``l`` is its experts on layers
 ``max(0, l - n) .. l - 1`` (:func:`path_span`): the paper's ``n`` once ``l >= n``, and the whole prefix below
 that, so that a model with fewer MoE layers than the paper's (the recipes' tiny GPT-2-MoE has 2) still has a
-table from ``start_layer >= 1``. The default ``n`` is the paper's 3.
+table from ``start_layer >= 1``. The default ``n`` is the paper's 3. ``start_layer = 0`` is allowed too: layer
+0's path is empty, so its estimate is the layer's profiled marginal, the same for every batch (this
+reproduction's extension: the paper does not say how the layers before its start are served; with the marginal
+they get phase one from the profile instead of no scheduling).
 
 **Table.** Per layer ``l >= start_layer``: the counts of the expert at ``l`` per path seen, and the layer's
 marginal counts. P(expert at l | path) is the path's counts normalised; a path seen fewer than ``min_count``
@@ -131,9 +134,9 @@ def build_table(records_NL: Sequence[Sequence[int]], model: ModelFacts, *, start
                 path_length: int = DEFAULT_PATH_LENGTH) -> PopularityTable:
     """Count, per layer ``l >= start_layer``, the expert at ``l`` per path and overall."""
     problems = []
-    if not _is_int(start_layer, 1) or start_layer >= model.num_layers:
-        problems.append(f"start_layer ({start_layer!r}) must be in [1, {model.num_layers}) (a path needs at least "
-                        f"one MoE layer before it, and the model has {model.num_layers})")
+    if not _is_int(start_layer, 0) or start_layer >= model.num_layers:
+        problems.append(f"start_layer ({start_layer!r}) must be in [0, {model.num_layers}) (the model's MoE layers; "
+                        "layer 0 has an empty path: its profiled marginal)")
     if not _is_int(path_length, 1):
         problems.append(f"path_length ({path_length!r}) must be an integer >= 1")
     if problems:
@@ -161,23 +164,34 @@ def expected_loads(table: PopularityTable, layer: int, prefixes_NL: Iterable[Seq
     """Estimated tokens per expert at ``layer`` for a batch, from each token's experts on the layers before it
     (rows of at least ``layer`` entries; full routing records do). ``keep``: each token's ``keep`` most
     probable experts only (ties: lower id), the paper's truncation; None keeps all."""
-    if keep is not None and not _is_int(keep, 1):
-        raise ValueError(f"keep ({keep!r}) must be None (every expert) or an integer >= 1")
-    table.counts(layer)
     span = path_span(layer, table.path_length)
-    loads = [0.0] * table.model.num_experts
-    cache: Dict[Path_, Tuple[Tuple[int, float], ...]] = {}
+    paths: Dict[Path_, int] = {}
     for i, row in enumerate(prefixes_NL):
         if len(row) < layer:
             raise ValueError(f"prefixes[{i}] has {len(row)} entries; layer {layer} needs the experts of the "
                              f"{layer} MoE layers before it")
         path = tuple(row[j] for j in span)
-        if path not in cache:
-            p = table.distribution(layer, path, min_count)
-            ranked = sorted(range(len(p)), key=lambda e: (-p[e], e))
-            cache[path] = tuple((e, p[e]) for e in (ranked if keep is None else ranked[:keep]))
-        for e, pe in cache[path]:
-            loads[e] += pe
+        paths[path] = paths.get(path, 0) + 1
+    return path_loads(table, layer, paths, keep=keep, min_count=min_count)
+
+
+def path_loads(table: PopularityTable, layer: int, path_counts: Mapping[Path_, int], *,
+               keep: Optional[int] = None, min_count: int = 1) -> Tuple[float, ...]:
+    """Estimated tokens per expert at ``layer`` from how many of a batch's tokens took each path (the paths of
+    :func:`path_span`'s length): sum over paths of count x P(e | path), paths in sorted order, so that every rank
+    sums alike. ``keep`` as in :func:`expected_loads`."""
+    if keep is not None and not _is_int(keep, 1):
+        raise ValueError(f"keep ({keep!r}) must be None (every expert) or an integer >= 1")
+    table.counts(layer)
+    width = len(path_span(layer, table.path_length))
+    loads = [0.0] * table.model.num_experts
+    for path in sorted(path_counts):
+        if len(path) != width:
+            raise ValueError(f"path {path!r} has {len(path)} entries; layer {layer}'s paths have {width}")
+        p = table.distribution(layer, path, min_count)
+        ranked = sorted(range(len(p)), key=lambda e: (-p[e], e))
+        for e in (ranked if keep is None else ranked[:keep]):
+            loads[e] += path_counts[path] * p[e]
     return tuple(loads)
 
 
@@ -274,7 +288,7 @@ def table_from_json(obj: Any, source: str = "table") -> PopularityTable:
     for name in ("num_layers", "num_experts", "top_k"):
         if not _is_int(model_obj.get(name), 1):
             problems.append(f"model.{name} ({model_obj.get(name)!r}) must be an integer >= 1")
-    for name, low in (("start_layer", 1), ("path_length", 1), ("tokens", 0)):
+    for name, low in (("start_layer", 0), ("path_length", 1), ("tokens", 0)):
         if not _is_int(obj.get(name), low):
             problems.append(f"{name} ({obj.get(name)!r}) must be an integer >= {low}")
     if problems:

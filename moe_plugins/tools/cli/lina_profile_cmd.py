@@ -49,7 +49,8 @@ def register(sub) -> None:
     p.add_argument("--path-length", type=int, default=pop.DEFAULT_PATH_LENGTH,
                    help="experts on the previous layers a path holds (default: the paper's %(default)s)")
     p.add_argument("--start-layer", type=int, default=None,
-                   help="first MoE layer (0-based) to estimate (default: path length, at most the last layer)")
+                   help="first MoE layer (0-based) to estimate (default: path length, at most the last layer; "
+                        "0 schedules every layer, layer 0 from its profiled marginal)")
     p.add_argument("--top", type=int, default=pop.DEFAULT_TOP, help="size of the compared top set")
     p.add_argument("--keep", type=int, default=None,
                    help="each token's most probable experts to count (default: all)")
@@ -112,8 +113,8 @@ def _arg_problems(args: argparse.Namespace) -> List[str]:
     checks = [("--skip-chars", args.skip_chars, 0), ("--chars", args.chars, 1), ("--batch-size", args.batch_size, 1),
               ("--path-length", args.path_length, 1), ("--top", args.top, 1)]
     problems = [f"{flag} ({value}) must be >= {low}" for flag, value, low in checks if value < low]
-    if args.start_layer is not None and args.start_layer < 1:
-        problems.append(f"--start-layer ({args.start_layer}) must be >= 1 (a path needs a layer before it)")
+    if args.start_layer is not None and args.start_layer < 0:
+        problems.append(f"--start-layer ({args.start_layer}) must be >= 0 (a MoE layer index)")
     if args.keep is not None and args.keep < 1:
         problems.append(f"--keep ({args.keep}) must be >= 1")
     if args.skew != args.skew or args.skew in (float("inf"), float("-inf")):
