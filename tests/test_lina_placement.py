@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_plugins.lina.placement import phase_two, plan_placement, split_tokens
-from moe_plugins.lina.popularity import top_set
+from moe_plugins.lina.popularity import top_matches, top_set
 
 LOAD = st.one_of(st.integers(0, 1000), st.floats(0, 1e4, allow_nan=False, allow_infinity=False))
 
@@ -116,6 +116,8 @@ def test_phase_two_keeps_phase_one_when_the_top_set_holds():
     one = plan_placement([10, 8, 1, 1], 4)
     kept = phase_two(one, [50, 60, 3, 0])                # top-2 {0, 1} both ways
     assert not kept.reallocate and kept.placement is one and kept.actual_top == frozenset({0, 1})
+    assert not phase_two(one, [0, 60, 0, 0]).reallocate   # one busy expert, in the estimate's top-2: kept
+    assert phase_two(one, [0, 0, 60, 0]).reallocate       # one busy expert outside it: re-planned
     moved = phase_two(one, [50, 2, 60, 0])               # actual top-2 {0, 2}
     assert moved.reallocate and moved.placement == plan_placement([50, 2, 60, 0], 4)
     assert moved.estimated_top == frozenset({0, 1}) and moved.actual_top == frozenset({0, 2})
@@ -129,7 +131,7 @@ def test_phase_two_replans_exactly_when_the_top_sets_differ(problem, data):
     actual = data.draw(st.lists(st.integers(0, 50), min_size=len(loads), max_size=len(loads)))
     top = data.draw(st.integers(1, 3))
     two = phase_two(one, actual, top=top)
-    assert two.reallocate == (top_set(loads, top) != top_set(actual, top))
+    assert two.reallocate == (not top_matches(loads, actual, top))
     assert two.placement == (plan_placement(actual, n_dev, max_experts_per_device=cap) if two.reallocate else one)
 
 

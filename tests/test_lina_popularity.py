@@ -77,6 +77,10 @@ def test_expected_loads_and_accuracy_on_a_hand_made_table():
     assert pop.expected_loads(table, 2, [(0, 0), (1, 1), (2, 2)]) == pytest.approx((1 + 3 / 8, 1 / 8, 1.5))
     assert pop.expected_loads(table, 1, [(0,), (0,)], keep=1) == pytest.approx((1.5, 0, 0))
     assert pop.top_set([5, 7, 7, 1], 2) == {1, 2} and pop.top_set([3, 3, 3], 2) == {0, 1}   # ties: lower id
+    # one expert got every token: the estimate is right when its top set holds that expert, whatever runner-up
+    assert pop.top_matches([0.1, 0.3, 9, 0.2], [0, 0, 12, 0]) and pop.top_matches([0, 0, 9, 0], [0, 0, 12, 0])
+    assert not pop.top_matches([5, 0.3, 0.1, 0.2], [0, 0, 12, 0])          # its top-2 {0, 1}
+    assert not pop.top_matches([5, 7, 1, 0], [5, 1, 7, 0])                 # both busy: the sets must be equal
     right = [(0, 0, 0), (0, 0, 0), (1, 1, 2)]         # layer 1 actual {0: 2, 1: 1}; layer 2 actual {0: 2, 2: 1}
     wrong = [(1, 2, 1), (1, 2, 1), (1, 2, 1)]         # layer 1 actual {2}, layer 2 actual {1}
     acc = pop.estimation_accuracy(table, [right, wrong], top=2)

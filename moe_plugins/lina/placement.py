@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from moe_plugins.lina.popularity import DEFAULT_TOP, top_set
+from moe_plugins.lina.popularity import DEFAULT_TOP, top_matches, top_set
 
 DEFAULT_MAX_EXPERTS_PER_DEVICE = 4     # §7.1
 FIT_EPS = 1e-9
@@ -237,13 +237,13 @@ class PhaseTwo:
 
 
 def phase_two(phase_one: Placement, actual_counts_E: Sequence[int], *, top: int = DEFAULT_TOP) -> PhaseTwo:
-    """Keep phase one's placement when the actual top set equals the estimated one, else re-plan from the
-    actual counts with the same rule."""
+    """Keep phase one's placement when the actual top set equals the estimated one (:func:`top_matches`), else
+    re-plan from the actual counts with the same rule."""
     if len(actual_counts_E) != phase_one.num_experts or not all(_is_int(c, 0) for c in actual_counts_E):
         raise ValueError(f"actual counts ({list(actual_counts_E)!r}) must be {phase_one.num_experts} token counts "
                          f">= 0, one per expert")
     estimated, actual = top_set(phase_one.loads, top), top_set(actual_counts_E, top)
-    if estimated == actual:
+    if top_matches(phase_one.loads, actual_counts_E, top):
         return PhaseTwo(reallocate=False, estimated_top=estimated, actual_top=actual, placement=phase_one)
     again = plan_placement(actual_counts_E, phase_one.num_devices,
                            max_experts_per_device=phase_one.max_experts_per_device)

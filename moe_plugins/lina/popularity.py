@@ -28,7 +28,8 @@ distribution was at least as accurate (docs/lina.md, "Inference").
 **Accuracy** (:func:`estimation_accuracy`), the paper's §7.3.2 definition, which is also phase two's test: for
 one batch at one layer, the estimate is accurate when the set of the ``top`` most loaded experts by estimate
 equals the set of the ``top`` most loaded by the gate's actual counts (order inside the set ignored; ties
-broken by lower expert id, :func:`top_set`). Accuracy is the fraction of (batch, layer >= start_layer) pairs
+broken by lower expert id, :func:`top_set`; where fewer than ``top`` experts got tokens, when the estimate's set
+holds those that did, :func:`top_matches`). Accuracy is the fraction of (batch, layer >= start_layer) pairs
 that are accurate. ``top`` defaults to the paper's 2; with ``num_experts <= top`` every estimate is accurate.
 A finer figure beside it: the mean total-variation distance between the estimated and actual load shares.
 
@@ -210,6 +211,18 @@ def top_set(loads_E: Sequence[float], top: int = DEFAULT_TOP) -> frozenset:
     return frozenset(sorted(range(len(loads_E)), key=lambda e: (-loads_E[e], e))[:top])
 
 
+def top_matches(estimate_E: Sequence[float], actual_E: Sequence[float], top: int = DEFAULT_TOP) -> bool:
+    """The estimate's top set equals the actual one (:func:`top_set`). Where fewer than ``top`` experts got any
+    token, the actual top set's idle members are only the tie rule's pick, so the estimate is right when its top
+    set holds every expert that got tokens (this reproduction's reading: the paper compares the top-k lists and
+    does not say what an idle expert in them means; otherwise a batch routed wholly to one expert would count
+    as wrong, and phase two re-plan, unless the estimate's runner-up were the lowest idle id)."""
+    actual = top_set(actual_E, top)
+    busy = frozenset(e for e in actual if actual_E[e] > 0)
+    estimated = top_set(estimate_E, top)
+    return estimated == actual if len(busy) == len(actual) else busy <= estimated
+
+
 @dataclass(frozen=True, kw_only=True)
 class Accuracy:
     top: int
@@ -246,7 +259,7 @@ def estimation_accuracy(table: PopularityTable, batches: Iterable[Sequence[Seque
         for layer, tally in hits.items():
             estimate = expected_loads(table, layer, batch, keep=keep, min_count=min_count)
             actual = actual_counts(batch, layer, table.model.num_experts)
-            tally[0] += top_set(estimate, top) == top_set(actual, top)
+            tally[0] += top_matches(estimate, actual, top)
             tally[1] += 1
             tally[2] += _tv_distance(estimate, actual)
     return Accuracy(top=top, per_layer=tuple((layer, h, n) for layer, (h, n, _) in hits.items()),
