@@ -143,7 +143,8 @@ class LinaInferenceHooks:
             index = model.join()
         experts = list(moe.deepspeed_moe.experts.deepspeed_experts)
         scheduler = LayerScheduler(name=name, index=index, model=model, group=groups.ep, rec=rec,
-                                   store=ExpertStore(experts, groups.ep, rec, int(moe.num_experts)),
+                                   store=ExpertStore(experts, groups.ep, rec, int(moe.num_experts),
+                                                     keep_all=inference.expert_weights == "all"),
                                    num_experts=int(moe.num_experts))
         setattr(moe.deepspeed_moe, STATE_ATTR, scheduler)
         self._layers.add(moe.deepspeed_moe)

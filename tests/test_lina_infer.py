@@ -62,9 +62,13 @@ def check_exact(results: List[Dict[str, Any]], case: Dict[str, Any]) -> List[Dic
     return stats
 
 
-def test_two_phase_schedule_equals_stock_for_every_placement(world, tmp_path):
+@pytest.mark.parametrize("weights", ["all", "home"])
+def test_two_phase_schedule_equals_stock_for_every_placement(world, tmp_path, weights):
+    """``all``: replicas swapped in from every rank's host copy of every expert, gathered at the first placement
+    and again after the weights were rescaled in place (batch 5); ``home``: fetched from the home rank."""
     table = skewed_table(tmp_path / "table.json")
-    results = world(WORLD).run(jobs.compare_stack, section(table, max_experts_per_device=8), CASE, timeout_s=600)
+    results = world(WORLD).run(jobs.compare_stack, section(table, max_experts_per_device=8, expert_weights=weights),
+                               CASE, timeout_s=600)
     stats = check_exact(results, CASE)
     r = results[0]
     assert any(min(c) == 0 for c in r["global_counts"])                   # the dead expert: no token at all
@@ -78,6 +82,7 @@ def test_two_phase_schedule_equals_stock_for_every_placement(world, tmp_path):
         assert s["estimate_total"] == CASE["batches"] and 0 < s["phase2_replans"] <= CASE["batches"]
         assert s["estimate_accurate"] + s["phase2_replans"] == s["estimate_total"]
         assert s["experts_moved"] > 0
+        assert s["weight_gathers"] == (2 if weights == "all" else 0), s
 
 
 def test_profiled_table_phase_one_placement_carries_the_exchange(world, tmp_path):
@@ -189,6 +194,7 @@ def test_table_of_another_model_is_refused_outside_an_engine(world, tmp_path):
     ({"table": "t.json", "start_layer": -2, "max_experts_per_device": 0},
      ["inference.start_layer (-2) must be an integer >= 0", "inference.max_experts_per_device (0) must be an integer"]),
     ({"estimation": False, "start_layer": -1}, ["inference.start_layer (-1) must be an integer >= 0"]),
+    ({"estimation": False, "expert_weights": "host"}, ["inference.expert_weights ('host') must be \"all\""]),
     ([1], ["moe_plugins.lina.inference ([1]) must be a JSON object"]),
 ])
 def test_bad_sections_name_every_field(inference: Any, fragments: List[str]):

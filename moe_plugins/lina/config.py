@@ -10,7 +10,10 @@
             "table": "popularity.json",     # the table `moe-plugins lina-profile` wrote (needed with estimation)
             "start_layer": 4,               # MoE layers >= this are scheduled (default: the table's start_layer)
             "max_experts_per_device": 4,    # the packing bound (§7.1: 4)
-            "estimation": true              # false: phase 2 only, placement from the gate's actual counts
+            "estimation": true,             # false: phase 2 only, placement from the gate's actual counts
+            "expert_weights": "all"         # "all": every rank keeps every expert's weights in host memory
+                                            # (§6.2), replicas swapped in locally; "home": fetched from the
+                                            # expert's home rank over the EP group when placed
         }
     }
 
@@ -29,6 +32,7 @@ from moe_plugins.core.plugin_config import unknown_keys
 
 AUTO = "auto"
 TRAINING_KEYS = ("priority", "micro_op_mb", "packing")
+EXPERT_WEIGHTS = ("all", "home")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +41,7 @@ class InferenceConfig:
     start_layer: Optional[int] = None            # None: the table's start_layer (0 without estimation)
     max_experts_per_device: int = 4
     estimation: bool = True
+    expert_weights: str = "all"                  # "all" (§6.2: every expert in every rank's host memory) | "home"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +122,9 @@ def inference_problems(section: Any, path: str = "moe_plugins.lina.inference") -
     if start is not None and not _int(start, 0):
         bad("start_layer", "must be an integer >= 0 (at or above the table's start_layer with estimation), or null "
                            "for the table's start_layer")
+    if "expert_weights" in section and section["expert_weights"] not in EXPERT_WEIGHTS:
+        bad("expert_weights", 'must be "all" (every expert\'s weights kept in every rank\'s host memory, as the '
+                              'paper\'s §6.2) or "home" (fetched from the home rank when placed)')
     if "max_experts_per_device" in section and not _int(section["max_experts_per_device"], 1):
         bad("max_experts_per_device", "must be an integer >= 1 (the paper's is 4)")
     return problems

@@ -124,11 +124,13 @@ class LayerStats:
     estimate_total: int = 0
     exchange_ms: List[float] = field(default_factory=list)
     experts_moved: int = 0
+    weight_gathers: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         return {"layer": self.layer, "batches": self.batches, "phase2_replans": self.phase2_replans,
                 "estimate_accurate": self.estimate_accurate, "estimate_total": self.estimate_total,
-                "exchange_ms": list(self.exchange_ms), "experts_moved": self.experts_moved}
+                "exchange_ms": list(self.exchange_ms), "experts_moved": self.experts_moved,
+                "weight_gathers": self.weight_gathers}
 
 
 def timed_schedule(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams) -> Tuple[torch.Tensor, Any, float]:
@@ -218,7 +220,7 @@ class LayerScheduler:
             rows = self._gather(mine_E)
             loads = [sum(rows[r][e] for r in range(n)) for e in range(self.num_experts)]   # rank order
             first = self.estimated = plan_placement(loads, n, max_experts_per_device=m)
-            self.stats.experts_moved += self.store.move(first)
+            self._move(first)
         routing = route(x_SM)
         kept = kept_routes(routing, self.num_experts)
         mine = torch.tensor(list(kept.counts_E) + [self.store.fingerprint()], dtype=torch.int64, device=x_SM.device)
@@ -235,10 +237,15 @@ class LayerScheduler:
         else:
             placement = plan_placement(actual, n, max_experts_per_device=m)
             self.stats.phase2_replans += 1
-        self.stats.experts_moved += self.store.move(placement)
+        self._move(placement)
         self.placement = placement
         splits = split_tokens(placement, counts_RE)
         return replica_exchange(x_SM, routing, kept, placement, splits, self.group, self.rec, self.store.compute)
+
+    def _move(self, placement: Placement) -> None:
+        gathers = self.store.gathers
+        self.stats.experts_moved += self.store.move(placement)
+        self.stats.weight_gathers += self.store.gathers - gathers
 
     def _gather(self, x: torch.Tensor) -> List[List[Any]]:
         """Every EP rank's ``x`` (a flat tensor), in rank order, as host numbers."""
@@ -262,7 +269,8 @@ def inference_stats(module: torch.nn.Module) -> List[Dict[str, Any]]:
     """One dict per swapped MoE layer under ``module`` that has Lina's inference section, in module order:
     ``layer`` (its name), ``batches``, ``phase2_replans``, ``estimate_accurate``, ``estimate_total`` (the paper's
     top-2 accuracy is their ratio), ``exchange_ms`` (per batch, the wall ms of the layer's two token
-    all-to-alls) and ``experts_moved`` ((expert, device) weight moves)."""
+    all-to-alls), ``experts_moved`` ((expert, device) weight moves) and ``weight_gathers`` (with
+    ``"expert_weights": "all"``: host copies of every expert gathered)."""
     return [s.stats.as_dict() for s in _schedulers(module)]
 
 

@@ -17,6 +17,12 @@ one flat vector per expert (parameters and buffers in the expert module's order)
   not seen: call :meth:`ExpertStore.clear` (``moe_plugins.lina.clear_inference_replicas``) after such a change.
   A forward in training mode clears the store too.
 
+With ``keep_all`` (the section's ``"expert_weights": "all"``, the default: the paper's §6.2, "each device saves
+the weights of all experts in their host DRAM"), the first placement that needs a replica anywhere all-gathers
+every expert's weights once over the EP group into a host-memory copy on every rank, and replicas are then
+swapped in from it (a host-to-device copy on a GPU, the copy itself on a CPU): no weights cross the network
+per placement. A changed fingerprint drops the copy with the replicas; the next move gathers it again.
+
 A replica computes with the home module's code on the moved tensors (``torch.func.functional_call`` on one
 copy of the expert module kept on the meta device), a home expert with the module itself.
 
@@ -67,7 +73,8 @@ def fingerprint(experts: Sequence[torch.nn.Module]) -> int:
 class ExpertStore:
     """One layer's experts on this EP rank: the home modules and the resident replicas (module docstring)."""
 
-    def __init__(self, experts: Sequence[torch.nn.Module], group: Group, rec: Recorder, num_experts: int):
+    def __init__(self, experts: Sequence[torch.nn.Module], group: Group, rec: Recorder, num_experts: int, *,
+                 keep_all: bool = False):
         problems = store_problems(experts)
         if problems:
             raise ValueError("; ".join(problems))
@@ -82,6 +89,9 @@ class ExpertStore:
         self.replicas: Dict[int, Dict[str, torch.Tensor]] = {}            # this device's: expert -> tensors
         self.fingerprints: Optional[Tuple[int, ...]] = None
         self.moved = 0                                                    # (expert, device) pairs moved so far
+        self.keep_all = keep_all
+        self.host_EW: Optional[torch.Tensor] = None                       # keep_all: every expert, host memory
+        self.gathers = 0                                                  # keep_all: host copies gathered
 
     def home(self, expert: int) -> int:
         return expert // self.e_l
@@ -94,6 +104,7 @@ class ExpertStore:
         self.held = [set() for _ in range(self.group.size)]
         self.replicas.clear()
         self.fingerprints = None
+        self.host_EW = None
 
     def fingerprint(self) -> int:
         return fingerprint(self.local)
@@ -105,6 +116,8 @@ class ExpertStore:
         changed = [] if self.fingerprints is None else [d for d, (a, b) in enumerate(zip(self.fingerprints, new))
                                                          if a != b]
         self.fingerprints = new
+        if changed:
+            self.host_EW = None                       # every rank sees the same change: all gather again
         for device in changed:
             stale = self.home_experts(device)
             for held in self.held:
@@ -121,7 +134,12 @@ class ExpertStore:
         need = [set(placement.experts_on(d)) - self.home_experts(d) for d in range(self.group.size)]
         fetch = [sorted(need[d] - self.held[d]) for d in range(self.group.size)]
         count = sum(len(f) for f in fetch)
-        if count:
+        if count and self.keep_all:
+            host_EW = self._host_copy()               # a collective only when the copy is missing, on every rank
+            device = self._empty().device
+            for expert in fetch[me]:
+                self.replicas[expert] = self._views(host_EW[expert].to(device))
+        elif count:
             send = [[e for e in fetch[d] if self.home(e) == me] for d in range(self.group.size)]
             flats = [self._flat(e) for d in range(self.group.size) for e in send[d]]
             x_W = torch.cat(flats) if flats else self._empty()
@@ -152,6 +170,16 @@ class ExpertStore:
         if isinstance(out, tuple):
             out = out[0]
         return out.reshape(x_nM.shape[0], -1)
+
+    def _host_copy(self) -> torch.Tensor:
+        """Every expert's weights, (E, W), in host memory: this rank's home experts all-gathered over the EP group
+        (rank r's block holds experts r E_l .. (r + 1) E_l - 1, so row e is expert e). Gathered when missing."""
+        if self.host_EW is None:
+            mine_W = torch.cat([self._flat(e) for e in sorted(self.home_experts(self.group.rank))])
+            flat = mine_W if self.group.size == 1 else self.rec.issue("all_gather", self.group, mine_W, "forward")
+            self.host_EW = flat.view(self.num_experts, self.numel).to("cpu")
+            self.gathers += 1
+        return self.host_EW
 
     def _flat(self, expert: int) -> torch.Tensor:
         module = self.local[expert - self.group.rank * self.e_l]
