@@ -96,6 +96,9 @@ def test_profiled_table_phase_one_placement_carries_the_exchange(world, tmp_path
     assert kept and max(max(p[0]) for p in kept) >= 2                     # phase one's replicas, exchanged on
     for s in stats[1:]:
         assert s["estimate_accurate"] > 0 and s["estimate_accurate"] + s["phase2_replans"] == case["batches"]
+    # layer 1 gathers its own estimate (layer 0 is not scheduled); layer 1's phase two carries layer 2's
+    assert [s["phase1_gathers"] for s in stats] == [0, case["batches"], 0]
+    assert [s["estimate_accurate"] for s in stats[1:]] == [13, 8]        # as when layer 2 gathered its own
 
 
 def test_estimation_off_tight_packing_top2_drops_equals_stock(world):
@@ -128,6 +131,7 @@ def test_a_table_from_layer_0_schedules_layer_0_from_its_marginal_and_equals_sto
     results = world(WORLD).run(jobs.compare_stack, section(table, max_experts_per_device=8), case, timeout_s=600)
     stats = check_exact(results, case)
     assert [s["estimate_total"] for s in stats] == [case["batches"]] * LAYERS
+    assert [s["phase1_gathers"] for s in stats] == [0] * LAYERS          # layer 0: the marginal; then delivered
     first_0 = [batch[0][1] for batch in results[0]["placements"]]         # layer 0's phase-one placements
     assert all(p is not None and p == first_0[0] for p in first_0) and first_0[0][0] >= 2, first_0
 

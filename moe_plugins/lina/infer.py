@@ -91,6 +91,8 @@ class ModelSchedule:
     known: bool = False                       # ``layers`` was read from the model
     sealed: bool = False
     recorder: PathRecorder = field(default_factory=PathRecorder)
+    # a layer's estimate summed over the EP group, delivered by the layer before it in the same forward
+    estimates: Dict[int, Tuple[float, ...]] = field(default_factory=dict)
 
     def join(self) -> int:
         """The next MoE layer's index (layers swapped outside a model's setup, in swap order)."""
@@ -125,12 +127,13 @@ class LayerStats:
     exchange_ms: List[float] = field(default_factory=list)
     experts_moved: int = 0
     weight_gathers: int = 0
+    phase1_gathers: int = 0                      # phase one's own all-gathers (none when delivered or layer 0)
 
     def as_dict(self) -> Dict[str, Any]:
         return {"layer": self.layer, "batches": self.batches, "phase2_replans": self.phase2_replans,
                 "estimate_accurate": self.estimate_accurate, "estimate_total": self.estimate_total,
                 "exchange_ms": list(self.exchange_ms), "experts_moved": self.experts_moved,
-                "weight_gathers": self.weight_gathers}
+                "weight_gathers": self.weight_gathers, "phase1_gathers": self.phase1_gathers}
 
 
 def timed_schedule(schedule: Schedule, x_SM: torch.Tensor, params: LayerParams) -> Tuple[torch.Tensor, Any, float]:
@@ -202,6 +205,8 @@ class LayerScheduler:
             routings.append(route(x))
             return routings[-1]
 
+        if self.index == 0:
+            self.model.estimates.clear()              # a new forward: nothing delivered before it stands
         if not self.scheduled:
             y_SM, _, ms = plain(x_SM, recording)
         else:
@@ -215,18 +220,22 @@ class LayerScheduler:
         n, m = self.group.size, self.config.max_experts_per_device
         first: Optional[Placement] = None
         if self.config.estimation:
-            paths = self.recorder.path_counts(self.index, self.table.path_length, x_SM.shape[0])
-            mine_E = torch.tensor(path_loads(self.table, self.index, paths), dtype=torch.float64, device=x_SM.device)
-            rows = self._gather(mine_E)
-            loads = [sum(rows[r][e] for r in range(n)) for e in range(self.num_experts)]   # rank order
+            loads = self._phase_one_loads(x_SM)
             first = self.estimated = plan_placement(loads, n, max_experts_per_device=m)
             self._move(first)
         routing = route(x_SM)
         kept = kept_routes(routing, self.num_experts)
         mine = torch.tensor(list(kept.counts_E) + [self.store.fingerprint()], dtype=torch.int64, device=x_SM.device)
+        upcoming_E = self._next_estimate(routing, x_SM)
+        if upcoming_E is not None:                    # float64 bits ride in the int64 message, unchanged
+            mine = torch.cat([mine, upcoming_E.view(torch.int64)])
         rows = self._gather(mine)
-        counts_RE = [row[:self.num_experts] for row in rows]
-        self.store.check_fingerprints([row[self.num_experts] for row in rows])
+        e = self.num_experts
+        counts_RE = [row[:e] for row in rows]
+        self.store.check_fingerprints([row[e] for row in rows])
+        if upcoming_E is not None:
+            est_RE = torch.tensor([row[e + 1:] for row in rows], dtype=torch.int64).view(torch.float64).tolist()
+            self.model.estimates[self.index + 1] = tuple(sum(est_RE[r][j] for r in range(n)) for j in range(e))
         actual = [sum(row[e] for row in counts_RE) for e in range(self.num_experts)]
         if first is not None:
             second = phase_two(first, actual)
@@ -241,6 +250,32 @@ class LayerScheduler:
         self.placement = placement
         splits = split_tokens(placement, counts_RE)
         return replica_exchange(x_SM, routing, kept, placement, splits, self.group, self.rec, self.store.compute)
+
+    def _phase_one_loads(self, x_SM: torch.Tensor) -> List[float]:
+        """This layer's estimated loads over the EP group, the same on every rank: delivered by the layer before
+        (its phase-two all-gather carried them, as the paper piggybacks the estimate on a message that runs
+        anyway, §6.2); for layer 0 (an empty path) the profiled marginal itself (every rank's estimate is its
+        token count times it, and a placement depends only on the loads' proportions); else one all-gather."""
+        delivered = self.model.estimates.pop(self.index, None)
+        if delivered is not None:
+            return list(delivered)
+        if not path_span(self.index, self.table.path_length):
+            return list(self.table.distribution(self.index, ()))
+        paths = self.recorder.path_counts(self.index, self.table.path_length, x_SM.shape[0])
+        mine_E = torch.tensor(path_loads(self.table, self.index, paths), dtype=torch.float64, device=x_SM.device)
+        rows = self._gather(mine_E)
+        self.stats.phase1_gathers += 1
+        return [sum(rows[r][e] for r in range(self.group.size)) for e in range(self.num_experts)]   # rank order
+
+    def _next_estimate(self, routing: Routing, x_SM: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's estimate for the next MoE layer (its tokens' paths end with this layer's experts), when it
+        is scheduled with estimation; None otherwise (the same answer on every rank)."""
+        upcoming = self.index + 1
+        if not self.config.estimation or upcoming >= self.model.layers or upcoming < self.model.start_layer:
+            return None
+        self.recorder.record(self.index, routing.expert_SK[:, 0])
+        paths = self.recorder.path_counts(upcoming, self.table.path_length, x_SM.shape[0])
+        return torch.tensor(path_loads(self.table, upcoming, paths), dtype=torch.float64, device=x_SM.device)
 
     def _move(self, placement: Placement) -> None:
         gathers = self.store.gathers
