@@ -4,6 +4,7 @@ the table are refused with every problem named; the pure helpers."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("deepspeed")
 
@@ -275,11 +278,21 @@ def test_path_recorder_resets_at_layer_zero_and_checks_tokens():
     rec.record(0, torch.tensor([1, 2]))
     rec.record(1, torch.tensor([3, 0]))
     rec.record(2, torch.tensor([3, 3]))
-    assert rec.path_counts(3, 3, 2) == {(1, 3, 3): 1, (2, 0, 3): 1}
-    assert rec.path_counts(3, 1, 2) == {(3,): 2}                          # only the path's layers are read
-    assert rec.path_counts(0, 3, 5) == {(): 5}                            # layer 0: the empty path
+    assert rec.path_counts(3, 3, 2, 4) == {(1, 3, 3): 1, (2, 0, 3): 1}
+    assert rec.path_counts(3, 1, 2, 4) == {(3,): 2}                       # only the path's layers are read
+    assert rec.path_counts(0, 3, 5, 4) == {(): 5}                         # layer 0: the empty path
     rec.record(0, torch.tensor([5, 5]))                                   # a new forward
     with pytest.raises(RuntimeError, match="layers \\[1\\] did not run"):
-        rec.path_counts(2, 3, 2)
+        rec.path_counts(2, 3, 2, 8)
     with pytest.raises(RuntimeError, match="has 3 tokens and layer 0 had 2"):
-        rec.path_counts(1, 3, 3)
+        rec.path_counts(1, 3, 3, 8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 3), st.data())
+def test_path_counts_count_every_distinct_path(experts, layers, data):
+    rows = data.draw(st.lists(st.tuples(*[st.integers(0, experts - 1)] * layers), min_size=1, max_size=40))
+    rec = PathRecorder()
+    for j in range(layers):
+        rec.record(j, torch.tensor([r[j] for r in rows]))
+    assert rec.path_counts(layers, layers, len(rows), experts) == dict(collections.Counter(rows))
