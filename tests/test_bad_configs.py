@@ -100,12 +100,14 @@ TABLE = [
     bad_section("lina-unknown-key", {"lina": {"micro_op": 1}},
                 "$.lina.micro_op is unknown; allowed: priority, micro_op_mb, packing, inference (did you mean "
                 "'micro_op_mb'?)"),
-    bad_section("lina-inference-fields", {"lina": {"inference": {"table": "", "start_layer": 0, "max_experts": 4,
-                                                                 "estimation": 1}}},
+    bad_section("lina-inference-fields", {"lina": {"inference": {"table": "", "start_layer": -1, "max_experts": 4,
+                                                                 "estimation": 1, "expert_weights": "host"}}},
                 "$.lina.inference.table ('') must be the path of a popularity table",
-                "$.lina.inference.start_layer (0) must be an integer >= 1",
+                "$.lina.inference.start_layer (-1) must be an integer >= 0",
                 "$.lina.inference.max_experts is unknown; allowed: table, start_layer, max_experts_per_device, "
-                "estimation (did you mean 'max_experts_per_device'?)", "$.lina.inference.estimation (1) must be true"),
+                "estimation, expert_weights (did you mean 'max_experts_per_device'?)",
+                "$.lina.inference.estimation (1) must be true",
+                "$.lina.inference.expert_weights ('host') must be \"all\""),
     bad_section("lina-inference-no-table", {"lina": {"inference": {"start_layer": 4}}},
                 "$.lina.inference.table is missing: estimation (true) needs the popularity table"),
     bad_section("exchange-misspelt", {"exchange": "raged"},
