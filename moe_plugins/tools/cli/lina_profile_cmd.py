@@ -79,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
     gates = moe_gates(model)
     facts = pop.ModelFacts(num_layers=len(gates), num_experts=gates[0].wg.out_features, top_k=gates[0].k)
     start = args.start_layer if args.start_layer is not None else min(args.path_length, facts.num_layers - 1)
-    if facts.num_layers < 2:
-        raise ValueError(f"the model has {facts.num_layers} MoE layer; a path needs at least two")
 
     text = data.read_corpus(data.corpus_files(args.data), args.skip_chars + args.chars)[args.skip_chars:]
     blocks_NS = data.TokenBlocks.from_text(text, tokenizer, size.seq_len).ids_NL
