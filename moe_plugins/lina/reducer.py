@@ -14,7 +14,7 @@ ranks the sum is bitwise the host's, with more it may differ in the last bits (t
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -60,10 +60,8 @@ class GradReducer:
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError(f"flat must be a contiguous 1-D buffer, got shape {tuple(flat.shape)}")
         chunk = micro_op_elements(self.micro_op_bytes, flat.element_size()) if self.priority else 0
-        parts = [(a, b, self.engine.issue("all_reduce", group, flat[a:b], priority=BACKGROUND, layer=self.name,
-                                          phase=phase, yields=self.priority))
-                 for a, b in micro_op_slices(flat.numel(), chunk)]
-        return PendingReduce(flat, parts)
+        return self._queue("all_reduce", group, flat, 0, micro_op_slices(flat.numel(), chunk),
+                           lambda a, b: flat[a:b], phase)
 
     def submit_scatter(self, flat: torch.Tensor, group: Group, member: int, *,
                        phase: str = "backward") -> PendingReduce:
@@ -82,9 +80,14 @@ class GradReducer:
         shard = flat.numel() // size
         chunk = max(1, micro_op_elements(self.micro_op_bytes, flat.element_size()) // size) if self.priority else 0
         shards_GS = flat.view(size, shard)
-        base = member * shard
-        parts = [(base + a, base + b, self.engine.issue("reduce_scatter", group, shards_GS[:, a:b].reshape(-1),
-                                                        priority=BACKGROUND, layer=self.name, phase=phase,
-                                                        yields=self.priority))
-                 for a, b in micro_op_slices(shard, chunk)]
+        return self._queue("reduce_scatter", group, flat, member * shard, micro_op_slices(shard, chunk),
+                           lambda a, b: shards_GS[:, a:b].reshape(-1), phase)
+
+    def _queue(self, op: str, group: Group, flat: torch.Tensor, base: int, slices: Iterable[Tuple[int, int]],
+               piece: Callable[[int, int], torch.Tensor], phase: str) -> PendingReduce:
+        """One background micro-op of ``op`` per slice [a, b) (``piece(a, b)`` its input), its result landing at
+        flat[base + a: base + b]."""
+        parts = [(base + a, base + b, self.engine.issue(op, group, piece(a, b), priority=BACKGROUND, layer=self.name,
+                                                        phase=phase, yields=self.priority))
+                 for a, b in slices]
         return PendingReduce(flat, parts)
