@@ -73,13 +73,18 @@ class PathRecorder:
         ``num_experts``, one 1-D unique and one host read, instead of a tuple per token (``torch.unique`` over
         rows, ``dim=0``, took about 3 ms for 2,048 tokens on one CPU thread; the 1-D one 0.04 ms)."""
         span = self._span(layer, path_length, num_tokens)
-        if not span or num_tokens == 0:
-            return {(): num_tokens} if not span and num_tokens else {}
+        if not span:
+            return {(): num_tokens} if num_tokens else {}
         code_S = torch.zeros_like(span[min(span)])
         for j in sorted(span):
             code_S = code_S * num_experts + span[j]
         codes_U, counts_U = torch.unique(code_S, return_counts=True)
         return {path_digits(c, num_experts, len(span)): n for c, n in zip(codes_U.tolist(), counts_U.tolist())}
+
+
+def rank_sum(rows_RE: List[List[Any]]) -> List[Any]:
+    """Per column, the sum over the ranks' rows in rank order (so every rank sums floats alike)."""
+    return [sum(row[j] for row in rows_RE) for j in range(len(rows_RE[0]))]
 
 
 def path_digits(code: int, base: int, width: int) -> Tuple[int, ...]:
@@ -217,6 +222,8 @@ class LayerScheduler:
 
         def recording(x: torch.Tensor) -> Routing:
             routings.append(route(x))
+            if len(routings) == 1:                    # this layer's experts join the later layers' paths
+                self.recorder.record(self.index, routings[0].expert_SK[:, 0])
             return routings[-1]
 
         if self.index == 0:
@@ -225,7 +232,6 @@ class LayerScheduler:
             y_SM, _, ms = plain(x_SM, recording)
         else:
             y_SM, ms = self._scheduled(x_SM, recording)
-        self.recorder.record(self.index, routings[0].expert_SK[:, 0])
         self.stats.batches += 1
         self.stats.exchange_ms.append(ms)
         return y_SM, routings[0]
@@ -240,17 +246,17 @@ class LayerScheduler:
         routing = route(x_SM)
         kept = kept_routes(routing, self.num_experts)
         mine = torch.tensor(list(kept.counts_E) + [self.store.fingerprint()], dtype=torch.int64, device=x_SM.device)
-        upcoming_E = self._next_estimate(routing, x_SM)
+        upcoming_E = self._next_estimate(x_SM)
         if upcoming_E is not None:                    # float64 bits ride in the int64 message, unchanged
             mine = torch.cat([mine, upcoming_E.view(torch.int64)])
         rows = self._gather(mine)
-        e = self.num_experts
-        counts_RE = [row[:e] for row in rows]
-        self.store.check_fingerprints([row[e] for row in rows])
+        num_e = self.num_experts
+        counts_RE = [row[:num_e] for row in rows]
+        self.store.check_fingerprints([row[num_e] for row in rows])
         if upcoming_E is not None:
-            est_RE = torch.tensor([row[e + 1:] for row in rows], dtype=torch.int64).view(torch.float64).tolist()
-            self.model.estimates[self.index + 1] = tuple(sum(est_RE[r][j] for r in range(n)) for j in range(e))
-        actual = [sum(row[e] for row in counts_RE) for e in range(self.num_experts)]
+            est_RE = torch.tensor([row[num_e + 1:] for row in rows], dtype=torch.int64).view(torch.float64).tolist()
+            self.model.estimates[self.index + 1] = tuple(rank_sum(est_RE))
+        actual = rank_sum(counts_RE)
         if first is not None:
             second = phase_two(first, actual)
             placement = second.placement
@@ -279,15 +285,14 @@ class LayerScheduler:
         mine_E = torch.tensor(path_loads(self.table, self.index, paths), dtype=torch.float64, device=x_SM.device)
         rows = self._gather(mine_E)
         self.stats.phase1_gathers += 1
-        return [sum(rows[r][e] for r in range(self.group.size)) for e in range(self.num_experts)]   # rank order
+        return rank_sum(rows)
 
-    def _next_estimate(self, routing: Routing, x_SM: torch.Tensor) -> Optional[torch.Tensor]:
-        """This rank's estimate for the next MoE layer (its tokens' paths end with this layer's experts), when it
-        is scheduled with estimation; None otherwise (the same answer on every rank)."""
+    def _next_estimate(self, x_SM: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's estimate for the next MoE layer (its tokens' paths end with this layer's experts, recorded
+        when the gate ran), when it is scheduled with estimation; None otherwise (the same answer on every rank)."""
         upcoming = self.index + 1
         if not self.config.estimation or upcoming >= self.model.layers or upcoming < self.model.start_layer:
             return None
-        self.recorder.record(self.index, routing.expert_SK[:, 0])
         paths = self.recorder.path_counts(upcoming, self.table.path_length, x_SM.shape[0], self.num_experts)
         return torch.tensor(path_loads(self.table, upcoming, paths), dtype=torch.float64, device=x_SM.device)
 
@@ -318,8 +323,9 @@ def inference_stats(module: torch.nn.Module) -> List[Dict[str, Any]]:
     """One dict per swapped MoE layer under ``module`` that has Lina's inference section, in module order:
     ``layer`` (its name), ``batches``, ``phase2_replans``, ``estimate_accurate``, ``estimate_total`` (the paper's
     top-2 accuracy is their ratio), ``exchange_ms`` (per batch, the wall ms of the layer's two token
-    all-to-alls), ``experts_moved`` ((expert, device) weight moves) and ``weight_gathers`` (with
-    ``"expert_weights": "all"``: host copies of every expert gathered)."""
+    all-to-alls), ``experts_moved`` ((expert, device) weight moves), ``weight_gathers`` (with
+    ``"expert_weights": "all"``: host copies of every expert gathered) and ``phase1_gathers`` (phase one's own
+    all-gathers: none where the layer before carried the estimate, or for layer 0)."""
     return [s.stats.as_dict() for s in _schedulers(module)]
 
 
