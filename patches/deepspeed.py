@@ -41,7 +41,7 @@ from moe_plugins.core.plugin_config import (SECTION, PluginConfig, degree_needs_
                                             settled_degree)
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.schedule import with_exchange
-from moe_plugins.hecate.config import prefetch_on
+from moe_plugins.hecate.config import lane_on
 from moe_plugins.plugins import default_registry
 from moe_plugins.patches.deepspeed_hecate import (HecateBlockHooks, config_choices, hecate_class, hecate_config,
                                                   weights_source)
@@ -258,7 +258,7 @@ class DeepSpeedPlugin:
             raise ValueError(f"moe_plugins cannot run DeepSpeed MoE layer {facts.name}: " + "; ".join(problems))
         sliced, overlap = esp != facts.host_esp, self.lancet.overlap(cfg)   # overlap: Lancet's, else None
         host = self.host_groups(layout, sliced)
-        lanes = self.lancet.needs_lane(overlap) or prefetch_on(cfg)     # Lancet's or Hecate's early gather
+        lanes = self.lancet.needs_lane(overlap) or lane_on(cfg)     # Lancet's, Hecate's early (re-)gathers
         degree, lane, comm = self._pipeline(cfg.pipeline_degree, layout, host.groups, read_profile, lanes)
         ep_pg = self.register_groups(moe.expert_group_name, host)
         if facts.expert_tp:

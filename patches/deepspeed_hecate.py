@@ -11,7 +11,8 @@ on a ``deepspeed.moe`` layer. Pure helpers; nothing here patches anything.
 - :func:`hecate_class`: the schedule class configured with the section's options and the experts' activation
   (GELU, exact or tanh as GPT-2's ``gelu_new``; ReLU; SiLU).
 - :class:`HecateBlockHooks`: with ``prefetch``, a forward pre-hook on the block holding each Hecate layer issues
-  the layer's early gather (moe_plugins/hecate/early.py) when the block starts.
+  the layer's early gather (moe_plugins/hecate/early.py) when the block starts; with ``rematerialize``, the
+  model's layers share one re-gather chain (moe_plugins/hecate/regather.py).
 - :func:`stacked_weights`: ``LayerParams.expert_weights`` per call: the local experts' Linear weights (transposed)
   and biases stacked. ``torch.stack`` of views copies in forward, and its backward hands each parameter its slice,
   so each ``nn.Linear`` parameter gets its gradient once per backward (DeepSpeed ZeRO's hooks fire once). They
@@ -35,6 +36,7 @@ from moe_plugins.core.plugin_config import SECTION, PluginConfig
 from moe_plugins.core.schedule import Schedule
 from moe_plugins.hecate.config import NAME, hecate_across, hecate_on, host_rules
 from moe_plugins.hecate.early import enclosing_blocks
+from moe_plugins.hecate.regather import link as link_chain
 from moe_plugins.hecate.remat import RereadableWeights, stacked_ffn
 from moe_plugins.lancet.config import NAME as LANCET
 from moe_plugins.lancet.config import host_rules as lancet_host_rules
@@ -158,6 +160,7 @@ class HecateBlockHooks:
             self.resharders.append(EngineResharder())
             self.resharders[-1].install(engine, swapped)
         names = {m: n for n, m in model.named_modules()}
+        link_chain([layer.schedule for moe, layer in swapped.items() if moe in names])   # rematerialising ones
         early = [(moe, layer) for moe, layer in swapped.items()
                  if moe in names and getattr(getattr(layer.schedule, "options", None), "prefetch", False)]
         for (moe, layer), block in zip(early, enclosing_blocks(model, [moe for moe, _ in early])):

@@ -281,9 +281,9 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     lancet = LancetState(record_timeline, dense=defers_dense(config), defer=defers_wgrad(config),
                          parts=partition_count(config)) if lancet_on(config) else None
     engines = None
-    from moe_plugins.hecate.config import prefetch_on, reshard_interval
+    from moe_plugins.hecate.config import lane_on, reshard_interval
     if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet
-                                            or prefetch_on(config)):
+                                            or lane_on(config)):
         from moe_plugins.patches.megatron_engines import LayoutEngines
         engines = LayoutEngines(ledger=ledger, record_timeline=record_timeline)
     from moe_plugins.patches.megatron_hecate_early import MegatronEarlyGather
@@ -292,7 +292,7 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     hecate = MegatronResharding(every) if every else None
     handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
                             engines=engines, lancet=lancet, hecate=hecate,
-                            early=MegatronEarlyGather() if prefetch_on(config) else None)
+                            early=MegatronEarlyGather() if lane_on(config) else None)
     handle._install(modules)
     _ACTIVE = handle
     logger.info("moe_plugins: Megatron-core %s spec builders patched (config %s)", package_info.__version__,

@@ -13,6 +13,10 @@ Under :func:`moe_plugins.patches.megatron.enable` (which builds the layers' engi
 
 A layer with no such block issues its gather at its own call (only its gate hides it). The hooks are removed by
 ``disable()``, which closes the engines they issue on.
+
+With ``"rematerialize": true`` the same two points link each rematerialising layer into the plugin's one
+:class:`~moe_plugins.hecate.regather.RegatherChain`, so that a layer's re-gather starts on the lane when the next
+layer (in forward order) has released its copies (moe_plugins/hecate/regather.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch.distributed as dist
 
 from moe_plugins.core.patcher import Patch
 from moe_plugins.hecate.early import enclosing_blocks
+from moe_plugins.hecate.regather import RegatherChain
+from moe_plugins.hecate.regather import link as link_chain
 
 logger = logging.getLogger("moe_plugins.megatron")
 
@@ -37,6 +43,7 @@ class MegatronEarlyGather:
     def __init__(self) -> None:
         self.handles: List[Any] = []
         self.hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()     # the layers whose block issues their gather
+        self.chain = RegatherChain()          # the rematerialising layers' re-gathers (weak: nothing held)
 
     def patches(self) -> List[Patch]:
         from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -49,12 +56,16 @@ class MegatronEarlyGather:
         def __init__(block, *args, **kwargs):
             original(block, *args, **kwargs)
             mlp = getattr(block, "mlp", None)
+            link_chain([getattr(getattr(mlp, "token_dispatcher", None), "schedule", None)], state.chain)
             if prefetches(mlp):
                 state._hook(block, mlp)
         return __init__
 
     def wrap_model(self, model: torch.nn.Module) -> int:
-        """Hook the blocks of ``model``'s prefetching layers not hooked yet; returns how many were hooked."""
+        """Hook the blocks of ``model``'s prefetching layers not hooked yet (and link its rematerialising ones);
+        returns how many were hooked."""
+        link_chain([getattr(getattr(m, "token_dispatcher", None), "schedule", None) for m in model.modules()],
+                   self.chain)
         layers = [m for m in model.modules() if prefetches(m) and m not in self.hooked]
         count = 0
         for layer, block in zip(layers, enclosing_blocks(model, layers)):

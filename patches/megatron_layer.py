@@ -50,7 +50,7 @@ from moe_plugins.core.plugin_config import PluginConfig, degree_needs_profile, s
 from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.router import uniform_capacity
 from moe_plugins.core.schedule import LayerParams, Schedule, with_exchange
-from moe_plugins.hecate.config import prefetch_on
+from moe_plugins.hecate.config import lane_on
 from moe_plugins.plugins import default_registry
 
 from moe_plugins.patches import megatron_hecate
@@ -315,7 +315,7 @@ class PluginMoELayer(MoELayer):
             pg_collection = groups.pg_collection if groups is not None else parallel_state_collection()
         profile_dir = profile_dir if profile_dir is not None else str(default_cache_dir())
         lookup = partial(find_profile, profile_dir)
-        early = prefetch_on(plugin)           # Hecate's early gather, Lancet's exchanges: on the pipeline lane
+        early = lane_on(plugin)       # Hecate's early gather and re-gather, Lancet's exchanges: on the pipeline lane
         lane = needs_lane(plugin.pipeline_degree) or lancet is not None or early
         layout = self._check(config, plugin, pg_collection, groups, ranks_per_node, lookup, lane=lane,
                              has_engine=engine is not None or engines is not None or lina is not None)

@@ -41,7 +41,7 @@ from moe_plugins.core.ledger import CommLedger, CommRecord
 from moe_plugins.core.ops import BACKGROUND, PIPELINE
 from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION, PluginConfig
-from moe_plugins.hecate.config import prefetch_on
+from moe_plugins.hecate.config import lane_on
 from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.microops import micro_op_bytes
 from moe_plugins.lina.reducer import GradReducer, PendingReduce
@@ -192,7 +192,7 @@ class LinaState:
     def _pipeline_lane(self) -> bool:
         """Whether the engines need a pipeline lane: PipeMoE's chunks, Hecate's early gather, Lancet's exchanges."""
         from moe_plugins.patches.megatron_lancet import lancet_on
-        return needs_lane(self.plugin.pipeline_degree) or prefetch_on(self.plugin) or lancet_on(self.plugin)
+        return needs_lane(self.plugin.pipeline_degree) or lane_on(self.plugin) or lancet_on(self.plugin)
 
     def packed_engine(self, groups: MoEProcessGroups, reducer: GradReducer, dense: ParallelLayout) -> CommEngine:
         """A packed layout's engine (patches/megatron_lina_packing.py): the pipeline lane on twins of ``groups``

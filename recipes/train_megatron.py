@@ -275,9 +275,9 @@ def _train(args, size: models.ModelSize, plugin, rpn: int, optimizer_shims) -> D
                                              create_gloo_process_groups=False)
     try:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        from moe_plugins.hecate.config import prefetch_on, reshard_interval
+        from moe_plugins.hecate.config import lane_on, reshard_interval
         if plugin is None or not plugin.enabled or (plugin.lina is None and plugin.lancet is None
-                                                    and not reshard_interval(plugin) and not prefetch_on(plugin)):
+                                                    and not reshard_interval(plugin) and not lane_on(plugin)):
             from moe_plugins.patches.megatron_engines import LayoutEngines
             with LayoutEngines() as engines:               # pipelined layers' lanes, freed when training ends
                 settings = MegatronMoESettings(tp=args.tp, ep=args.ep, etp=args.etp, plugin=plugin,

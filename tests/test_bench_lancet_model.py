@@ -45,13 +45,18 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
     assert ragged.section() == {"schedule": "baseline", "pipeline_degree": 1, "exchange": "ragged"} and not ragged.padded
     early = lm.parse_row("hecate@prefetch=1")
     assert early.section() == {"schedule": "baseline", "pipeline_degree": 1,
-                               "hecate": {"enabled": True, "prefetch": True, "reshard_every": 0}} and not early.padded
-    assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False, "reshard_every": 0}
+                               "hecate": {"enabled": True, "prefetch": True, "reshard_every": 0,
+                                          "rematerialize": False}} and not early.padded
+    assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False, "reshard_every": 0,
+                                                          "rematerialize": False}
+    assert lm.parse_row("hecate@remat=1").section()["hecate"]["rematerialize"] is True     # re-materialisation
+    with pytest.raises(ValueError, match=r"option remat \('2'\) must be 0 or 1"):
+        lm.parse_row("hecate@remat=2")
     assert lm.parse_row("hecate@reshard=4").section()["hecate"]["reshard_every"] == 4     # Algorithm 2's re-homing
     with pytest.raises(ValueError, match=r"option exchange \('even'\) must be padded or ragged"):
         lm.parse_row("baseline@exchange=even")
     assert lm.parse_row("hecate@r=2").section()["pipeline_degree"] == 2       # PipeMoE's chunks
-    with pytest.raises(ValueError, match=r"option 'dw=1' is unknown for hecate; allowed: prefetch, r, reshard"):
+    with pytest.raises(ValueError, match=r"option 'dw=1' is unknown for hecate; allowed: prefetch, r, reshard, remat"):
         lm.parse_row("hecate@dw=1")
     assert lm.rows_problems(list(lm.DEFAULT_ROWS)) == []
     problems = lm.rows_problems(["baseline", "lancet", "lancet", "pipe"])
@@ -145,6 +150,12 @@ def test_summary_picks_the_best_pipemoe_degree_and_judges_the_targets():
             step["nic_tx_bytes"] = 1_893_750
     stock = rep.summarize_case(dict(raw, case=dict(raw["case"], rate="30mbit")))["rows"]["deepspeed"]
     assert stock["link_use"] == pytest.approx(0.5) and stock["nic_bytes"] == 2 * 1_893_750
+    assert stock["copy_peak_bytes"] is None                      # no Hecate layer: no copy ledger
+    for rank, rank_steps in enumerate(raw["steps_per_rank"]):    # Hecate's copies: the busiest rank, median round
+        for i, step in enumerate(rank_steps["lancet"]):
+            step["copy_peak_bytes"] = 1000 * (i + 1) + 7 * rank
+    row = rep.summarize_case(raw)["rows"]["lancet"]
+    assert row["copy_peak_bytes"] == 3007 and "expert copies alive at most 3.0 kB" in rep._notes(row)
 
 
 def test_every_row_end_to_end_on_two_ranks(world, tmp_path):

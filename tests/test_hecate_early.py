@@ -95,17 +95,20 @@ def test_early_gather_trains_as_the_baseline(world, fail_at):
 
 # ---- 4 gloo ranks: DeepSpeed, the recipes' GPT-2-MoE --------------------------------------------------------
 
-def test_block_hooks_on_deepspeed_train_as_stock(world):
+@pytest.mark.parametrize("remat", [False, True], ids=["early-gather", "early-gather+remat"])
+def test_block_hooks_on_deepspeed_train_as_stock(world, remat):
     """The recipes' GPT-2-MoE (HF GPT-2 blocks, DeepSpeed MoE every other block) in fp64 under ZeRO-2 with dropout:
     with the early gather issued by each MoE block's pre-hook, 20 steps give stock's losses (<= 1e-5) and its
     reduced gradients (to one fp32 rounding: ZeRO-2 reduces fp64 gradients in fp32), each ZeRO hook once per
-    parameter and step; both MoE layers copy experts; the hooks are removed on disable."""
+    parameter and step; both MoE layers copy experts; the hooks are removed on disable. With ``rematerialize``
+    too, the copies are gathered again early on the lane (moe_plugins/hecate/regather.py): the first MoE layer's
+    when the second releases its copies, the second's when the backward reaches it; none is alive after a step."""
     from tests.workers.lancet_blocks_deepspeed import train
 
     steps, pool = 20, world(WORLD)
     stock = pool.run(train, None, steps, 1, 4, None, 2, timeout_s=600)
-    plugin = pool.run(train, {"schedule": "baseline", "hecate": {"enabled": True, "prefetch": True}}, steps, 1, 4,
-                      None, 2, timeout_s=600)
+    section = {"enabled": True, "prefetch": True, "rematerialize": remat}
+    plugin = pool.run(train, {"schedule": "baseline", "hecate": section}, steps, 1, 4, None, 2, timeout_s=600)
     for s, p in zip(stock, plugin):
         assert max(abs(a - b) for a, b in zip(s["losses"], p["losses"])) <= 1e-5, (s["losses"], p["losses"])
         assert len(p["grads"]) == steps and all(
@@ -115,4 +118,9 @@ def test_block_hooks_on_deepspeed_train_as_stock(world):
         assert p["prefetch_hooks"] == 2 and p["pre_hooks"] == s["pre_hooks"], (p["pre_hooks"], s["pre_hooks"])
         assert len(p["hecate"]) == 2 and all(h["overlap"] is not None for h in p["hecate"])
         assert all("gathered early" in h["notes"][0] for h in p["hecate"])
+        if remat:
+            assert [h["regathers"] for h in p["hecate"]] == [{"next_layer": steps}, {"own_output": steps}]
+            assert all(h["live_bytes"] == 0 and "re-gathered in backward" in h["notes"][0] for h in p["hecate"])
+        else:
+            assert all(h["regathers"] == {} for h in p["hecate"])
     assert any(h["extra"] > 0 for p in plugin for h in p["hecate"]), [p["hecate"] for p in plugin]

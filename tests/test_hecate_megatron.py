@@ -119,3 +119,15 @@ def test_early_gather_in_megatron_blocks_matches_stock(world):
         assert res["extra"][0] == 0 and all(n > 0 for n in res["extra"][1:]), res["extra"]
         assert res["hooked"] and res["pre_hooks"] == 1 and res["pre_hooks_after"] == 0
         assert res["measured"] == 4 and "gathered early" in res["notes"][0], res
+
+
+def test_rematerialised_megatron_blocks_regather_early_and_match_stock(world):
+    """``rematerialize`` on Megatron: two of Megatron's own TransformerLayers built while the plugin is enabled are
+    linked into one re-gather chain (patches/megatron_hecate_early.py): 3 calls in fp64 equal the stock blocks'
+    outputs and every gradient (<= 1e-9); the first layer's copies are gathered again on the lane when the second
+    releases its copies, the second's when the backward reaches it, and none is alive after a call."""
+    from tests.workers.hecate_early_megatron import remat_blocks_job
+    for res in world(WORLD).run(remat_blocks_job, 3, timeout_s=JOB_TIMEOUT_S):
+        assert max(res["err"]) <= 1e-9, res["err"]
+        assert res["regathers"] == [{"next_layer": 3}, {"own_output": 3}], res["regathers"]
+        assert res["live"] == [0, 0] and all(n > 0 for n in res["extra"]), res

@@ -239,7 +239,7 @@ def test_a_stack_of_layers_keeps_one_layers_copies_and_trains_as_without(world):
     steps = 2
     spec = replace(SPEC, k=2, drop=False, skew=6.0, seed=3)
     for rank, res in enumerate(world(WORLD).run(jobs.stack_training, spec, LAYERS, steps)):
-        on, off, base = res["remat"], res["hecate"], res["ragged"]
+        on, off, base, early = res["remat"], res["hecate"], res["ragged"], res["early"]
         # training: bitwise the run without it, the baseline's within 1e-9
         assert on["losses"] == off["losses"] and len(set(on["losses"])) == steps
         assert max(abs(a - b) for a, b in zip(on["losses"], base["losses"])) <= EXACT
@@ -271,6 +271,17 @@ def test_a_stack_of_layers_keeps_one_layers_copies_and_trains_as_without(world):
             assert led_on["forward:spag@ep"] == led_off["forward:spag@ep"]
             assert led_on["backward:sprs@ep"] == led_off["backward:sprs@ep"]
             assert "backward:spag@ep" not in led_off
+        # the early re-gather (a pipeline lane, the layers chained): bitwise the same, still one layer's copies
+        # at a time, every re-gather started before the backward needed it: layers 0..L-2 when the next layer
+        # released its copies, the last when the gradient reached its output; without a lane all at need
+        assert early["losses"] == on["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(early["grads"] + early["params"], on["grads"] + on["params"]))
+        assert early["regathers"] == [{"next_layer": steps}] * (LAYERS - 1) + [{"own_output": steps}]
+        assert on["regathers"] == [{"at_need": steps}] * LAYERS
+        assert early["live_forward"] == early["live_backward"] == [0] * steps
+        assert early["peak"] == on["peak"] and early["step_peaks"] == on["step_peaks"], (rank, early["peak"])
+        assert {(r["layer"], r["call"]): r["bytes"] for r in early["calls"] if r["phase"] == "backward"} == made
+        assert early["ledger"] == on["ledger"]                # the same collectives, bytes and phases
 
 
 # ---- 4 gloo ranks: DeepSpeed -----------------------------------------------------------------------------
@@ -309,4 +320,5 @@ def test_deepspeed_zero2_with_remat_trains_as_stock(world):
         assert memory["backward_copies"] == memory["forward_copies"] == steps and memory["live_bytes"] == 0
         assert memory["backward_bytes"] == memory["forward_bytes"] > 0
         assert on["live_forward"] == [0] * steps                       # freed after the forward
+        assert on["regathers"] == {"own_output": steps}        # on the adapter's lane, as the backward reached it
         assert max(on["step_peaks"]) == memory["peak_bytes"] > 0 and min(on["step_peaks"]) > 0

@@ -102,6 +102,13 @@ def prefetch_on(cfg: Any) -> bool:
     return hecate_on(cfg) and isinstance(cfg.hecate, Mapping) and cfg.hecate.get("prefetch") is True
 
 
+def lane_on(cfg: Any) -> bool:
+    """Whether a PluginConfig ``cfg`` runs Hecate work on an engine's pipeline lane: the early gather, or
+    ``rematerialize``'s early re-gather (moe_plugins/hecate/regather.py)."""
+    return prefetch_on(cfg) or (hecate_on(cfg) and isinstance(cfg.hecate, Mapping)
+                                and cfg.hecate.get("rematerialize") is True)
+
+
 def reshard_interval(cfg: Any) -> int:
     """A PluginConfig's ``hecate.reshard_every`` (0 without Hecate or without the key)."""
     if not hecate_on(cfg) or not isinstance(cfg.hecate, Mapping):

@@ -122,3 +122,12 @@ def piece_plans(counts_RE: Sequence[Sequence[int]], rank: int, placement: Placem
         plan = route_plan(counts_c, rank, placement)
         pieces.append(PiecePlan(tuple(local[i] for i in plan.perm_X), plan))
     return pieces
+
+
+def rows_per_expert(pieces: List[PiecePlan], num_experts: int) -> Tuple[int, ...]:
+    """Rows this rank computes per expert over the pieces (0 for experts it holds no copy of)."""
+    rows_E = [0] * num_experts
+    for piece in pieces:
+        for e, n in zip(piece.plan.experts, piece.plan.rows_C):
+            rows_E[e] += n
+    return tuple(rows_E)

@@ -9,9 +9,11 @@ How (one :class:`Rematerialiser` per layer call):
   offset) and passes every other saved tensor (activations, token rows) through, detached (autograd re-attaches
   it on unpack; the tensor itself would make a saved output hold its own node). Nothing else holds the copy
   tensor past the expert step, so it is freed there.
-- **Backward.** The first unpack of a copy view re-runs spAG for the same placement from the same owners'
-  shards (:func:`~moe_plugins.hecate.sparse.spag_raw`, no autograd; ledger op ``spag`` in phase ``backward``)
-  and serves every view from that one tensor; the tensor is dropped once all views saved in forward were
+- **Backward.** The first unpack of a copy view takes the copies re-gathered early on the engine's pipeline lane
+  (:meth:`Rematerialiser.start_early`, started by a gradient hook: moe_plugins/hecate/regather.py) or, if none
+  was started, re-runs spAG now for the same placement from the same owners' shards
+  (:func:`~moe_plugins.hecate.sparse.spag_raw`, no autograd; ledger op ``spag`` in phase ``backward``), and
+  serves every view from that one tensor; the tensor is dropped once all views saved in forward were
   unpacked (autograd frees the views after their GEMM's backward). A second backward (``retain_graph``)
   re-gathers again.
 - **Gradients** are untouched: the graph still runs from the copies' views to ``W_copies = spAG(W_owned)``,
@@ -30,6 +32,7 @@ tensors saved inside it. Letters: C experts copied on this rank, F elements per 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Tuple
@@ -113,12 +116,15 @@ class _CopyView:
 
 
 class Rematerialiser:
-    """One layer call's copies, freed after its expert step and re-gathered by ``regather()`` (a fresh
-    contiguous (C, F) tensor equal to ``w_copies_CF``) in backward; ``on_gather(w)`` is told of each re-gather
-    (the memory ledger). ``gathers``: re-gathers so far."""
+    """One layer call's copies, freed after its expert step and re-gathered in backward (a fresh contiguous
+    (C, F) tensor equal to ``w_copies_CF``): by ``early()`` (a handle to one computed elsewhere, which told
+    ``on_gather`` itself) once :meth:`start_early` is called, else by ``regather()`` at the first unpack, then
+    told to ``on_gather(w)`` (the memory ledger). ``gathers``: re-gathers so far; ``early_gathers``: how many of
+    them were started early; ``counts``: what the caller counts them by."""
 
     def __init__(self, w_copies_CF: torch.Tensor, regather: Callable[[], torch.Tensor],
-                 on_gather: Callable[[torch.Tensor], Any]) -> None:
+                 on_gather: Callable[[torch.Tensor], Any], early: Optional[Callable[[], Any]] = None,
+                 counts: Optional[Counter] = None) -> None:
         if w_copies_CF.dim() != 2 or not w_copies_CF.is_contiguous() or w_copies_CF.storage_offset() != 0:
             raise RuntimeError(f"Hecate rematerialize needs the copies as one contiguous (C, F) tensor at offset 0; "
                                f"got shape {tuple(w_copies_CF.shape)}, offset {w_copies_CF.storage_offset()}")
@@ -128,7 +134,18 @@ class Rematerialiser:
         self._lock = threading.Lock()
         self._packed = self._left = 0
         self._cache: Optional[torch.Tensor] = None
-        self.gathers = 0
+        self._early, self._handle = early, None
+        self.counts = Counter() if counts is None else counts     # re-gathers by what started them (regather.py)
+        self.gathers = self.early_gathers = 0
+
+    def start_early(self) -> bool:
+        """Start the re-gather now (the backward has not needed it yet); False where there is no early way,
+        it started already, this backward has served the copies, or nothing was saved."""
+        with self._lock:
+            if self._early is None or self._handle is not None or self.gathers or not self._packed:
+                return False
+            self._handle = self._early()
+            return True
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context the expert step runs in (forward only)."""
@@ -145,13 +162,16 @@ class Rematerialiser:
             return packed
         with self._lock:
             if self._cache is None:
-                w_CF = self._regather()
+                handle, self._handle = self._handle, None
+                w_CF = self._regather() if handle is None else handle.wait()
                 if tuple(w_CF.shape) != self._shape or not w_CF.is_contiguous() or w_CF.storage_offset():
                     raise RuntimeError(f"Hecate rematerialize: the re-gathered copies have shape {tuple(w_CF.shape)}, "
                                        f"offset {w_CF.storage_offset()}, not the forward's contiguous {self._shape}")
-                self._on_gather(w_CF)
+                if handle is None:
+                    self._on_gather(w_CF)
                 self._cache, self._left = w_CF, self._packed
                 self.gathers += 1
+                self.early_gathers += handle is not None
             view = self._cache.as_strided(packed.size, packed.stride, packed.offset)
             self._left -= 1
             if self._left == 0:

@@ -26,7 +26,8 @@ lane (from the block's forward pre-hook, or at the start of the call); step 2 th
 carries each rank's t_r, and the call waits for the gather after its route plan.
 
 With ``rematerialize`` (moe_plugins/hecate/remat.py) step 6 runs under saved-tensor hooks: the copies are freed
-after it and spAG runs again right before the expert step's backward. Every copy tensor is recorded in the
+after it and spAG runs again for the expert step's backward, early on the pipeline lane where there is one
+(moe_plugins/hecate/regather.py). Every copy tensor is recorded in the
 layer's copy-memory ledger (:attr:`HecateSchedule.memory`, moe_plugins/hecate/memory.py).
 
 Each rank's copies reach the loss on every call (its own experts are always among them, computed on padding
@@ -50,12 +51,13 @@ from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
 from moe_plugins.hecate.early import EarlyGather, agreed_overlap, issue_early
 from moe_plugins.hecate.flow import (PiecePlan, RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
-                                     piece_plans, unflat_experts)
+                                     piece_plans, rows_per_expert, unflat_experts)
 from moe_plugins.hecate.memory import CopyLedger
 from moe_plugins.hecate.plan import Placement, materialise_budget, paying_experts, plan_placement, stock_homes
 from moe_plugins.hecate.state import HecateStats, State
+from moe_plugins.hecate.regather import rematerialiser, start_at_output
 from moe_plugins.hecate.remat import OwnedRead, Rematerialiser
-from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, sparse_exchange, spag_again, whole_shards
+from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, sparse_exchange, whole_shards
 
 
 @dataclass
@@ -138,6 +140,10 @@ class HecateSchedule(Schedule):
     def overlap(self) -> Optional[int]:
         """With ``prefetch``: the overlap degree t every rank agreed on at the last call (None before it)."""
         return self._state.overlap
+
+    @property
+    def regathers(self) -> Dict[str, int]:      # rematerialize: re-gathers by what started them (regather.py)
+        return dict(self._state.regathers)
 
     @property
     def memory(self) -> CopyLedger:
@@ -291,7 +297,7 @@ class HecateSchedule(Schedule):
         self._state.call = _Call(routing, pos_SK, counts_RE, placement, at_R, pieces,
                                  unflat_experts(w_CF, cfg.hidden, cfg.ffn),
                                  self._track(w_CF, params, placement, shards))
-        self._state.last = HecateStats(placement, load_E, _rows_E(pieces, cfg.num_experts))
+        self._state.last = HecateStats(placement, load_E, rows_per_expert(pieces, cfg.num_experts))
         token_X = order.token_X[:kept].index_select(0, whole_X)
         return Dispatched(d=x_SM.index_select(0, token_X), cap_dim=0, state=self._state.call,
                           aux_loss=routing.aux_loss, exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
@@ -304,8 +310,13 @@ class HecateSchedule(Schedule):
         state.memory.track(w_CF, "forward", call)
         if not self.options.rematerialize:
             return None
-        regather = partial(_regather, OwnedRead(params.expert_weights), placement, shards, self.groups.ep, self.rec)
-        return Rematerialiser(w_CF, regather, partial(state.memory.track, phase="backward", call=call))
+        return rematerialiser(w_CF, OwnedRead(params.expert_weights), placement, shards, self.groups.ep, self.rec,
+                              partial(state.memory.track, phase="backward", call=call), state.chain,
+                              state.regathers)
+
+    def join_chain(self, chain: Any) -> None:
+        """Re-gather early when the next layer of ``chain`` (a ``regather.RegatherChain``) releases its copies."""
+        self._state.chain = chain
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         """The pieces, each in its send order: ``d`` itself (the whole call), or PipeMoE's ``degree`` chunks
@@ -319,7 +330,7 @@ class HecateSchedule(Schedule):
         call.pieces = piece_plans(call.counts_RE, self.groups.ep.rank, call.placement, degree)
         last = self._state.last
         if last is not None:
-            self._state.last = HecateStats(last.placement, last.load_E, _rows_E(call.pieces, len(last.load_E)))
+            self._state.last = HecateStats(last.placement, last.load_E, rows_per_expert(call.pieces, len(last.load_E)))
         d = dispatched.d
         call.at_X = call.at_R.index_select(0, _index([r for p in call.pieces for r in p.rows], d.device))
         return list(d.index_select(0, call.at_X).split([len(p.rows) for p in call.pieces]))
@@ -378,21 +389,10 @@ class HecateSchedule(Schedule):
         call: _Call = dispatched.state
         if self._state.call is call:
             self._state.call = None         # hold nothing of this call (its copies) past the layer
-        return combine_rows(r_XM, call.pos_SK, call.routing)      # r_XM in d's order (join), as pos_SK reads it
-
-
-def _regather(owned: OwnedRead, placement: Placement, shards: ShardSpec, group, rec) -> torch.Tensor:
-    with torch.no_grad():
-        return spag_again(flat_experts(owned.read()), placement, shards, group, rec)
-
-
-def _rows_E(pieces: List[PiecePlan], num_experts: int) -> Tuple[int, ...]:
-    """Rows this rank computes per expert over the pieces (0 for experts it holds no copy of)."""
-    rows_E = [0] * num_experts
-    for piece in pieces:
-        for e, n in zip(piece.plan.experts, piece.plan.rows_C):
-            rows_E[e] += n
-    return tuple(rows_E)
+        y_SM = combine_rows(r_XM, call.pos_SK, call.routing)      # r_XM in d's order (join), as pos_SK reads it
+        if call.remat is not None:
+            start_at_output(call.remat, y_SM)    # the re-gather starts with the backward, if nothing started it
+        return y_SM
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -40,3 +41,5 @@ class State:
         self.overlap: Optional[int] = None          # prefetch: the agreed overlap degree t (None: not yet)
         self.expert_bytes = 1                       # prefetch: one expert's bytes (set when a gather is issued)
         self.planned = 0                            # prefetch: the t the last early gather was planned with
+        self.chain: Optional[Any] = None            # rematerialize: the model's RegatherChain (None: this layer alone)
+        self.regathers: Counter = Counter()         # rematerialize: re-gathers by what started them

@@ -87,3 +87,45 @@ def blocks_job(calls: int = 4) -> Dict[str, Any]:
                        measured=len(schedule._state.meter.history), pre_hooks=len(ours._forward_pre_hooks))
         out["pre_hooks_after"] = len(ours._forward_pre_hooks)
     return out
+
+
+def remat_blocks_job(calls: int = 3) -> Dict[str, Any]:
+    """Two stock blocks and two built while the plugin is enabled with ``"rematerialize": true`` (the second block's
+    layer_number 2), run in sequence for ``calls`` forward/backward calls: the largest difference per call, and
+    per plugin layer its re-gathers by what started them and its copy bytes alive after the calls."""
+    from moe_plugins.patches import megatron as mp
+    s = MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RPN, mp=1, ep=4, esp=1, experts=E, k=2,
+                           drop=False, tokens=S, hidden=M, ffn=H, dtype="float64", schedule="hecate",
+                           exchange="ragged")
+    out: Dict[str, Any] = {"err": []}
+    with megatron_on_cpu(), cuda_factories_on_cpu(), jobs._groups(s) as groups:
+        config = transformer_config(s, num_attention_heads=2, hidden_dropout=0.0, attention_dropout=0.0)
+        stock = [_block(config, groups), _block(config, groups)]
+        for i, block in enumerate(stock):
+            redraw(block.mlp, groups.pg_collection, seed=1 + i)
+            with torch.no_grad():
+                block.mlp.router.weight[list(HOT)] += 3.0 * _direction()
+        with mp.enable({"ranks_per_node": RPN, "hecate": {"enabled": True, "rematerialize": True}}, groups=groups):
+            ours = [_block(config, groups), _block(config, groups)]
+            for mine, theirs in zip(ours, stock):
+                mine.load_state_dict(theirs.state_dict())
+            gen = torch.Generator().manual_seed(7 + dist.get_rank())
+            for _ in range(calls):
+                x = torch.randn(S, 1, M, generator=gen, dtype=torch.float64) + 2.0 * _direction()
+                g = torch.randn_like(x)
+                res = []
+                for blocks in (stock, ours):
+                    for block in blocks:
+                        block.zero_grad(set_to_none=True)
+                    y = xi = x.clone().requires_grad_(True)
+                    for block in blocks:
+                        y, _ = block(y, attention_mask=None)
+                    y.backward(g)
+                    res.append((y.detach(), xi.grad, [_grads(b) for b in blocks]))
+                (ys, gxs, gws), (yp, gxp, gwp) = res
+                out["err"].append(max(jobs._maxerr(ys, yp), jobs._maxerr(gxs, gxp),
+                                      max(jobs._maxerr(a[n], b[n]) for a, b in zip(gws, gwp) for n in a)))
+            schedules = [b.mlp.token_dispatcher.schedule for b in ours]
+            out.update(regathers=[s.regathers for s in schedules], live=[s.memory.live_bytes for s in schedules],
+                       extra=[s.last.extra_copies() for s in schedules])
+    return out

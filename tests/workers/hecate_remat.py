@@ -67,18 +67,23 @@ def one_layer(specs: List[VerifySpec]) -> List[Dict[str, Dict[str, Any]]]:
     return out
 
 
-def _stack(spec: VerifySpec, groups, schedule, layers: int, ledger: CommLedger) -> List[torch.nn.Module]:
-    """``layers`` core MoE layers named moe0, moe1, ..., each with its own weights (seed + 17 i)."""
+def _stack(spec: VerifySpec, groups, schedule, layers: int, ledger: CommLedger,
+           engine: Any = None) -> List[torch.nn.Module]:
+    """``layers`` core MoE layers named moe0, moe1, ..., each with its own weights (seed + 17 i); with an
+    ``engine`` (a pipeline lane), on it and linked into one re-gather chain."""
     from moe_plugins.core.layer import MoELayer
+    from moe_plugins.hecate.regather import link
     from moe_plugins.plugins import default_registry
 
     out = []
     for i in range(layers):
         layer = MoELayer(spec.moe_config(), groups, schedule=schedule, dtype=torch.float64, ledger=ledger,
-                         registry=default_registry(), name=f"moe{i}")
+                         registry=default_registry(), name=f"moe{i}", engine=engine)
         prob = make_problem(replace(spec, seed=spec.seed + 17 * i))
         layer.load_full(prob.wg_EM, prob.full)
         out.append(layer)
+    if engine is not None:
+        link([layer.schedule for layer in out])
     return out
 
 
@@ -97,15 +102,19 @@ def stack_training(spec: VerifySpec, layers: int, steps: int) -> Dict[str, Dict[
     parameters, the communication ledger, and the copy memory: bytes alive after each forward and each backward
     (the ledgers' live counts, after a garbage collection), the peak per step (stamps around each step), per
     layer call rows and each layer's summary."""
+    from moe_plugins.core.engine import build_engine
     from moe_plugins.core.groups import process_groups
     from moe_plugins.hecate.memory import call_rows, live_peak, step_peaks
 
     out: Dict[str, Dict[str, Any]] = {}
-    with process_groups(spec.layout()) as groups:
+    with process_groups(spec.layout()) as groups, ExitStack() as closing:
         dp = spec.layout().coords(groups.global_rank)["dp"]
-        for name, schedule in _variants().items():
+        engine = build_engine(groups, pipeline=True)          # collective
+        closing.callback(engine.close)
+        variants = _variants()
+        for name, schedule in {**variants, "early": variants["remat"]}.items():
             ledger = CommLedger()
-            stack = _stack(spec, groups, schedule, layers, ledger)
+            stack = _stack(spec, groups, schedule, layers, ledger, engine if name == "early" else None)
             params = [p for layer in stack for p in layer.parameters()]
             counts = _counted([(f"{layer.name}.{n}", p) for layer in stack for n, p in layer.named_parameters()])
             memories = [layer.schedule.memory for layer in stack] if name != "ragged" else []
@@ -137,7 +146,8 @@ def stack_training(spec: VerifySpec, layers: int, steps: int) -> Dict[str, Dict[
             if memories:
                 run.update(peak=live_peak(memories), step_peaks=step_peaks(memories, run["bounds"]),
                            calls=call_rows(memories), memory=[m.summary() for m in memories],
-                           extra=[layer.schedule.last.extra_copies() for layer in stack])
+                           extra=[layer.schedule.last.extra_copies() for layer in stack],
+                           regathers=[layer.schedule.regathers for layer in stack])
             out[name] = run
             del stack, opt
     return out
@@ -179,7 +189,7 @@ def deepspeed_training(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k:
             gc.collect()
             out.update(swaps=list(handle.swaps), ledger=ledger.summary(), memory=memory[0].summary(),
                        step_peaks=step_peaks(memory, bounds), notes=layer.schedule.notes(),
-                       extra=layer.schedule.last.extra_copies())
+                       extra=layer.schedule.last.extra_copies(), regathers=layer.schedule.regathers)
         engine.destroy()
     return out
 

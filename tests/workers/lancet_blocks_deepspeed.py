@@ -95,7 +95,8 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
         out["local_experts"] = sorted({m.num_local_experts for m in model.modules() if hasattr(m, "deepspeed_moe")})
         out["dense"] = [] if handle is None else list(handle.lancet.dense)
         hecate = [] if handle is None else [s.schedule for s in handle.swapped_layers.values() if hasattr(s.schedule, "last")]
-        out["hecate"] = [{"extra": s.last.extra_copies(), "overlap": s.overlap, "notes": s.notes()} for s in hecate]
+        out["hecate"] = [{"extra": s.last.extra_copies(), "overlap": s.overlap, "notes": s.notes(),
+                          "regathers": s.regathers, "live_bytes": s.memory.live_bytes} for s in hecate]
         out["prefetch_hooks"] = 0 if handle is None else len(handle.hecate.handles)
         engine.destroy()
     out["restored"] = all("forward" not in vars(m) for m in model.modules())     # blocks and dense modules

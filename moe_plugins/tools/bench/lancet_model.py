@@ -14,9 +14,10 @@ Rows (``name`` or ``name@key=value,...``):
 - ``lancet`` (``@r=N``, ``@partitions=n|auto|tune``, ``@dw=0|1``): schedule ``baseline`` with the section
   ``"lancet": {"defer_wgrad": dw, "partitions": n}`` (dw 1 unless given) at pipeline degree N.
 - ``baseline@exchange=ragged``: the baseline sending only the kept routes (Hecate's reference);
-- ``hecate`` / ``hecate@prefetch=1`` / ``hecate@r=N`` / ``hecate@reshard=N``: ``"hecate": {"enabled": true,
-  "prefetch": ..., "reshard_every": N}`` (Hecate's FSSDP, with its early gather issued when each MoE block starts;
-  at PipeMoE's degree N; re-homing the experts by Algorithm 2 every N optimizer steps, which needs ``--zero 0``).
+- ``hecate`` / ``hecate@prefetch=1`` / ``hecate@r=N`` / ``hecate@reshard=N`` / ``hecate@remat=1``: ``"hecate":
+  {"enabled": true, "prefetch": ..., "reshard_every": N, "rematerialize": ...}`` (Hecate's FSSDP, with its early
+  gather issued when each MoE block starts; at PipeMoE's degree N; re-homing the experts by Algorithm 2 every N
+  optimizer steps, which needs ``--zero 0``; the copies freed after forward and gathered again in backward).
 
 Shapes: B samples per rank, L tokens per sample, M hidden, H expert FFN width, E experts, k routes per token,
 f capacity factor.
@@ -34,7 +35,7 @@ from moe_plugins.tools.bench.matrix import parse_rate
 KINDS = ("deepspeed", "baseline", "lancet", "hecate")
 OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r", "exchange"),
                                                            "lancet": ("r", "partitions", "dw", "dense"),
-                                                           "hecate": ("prefetch", "r", "reshard")})
+                                                           "hecate": ("prefetch", "r", "reshard", "remat")})
 AUTO = "auto"
 TUNE = "tune"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
@@ -49,7 +50,7 @@ EXPOSED_TARGET = 0.5                            # exposed all-to-all / the best 
 class ModelRow:
     """One parsed row: its label as given, its kind and options (``r``: pipeline degree; ``partitions``: an int
     or ``"auto"``; ``dw``: defer the experts' weight gradients; ``dense``: the dense layers' too, ``dense_wgrad``;
-    ``exchange``: the baseline's; ``prefetch``: Hecate's early gather)."""
+    ``exchange``: the baseline's; ``prefetch``: Hecate's early gather; ``remat``: its re-materialisation)."""
 
     label: str
     kind: str
@@ -60,6 +61,7 @@ class ModelRow:
     exchange: str = "padded"
     prefetch: bool = False
     reshard: int = 0
+    remat: bool = False
 
     @property
     def pipemoe_candidate(self) -> bool:
@@ -80,7 +82,8 @@ class ModelRow:
         if self.exchange != "padded":
             out["exchange"] = self.exchange
         if self.kind == "hecate":
-            out["hecate"] = {"enabled": True, "prefetch": self.prefetch, "reshard_every": self.reshard}
+            out["hecate"] = {"enabled": True, "prefetch": self.prefetch, "reshard_every": self.reshard,
+                             "rematerialize": self.remat}
         if self.kind == "lancet":
             out["lancet"] = {"defer_wgrad": self.dw, "partitions": self.partitions}
             if self.dense:
@@ -113,7 +116,7 @@ def parse_row(label: str) -> ModelRow:
             if value not in ("padded", "ragged"):
                 raise ValueError(f"row ({label!r}): option exchange ({value!r}) must be padded or ragged")
             values[key] = value
-        elif key in ("dw", "dense", "prefetch"):
+        elif key in ("dw", "dense", "prefetch", "remat"):
             if value not in ("0", "1"):
                 raise ValueError(f"row ({label!r}): option {key} ({value!r}) must be 0 or 1")
             values[key] = value == "1"

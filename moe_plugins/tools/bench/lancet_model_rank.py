@@ -25,6 +25,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -193,12 +194,20 @@ class BuiltRow:
         total = sum(float(c.sum()) for c in counts)
         return sum(float(c[0]) for c in counts) / total if total else None
 
+    def copy_peak(self, start_ns: int, end_ns: int) -> Optional[int]:
+        """Hecate's expert copies: the most bytes alive at once on this rank between the stamps (None: no Hecate
+        layer)."""
+        from moe_plugins.hecate.memory import live_peak
+        ledgers = [s.memory for s in self.schedules if hasattr(s, "memory")]
+        return live_peak(ledgers, start_ns, end_ns) if ledgers else None
+
     def lancet_facts(self) -> Dict[str, Any]:
         tuned = [d for e in self.executors if hasattr(e.parts, "decisions") for d, _ in e.parts.decisions().values()]
         return {"chosen_partitions": sorted({k for e in self.executors for k in e.chosen}), "tuned_partitions": tuned,
                 "ranges_run": sum(e.ranges_run for e in self.executors),
                 "dw_behind_exchange_calls": sum(o.calls for o in self.overlaps),
-                "schedule_notes": [n for s in self.schedules for n in s.notes()]}
+                "schedule_notes": [n for s in self.schedules for n in s.notes()],
+                "regathers": dict(sum((Counter(getattr(s, "regathers", {})) for s in self.schedules), Counter()))}
 
 
 def build_row(row: ModelRow, case: ModelCase, plugin: Any, stack: ExitStack, seed: int, zero: int,
@@ -231,14 +240,14 @@ def run_rounds(rows: List[BuiltRow], case: ModelCase, cfg: Dict[str, Any], meter
             ledger.clear()
             meter.start()
             tx0 = nic_tx_bytes(ifname)
-            t0 = time.perf_counter()
+            t0, ns0 = time.perf_counter(), time.perf_counter_ns()
             loss = by_label[label].step(ids)
-            elapsed = time.perf_counter() - t0
+            elapsed, ns1 = time.perf_counter() - t0, time.perf_counter_ns()
             share = by_label[label].hot_share()
             tx1 = nic_tx_bytes(ifname)
             figures = meter.stop().to_dict()
             out[label].append({"round": i, "timed": i >= cfg["warmup"], "step_s": elapsed, "loss": loss,
-                               "hot_share": share,
+                               "hot_share": share, "copy_peak_bytes": by_label[label].copy_peak(ns0, ns1),
                                "nic_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
                                **figures, **_ledger_step(ledger)})
         progress(i + 1)

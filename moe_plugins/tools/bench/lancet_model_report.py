@@ -69,6 +69,7 @@ def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Opt
     link_use = None if rate_bps is None or any(b is None for b in busiest) else \
         _median([8 * b / rate_bps / (s / 1e3) for b, s in zip(busiest, step)])
     shares = [r[i].get("hot_share") for r in per_rank for i in timed]
+    peaks = [[r[i].get("copy_peak_bytes") for r in per_rank] for i in timed]
     diff = None
     if reference is not None:
         diff = max(abs(mine["loss"] - ref["loss"]) for r, rr in zip(per_rank, reference) for mine, ref in zip(r, rr))
@@ -84,7 +85,8 @@ def row_summary(label: str, per_rank: List[List[Dict[str, Any]]], reference: Opt
             "nic_bytes": None if any(n is None for n in nics) else _median(nics), "link_use": link_use,
             "loss_per_round": [sum(r[i]["loss"] for r in per_rank) / len(per_rank) for i in range(rounds)],
             "loss_final": sum(r[-1]["loss"] for r in per_rank) / len(per_rank), "loss_max_abs_diff": diff,
-            "hot_share": None if not shares or None in shares else sum(shares) / len(shares)}
+            "hot_share": None if not shares or None in shares else sum(shares) / len(shares),
+            "copy_peak_bytes": None if any(None in p for p in peaks) else _median([max(p) for p in peaks])}
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -154,6 +156,10 @@ def _notes(row: Dict[str, Any]) -> str:
     if facts["dw_behind_exchange_calls"]:
         out.append(f"dW behind {facts['dw_behind_exchange_calls']} exchanges")
     out += [n.replace("|", "/") for n in facts.get("schedule_notes", [])]
+    if facts.get("regathers"):
+        out.append("re-gathers " + ", ".join(f"{why} {n}" for why, n in sorted(facts["regathers"].items())))
+    if row.get("copy_peak_bytes") is not None:
+        out.append(f"expert copies alive at most {row['copy_peak_bytes'] / 1e3:.1f} kB (busiest rank, median step)")
     if row.get("hot_share") is not None:
         out.append(f"expert 0 takes {100 * row['hot_share']:.0f}% of the routes")
     if row.get("other_wait_ms"):
