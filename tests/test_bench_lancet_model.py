@@ -46,17 +46,19 @@ def test_rows_parse_into_sections_and_bad_rows_are_named():
     early = lm.parse_row("hecate@prefetch=1")
     assert early.section() == {"schedule": "baseline", "pipeline_degree": 1,
                                "hecate": {"enabled": True, "prefetch": True, "reshard_every": 0,
-                                          "rematerialize": False}} and not early.padded
+                                          "rematerialize": False, "regather": "early"}} and not early.padded
     assert lm.parse_row("hecate").section()["hecate"] == {"enabled": True, "prefetch": False, "reshard_every": 0,
-                                                          "rematerialize": False}
+                                                          "rematerialize": False, "regather": "early"}
     assert lm.parse_row("hecate@remat=1").section()["hecate"]["rematerialize"] is True     # re-materialisation
+    assert lm.parse_row("hecate@remat=1,regather=at_need").section()["hecate"]["regather"] == "at_need"
     with pytest.raises(ValueError, match=r"option remat \('2'\) must be 0 or 1"):
         lm.parse_row("hecate@remat=2")
     assert lm.parse_row("hecate@reshard=4").section()["hecate"]["reshard_every"] == 4     # Algorithm 2's re-homing
     with pytest.raises(ValueError, match=r"option exchange \('even'\) must be padded or ragged"):
         lm.parse_row("baseline@exchange=even")
     assert lm.parse_row("hecate@r=2").section()["pipeline_degree"] == 2       # PipeMoE's chunks
-    with pytest.raises(ValueError, match=r"option 'dw=1' is unknown for hecate; allowed: prefetch, r, reshard, remat"):
+    with pytest.raises(ValueError, match=r"'dw=1' is unknown for hecate; allowed: prefetch, r, reshard, remat, "
+                                         r"regather"):
         lm.parse_row("hecate@dw=1")
     assert lm.rows_problems(list(lm.DEFAULT_ROWS)) == []
     problems = lm.rows_problems(["baseline", "lancet", "lancet", "pipe"])

@@ -50,8 +50,14 @@ def test_config_accepts_rematerialize_with_the_same_rules():
     cfg = PluginConfig.from_dict(REMAT, **config_choices())             # the DeepSpeed adapter's rules
     assert HecateConfig.from_dict(cfg.hecate).rematerialize is True
     assert HecateSchedule.from_section({"rematerialize": True}).options.rematerialize is True
-    assert HecateConfig().rematerialize is False
+    assert HecateConfig().rematerialize is False and HecateConfig().regather == "early"
+    assert HecateSchedule.from_section({"rematerialize": True, "regather": "at_need"}).options.regather == "at_need"
+    from moe_plugins.hecate.config import lane_on                 # an early re-gather needs the pipeline lane
+    assert lane_on(cfg) and not lane_on(PluginConfig.from_dict({"hecate": {**REMAT["hecate"], "regather": "at_need"}},
+                                                               **config_choices()))
     for section, message in (({"hecate": {"rematerialize": "yes"}}, r"rematerialize \('yes'\) must be true or false"),
+                             ({"hecate": {"rematerialize": True, "regather": "soon"}},
+                              r"regather \('soon'\) must be one of 'early', 'at_need'"),
                              ({"hecate": {"rematerialize": True, "reshard_every": -5}},
                               r"reshard_every \(-5\) must be an integer >= 0"),
                              ({**REMAT, "pipeline_degree": 2}, r"pipeline_degree \(2\) must be 1 with "
@@ -277,7 +283,8 @@ def test_a_stack_of_layers_keeps_one_layers_copies_and_trains_as_without(world):
         assert early["losses"] == on["losses"]
         assert all(torch.equal(a, b) for a, b in zip(early["grads"] + early["params"], on["grads"] + on["params"]))
         assert early["regathers"] == [{"next_layer": steps}] * (LAYERS - 1) + [{"own_output": steps}]
-        assert on["regathers"] == [{"at_need": steps}] * LAYERS
+        assert on["regathers"] == res["at_need"]["regathers"] == [{"at_need": steps}] * LAYERS   # "regather": "at_need"
+        assert res["at_need"]["losses"] == on["losses"] and res["at_need"]["ledger"] == on["ledger"]
         assert early["live_forward"] == early["live_backward"] == [0] * steps
         assert early["peak"] == on["peak"] and early["step_peaks"] == on["step_peaks"], (rank, early["peak"])
         assert {(r["layer"], r["call"]): r["bytes"] for r in early["calls"] if r["phase"] == "backward"} == made

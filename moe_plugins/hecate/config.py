@@ -6,8 +6,11 @@
         "enabled": true,          # false keeps the section but runs the plain schedule
         "extra_experts": "auto",  # the memory budget m: expert copies per rank beyond its own experts, an
                                   # integer >= 1, or "auto": as many as the rank owns (E / EP)
-        "rematerialize": false,   # true: free the copies after the layer's forward and spAG them again right
-                                  # before its backward (less copy memory, one more spAG per layer and step)
+        "rematerialize": false,   # true: free the copies after the layer's forward and spAG them again for
+                                  # its backward (less copy memory, one more spAG per layer and step)
+        "regather": "early",      # with rematerialize: "early" starts the re-gather on the engine's pipeline
+                                  # lane as soon as the next layer has released its copies (regather.py);
+                                  # "at_need" runs it inline when the backward first needs the copies
         "prefetch": false,        # true: plan from the previous calls' load and issue spAG before the gate, on
                                   # the engine's pipeline lane, at the start of the layer's transformer block,
                                   # with the overlap degree t measured (moe_plugins/hecate/early.py)
@@ -36,6 +39,7 @@ from typing import Any, List, Mapping, Optional, Union
 from moe_plugins.core.plugin_config import SectionRules, unknown_keys
 
 AUTO = "auto"
+REGATHERS = ("early", "at_need")   # when rematerialize's re-gather runs (moe_plugins/hecate/regather.py)
 NAME = "hecate"                    # the schedule's registered name and the section's key
 SWITCHES = ("baseline", NAME)      # the schedules an enabled section runs as Hecate
 HOSTS = ("deepspeed", "megatron")  # the host adapters that run Hecate
@@ -46,6 +50,7 @@ class HecateConfig:
     enabled: bool = True
     extra_experts: Union[int, str] = AUTO
     rematerialize: bool = False
+    regather: str = "early"
     prefetch: bool = False
     reshard_every: int = 0
 
@@ -85,6 +90,8 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
     for key in ("rematerialize", "prefetch"):
         if key in section and not isinstance(section[key], bool):
             bad(key, "must be true or false")
+    if "regather" in section and section["regather"] not in REGATHERS:
+        bad("regather", f"must be one of {', '.join(map(repr, REGATHERS))} (when rematerialize's re-gather runs)")
     if "reshard_every" in section:
         if not _int(section["reshard_every"], 0):
             bad("reshard_every", "must be an integer >= 0 (optimizer steps between re-shardings; 0: never)")
@@ -106,7 +113,8 @@ def lane_on(cfg: Any) -> bool:
     """Whether a PluginConfig ``cfg`` runs Hecate work on an engine's pipeline lane: the early gather, or
     ``rematerialize``'s early re-gather (moe_plugins/hecate/regather.py)."""
     return prefetch_on(cfg) or (hecate_on(cfg) and isinstance(cfg.hecate, Mapping)
-                                and cfg.hecate.get("rematerialize") is True)
+                                and cfg.hecate.get("rematerialize") is True
+                                and cfg.hecate.get("regather", "early") == "early")
 
 
 def reshard_interval(cfg: Any) -> int:

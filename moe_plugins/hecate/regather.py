@@ -64,18 +64,19 @@ def link(schedules: Iterable[Any], chain: Optional[RegatherChain] = None) -> Reg
 
 def rematerialiser(w_CF: torch.Tensor, owned: OwnedRead, placement: Placement, shards: ShardSpec, group: Any,
                    rec: Any, on_gather: Callable[[torch.Tensor], Any], chain: Optional[RegatherChain],
-                   counts: Counter) -> Rematerialiser:
+                   counts: Counter, early: bool = True) -> Rematerialiser:
     """The call's Rematerialiser for copies ``w_CF`` (just materialised by spAG over EP ``group``): inline
     re-gather at need, an early one on the pipeline lane where the engine has one, and, in a training forward,
     hooked into ``chain``: the previous call's re-gather starts when ``w_CF``'s gradient is complete. ``counts``
-    (the layer's) counts the re-gathers by what started them: ``next_layer``, ``own_output`` or ``at_need``."""
+    (the layer's) counts the re-gathers by what started them: ``next_layer``, ``own_output`` or ``at_need``.
+    ``early`` False (``"regather": "at_need"``): only at need."""
     inline = partial(_regather, owned, placement, shards, group, rec, counts)
-    early = None
-    if group.size > 1 and rec.engine.has_lane(PIPELINE):
+    issue = None
+    if early and group.size > 1 and rec.engine.has_lane(PIPELINE):
         twin = rec.engine.lane_groups(PIPELINE).by_kind()[group.kind]
-        early = partial(_issue, owned, placement, shards, twin, rec, on_gather)
-    remat = Rematerialiser(w_CF, inline, on_gather, early=early, counts=counts)
-    if chain is not None and early is not None and w_CF.requires_grad:
+        issue = partial(_issue, owned, placement, shards, twin, rec, on_gather)
+    remat = Rematerialiser(w_CF, inline, on_gather, early=issue, counts=counts)
+    if chain is not None and issue is not None and w_CF.requires_grad:
         previous = chain.push(remat)
         if previous is not None:
             w_CF.register_hook(partial(_start, previous, "next_layer"))

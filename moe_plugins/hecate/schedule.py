@@ -312,7 +312,7 @@ class HecateSchedule(Schedule):
             return None
         return rematerialiser(w_CF, OwnedRead(params.expert_weights), placement, shards, self.groups.ep, self.rec,
                               partial(state.memory.track, phase="backward", call=call), state.chain,
-                              state.regathers)
+                              state.regathers, early=self.options.regather == "early")
 
     def join_chain(self, chain: Any) -> None:
         """Re-gather early when the next layer of ``chain`` (a ``regather.RegatherChain``) releases its copies."""

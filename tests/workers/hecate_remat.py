@@ -105,6 +105,7 @@ def stack_training(spec: VerifySpec, layers: int, steps: int) -> Dict[str, Dict[
     from moe_plugins.core.engine import build_engine
     from moe_plugins.core.groups import process_groups
     from moe_plugins.hecate.memory import call_rows, live_peak, step_peaks
+    from moe_plugins.hecate.schedule import HecateSchedule
 
     out: Dict[str, Dict[str, Any]] = {}
     with process_groups(spec.layout()) as groups, ExitStack() as closing:
@@ -112,9 +113,10 @@ def stack_training(spec: VerifySpec, layers: int, steps: int) -> Dict[str, Dict[
         engine = build_engine(groups, pipeline=True)          # collective
         closing.callback(engine.close)
         variants = _variants()
-        for name, schedule in {**variants, "early": variants["remat"]}.items():
+        need = HecateSchedule.configured(replace(variants["remat"].options, regather="at_need"))
+        for name, schedule in {**variants, "early": variants["remat"], "at_need": need}.items():
             ledger = CommLedger()
-            stack = _stack(spec, groups, schedule, layers, ledger, engine if name == "early" else None)
+            stack = _stack(spec, groups, schedule, layers, ledger, engine if name in ("early", "at_need") else None)
             params = [p for layer in stack for p in layer.parameters()]
             counts = _counted([(f"{layer.name}.{n}", p) for layer in stack for n, p in layer.named_parameters()])
             memories = [layer.schedule.memory for layer in stack] if name != "ragged" else []

@@ -17,7 +17,8 @@ Rows (``name`` or ``name@key=value,...``):
 - ``hecate`` / ``hecate@prefetch=1`` / ``hecate@r=N`` / ``hecate@reshard=N`` / ``hecate@remat=1``: ``"hecate":
   {"enabled": true, "prefetch": ..., "reshard_every": N, "rematerialize": ...}`` (Hecate's FSSDP, with its early
   gather issued when each MoE block starts; at PipeMoE's degree N; re-homing the experts by Algorithm 2 every N
-  optimizer steps, which needs ``--zero 0``; the copies freed after forward and gathered again in backward).
+  optimizer steps, which needs ``--zero 0``; the copies freed after forward and gathered again in backward,
+  ``@remat=1,regather=at_need``: only when the backward needs them).
 
 Shapes: B samples per rank, L tokens per sample, M hidden, H expert FFN width, E experts, k routes per token,
 f capacity factor.
@@ -35,7 +36,8 @@ from moe_plugins.tools.bench.matrix import parse_rate
 KINDS = ("deepspeed", "baseline", "lancet", "hecate")
 OPTIONS: Mapping[str, Tuple[str, ...]] = MappingProxyType({"deepspeed": (), "baseline": ("r", "exchange"),
                                                            "lancet": ("r", "partitions", "dw", "dense"),
-                                                           "hecate": ("prefetch", "r", "reshard", "remat")})
+                                                           "hecate": ("prefetch", "r", "reshard", "remat",
+                                                                      "regather")})
 AUTO = "auto"
 TUNE = "tune"
 DEFAULT_ROWS = ("deepspeed", "baseline", "baseline@r=2", "baseline@r=4", "lancet", "lancet@partitions=2",
@@ -62,6 +64,7 @@ class ModelRow:
     prefetch: bool = False
     reshard: int = 0
     remat: bool = False
+    regather: str = "early"
 
     @property
     def pipemoe_candidate(self) -> bool:
@@ -83,7 +86,7 @@ class ModelRow:
             out["exchange"] = self.exchange
         if self.kind == "hecate":
             out["hecate"] = {"enabled": True, "prefetch": self.prefetch, "reshard_every": self.reshard,
-                             "rematerialize": self.remat}
+                             "rematerialize": self.remat, "regather": self.regather}
         if self.kind == "lancet":
             out["lancet"] = {"defer_wgrad": self.dw, "partitions": self.partitions}
             if self.dense:
@@ -112,6 +115,10 @@ def parse_row(label: str) -> ModelRow:
             raise ValueError(f"row ({label!r}): option {key} is given twice")
         if key == "partitions":
             values[key] = value if value in (AUTO, TUNE) else _int_option(label, key, value, 1)
+        elif key == "regather":
+            if value not in ("early", "at_need"):
+                raise ValueError(f"row ({label!r}): option regather ({value!r}) must be early or at_need")
+            values[key] = value
         elif key == "exchange":
             if value not in ("padded", "ragged"):
                 raise ValueError(f"row ({label!r}): option exchange ({value!r}) must be padded or ragged")
