@@ -116,6 +116,11 @@ def test_hecate_rows_with_and_without_rematerialization(world):
     assert rows.row_problems(matrix.parse_row("hecate@prefetch=yes"))[0].endswith("prefetch ('yes') must be 0 or 1")
     assert rows.row_problems(matrix.parse_row("hecate@exchange=ragged,prefetch=1")) == []
     assert "option 'remat' is unknown" in rows.row_problems(matrix.parse_row("baseline@remat=1"))[0]
+    assert rows.row_problems(matrix.parse_row("hecate@remat=1,regather=soon"))[0].endswith(
+        "regather ('soon') must be early or at_need")
+    from moe_plugins.tools.bench.runner import _pipelines      # an early re-gather runs on the case's lane
+    assert _pipelines(matrix.parse_row("hecate@remat=1"))
+    assert not _pipelines(matrix.parse_row("hecate@remat=1,regather=at_need"))
     case = CaseConfig(tokens=64, hidden=16, ffn=32, experts=8, k=2, drop_tokens=False, ep=4, skew=0.75)
     plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case,), rates=("unshaped",), iters=2, warmup=1,
                      rows=(matrix.parse_row("baseline@exchange=ragged"), matrix.parse_row("hecate@exchange=ragged"),

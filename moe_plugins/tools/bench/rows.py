@@ -61,6 +61,8 @@ LANE = "engine"              # CaseData.extras key: the layout's one CommEngine 
 HECATE = "hecate"            # Hecate's schedule, with its row options remat and prefetch
 HECATE_OPTIONS = {**PLUGIN_OPTIONS, "remat": "1: rematerialize (the copies freed after forward and gathered again "
                                              "in backward); 0 (default): kept",
+                  "regather": "with remat=1: early (default; on the case engine's pipeline lane, started when the "
+                              "backward reaches the layer) or at_need (inline, when the backward needs the copies)",
                   "prefetch": "1: the early gather (copies planned from earlier calls' load, issued before the gate; "
                               "t the larger of the measured hiding degree and the experts whose copies pay); 0 "
                               "(default): planned after the gate with t = E"}
@@ -129,7 +131,8 @@ def build_hecate_row(spec: RowSpec, data: CaseData) -> Row:
     block before the layer here: the gather is issued when the call starts); its notes give the copies' peak bytes
     on this rank (the schedule's memory ledger)."""
     row = build_plugin_row(spec, data, schedule=_schedule(spec, data).configured(
-        HecateConfig(rematerialize=spec.option("remat", "0") == "1", prefetch=spec.option("prefetch", "0") == "1")))
+        HecateConfig(rematerialize=spec.option("remat", "0") == "1", prefetch=spec.option("prefetch", "0") == "1",
+                     regather=spec.option("regather", "early"))))
     layer, describe = row.module, row.describe
     return replace(row, describe=lambda: tuple(describe()) + (
         f"copies' peak {layer.schedule.memory.peak_bytes / 2 ** 20:.2f} MiB on this rank",))
@@ -248,6 +251,8 @@ def row_problems(spec: RowSpec) -> List[str]:
     for key in ("remat", "prefetch") if spec.name == HECATE else ():
         if spec.option(key, "0") not in ("0", "1"):
             problems.append(f"row ({spec.label!r}): {key} ({spec.option(key)!r}) must be 0 or 1")
+    if spec.name == HECATE and spec.option("regather", "early") not in ("early", "at_need"):
+        problems.append(f"row ({spec.label!r}): regather ({spec.option('regather')!r}) must be early or at_need")
     if spec.name == "deepspeed":
         problems += adapter_row_problems(spec)
     if spec.name == "megatron" and spec.option("dispatcher", "alltoall") not in ("alltoall", "allgather"):

@@ -41,7 +41,7 @@ from moe_plugins.core.engine import CommEngine, build_engine
 from moe_plugins.tools.bench.case import CaseData, Row, close_rows, fwd_bwd, make_case_data
 from moe_plugins.tools.bench.lancet_exposure import begin_exposure, step_exposure
 from moe_plugins.tools.bench.ranks import max_over_ranks
-from moe_plugins.tools.bench.rows import LANCET, LANE, PROFILE, STOCK_ROWS, build_row, needs_profile
+from moe_plugins.tools.bench.rows import HECATE, LANCET, LANE, PROFILE, STOCK_ROWS, build_row, needs_profile
 from moe_plugins.tools.bench.traffic import nic_tx_bytes
 
 
@@ -60,9 +60,12 @@ def _emit(job: RankJob, event: Dict[str, Any]) -> None:
 
 
 def _pipelines(spec: RowSpec) -> bool:
-    """Whether a row needs the pipeline lane: a plugin row's ``@r=`` other than 1 (stock rows never), and every
-    ``lancet`` row. A bad degree needs no lane: building that row fails, and the row is skipped with the reason."""
+    """Whether a row needs the pipeline lane: a plugin row's ``@r=`` other than 1 (stock rows never), every
+    ``lancet`` row, and a ``hecate`` row with ``remat=1`` re-gathering early. A bad degree needs no lane: building
+    that row fails, and the row is skipped with the reason."""
     if spec.name == LANCET:           # its backward exchanges fly on the lane while the dW runs
+        return True
+    if spec.name == HECATE and spec.option("remat", "0") == "1" and spec.option("regather", "early") == "early":
         return True
     if spec.name in STOCK_ROWS:       # deepspeed@plugin=...,r=N: the adapter builds its own lane, as for a user
         return False
