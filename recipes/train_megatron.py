@@ -338,6 +338,8 @@ def _run(args, size: models.ModelSize, settings: MegatronMoESettings, pgc: Any, 
                                          "chosen": sorted({k for e in executors for k in e.chosen})}
     if handle is not None and handle.early is not None:        # the MoE layers whose block issues the early gather
         log.meta["hecate_early_blocks"] = len(handle.early.hooked)
+        schedules = [getattr(getattr(m, "token_dispatcher", None), "schedule", None) for m in model.modules()]
+        log.meta["hecate_regathers"] = [s.regathers for s in schedules if hasattr(s, "regathers")]   # rematerialize
     if packing is not None:            # Lina's packing: where it ended and the decisions of "auto"
         log.meta["lina_packing"] = [{"packing": p.controller.packing, "regroups": p.regroups,
                                      "decisions": [[s, a, b] for s, _, a, b in p.controller.decisions]}

@@ -188,11 +188,13 @@ def test_hecate_resharding_in_the_recipe_equals_stock_megatron_and_resumes(world
 
 
 def test_hecate_early_gather_in_the_recipe_equals_stock_megatron(world, tmp_path):
-    """The recipe's flag with ``prefetch``: each HF GPT-2 block holding an MoE layer issues its spAG when it starts
-    (``wrap_model``), and 12 steps equal stock Megatron."""
+    """The recipe's flag with ``prefetch`` and ``rematerialize``: each HF GPT-2 block holding an MoE layer issues
+    its spAG when it starts (``wrap_model``), the copies are freed after forward and gathered again early in
+    backward (the first layer's when the second releases its copies), and 12 steps equal stock Megatron."""
     on = on_equals_stock(world, tmp_path, ["--tp", "1", "--ep", "4", "--etp", "1"],
-                         '{"ranks_per_node": 2, "hecate": {"enabled": true, "prefetch": true}}')
+                         '{"ranks_per_node": 2, "hecate": {"enabled": true, "prefetch": true, "rematerialize": true}}')
     assert on["hecate_early_blocks"] == 2
+    assert on["hecate_regathers"] == [{"next_layer": 12}, {"own_output": 12}], on["hecate_regathers"]
 
 
 def test_lancet_partitions_in_the_recipe_equal_stock_megatron(world, tmp_path):
