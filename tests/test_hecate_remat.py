@@ -3,10 +3,11 @@ copy-memory ledger (moe_plugins/hecate/memory.py).
 
 In one process: the config, the ledger's merge of several layers (peaks, steps, per call rows), real tensor
 lifetimes, and the saved-tensor hooks on a toy copy (freed after forward, one re-gather per backward, gradients
-bitwise those without, an in-place change refused). On 4 gloo ranks (2 nodes x 2) in fp64: one core layer with
+bitwise those without, an in-place change refused; an early re-gather started once and used, the chain holding
+calls weakly). On 4 gloo ranks (2 nodes x 2) in fp64: one core layer with
 it equals the reference, the baseline and Hecate without it (bitwise), with one more ``spag`` in backward of the
 forward's bytes; a stack of 3 MoE layers trains bitwise as without it while at most one layer's copies are alive
-(<= 1/L + 10% of the run without it); on DeepSpeed it equals stock in fp64 and trains under ZeRO 2 with stock's
+(<= 1/L + 10% of the run without it), also with the re-gathers started early on a pipeline lane; on DeepSpeed it equals stock in fp64 and trains under ZeRO 2 with stock's
 losses."""
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def test_the_ledger_follows_real_tensor_lifetimes():
         "backward_bytes": 24}
 
 
-def _toy(owned_EF: torch.Tensor, remat: bool, ledger: CopyLedger):
-    """A copy tensor made from ``owned_EF`` (twice each row, as spAG would), used by two GEMMs like an expert."""
+def _toy(owned_EF: torch.Tensor, remat: bool, ledger: CopyLedger, early=None):
+    """A copy tensor made from ``owned_EF`` (twice each row, as spAG would), used by two GEMMs like an expert
+    (``early``: the Rematerialiser's early issuer)."""
     def gather(w):
         return torch.cat([w, w]).contiguous()
     w_CF = _Gather.apply(owned_EF, gather)
@@ -125,7 +127,7 @@ def _toy(owned_EF: torch.Tensor, remat: bool, ledger: CopyLedger):
     if remat:
         owned = OwnedRead(ExpertWeights(owned_EF, owned_EF, owned_EF, owned_EF))
         r = Rematerialiser(w_CF, lambda: gather(owned.read().w1_EMH.detach()),
-                           lambda w: ledger.track(w, "backward", 0))
+                           lambda w: ledger.track(w, "backward", 0), early=early)
     with r.hooks() if r is not None else nullcontext():
         t = torch.bmm(x_CNF, w_CF.unsqueeze(2)).tanh()          # tanh saves its output
         y = (t * torch.bmm(x_CNF, w_CF.flip(1).unsqueeze(2))).sum()
@@ -173,6 +175,49 @@ def test_rematerialiser_frees_the_copies_and_gathers_once_per_backward():
         owned.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place between the layer's forward and its backward"):
         y.backward()
+
+
+class _Ready:
+    """A handle whose result is there (an early re-gather that finished)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+    def wait(self) -> torch.Tensor:
+        return self.w
+
+
+def test_an_early_regather_is_used_once_and_the_chain_holds_calls_weakly():
+    from moe_plugins.hecate.regather import RegatherChain
+    base = torch.linspace(0.1, 0.9, 10, dtype=torch.float64).view(2, 5)
+    ledger, issued = CopyLedger("toy"), []
+
+    def early():                        # what regather._issue does: gather, record, hand over
+        w = torch.cat([base, base]).contiguous()
+        ledger.track(w, "backward", 0)
+        issued.append(w)
+        return _Ready(w)
+    owned = base.clone().requires_grad_(True)
+    y, r, _ = _toy(owned, True, ledger, early=early)
+    assert r.start_early() and not r.start_early() and len(issued) == 1       # started once
+    y.backward()
+    assert r.gathers == r.early_gathers == 1 and len(issued) == 1             # the early copies served the views
+    assert ledger.totals["backward"] == (1, 160) and not r.start_early()     # served: nothing more to start
+    plain = base.clone().requires_grad_(True)
+    _toy(plain, False, CopyLedger("toy"))[0].backward()
+    assert torch.equal(owned.grad, plain.grad)
+    with torch.no_grad():                                                     # nothing saved: nothing to start
+        _, idle, _ = _toy(base.clone(), True, CopyLedger("toy"), early=early)
+    assert not idle.start_early() and len(issued) == 1
+    chain = RegatherChain()
+    y1, r1, _ = _toy(base.clone().requires_grad_(True), True, CopyLedger("toy"), early=early)
+    y2, r2, _ = _toy(base.clone().requires_grad_(True), True, CopyLedger("toy"), early=early)
+    assert chain.push(r1) is None
+    previous = chain.push(r2)
+    assert previous() is r1
+    del y1, r1                                                                # its graph dropped without backward
+    gc.collect()
+    assert previous() is None
 
 
 def test_rereadable_weights_are_read_again_not_held():
