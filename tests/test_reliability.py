@@ -1,6 +1,7 @@
 """A rank that stops (SIGSTOP: a stuck host) never hangs the others: on 4 gloo ranks, rank 3 stops at a random
-point (an MoE all-to-all in forward or in backward, a PipeMoE chunk, Parm's SAA, a Lina micro-op), and every
-other rank exits non-zero within twice the process group's timeout, its error naming where it was.
+point (an MoE all-to-all in forward or in backward, a PipeMoE chunk, Parm's SAA, a Lina micro-op, Hecate's early
+re-gather), and every other rank exits non-zero within twice the process group's timeout, its error naming where
+it was.
 
 The ranks are plain processes (tests/workers/stall.py), not the test pool. The points' op counts are drawn
 from a seeded generator; the seed is printed (STALL_SEED replays it).
@@ -27,7 +28,7 @@ TIMEOUT_S = 6.0                    # the process group's timeout (the recipes' -
 SEED = int(os.environ.get("STALL_SEED", random.SystemRandom().randrange(10_000)))
 print(f"test_reliability: STALL_SEED={SEED}")
 RECIPE_TIMEOUT_S = float(os.environ.get("STALL_RECIPE_TIMEOUT_S", "10"))   # the issue's figure: 60
-LAST_OP = {"forward": 12, "backward": 12, "pipemoe": 30, "saa": 8, "lina": 12}   # stop at op 1..LAST_OP
+LAST_OP = {"forward": 12, "backward": 12, "pipemoe": 30, "saa": 8, "lina": 12, "regather": 12}   # stop at op 1..
 
 
 def _free_port() -> int:
@@ -82,7 +83,7 @@ def _survivors_failed(procs: List[subprocess.Popen], out: Path, timeout: float, 
     return logs
 
 
-@pytest.mark.parametrize("point", ["forward", "backward", "pipemoe", "saa", "lina"])
+@pytest.mark.parametrize("point", ["forward", "backward", "pipemoe", "saa", "lina", "regather"])
 def test_a_stopped_rank_makes_every_other_rank_fail_within_twice_the_timeout(tmp_path, point):
     nth = random.Random(f"{SEED}-{point}").randint(1, LAST_OP[point])
     procs = _launch(point, nth, tmp_path)
@@ -99,7 +100,8 @@ def test_a_stopped_rank_makes_every_other_rank_fail_within_twice_the_timeout(tmp
             assert any("background lane" in e for e in errors.values()), errors
         else:
             named = [e for e in errors.values() if "layer 'moe'" in e and f"schedule '{_schedule(point)}'" in e]
-            assert named and all(("all_to_all@" in e or "SAA" in e or "all_gather@" in e) for e in named), errors
+            assert named and all(("all_to_all@" in e or "SAA" in e or "all_gather@" in e or "spag@" in e)
+                                 for e in named), errors
             if point == "saa":
                 assert any("SAA" in e for e in errors.values()), errors
     finally:
@@ -110,7 +112,7 @@ def test_a_stopped_rank_makes_every_other_rank_fail_within_twice_the_timeout(tmp
 
 
 def _schedule(point: str) -> str:
-    return "parm-s2-saa" if point == "saa" else "baseline"
+    return {"saa": "parm-s2-saa", "regather": "hecate"}.get(point, "baseline")
 
 
 def test_the_deepspeed_recipe_with_dist_timeout_fails_fast_when_a_rank_stops(tmp_path):

@@ -5,7 +5,8 @@ MASTER_ADDR, MASTER_PORT in the environment), not on the test pool: a stopped po
 
 Points (``--point``): ``forward`` / ``backward`` (an MoE all-to-all of the baseline schedule in that phase),
 ``pipemoe`` (an op of a PipeMoE chunk on the engine's pipeline lane, degree 2), ``saa`` (Parm's SAA of
-parm-s2-saa, MP 2 x EP 2 x ESP 2: its fused EP&ESP group spans the world), ``lina`` (a micro-op of Lina's gradient reduction on the background lane). The victim
+parm-s2-saa, MP 2 x EP 2 x ESP 2: its fused EP&ESP group spans the world), ``lina`` (a micro-op of Lina's gradient reduction on the background lane), ``regather`` (Hecate's
+re-materialisation: the copies' early re-gather, a ``spag`` in backward on the pipeline lane). The victim
 stops at the ``--nth`` matching op, counted from the start, after writing the time to ``--out``/stopped.
 Every rank writes ``--out``/rank<r>.json when its step loop ends, normally or not.
 
@@ -34,12 +35,15 @@ from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, make_problem
 
-POINTS = ("forward", "backward", "pipemoe", "saa", "lina")
+POINTS = ("forward", "backward", "pipemoe", "saa", "lina", "regather")
 
 
 def spec_of(point: str) -> VerifySpec:
     if point == "saa":
         return VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, esp=2, k=2, tokens=16, schedule="parm-s2-saa")
+    if point == "regather":
+        return VerifySpec(world=4, ranks_per_node=2, ep=4, k=2, tokens=16, schedule="hecate", exchange="ragged",
+                          drop=False)
     return VerifySpec(world=4, ranks_per_node=2, ep=4, k=2, tokens=16, schedule="baseline",
                       pipeline_degree=2 if point == "pipemoe" else 1)
 
@@ -72,7 +76,8 @@ def arm(point: str, nth: int, out: Path) -> None:
     def _op(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane, *rest):
         wanted = {"forward": op == "all_to_all" and phase == "forward" and lane == "main",
                   "backward": op == "all_to_all" and phase == "backward" and lane == "main",
-                  "pipemoe": lane == "pipeline", "lina": lane == "background"}[point]
+                  "pipemoe": lane == "pipeline", "lina": lane == "background",
+                  "regather": name == "spag" and phase == "backward" and lane == "pipeline"}[point]
         if wanted and hit():
             stop_here(out)
         return op_of(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane, *rest)
@@ -85,9 +90,14 @@ def steps(point: str, n: int) -> int:
     prob = make_problem(spec)
     done = 0
     with process_groups(spec.layout()) as groups:
-        engine = build_engine(groups, pipeline=point == "pipemoe", background=point == "lina")
+        engine = build_engine(groups, pipeline=point in ("pipemoe", "regather"), background=point == "lina")
+        schedule = spec.schedule
+        if point == "regather":
+            from moe_plugins.hecate.config import HecateConfig
+            from moe_plugins.hecate.schedule import HecateSchedule
+            schedule = HecateSchedule.configured(HecateConfig(rematerialize=True))
         try:
-            layer = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=spec.schedule,
+            layer = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=schedule,
                              dtype=torch.float64, engine=engine,
                              executor=build_executor(spec.pipeline_degree, None, engine))
             layer.load_full(prob.wg_EM, prob.full)
