@@ -21,6 +21,9 @@ Built so far (in the core layer and the config; on DeepSpeed through patches/dee
 - :mod:`moe_plugins.hecate.memory`: the copy-memory ledger: every copy tensor's bytes and lifetime per layer
   (``schedule.memory``), merged over layers into peaks per step and per layer call.
 - :mod:`moe_plugins.hecate.config`: the ``"hecate": {...}`` section of the ``moe_plugins`` config.
+- :mod:`moe_plugins.hecate.regather`: when re-materialisation's re-gather runs (early on the pipeline lane).
+- :mod:`moe_plugins.hecate.explain`: Algorithm 1's plan for one load, explained in bytes; ``moe-plugins plan
+  hecate`` (:mod:`moe_plugins.hecate.plan_cli`) prints it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ from __future__ import annotations
 __all__ = ["register"]
 
 
+def _planner(subparsers) -> None:
+    from moe_plugins.hecate import plan_cli     # imported when `moe-plugins plan hecate` is asked for
+    plan_cli.register(subparsers)
+
+
 def register(registry) -> None:
-    """Add Hecate's schedule and config section to ``registry``."""
+    """Add Hecate's schedule, config section and planner (``moe-plugins plan hecate``) to ``registry``."""
     from moe_plugins.hecate.config import NAME, SECTION_RULES
     from moe_plugins.hecate.schedule import HecateSchedule
     registry.add_schedule(HecateSchedule, paper=NAME)
     registry.add_section(NAME, SECTION_RULES, paper=NAME)
+    registry.add_planner(NAME, _planner)
