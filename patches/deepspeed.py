@@ -43,8 +43,7 @@ from moe_plugins.core.profile_ops import cached_profile
 from moe_plugins.core.schedule import with_exchange
 from moe_plugins.hecate.config import lane_on
 from moe_plugins.plugins import default_registry
-from moe_plugins.patches.deepspeed_hecate import (HecateBlockHooks, config_choices, hecate_class, hecate_config,
-                                                  weights_source)
+from moe_plugins.patches.deepspeed_hecate import HecateBlockHooks, config_choices, hecate_class, hecate_config
 from moe_plugins.patches.deepspeed_host import (GROUP_REGISTRY, HOOKS, SUPPORTED_VERSION, cached_profile_dir,
                                                 default_ranks_per_node, import_deepspeed)
 from moe_plugins.patches.deepspeed_lancet import LancetHooks
@@ -271,7 +270,7 @@ class DeepSpeedPlugin:
         schedule = cls(moe_config(facts), host.groups, Recorder(self.ledger, facts.name, comm, cls.name, overlap))
         self.swapped_layers[moe.deepspeed_moe] = self.lancet.attach(SwappedLayer(
             name=facts.name, schedule=schedule, groups=host.groups, pipeline_degree=degree, lane=lane,
-            slice_activation=facts.ffn_activation if sliced else None, expert_weights=weights_source(cls),
+            slice_activation=facts.ffn_activation if sliced else None, expert_weights=self.hecate.weights(cls),
             inference=self.infer.attach(moe, facts.name, cfg, host.groups, schedule.rec)), moe)
         self.swaps.append({"layer": facts.name, "schedule": cfg.schedule, "exchange": cls.exchange_mode,
                            "pipeline_degree": cfg.pipeline_degree, "mp": layout.mp, "ep": layout.ep, "esp": layout.esp,

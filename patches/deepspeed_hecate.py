@@ -25,9 +25,10 @@ Shapes: E_l local experts, M model dim, H FFN hidden.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Dict, List, Mapping, Optional, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type
 
 import torch
 
@@ -115,28 +116,33 @@ def hecate_class(cfg: PluginConfig, cls: Type[Schedule], moe: torch.nn.Module) -
     return hecate.configured(hecate.from_section(cfg.hecate).options, activation=names.pop())
 
 
-def stacked_weights(experts: torch.nn.ModuleList) -> RereadableWeights:
+def stacked_weights(experts: Sequence[torch.nn.Module], like: Optional[torch.nn.Module] = None) -> RereadableWeights:
     """The local FFN experts (each ``nn.Sequential(Linear(M, H), act, Linear(H, M))``) as ExpertWeights, built
     from the parameters themselves (gradients flow back to each once), and stacked again without autograd by
     ``reread()`` (Hecate's re-materialisation). A missing bias is a zero tensor. ZeRO stage 3 partitions the
-    parameters outside the experts' forward: refused, naming the parameter."""
+    parameters outside the experts' forward: refused, naming the parameter. No experts (pooled slots): empty
+    stacks shaped as the expert ``like``."""
     fc1s, fc2s = [e[0] for e in experts], [e[2] for e in experts]
     for i, fc in enumerate(fc1s + fc2s):
         if hasattr(fc.weight, "ds_id"):
             raise ValueError(f"Hecate cannot read expert {i % len(fc1s)}'s Linear weight: ZeRO stage 3 partitions it "
                              "(ds_id set) and Hecate copies the experts outside their forward; use ZeRO stage 0, 1 "
                              "or 2")
-    return stacked_ffn(fc1s, fc2s)
+    return stacked_ffn(fc1s, fc2s, None if like is None else (like[0], like[2]))
 
 
-def weights_source(cls: Type[Schedule]) -> Optional[Callable[[torch.nn.Module], ExpertWeights]]:
+def weights_source(cls: Type[Schedule], pools: Mapping[torch.nn.Module, Any]) -> Optional[Callable[
+        [torch.nn.Module], ExpertWeights]]:
     """What a swapped layer calls per forward for ``LayerParams.expert_weights`` (its ``MOELayer``): the stacked
-    local experts where the schedule computes with them, else None (nothing built)."""
-    return _layer_weights if cls.needs_expert_weights else None
+    local experts where the schedule computes with them, else None (nothing built). ``pools``: MOELayer -> its
+    engine's pooled slots (``hecate.pool_slots``: the layer's experts may sit in other layers' modules)."""
+    return partial(_layer_weights, pools) if cls.needs_expert_weights else None
 
 
-def _layer_weights(layer: torch.nn.Module) -> ExpertWeights:
-    return stacked_weights(layer.experts.deepspeed_experts)
+def _layer_weights(pools: Mapping[torch.nn.Module, Any], layer: torch.nn.Module) -> ExpertWeights:
+    pool = pools.get(layer)
+    own = layer.experts.deepspeed_experts
+    return stacked_weights(own, None) if pool is None else stacked_weights(pool.experts_of(layer), own[0])
 
 
 class HecateBlockHooks:
@@ -149,6 +155,11 @@ class HecateBlockHooks:
     def __init__(self) -> None:
         self.handles: List[Any] = []
         self.resharders: List[EngineResharder] = []
+        self.pools: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()   # pool_slots
+
+    def weights(self, cls: Type[Schedule]) -> Optional[Callable[[torch.nn.Module], ExpertWeights]]:
+        """A swapped layer's ``expert_weights`` (:func:`weights_source`), reading this plugin's pooled slots."""
+        return weights_source(cls, self.pools)
 
     def begin(self, engine: Any, cfg: Optional[PluginConfig]) -> None:
         """Before the engine sets anything up: refuse re-sharding where it cannot run (one ValueError)."""
@@ -157,7 +168,7 @@ class HecateBlockHooks:
     def install(self, model: torch.nn.Module, swapped: Mapping[torch.nn.Module, Any], engine: Any = None) -> None:
         """After DeepSpeed configured ``model`` (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
         if engine is not None:
-            self.resharders.append(EngineResharder())
+            self.resharders.append(EngineResharder(self.pools))
             self.resharders[-1].install(engine, swapped)
         names = {m: n for n, m in model.named_modules()}
         link_chain([layer.schedule for moe, layer in swapped.items() if moe in names])   # rematerialising ones

@@ -21,14 +21,16 @@ Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, r
     the right experts, parameters and optimizer state alike.
 
 A DeepSpeed expert module is one slot: its parameters whole (``nn.Linear`` weights and biases), in the
-module's order.
+module's order. With ``"pool_slots": true`` (Algorithm 2 as the paper has it) the engine's re-sharded layers share
+their slots (:class:`SlotPool`): a rank may hold more experts of one layer and fewer of another, an expert may
+sit in another layer's module, and each layer reads its experts from the pool (``HecateBlockHooks.pools``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,34 +70,67 @@ def check(engine: Any, cfg: Any) -> None:
         raise ValueError("moe_plugins cannot re-shard Hecate's experts on this DeepSpeed engine: " + "; ".join(problems))
 
 
-class EngineResharder:
-    """Re-sharding on one engine (module docstring); :meth:`install` is a no-op where no layer asks for it."""
+class SlotPool:
+    """Pooled slots on one engine: the re-sharded layers' local expert modules, in model order, as one storage
+    whose i-th module on this rank holds the i-th of the (layer, expert) pairs homed here (ascending, as
+    ``Resharder`` moves them). Before any move each layer's modules hold its own experts."""
 
-    def __init__(self) -> None:
+    def __init__(self, moes: List[torch.nn.Module], schedules: List[Any]) -> None:
+        self.moes, self.schedules = moes, schedules
+        self.modules = [m for moe in moes for m in moe.experts.deepspeed_experts]
+
+    def experts_of(self, moe: torch.nn.Module) -> List[torch.nn.Module]:
+        """The modules holding ``moe``'s experts homed on this rank, in ascending expert id."""
+        layer = next(i for i, m in enumerate(self.moes) if m is moe)
+        rank = self.schedules[0].groups.ep.rank
+        pairs = [(li, e) for li, s in enumerate(self.schedules) for e, home in enumerate(s.homes) if home == rank]
+        return [self.modules[i] for i, (li, _) in enumerate(pairs) if li == layer]
+
+
+class EngineResharder:
+    """Re-sharding on one engine (module docstring); :meth:`install` is a no-op where no layer asks for it.
+    ``pools``: where a pooled engine registers its layers' :class:`SlotPool` (the adapter's weights read it)."""
+
+    def __init__(self, pools: Optional[MutableMapping[torch.nn.Module, SlotPool]] = None) -> None:
         self.engine: Any = None
         self.resharder: Optional[Resharder] = None
+        self.pools = pools if pools is not None else {}
+        self._pooled: List[torch.nn.Module] = []
         self._checked = False
 
     def install(self, engine: Any, swapped: Mapping[torch.nn.Module, Any]) -> None:
         """After DeepSpeed configured the model (``swapped``: DeepSpeed MOELayer -> the adapter's SwappedLayer)."""
-        layers, every = [], set()
+        layers, moes, every, pooled = [], [], set(), set()
         for moe in engine.module.modules():          # the model's order: the same on every rank
             layer = swapped.get(moe)
             options = getattr(getattr(layer, "schedule", None), "options", None)
             if getattr(options, "reshard_every", 0):
                 layers.append((layer.schedule, functools.partial(_slots, moe)))
+                moes.append(moe)
                 every.add(options.reshard_every)
+                pooled.add(options.pool_slots)
         if not layers:
             return
-        if len(every) != 1:
-            raise ValueError(f"{FIELD}: the engine's Hecate layers ask for several intervals {sorted(every)}")
-        self.engine, self.resharder = engine, Resharder(layers, every.pop(), world=dist.group.WORLD)
+        if len(every) != 1 or len(pooled) != 1:
+            raise ValueError(f"{FIELD}: the engine's Hecate layers ask for several intervals {sorted(every)} or "
+                             f"pool_slots settings {sorted(pooled)}")
+        pool = pooled.pop()
+        self.engine = engine
+        self.resharder = Resharder(layers, every.pop(), world=dist.group.WORLD, pooled=pool)
+        if pool:
+            shared = SlotPool(moes, [s for s, _ in layers])
+            for moe in moes:
+                self.pools[moe] = shared
+            self._pooled = moes
         for name in WRAPPED:
             setattr(engine, name, functools.partial(getattr(self, f"_{name}"), getattr(engine, name)))
         logger.info("moe_plugins: Hecate re-shards the experts of %d layers every %d optimizer steps", len(layers),
                     self.resharder.every)
 
     def remove(self) -> None:
+        for moe in self._pooled:
+            self.pools.pop(moe, None)
+        self._pooled = []
         engine, self.engine = self.engine, None
         for name in WRAPPED if engine is not None else ():
             engine.__dict__.pop(name, None)

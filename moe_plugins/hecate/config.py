@@ -14,8 +14,11 @@
         "prefetch": false,        # true: plan from the previous calls' load and issue spAG before the gate, on
                                   # the engine's pipeline lane, at the start of the layer's transformer block,
                                   # with the overlap degree t measured (moe_plugins/hecate/early.py)
-        "reshard_every": 0        # re-home the experts by Algorithm 2 every n optimizer steps (0: never;
+        "reshard_every": 0,       # re-home the experts by Algorithm 2 every n optimizer steps (0: never;
                                   # DeepSpeed ZeRO 0/1/2, fp32: moe_plugins/hecate/rehome.py)
+        "pool_slots": false       # with reshard_every: the layers share every rank's expert slots (the paper's
+                                  # Algorithm 2: a rank may hold more experts of one layer and fewer of another;
+                                  # DeepSpeed only); false: each layer's experts stay E / R per rank
     }
 
 How the section selects the schedule: an enabled section switches schedule ``baseline`` to ``hecate`` (the
@@ -53,6 +56,7 @@ class HecateConfig:
     regather: str = "early"
     prefetch: bool = False
     reshard_every: int = 0
+    pool_slots: bool = False
 
     @classmethod
     def from_dict(cls, section: Optional[Mapping[str, Any]], path: str = "moe_plugins.hecate") -> "HecateConfig":
@@ -87,7 +91,7 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
         bad("enabled", "must be true or false")
     if "extra_experts" in section and not (section["extra_experts"] == AUTO or _int(section["extra_experts"], 1)):
         bad("extra_experts", 'must be an integer >= 1 (expert copies per rank) or "auto" (as many as it owns)')
-    for key in ("rematerialize", "prefetch"):
+    for key in ("rematerialize", "prefetch", "pool_slots"):
         if key in section and not isinstance(section[key], bool):
             bad(key, "must be true or false")
     if "regather" in section and section["regather"] not in REGATHERS:
@@ -95,6 +99,9 @@ def hecate_problems(section: Any, path: str = "moe_plugins.hecate") -> List[str]
     if "reshard_every" in section:
         if not _int(section["reshard_every"], 0):
             bad("reshard_every", "must be an integer >= 0 (optimizer steps between re-shardings; 0: never)")
+    if section.get("pool_slots") is True and not (_int(section.get("reshard_every", 0), 1)):
+        problems.append(f"{path}.pool_slots (True) needs {path}.reshard_every >= 1 (it changes how re-sharding "
+                        f"places the experts), not {section.get('reshard_every', 0)!r}")
     return problems
 
 
@@ -161,6 +168,9 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     esp = section.get("esp")
     if _int(esp, 2):
         problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
+    if host == "megatron" and isinstance(hecate, Mapping) and hecate.get("pool_slots") is True:
+        problems.append(f"{path}.{NAME}.pool_slots (True) runs on DeepSpeed only: on Megatron-core each layer's "
+                        "experts stay E / R per rank when re-sharded (leave it false)")
     if host not in HOSTS:     # a reader that would run the plain baseline silently in its place: refuse
         problems.append(f"{path}.{NAME}: Hecate is run by the DeepSpeed and Megatron-core adapters (moe_plugins."
                         "enable(), the ds_config section or the --moe-plugins flag) and by the core "

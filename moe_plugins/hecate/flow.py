@@ -74,7 +74,7 @@ def expert_numel(model_dim: int, ffn: int) -> int:
 def flat_experts(w: ExpertWeights) -> torch.Tensor:
     """w_owned_O: the experts of ``w`` flattened and concatenated, expert by expert (autograd flows back)."""
     num = w.w1_EMH.shape[0]
-    return torch.cat([w.w1_EMH.reshape(num, -1), w.b1_EH, w.w2_EHM.reshape(num, -1), w.b2_EM], dim=1).reshape(-1)
+    return torch.cat([w.w1_EMH.flatten(1), w.b1_EH, w.w2_EHM.flatten(1), w.b2_EM], dim=1).reshape(-1)
 
 
 def unflat_experts(w_CF: torch.Tensor, model_dim: int, ffn: int) -> ExpertWeights:

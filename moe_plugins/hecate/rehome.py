@@ -64,7 +64,7 @@ def rehome(tensors_S: List[List[torch.Tensor]], old_E: Homes, new_E: Homes, grou
     old_ids, new_ids = local_experts(old_E, rank), local_experts(new_E, rank)
     if len(old_ids) != len(tensors_S) or len(new_ids) != len(tensors_S):
         raise ValueError(f"rank {rank} stores {len(tensors_S)} experts; homes give it {len(old_ids)} before and "
-                         f"{len(new_ids)} after (a layer's experts per rank cannot change)")
+                         f"{len(new_ids)} after (the experts a rank stores cannot change in number)")
     _same_everywhere(tensors_S, group)
     sends = move_counts(old_E, new_E, rank, ranks)
     recvs = [move_counts(old_E, new_E, s, ranks)[rank] for s in range(ranks)]
@@ -109,10 +109,10 @@ class Resharder:
     process), over which the loads are summed and the plans compared."""
 
     def __init__(self, layers: Sequence[Tuple[Any, Callable[[], Sequence[Slot]]]], every: int,
-                 world: Optional[Any] = None) -> None:
+                 world: Optional[Any] = None, pooled: bool = False) -> None:
         if not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every ({every!r}) must be an integer >= 1 (optimizer steps between re-shardings)")
-        self.layers, self.every, self.world = list(layers), every, world
+        self.layers, self.every, self.world, self.pooled = list(layers), every, world, pooled
         self.steps = 0
         self.rounds = 0          # re-shard rounds run (collective; a round may leave every layer where it was)
         self.layers_moved = 0    # layers those rounds moved
@@ -137,7 +137,7 @@ class Resharder:
         if any(s.fssdp_nodes() != nodes_R for s in schedules):
             raise ValueError("every re-sharded layer must run on the same FSSDP group")
         return shard_plan(loads, [s.overlappable(load) for s, load in zip(schedules, loads)], nodes_R,
-                          [s.homes for s in schedules])
+                          [s.homes for s in schedules], pooled=self.pooled)
 
     def reshard(self, optimizer: Optional[Any], homes_LE: Optional[Sequence[Homes]] = None,
                 extra: Optional[Extra] = None) -> None:
@@ -146,8 +146,8 @@ class Resharder:
         with a ``done()`` (tensors it gathered for the move rather than views) has it called after the moves."""
         homes_LE = self.plan() if homes_LE is None else tuple(tuple(h) for h in homes_LE)
         self._agree(homes_LE)
-        moved = 0
-        for (schedule, slots), homes in zip(self.layers, homes_LE):
+        moved = self._move_pool(homes_LE, optimizer, extra) if self.pooled else 0
+        for (schedule, slots), homes in zip(self.layers if not self.pooled else (), homes_LE):
             if tuple(homes) == schedule.homes:
                 continue
             tensors = slot_tensors(slots(), optimizer, extra)
@@ -161,6 +161,29 @@ class Resharder:
         self.rounds += 1
         log.info("hecate: re-sharded %d layers at step %d (%d elements sent here); homes %s", len(self.layers),
                  self.steps, moved, [list(h) for h in homes_LE])
+
+    def _move_pool(self, homes_LE: Sequence[Homes], optimizer: Optional[Any], extra: Optional[Extra]) -> int:
+        """Pooled slots: the layers' slots, in layer order, are one storage whose i-th slot on a rank holds the
+        i-th of the (layer, expert) pairs homed there (ascending); one move over it, so an expert may land in
+        another layer's module. Every slot must move the same tensors (the layers' experts of one shape)."""
+        schedules = [s for s, _ in self.layers]
+        old = tuple(r for s in schedules for r in s.homes)
+        new = tuple(r for homes in homes_LE for r in homes)
+        if old == new:
+            return 0
+        tensors = [t for _, slots in self.layers for t in slot_tensors(slots(), optimizer, extra)]
+        shapes = {tuple((tuple(t.shape), t.dtype) for t in slot) for slot in tensors}
+        if len(shapes) != 1:
+            raise ValueError(f"hecate.pool_slots: the layers' expert slots differ ({len(shapes)} shapes of what "
+                             "moves with them); pooled slots need every layer's experts of one shape, with the same "
+                             "gradients and optimizer state")
+        with torch.no_grad():
+            moved = rehome(tensors, old, new, schedules[0].groups.ep, schedules[0].rec)
+        for schedule, homes in zip(schedules, homes_LE):
+            if tuple(homes) != schedule.homes:
+                schedule.set_homes(tuple(homes), pooled=True)
+                self.layers_moved += 1
+        return moved
 
     def to_stock(self, optimizer: Optional[Any], extra: Optional[Extra] = None) -> None:
         """Every layer's experts to expert parallelism's homes, to stay (before loading stock-layout state)."""

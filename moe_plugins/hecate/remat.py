@@ -51,10 +51,20 @@ class RereadableWeights(ExpertWeights):
     sources: Tuple[torch.Tensor, ...] = ()
 
 
-def stacked_ffn(fc1s: Sequence[torch.nn.Module], fc2s: Sequence[torch.nn.Module]) -> RereadableWeights:
+def stacked_ffn(fc1s: Sequence[torch.nn.Module], fc2s: Sequence[torch.nn.Module],
+                like: Optional[Tuple[torch.nn.Module, torch.nn.Module]] = None) -> RereadableWeights:
     """A host's local FFN experts (their first and second linear modules, each with ``weight`` (out, in) and a
     ``bias`` or None) as ExpertWeights, built from the parameters themselves (each gets its gradient once through
-    autograd) and stacked again without autograd by ``reread()``. A missing bias is a zero tensor."""
+    autograd) and stacked again without autograd by ``reread()``. A missing bias is a zero tensor. No experts
+    (a rank holding none of a layer's, Hecate's pooled slots): empty stacks shaped as ``like``'s pair, leaves that
+    require a gradient (so that the spAG's backward, a collective, runs on this rank too; no parameter gets one)."""
+    if not fc1s:
+        if like is None:
+            raise ValueError("stacked_ffn: no experts, and no module pair to shape the empty stacks like")
+        empty = _stacked([like[0]], [like[1]])
+        w = ExpertWeights(*(t.detach()[:0].clone().requires_grad_(torch.is_grad_enabled())
+                            for t in (empty.w1_EMH, empty.b1_EH, empty.w2_EHM, empty.b2_EM)))
+        return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=lambda: w, sources=())
     w = _stacked(fc1s, fc2s)
     sources = tuple(t for fc in list(fc1s) + list(fc2s) for t in (fc.weight, getattr(fc, "bias", None))
                     if t is not None)

@@ -206,13 +206,14 @@ class HecateSchedule(Schedule):
     def stock_homes(self) -> Tuple[int, ...]:
         return stock_homes(self.config.num_experts, self.groups.ep.size)
 
-    def set_homes(self, homes_E: Tuple[int, ...]) -> None:
-        """After the storage moved to ``homes_E`` (each member keeps E / EP experts)."""
-        per = self.config.num_experts // self.groups.ep.size
-        if len(homes_E) != self.config.num_experts or any(list(homes_E).count(r) != per
-                                                           for r in range(self.groups.ep.size)):
-            raise ValueError(f"homes_E ({list(homes_E)}) must give each of the {self.groups.ep.size} EP members "
-                             f"{per} of the {self.config.num_experts} experts")
+    def set_homes(self, homes_E: Tuple[int, ...], pooled: bool = False) -> None:
+        """After the storage moved to ``homes_E`` (each member keeps E / EP experts, unless the layers' slots are
+        ``pooled``: then any member may hold any number)."""
+        num, ranks = self.config.num_experts, self.groups.ep.size
+        if len(homes_E) != num or any(not 0 <= r < ranks if pooled else list(homes_E).count(r) != num // ranks
+                                      for r in (homes_E if pooled else range(ranks))):
+            raise ValueError(f"homes_E ({list(homes_E)}) must give each of the {num} experts one of the {ranks} EP "
+                             f"members{'' if pooled else f', {num // ranks} each'}")
         if self._state.early is not None:          # a gather planned on the old homes reads the wrong rows
             self._state.early.drain()
             self._state.early = None

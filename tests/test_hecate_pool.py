@@ -1,0 +1,70 @@
+"""Hecate's pooled slots (``"hecate": {"reshard_every": n, "pool_slots": true}``: Algorithm 2 as the paper has it,
+the layers sharing every rank's expert slots) on DeepSpeed, 4 gloo ranks (2 nodes x 2), the recipes' GPT-2-MoE
+in fp64 with dropout: the config's rules, training with the experts moved across the layers' modules equal to
+stock DeepSpeed, and checkpoints written in the stock layout both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_plugins.core.plugin_config import PluginConfig
+from moe_plugins.hecate.config import HecateConfig
+
+WORLD = 4
+
+
+def _jobs():
+    pytest.importorskip("deepspeed")
+    from tests.workers import hecate_pool_deepspeed
+    return hecate_pool_deepspeed
+
+
+def test_the_section_takes_pool_slots_with_reshard_every_on_deepspeed_only():
+    from moe_plugins.patches.deepspeed_hecate import config_choices
+    from moe_plugins.patches.megatron_hecate import sections
+    cfg = PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": True}}, **config_choices())
+    assert HecateConfig.from_dict(cfg.hecate).pool_slots is True and HecateConfig().pool_slots is False
+    with pytest.raises(ValueError, match=r"pool_slots \(True\) needs moe_plugins\.hecate\.reshard_every >= 1"):
+        PluginConfig.from_dict({"hecate": {"pool_slots": True}}, **config_choices())
+    with pytest.raises(ValueError, match=r"pool_slots \('yes'\) must be true or false"):
+        PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": "yes"}}, **config_choices())
+    with pytest.raises(ValueError, match=r"pool_slots \(True\) runs on DeepSpeed only"):
+        PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": True}}, sections=sections())
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_experts_moved_across_layers_train_as_stock(world, stage):
+    """After the first step each rank's two slots hold two experts of one layer (ranks 0-1 layer 0's, ranks 2-3
+    layer 1's): some experts sit in the other layer's module, with their Adam state (ZeRO 2: their slices of the
+    fp32 master partition and moments). 8 steps equal stock DeepSpeed's losses (1e-5), and every expert ends with
+    stock's values by (layer, id)."""
+    jobs = _jobs()
+    steps = 8
+    results = world(WORLD).run(jobs.pooled_vs_stock, stage, steps, timeout_s=180)
+    on_all, off_all = {}, {}
+    for rank, res in enumerate(results):
+        off, on = res["off"], res["on"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
+        assert len(on["losses"]) == steps and rel <= 1e-5, (rank, rel, off["losses"], on["losses"])
+        assert on["homes"] == [tuple(h) for h in jobs.UNEVEN]             # Algorithm 2 kept them (every 100)
+        assert on["held"] == ([2, 0] if rank < 2 else [0, 2])             # one layer's two experts per rank
+        on_all.update(on["experts"])
+        off_all.update(off["experts"])
+    assert set(on_all) == set(off_all) and len(on_all) == 2 * 4 * 4       # 2 layers x 4 experts x 4 tensors
+    assert max(float((off_all[n] - on_all[n]).abs().max() / off_all[n].abs().max()) for n in off_all) <= 1e-4
+
+
+@pytest.mark.parametrize("save_pooled", [True, False], ids=["pooled-to-stock", "stock-to-pooled"])
+def test_pooled_checkpoints_are_stock_files(world, tmp_path, save_pooled):
+    jobs = _jobs()
+    results = world(WORLD).run(jobs.pooled_checkpoint, str(tmp_path), 2, save_pooled, timeout_s=180)
+    saved, loaded = {}, {}
+    for res in results:
+        saved.update(res["saver"]["experts"])
+        loaded.update(res["loader"]["experts"])
+        rel = max(abs(a - b) / abs(a) for a, b in zip(res["saver"]["after"], res["loader"]["after"]))
+        assert rel <= 1e-5, (res["saver"]["after"], res["loader"]["after"])        # the resumed run's losses
+        pooled = res["saver"] if save_pooled else res["loader"]
+        assert pooled["homes"] == [tuple(h) for h in jobs.UNEVEN]
+    assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
