@@ -33,22 +33,27 @@ def test_the_section_takes_pool_slots_with_reshard_every_on_deepspeed_only():
         PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": True}}, sections=sections())
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_experts_moved_across_layers_train_as_stock(world, stage):
+@pytest.mark.parametrize("stage, every", [(0, 100), (2, 100), (2, 2)], ids=["zero0", "zero2", "zero2-plan-every-2"])
+def test_experts_moved_across_layers_train_as_stock(world, stage, every):
     """After the first step each rank's two slots hold two experts of one layer (ranks 0-1 layer 0's, ranks 2-3
     layer 1's): some experts sit in the other layer's module, with their Adam state (ZeRO 2: their slices of the
     fp32 master partition and moments). 8 steps equal stock DeepSpeed's losses (1e-5), and every expert ends with
-    stock's values by (layer, id)."""
+    stock's values by (layer, id). With Algorithm 2 every 2 steps (pooled plan) as well: the same losses, 4 rounds."""
     jobs = _jobs()
     steps = 8
-    results = world(WORLD).run(jobs.pooled_vs_stock, stage, steps, timeout_s=180)
+    results = world(WORLD).run(jobs.pooled_vs_stock, stage, steps, every, timeout_s=180)
     on_all, off_all = {}, {}
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
         assert len(on["losses"]) == steps and rel <= 1e-5, (rank, rel, off["losses"], on["losses"])
-        assert on["homes"] == [tuple(h) for h in jobs.UNEVEN]             # Algorithm 2 kept them (every 100)
-        assert on["held"] == ([2, 0] if rank < 2 else [0, 2])             # one layer's two experts per rank
+        assert on["rounds"] == steps // every + 1                        # the move by hand is a round too
+        if every > steps:                                                  # only the move by hand
+            assert on["homes"] == [tuple(h) for h in jobs.UNEVEN]
+            assert on["held"] == ([2, 0] if rank < 2 else [0, 2])         # one layer's two experts per rank
+        assert sum(on["held"]) == 2 and all(r["on"]["homes"] == on["homes"] for r in results)
+    if every <= steps:            # the pooled plan itself left some rank with two experts of one layer
+        assert any(r["on"]["held"] != [1, 1] for r in results) and results[0]["on"]["homes"] != list(jobs.UNEVEN)
         on_all.update(on["experts"])
         off_all.update(off["experts"])
     assert set(on_all) == set(off_all) and len(on_all) == 2 * 4 * 4       # 2 layers x 4 experts x 4 tensors
