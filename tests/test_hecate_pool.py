@@ -74,3 +74,25 @@ def test_pooled_checkpoints_are_stock_files(world, tmp_path, save_pooled):
         pooled = res["saver"] if save_pooled else res["loader"]
         assert pooled["homes"] == [tuple(h) for h in jobs.UNEVEN]
     assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+def test_pooled_moves_need_one_expert_shape_and_one_group():
+    """The pooled move refuses, before anything moves, layers whose expert slots differ in shape or that run on
+    different EP groups (one process; the checks come before any collective)."""
+    from types import SimpleNamespace
+
+    from moe_plugins.hecate.rehome import Resharder
+
+    def layer(shape, ranks=(0,)):
+        sched = SimpleNamespace(homes=(0, 0), groups=SimpleNamespace(ep=SimpleNamespace(ranks=ranks)))
+        params = [torch.nn.Parameter(torch.zeros(shape)) for _ in range(2)]
+        return sched, (lambda: [[(p, None)] for p in params])
+
+    mixed = Resharder([layer((2, 3)), layer((3, 3))], every=1, pooled=True)
+    mixed.reshard(None, [(0, 0), (0, 0)])                # the same homes: nothing moves, nothing to check
+    assert mixed.rounds == 1 and mixed.layers_moved == 0
+    with pytest.raises(ValueError, match="pooled slots need every layer's experts of one shape"):
+        mixed.reshard(None, [(0, 0), (0, 1)])
+    groups = Resharder([layer((2, 3)), layer((2, 3), ranks=(1,))], every=1, pooled=True)
+    with pytest.raises(ValueError, match="must share one FSSDP"):
+        groups.reshard(None, [(0, 0), (0, 1)])
