@@ -1,7 +1,8 @@
 """Hecate (FSSDP): experts sharded over all devices and materialised sparsely where the tokens are.
 docs/hecate.md explains it; the ragged exchange it needs lives in :mod:`moe_plugins.core.ragged`.
 
-Built so far (in the core layer and the config; on DeepSpeed through patches/deepspeed_hecate.py, not on Megatron-core):
+What each module holds (the core layer runs it; the hosts through patches/deepspeed_hecate*.py and
+patches/megatron_hecate*.py):
 
 - :mod:`moe_plugins.hecate.plan`: Algorithm 1 as pure functions: the per-expert load over the last 5
   iterations (:class:`~moe_plugins.hecate.plan.LoadWindow`, summed over the group by
@@ -20,6 +21,9 @@ Built so far (in the core layer and the config; on DeepSpeed through patches/dee
   backward.
 - :mod:`moe_plugins.hecate.memory`: the copy-memory ledger: every copy tensor's bytes and lifetime per layer
   (``schedule.memory``), merged over layers into peaks per step and per layer call.
+- :mod:`moe_plugins.hecate.early`: the early gather (``prefetch``): spAG planned before the gate, on the lane.
+- :mod:`moe_plugins.hecate.reshard` and :mod:`moe_plugins.hecate.rehome`: heterogeneous sharding (Algorithm 2,
+  ``reshard_every``, per-layer or pooled slots) and the move of experts with their optimizer state.
 - :mod:`moe_plugins.hecate.config`: the ``"hecate": {...}`` section of the ``moe_plugins`` config.
 - :mod:`moe_plugins.hecate.regather`: when re-materialisation's re-gather runs (early on the pipeline lane).
 - :mod:`moe_plugins.hecate.explain`: Algorithm 1's plan for one load, explained in bytes; ``moe-plugins plan
