@@ -65,15 +65,11 @@ def test_experts_moved_across_layers_train_as_stock(world, stage, every):
 def test_pooled_checkpoints_are_stock_files(world, tmp_path, save_pooled):
     jobs = _jobs()
     results = world(WORLD).run(jobs.pooled_checkpoint, str(tmp_path), 2, save_pooled, timeout_s=180)
-    saved, loaded = {}, {}
+    from tests.workers.hecate_reshard_deepspeed import round_trip
+    assert len(round_trip(results)) == 2 * 4 * 4            # resumed losses equal, every expert bitwise, by id
     for res in results:
-        saved.update(res["saver"]["experts"])
-        loaded.update(res["loader"]["experts"])
-        rel = max(abs(a - b) / abs(a) for a, b in zip(res["saver"]["after"], res["loader"]["after"]))
-        assert rel <= 1e-5, (res["saver"]["after"], res["loader"]["after"])        # the resumed run's losses
         pooled = res["saver"] if save_pooled else res["loader"]
         assert pooled["homes"] == [tuple(h) for h in jobs.UNEVEN]
-    assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
 
 
 def test_pooled_moves_need_one_expert_shape_and_one_group():

@@ -124,3 +124,17 @@ def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Option
 
 def homes_moved(homes: List[Any], stock: Any) -> bool:
     return any(h != stock for h in homes)
+
+
+def round_trip(results: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """For a checkpoint job's per-rank results (a "saver" and a "loader", each with its experts by id and its
+    losses after the save): check that every rank's resumed losses equal the saver's (1e-5) and that the loader
+    holds the saver's experts bitwise; the saver's experts by id."""
+    saved, loaded = {}, {}
+    for res in results:
+        saved.update(res["saver"]["experts"])
+        loaded.update(res["loader"]["experts"])
+        rel = max(abs(a - b) / abs(a) for a, b in zip(res["saver"]["after"], res["loader"]["after"]))
+        assert rel <= 1e-5, (res["saver"]["after"], res["loader"]["after"])          # the resumed run's losses
+    assert set(saved) == set(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
+    return saved
