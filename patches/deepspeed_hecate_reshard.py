@@ -38,6 +38,7 @@ import torch.distributed as dist
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME, reshard_interval
 from moe_plugins.hecate.rehome import Extra, Resharder
+from moe_plugins.hecate.reshard import local_experts
 
 logger = logging.getLogger(__name__)
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -72,8 +73,9 @@ def check(engine: Any, cfg: Any) -> None:
 
 class SlotPool:
     """Pooled slots on one engine: the re-sharded layers' local expert modules, in model order, as one storage
-    whose i-th module on this rank holds the i-th of the (layer, expert) pairs homed here (ascending, as
-    ``Resharder`` moves them). Before any move each layer's modules hold its own experts."""
+    whose i-th module on this rank holds the i-th of the (layer, expert) pairs homed here (ascending: the
+    ``local_experts`` order of the layers' homes laid end to end, which ``Resharder``'s pooled move follows).
+    Before any move each layer's modules hold its own experts."""
 
     def __init__(self, moes: List[torch.nn.Module], schedules: List[Any]) -> None:
         self.moes, self.schedules = moes, schedules
@@ -82,9 +84,10 @@ class SlotPool:
     def experts_of(self, moe: torch.nn.Module) -> List[torch.nn.Module]:
         """The modules holding ``moe``'s experts homed on this rank, in ascending expert id."""
         layer = next(i for i, m in enumerate(self.moes) if m is moe)
-        rank = self.schedules[0].groups.ep.rank
-        pairs = [(li, e) for li, s in enumerate(self.schedules) for e, home in enumerate(s.homes) if home == rank]
-        return [self.modules[i] for i, (li, _) in enumerate(pairs) if li == layer]
+        homes_L = [s.homes for s in self.schedules]
+        start, ids = sum(map(len, homes_L[:layer])), local_experts([r for h in homes_L for r in h],
+                                                                    self.schedules[0].groups.ep.rank)
+        return [self.modules[i] for i, g in enumerate(ids) if start <= g < start + len(homes_L[layer])]
 
 
 class EngineResharder:

@@ -92,3 +92,20 @@ def test_pooled_moves_need_one_expert_shape_and_one_group():
     groups = Resharder([layer((2, 3)), layer((2, 3), ranks=(1,))], every=1, pooled=True)
     with pytest.raises(ValueError, match="must share one FSSDP"):
         groups.reshard(None, [(0, 0), (0, 1)])
+
+
+def test_set_homes_keeps_e_over_r_per_rank_unless_pooled():
+    from types import SimpleNamespace
+
+    from moe_plugins.hecate.schedule import HecateSchedule
+    layer = SimpleNamespace(config=SimpleNamespace(num_experts=4), groups=SimpleNamespace(ep=SimpleNamespace(size=2)),
+                            _state=SimpleNamespace(early=None, homes=(0, 0, 1, 1)))
+    HecateSchedule.set_homes(layer, (1, 0, 0, 1))
+    assert layer._state.homes == (1, 0, 0, 1)
+    HecateSchedule.set_homes(layer, (0, 0, 0, 1), pooled=True)          # pooled: three experts on rank 0
+    assert layer._state.homes == (0, 0, 0, 1)
+    for homes, pooled, message in (((0, 0, 0, 1), False, "one of the 2 EP members, 2 each"),
+                                   ((0, 0, 2, 1), True, "one of the 2 EP members"), ((0, 1), True, "the 4 experts")):
+        with pytest.raises(ValueError, match=message):
+            HecateSchedule.set_homes(layer, homes, pooled=pooled)
+    assert layer._state.homes == (0, 0, 0, 1)

@@ -73,7 +73,6 @@ def expert_numel(model_dim: int, ffn: int) -> int:
 
 def flat_experts(w: ExpertWeights) -> torch.Tensor:
     """w_owned_O: the experts of ``w`` flattened and concatenated, expert by expert (autograd flows back)."""
-    num = w.w1_EMH.shape[0]
     return torch.cat([w.w1_EMH.flatten(1), w.b1_EH, w.w2_EHM.flatten(1), w.b2_EM], dim=1).reshape(-1)
 
 

@@ -171,9 +171,10 @@ class Resharder:
         new = tuple(r for homes in homes_LE for r in homes)
         if old == new:
             return 0
-        if len({tuple(s.groups.ep.ranks) for s in schedules}) != 1:
+        groups = {tuple(s.groups.ep.ranks) for s in schedules}
+        if len(groups) != 1:
             raise ValueError("hecate.pool_slots: the pooled layers must share one FSSDP (EP) group; their groups' "
-                             f"ranks are {sorted({tuple(s.groups.ep.ranks) for s in schedules})}")
+                             f"ranks are {sorted(groups)}")
         tensors = [t for _, slots in self.layers for t in slot_tensors(slots(), optimizer, extra)]
         shapes = {tuple((tuple(t.shape), t.dtype) for t in slot) for slot in tensors}
         if len(shapes) != 1:

@@ -61,8 +61,8 @@ def stacked_ffn(fc1s: Sequence[torch.nn.Module], fc2s: Sequence[torch.nn.Module]
     if not fc1s:
         if like is None:
             raise ValueError("stacked_ffn: no experts, and no module pair to shape the empty stacks like")
-        empty = _stacked([like[0]], [like[1]])
-        w = ExpertWeights(*(t.detach()[:0].clone().requires_grad_(torch.is_grad_enabled())
+        empty = _restacked([like[0]], [like[1]])
+        w = ExpertWeights(*(t[:0].clone().requires_grad_(torch.is_grad_enabled())
                             for t in (empty.w1_EMH, empty.b1_EH, empty.w2_EHM, empty.b2_EM)))
         return RereadableWeights(w.w1_EMH, w.b1_EH, w.w2_EHM, w.b2_EM, reread=lambda: w, sources=())
     w = _stacked(fc1s, fc2s)

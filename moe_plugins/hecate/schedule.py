@@ -207,11 +207,10 @@ class HecateSchedule(Schedule):
         return stock_homes(self.config.num_experts, self.groups.ep.size)
 
     def set_homes(self, homes_E: Tuple[int, ...], pooled: bool = False) -> None:
-        """After the storage moved to ``homes_E`` (each member keeps E / EP experts, unless the layers' slots are
-        ``pooled``: then any member may hold any number)."""
+        """After the storage moved to ``homes_E`` (E / EP experts per member; any number with ``pooled`` slots)."""
         num, ranks = self.config.num_experts, self.groups.ep.size
-        if len(homes_E) != num or any(not 0 <= r < ranks if pooled else list(homes_E).count(r) != num // ranks
-                                      for r in (homes_E if pooled else range(ranks))):
+        per_R = [list(homes_E).count(r) for r in range(ranks)]        # a home out of range is counted nowhere
+        if len(homes_E) != num or sum(per_R) != num or (not pooled and per_R != [num // ranks] * ranks):
             raise ValueError(f"homes_E ({list(homes_E)}) must give each of the {num} experts one of the {ranks} EP "
                              f"members{'' if pooled else f', {num // ranks} each'}")
         if self._state.early is not None:          # a gather planned on the old homes reads the wrong rows
