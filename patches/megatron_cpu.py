@@ -6,11 +6,14 @@ module (only :mod:`moe_plugins.tools.bench.stock_megatron` and the tests do). Ea
 :func:`megatron_on_cpu`, which restores every original in ``finally``. Enter it around construction and
 around every forward/backward of a Megatron layer.
 
-The six shims (each found by running the stock layer on CPU; docs/megatron.md, "CPU"; 0.19.2 still needs 1-3,
+The shims (each found by running the stock layer on CPU; docs/megatron.md, "CPU"; 0.19.2 still needs 1-3,
 5 and 6: the same torch.cuda calls, ``maybe_move_tensor_to_cpu`` and the list all_gather are unchanged there):
 
-1. RNG: ``torch.cuda.get_rng_state``/``set_rng_state`` route to the CPU generator (Megatron's RNG tracker
-   forks the CUDA RNG state around expert init).
+1. RNG: ``torch.cuda.get_rng_state``/``set_rng_state``/``manual_seed`` and the RNG tracker's own
+   ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state`` route to the CPU generator, so that
+   the tracker's states (``model_parallel_cuda_manual_seed``) and its ``fork()`` (around expert init, and
+   around the attention dropout of Megatron's ``DotProductAttention``) swap the CPU generator's state as they
+   swap the CUDA one's on a GPU.
 2. Streams: ``torch.cuda.Stream``/``Event``/``current_stream``/``stream`` become no-op CPU stand-ins, and
    ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` (a class attribute) holds a stand-in stream.
 3. Device: ``torch.cuda.current_device()`` returns ``"cpu"`` (router, ``tensor_parallel.mappings``).
@@ -111,13 +114,16 @@ def _gather_along_first_dim(input_: torch.Tensor, group: dist.ProcessGroup,
 
 def _patches() -> List[Tuple[Any, str, Any]]:
     """(object, attribute, replacement) for every shim this Megatron needs; imports Megatron lazily."""
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import mappings, random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     cuda = torch.cuda
     te_gemm = [] if "te_general_gemm" in vars(moe_utils) else [(moe_utils, "te_general_gemm", None)]   # 4
     return te_gemm + [
         (cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),          # 1
         (cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
+        (cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
+        (random, "_set_cuda_rng_state", lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)),
         (cuda, "Stream", _CpuStream),                                                   # 2
         (cuda, "Event", _CpuEvent),
         (cuda, "current_stream", lambda device=None: _CpuStream()),

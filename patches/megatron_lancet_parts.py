@@ -1,21 +1,22 @@
-"""Lancet's batch partitions on Megatron-core (``"lancet": {"partitions": n | "auto" | "tune"}``): the HF GPT-2 /
-BERT blocks around the plugin's MoE layers run partition by partition after each gate, so that one partition's
-exchange flies while another partition computes (``moe_plugins.lancet.blocks``, docs/lancet.md).
+"""Lancet's batch partitions on Megatron-core (``"lancet": {"partitions": n | "auto" | "tune"}``): the blocks around
+the plugin's MoE layers (Megatron's own ``TransformerLayer`` in its ``TransformerBlock``, or the recipes' HF GPT-2 /
+BERT blocks) run partition by partition after each gate, so that one partition's exchange flies while another
+partition computes (``moe_plugins.lancet.blocks``, docs/lancet.md).
 
 - **The model.** Megatron has no hook where a whole model is known (DeepSpeed has its engine), so the training
   script hands it over: ``handle.lancet.partitions.wrap_model(model, moe_layers, micro_batch=...)`` installs the
-  block executor on the one ``torch.nn.ModuleList`` of blocks holding the plugin's MoE layers (the recipes do this
-  in ``plugin_model_hooks``). A layer built with partitions whose model was not handed over refuses its first
-  training forward, naming the call, rather than running unpartitioned silently (Megatron's own
-  ``TransformerLayer`` is not a block the executor knows).
+  block executor on the one ``torch.nn.ModuleList`` of blocks holding the plugin's MoE layers (a GPTModel's
+  ``decoder.layers``, with ``[layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]``; the recipes
+  do this in ``plugin_model_hooks``). A layer built with partitions whose model was not handed over refuses its
+  first training forward, naming the call, rather than running unpartitioned silently.
 - **The layer** (:meth:`MegatronPartitions.forward`, from ``PluginMoELayer.forward`` while the executor's request
   is armed): Megatron's router gates the whole batch, sequence-first ``[L, B, M]`` as stock does, so the kept and
   dropped routes, their slots, the aux-loss hooks and z-loss are stock's. The routes are then put in batch-first
   token order (partitions are whole samples) and each partition's kept routes move in one uneven exchange
   (``moe_plugins.lancet.partition.start_partitions``) through Megatron's own experts (with Lancet's deferred dW
   when ``defer_wgrad`` is on). The layer returns a placeholder ``[L, B, M]``, laid out as its stock output; the
-  block's MoE module must return it or a view of all of it (the recipes' wrapper returns ``y.transpose(0, 1)``),
-  not a copy. The executor hands each partition's output to the block in the same memory layout (sequence-first
+  block's MoE module must return it or a view of all of it (a TransformerLayer's ``mlp`` is the layer itself;
+  the recipes' wrapper returns ``y.transpose(0, 1)``), not a copy. The executor hands each partition's output to the block in the same memory layout (sequence-first
   under the transpose), so a dropout after the MoE block (BERT's output), which draws its mask in memory order,
   gets the mask stock drew (``moe_plugins.lancet.blocks.in_layout``).
 
@@ -107,9 +108,8 @@ class MegatronPartitions:
         """A training forward of ``layer`` outside any executor: refused (it would run unpartitioned)."""
         if id(layer) not in self._covered:
             raise ValueError(f"{FIELD} ({self.parts!r}): this MoE layer's model was not handed to "
-                             "handle.lancet.partitions.wrap_model(model, moe_layers) before training; Lancet's batch "
-                             "partitions run HF GPT-2 / BERT blocks (Megatron's TransformerLayer is not one); use "
-                             "partitions 1 otherwise")
+                             "handle.lancet.partitions.wrap_model(model, moe_layers) before training (a GPTModel: "
+                             "its decoder's MoE layers' mlp); use partitions 1 otherwise")
 
     def forward(self, layer: Any, hidden_LBM: torch.Tensor, *args, **kwargs):
         """``layer``'s (a PluginMoELayer) forward while the request is armed (module docstring): ``(placeholder,

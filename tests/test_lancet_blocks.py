@@ -14,17 +14,20 @@ from tests.workers.lancet_blocks import stock_and_partitioned
 EXACT = 1e-12
 
 
-def _replayed(x_BLM: torch.Tensor, order) -> torch.Tensor:
-    """Two partitions of ``x_BLM`` through one replayed dropout, each laid out in dim ``order`` (None: as cut)."""
+def _replayed(x_BLM: torch.Tensor, order, parts: int = 2) -> torch.Tensor:
+    """``parts`` partitions of ``x_BLM`` through one replayed dropout, each laid out in dim ``order`` (None: as
+    cut)."""
     torch.manual_seed(3)
-    replay = DropoutReplay(2)
+    replay = DropoutReplay(parts)
+    size = x_BLM.shape[0] // parts
     with replay.patched():
-        parts = []
-        for p in range(2):
+        outs = []
+        for p in range(parts):
             replay.start(p)
-            parts.append(torch.nn.functional.dropout(in_layout(x_BLM[2 * p:2 * p + 2].contiguous(), order), 0.3, True))
+            x_p = replay.lay_out(x_BLM[size * p:size * (p + 1)].contiguous(), order)
+            outs.append(torch.nn.functional.dropout(x_p, 0.3, True))
     assert torch.nn.functional.dropout is not replay.dropout              # restored
-    return torch.cat(parts)
+    return torch.cat(outs)
 
 
 def test_dropout_replay_gives_each_partition_its_rows_of_the_whole_mask():
@@ -44,6 +47,11 @@ def test_dropout_replay_draws_in_the_memory_layout_of_its_input():
     stock = torch.nn.functional.dropout(x_BLM, 0.3, True)
     assert torch.equal(_replayed(x_BLM, memory_order(x_BLM)), stock)
     assert not torch.equal(_replayed(x_BLM, None), stock)
+    # one sample per partition: its batch dim has size 1, whose stride says nothing; the layout it was handed in
+    # (lay_out) decides, as the executor hands the MoE output
+    assert torch.equal(_replayed(x_BLM, memory_order(x_BLM), parts=4), stock)
+    assert not torch.equal(_replayed(x_BLM, None, parts=4), stock)
+    assert memory_order(x_BLM[:1]) == [0, 1, 2]          # a size-1 dim counts as in a contiguous tensor
     laid = in_layout(x_BLM.contiguous(), [1, 0, 2])
     assert torch.equal(laid, x_BLM) and laid.stride() == x_BLM.stride()
 
@@ -54,8 +62,8 @@ def test_unknown_blocks_and_unreplayable_dropout_are_refused():
 
     other = torch.nn.TransformerEncoderLayer(8, 2)
     assert block_problems(other, "block 0") == [
-        "block 0 is a TransformerEncoderLayer: Lancet's batch partitions know the blocks GPT2Block, BertLayer only "
-        "(transformers' GPT-2 and BERT); use partitions 1 for this model"]
+        "block 0 is a TransformerEncoderLayer: Lancet's batch partitions know the blocks GPT2Block, BertLayer, "
+        "TransformerLayer only (transformers' GPT-2 and BERT, Megatron-core's); use partitions 1 for this model"]
     eager_bert = BertConfig(hidden_size=8, num_attention_heads=2, intermediate_size=8, attn_implementation="eager")
     bert = BertLayer(eager_bert)
     assert block_problems(bert, "block 1") == []                         # a dense BERT layer runs whole

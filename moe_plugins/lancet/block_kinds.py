@@ -3,6 +3,8 @@ its MoE layer. A kind reads a block's forward arguments (:meth:`read`), runs its
 whole batch (:meth:`before`: the tensor the MoE output joins, and the MoE input h), calls the MoE layer
 (:meth:`moe_call`), finishes a partition after it (:meth:`after`) and calls a whole dense block on a partition
 (:meth:`whole`). Every part goes through the block's own submodules (their hooks fire), as the stock forward does.
+A kind also says where its tensors hold the batch (:attr:`batch_dim`, :meth:`dropout_dim`), which arguments it
+cuts per partition (:attr:`cut_extra`) and what its forward returns (:meth:`output`).
 
 - **GPT2Block** (transformers' GPT-2, pre-LN): before: x = x + attn(ln_1(x)), h = ln_2(x); MoE layer:
   ``block.mlp(h)``; after: x + MoE(h).
@@ -10,6 +12,10 @@ whole batch (:meth:`before`: the tensor the MoE output joins, and the MoE input 
   ``intermediate`` an ``nn.Identity``, ``output`` computing LayerNorm(h + dropout(MoE(h))) with submodules
   ``block``, ``dropout`` and ``LayerNorm``): before: h = attention(x)[0]; MoE layer: ``block.output.block(h)``;
   after: output.LayerNorm(h + output.dropout(MoE(h))). Dense BertLayers run whole.
+- **TransformerLayer** (Megatron-core's own, sequence-first ``[L, B, M]``; :class:`MegatronKind`): before: the
+  layer's ``_forward_attention`` (input norm, self-attention, bias-dropout-add) and ``_forward_pre_mlp_layernorm``;
+  MoE layer: ``layer.mlp(h)``; after: ``_forward_post_mlp`` (the bias-dropout-add of the MoE output). Its forward
+  returns ``(output, context)``.
 
 The papers' packages import no host framework: blocks are told apart by their class name and submodules.
 """
@@ -60,6 +66,18 @@ class _Kind:
     name = ""
     submodules: Tuple[str, ...] = ()
     positions: Dict[str, int] = {}
+    batch_dim = 0           # the hidden states' batch dim (HF: [B, L, M])
+    cut_extra = True        # the forward's other tensor arguments with the batch as dim 0 are cut per partition
+
+    @staticmethod
+    def dropout_dim(x: torch.Tensor) -> int:
+        """The batch dim of a tensor a dropout in the block draws a mask for."""
+        return 0
+
+    @staticmethod
+    def output(x: torch.Tensor) -> Any:
+        """The block forward's return value for hidden states ``x``."""
+        return x
 
     @classmethod
     def matches(cls, block: nn.Module) -> bool:
@@ -156,7 +174,94 @@ class BertKind(_Kind):
         return int(block.attention.self.num_attention_heads)
 
 
-KINDS = (GPT2Kind, BertKind)
+class MegatronKind(_Kind):
+    """Megatron-core's ``TransformerLayer`` (told apart by its class name and submodules: this package imports no
+    host). Its forward takes keyword arguments (``TransformerBlock`` passes them so); only ``attention_mask``
+    (``[B, 1, L, L]`` or broadcast ``[1, 1, L, L]``) is cut per partition, the rest (rotary embeddings: per
+    position) passes whole."""
+
+    name = "TransformerLayer"
+    names = ("TransformerLayer", "MoETransformerLayer")
+    moe_path = "mlp"
+    caches = False          # an inference context runs stock (read)
+    submodules = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", "mlp_bda")
+    batch_dim = 1
+    cut_extra = False
+    STOCK = ("context", "inference_context", "inference_params", "packed_seq_params")
+    REFUSED = ("attention_bias", "padding_mask")
+
+    @classmethod
+    def matches(cls, block: nn.Module) -> bool:
+        return type(block).__name__ in cls.names and all(hasattr(block, n) for n in cls.submodules)
+
+    @staticmethod
+    def dropout_dim(x: torch.Tensor) -> int:
+        return 0 if x.dim() == 4 else 1          # attention probabilities [B, heads, L, L]; hidden [L, B, M]
+
+    @staticmethod
+    def output(x: torch.Tensor) -> Any:
+        return x, None
+
+    @classmethod
+    def read(cls, args: Tuple, kwargs: Dict[str, Any]) -> BlockCall:
+        if len(args) > 3:
+            raise ValueError("Lancet's batch partitions: pass Megatron's TransformerLayer its arguments after "
+                             "hidden_states, attention_mask and context by keyword (as TransformerBlock does)")
+        named = dict(kwargs)
+        for name, value in zip(("hidden_states", "attention_mask") + cls.STOCK[:1], args):
+            named[name] = value
+        refused = [n for n in cls.REFUSED if named.get(n) is not None]
+        if refused:
+            raise ValueError(f"Lancet's batch partitions: Megatron's TransformerLayer got {', '.join(refused)}; "
+                             "partitions run without one (use partitions 1)")
+        stock = any(named.get(n) is not None for n in cls.STOCK)
+        extra = {k: v for k, v in named.items() if k not in ("hidden_states", "attention_mask") + cls.REFUSED}
+        return BlockCall(named["hidden_states"], named.get("attention_mask"), extra, stock)
+
+    @staticmethod
+    def problems(block: nn.Module, where: str, moe: bool) -> List[str]:
+        config, problems = block.config, []
+        if type(block.cross_attention).__name__ != "IdentityOp":
+            problems.append(f"{where}: cross-attention layers are not supported by Lancet's batch partitions")
+        if config.recompute_granularity is not None:
+            problems.append(f"{where}: recompute_granularity ({config.recompute_granularity!r}) must be None: "
+                            "partitions run the layer's parts themselves")
+        if config.bias_dropout_fusion and block.hidden_dropout > 0:
+            problems.append(f"{where}: bias_dropout_fusion (True) with hidden_dropout ({block.hidden_dropout}) draws "
+                            "its mask in a fused kernel, where partitions cannot replay it; set bias_dropout_fusion "
+                            "False or hidden_dropout 0")
+        core = getattr(block.self_attention, "core_attention", None)
+        if config.attention_dropout > 0 and type(core).__name__ != "DotProductAttention":
+            problems.append(f"{where}: attention dropout ({config.attention_dropout}) in {type(core).__name__} is "
+                            "drawn inside the kernel, where partitions cannot replay it; use Megatron's "
+                            "DotProductAttention (the local spec) or attention_dropout 0")
+        if getattr(config, "cuda_graph_impl", "none") != "none":
+            problems.append(f"{where}: cuda_graph_impl ({config.cuda_graph_impl!r}) must be 'none'")
+        return problems
+
+    @staticmethod
+    def before(block: nn.Module, x_LBM: torch.Tensor, mask: Any, extra: Dict[str, Any]):
+        x_LBM, _ = block._forward_attention(x_LBM, attention_mask=mask, **extra)
+        return x_LBM, block._forward_pre_mlp_layernorm(x_LBM)
+
+    @staticmethod
+    def moe_call(block: nn.Module, h_LBM: torch.Tensor) -> Any:
+        return block.mlp(h_LBM)[0]
+
+    @staticmethod
+    def after(block: nn.Module, x_LBM: torch.Tensor, moe_LBM: torch.Tensor) -> torch.Tensor:
+        return block._forward_post_mlp((moe_LBM, None), x_LBM)
+
+    @staticmethod
+    def whole(block: nn.Module, x_LBM: torch.Tensor, mask: Any, extra: Dict[str, Any]) -> torch.Tensor:
+        return block(hidden_states=x_LBM, attention_mask=mask, **extra)[0]
+
+    @staticmethod
+    def heads(block: nn.Module) -> int:
+        return int(block.config.num_attention_heads)
+
+
+KINDS = (GPT2Kind, BertKind, MegatronKind)
 
 
 def kind_of(block: nn.Module) -> Optional[type]:
@@ -166,7 +271,8 @@ def kind_of(block: nn.Module) -> Optional[type]:
 
 def unknown_problem(block: nn.Module, where: str) -> str:
     return (f"{where} is a {type(block).__name__}: Lancet's batch partitions know the blocks "
-            f"{', '.join(k.name for k in KINDS)} only (transformers' GPT-2 and BERT); use partitions 1 for this model")
+            f"{', '.join(k.name for k in KINDS)} only (transformers' GPT-2 and BERT, Megatron-core's); use "
+            "partitions 1 for this model")
 
 
 def stack_problems(blocks: List[nn.Module], moe: List[int]) -> List[str]:

@@ -51,8 +51,14 @@ def block_problems(block: nn.Module, where: str, moe: bool = False) -> List[str]
 
 
 def memory_order(x: torch.Tensor) -> List[int]:
-    """``x``'s dims from the slowest-varying in memory to the fastest (``range(x.dim())`` when contiguous)."""
-    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    """``x``'s dims from the slowest-varying in memory to the fastest (``range(x.dim())`` when contiguous). A dim of
+    size 1 has any stride (torch calls such a tensor contiguous whatever it is, and ``contiguous()`` keeps it): it
+    is ordered as in a contiguous tensor, just before the dim after it."""
+    strides = list(x.stride())
+    for d in reversed(range(x.dim())):
+        if x.shape[d] == 1:
+            strides[d] = strides[d + 1] * x.shape[d + 1] if d + 1 < x.dim() else 1
+    return sorted(range(x.dim()), key=lambda d: (-strides[d], d))
 
 
 def in_layout(x: torch.Tensor, order: Optional[Sequence[int]]) -> torch.Tensor:
@@ -69,29 +75,44 @@ class DropoutReplay:
     in ``finally``): partition 0 draws each call's mask on the whole batch, in call order, and every partition
     multiplies its rows by it, as the unpartitioned call does (bitwise: the same draws, the same product). A mask
     is drawn in memory order, so the whole-batch mask is laid out as the partition's input is (a transposed MoE
-    output: :func:`in_layout`), as the unpartitioned input was."""
+    output: :func:`in_layout`), as the unpartitioned input was. A partition of one sample cannot show where its
+    batch dim lies in memory (any stride will do for a dim of size 1): :meth:`lay_out` tells the replay the
+    layout of a tensor a dropout may get (the MoE output's). ``batch_dim``: where a dropout's input holds the batch
+    (the block kind's ``dropout_dim``; dim 0 by default)."""
 
-    def __init__(self, parts: int):
+    def __init__(self, parts: int, batch_dim: Callable[[torch.Tensor], int] = lambda x: 0):
         self.parts, self.part, self.calls = parts, 0, 0
         self.masks: List[torch.Tensor] = []
         self._original = F.dropout
+        self._batch_dim = batch_dim
+        self._laid: Tuple[Optional[torch.Tensor], Optional[Sequence[int]]] = (None, None)
 
     def start(self, part: int) -> None:
         self.part, self.calls = part, 0
+
+    def lay_out(self, x: torch.Tensor, order: Optional[Sequence[int]]) -> torch.Tensor:
+        """``x`` in dim ``order`` (:func:`in_layout`), remembered as laid out so for a dropout on it."""
+        x = in_layout(x, order)
+        self._laid = (x, order)
+        return x
 
     def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
         if not training or p == 0.0:
             return self._original(input, p, training, inplace)
         index, self.calls = self.calls, self.calls + 1
-        rows = input.shape[0]
+        dim = self._batch_dim(input)
+        rows = input.shape[dim]
+        shape = list(input.shape)
+        shape[dim] = rows * self.parts
         if self.part == 0:
-            whole = in_layout(torch.ones((rows * self.parts,) + tuple(input.shape[1:]), dtype=input.dtype,
-                                         device=input.device), memory_order(input))
+            laid, order = self._laid
+            order = order if laid is input and order is not None else memory_order(input)
+            whole = in_layout(torch.ones(shape, dtype=input.dtype, device=input.device), order)
             self.masks.append(self._original(whole, p, True, False))
-        if index >= len(self.masks) or self.masks[index].shape[0] != rows * self.parts:
+        if index >= len(self.masks) or list(self.masks[index].shape) != shape:
             raise ValueError(f"partition {self.part}: dropout call {index} has {rows} rows, not 1/{self.parts} of the "
                              "whole batch's; every partition must run the same dropout calls in the same order")
-        mask = self.masks[index].narrow(0, self.part * rows, rows)
+        mask = self.masks[index].narrow(dim, self.part * rows, rows)
         return input.mul_(mask) if inplace else input * mask
 
     def patched(self) -> Patcher:
@@ -99,7 +120,8 @@ class DropoutReplay:
 
 
 def _rows(value: Any, batch: int, a: int, b: int) -> Any:
-    """A block argument for samples [a, b): tensors of rank >= 2 with the batch as dim 0 are cut, others kept."""
+    """A block argument for samples [a, b): tensors of rank >= 2 with the batch as dim 0 (an attention mask) are
+    cut, others kept."""
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch and batch > 1:
         return value[a:b]
     return value
@@ -167,8 +189,8 @@ class BlockExecutor:
 
     def _dense_forward(self, i: int, original: Callable, *args, **kwargs):
         passed = self._passed.pop(i, None)
-        if passed is not None and args and args[0] is passed:
-            return passed
+        if passed is not None and (args[0] if args else kwargs.get("hidden_states")) is passed:
+            return self.kind.output(passed)
         return original(*args, **kwargs)
 
     def _moe_forward(self, i: int, original: Callable, *args, **kwargs):
@@ -192,25 +214,27 @@ class BlockExecutor:
         if sample is not None:            # "tune": this range is timed, from its gate input's gradient back
             h_BLM = sample.wrap_input(h_BLM)
         call = self.start_moe(self.blocks[i], h_BLM, parts)
-        batch = x_BLM.shape[0]
+        bd = kind.batch_dim                      # x_BLM is [L, B, M] when 1 (Megatron)
+        batch = x_BLM.shape[bd]
         size = batch // parts
-        replay = DropoutReplay(parts)
+        rest = tuple(s for d, s in enumerate(x_BLM.shape) if d != bd)
+        replay = DropoutReplay(parts, kind.dropout_dim)
         xs, hs = [], []
         with replay.patched():
             for p in range(parts):
                 a, b = p * size, (p + 1) * size
                 replay.start(p)
                 mask_p = _rows(mask, batch, a, b)
-                extra_p = {k: _rows(v, batch, a, b) for k, v in extra.items()}
-                y_p = in_layout(call.output(p).view(b - a, *x_BLM.shape[1:]), call.block_order)
-                x_p = kind.after(self.blocks[i], x_BLM[a:b], y_p)
+                extra_p = {k: _rows(v, batch, a, b) for k, v in extra.items()} if kind.cut_extra else extra
+                y_p = replay.lay_out(call.output(p).view(b - a, *rest).movedim(0, bd), call.block_order)
+                x_p = kind.after(self.blocks[i], x_BLM.narrow(bd, a, b - a), y_p)
                 for d in dense:                  # through the module (its hooks), on to the stock forward
                     x_p = kind.whole(self.blocks[d], x_p, mask_p, extra_p)
                 if nxt is not None:
                     x_p, h_p = kind.before(self.blocks[nxt], x_p, mask_p, extra_p)
                     hs.append(h_p)
                 xs.append(x_p)
-        out, h_next = torch.cat(xs), (torch.cat(hs) if nxt is not None else None)
+        out, h_next = torch.cat(xs, dim=bd), (torch.cat(hs, dim=bd) if nxt is not None else None)
         if sample is not None:            # the range's forward ends here; its backward starts at these gradients
             out = sample.wrap_output(out)
             h_next = None if h_next is None else sample.wrap_output(h_next)
@@ -220,4 +244,4 @@ class BlockExecutor:
             self._stash[nxt] = (out, out, h_next)
         self.ranges_run += 1
         self.chosen.append(parts)
-        return out
+        return kind.output(out)

@@ -1,0 +1,35 @@
+"""Lancet's batch partitions through Megatron-core's own TransformerLayer (issue 26), in its own TransformerBlock on
+4 gloo ranks (EP 4, fp64, hidden and attention dropout 0.1, top-2 with capacity drops): the same outputs, input and
+parameter gradients as stock Megatron (<= 1e-12), the same dropped routes, every range partitioned; settings the
+executor cannot replay refused at wrap_model, naming them. Also run on megatron-core 0.19.2 (make test-mcore19)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.workers import lancet_layers_megatron as jobs  # noqa: E402
+
+TIMEOUT_S = 600
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_partitions_in_megatron_transformer_layers_equal_stock(world, parts):
+    for r in world(4).run(jobs.equal_job, parts, timeout_s=TIMEOUT_S):
+        assert max(r["err"]) <= 1e-12, r["err"]
+        assert r["same_names"] and r["nonzero"]
+        assert r["dropped"]["ours"] == r["dropped"]["stock"] and sum(r["dropped"]["stock"]) > 0, r["dropped"]
+        assert r["kinds"] == ["TransformerLayer"] and r["chosen"] == [parts] and r["stock_calls"] == 0
+        assert r["ranges"] == 3 * 2                           # 3 calls x 2 MoE layers, each a partitioned range
+        assert r["restored"]
+
+
+def test_settings_partitions_cannot_replay_are_refused_naming_them(world):
+    fused, recompute = world(4).run(jobs.refused_job, {"bias_dropout_fusion": True}, timeout_s=TIMEOUT_S)[0], \
+        world(4).run(jobs.refused_job, {"recompute_granularity": "full", "recompute_method": "uniform",
+                                        "recompute_num_layers": 1}, timeout_s=TIMEOUT_S)[0]
+    assert "bias_dropout_fusion (True) with hidden_dropout (0.1)" in fused, fused
+    assert "recompute_granularity ('full') must be None" in recompute, recompute
+    assert world(4).run(jobs.refused_job, {"bias_dropout_fusion": True, "hidden_dropout": 0.0},
+                        timeout_s=TIMEOUT_S)[0] == ""

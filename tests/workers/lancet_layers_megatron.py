@@ -1,0 +1,159 @@
+"""Pool jobs for tests/test_lancet_layers_megatron.py: Lancet's batch partitions through Megatron-core's own
+``TransformerLayer`` in its own ``TransformerBlock`` (the local GPT spec: Megatron's ``DotProductAttention``,
+dropout on), stock and built while the plugin is enabled, on 4 ranks (2 nodes x 2, TP 1, EP 4) under the CPU shims,
+fp64, with the same weights, tokens, masks and RNG state.
+
+Shapes: L tokens per sample, B samples per rank, M model dim.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_plugins.patches.megatron_cpu import megatron_on_cpu
+from moe_plugins.tools.verify_megatron import MegatronVerifySpec, transformer_config
+from tests.workers import megatron as jobs
+
+RPN, L, B, M, H, E, LAYERS = 2, 6, 4, 8, 16, 4, 4
+
+
+@contextmanager
+def _memory_buffer() -> Iterator[None]:
+    """Megatron's global memory buffer (DotProductAttention takes its score buffer there; initialize_model_parallel
+    makes it in a Megatron job), made for the job and destroyed after (the pool's processes run later jobs)."""
+    from megatron.core import parallel_state
+    parallel_state._set_global_memory_buffer()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_global_memory_buffer()
+
+
+def _config(**overrides: Any):
+    spec = MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RPN, mp=1, ep=4, esp=1, experts=E, k=2,
+                              drop=True, capacity_factor=1.0, tokens=L * B, hidden=M, ffn=H, dtype="float64",
+                              schedule="baseline")
+    fields = dict(num_layers=LAYERS, num_attention_heads=2, hidden_dropout=0.1, attention_dropout=0.1)
+    fields.update(overrides)
+    return transformer_config(spec, **fields)
+
+
+def _decoder(config: Any, pgc: Any):
+    """Megatron's TransformerBlock of LAYERS local-spec layers, MoE on every other one (blocks 1 and 3), in fp64
+    (Megatron's CPU norms are built in fp32 whatever params_dtype says)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+    dense, moe = get_gpt_layer_local_spec(), get_gpt_layer_local_spec(num_experts=E)
+    spec = TransformerBlockSubmodules(layer_specs=[moe if i % 2 else dense for i in range(LAYERS)],
+                                      layer_norm=dense.submodules.input_layernorm)
+    return TransformerBlock(config, spec, pg_collection=pgc).double()
+
+
+class _Model(torch.nn.Module):
+    """What GPTModel holds around its decoder, as far as the executor looks (one ModuleList of blocks)."""
+
+    def __init__(self, decoder: Any):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, x_LBM: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.decoder(hidden_states=x_LBM, attention_mask=mask)
+
+
+def _moe_layers(model: _Model) -> List[Any]:
+    return [layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]
+
+
+def _seed(rank: int) -> None:
+    """The same RNG state in both runs: the CPU generator (hidden dropout) and Megatron's tracker (attention
+    dropout, forked from it under the shims)."""
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(123 + rank, tp_rank=0, ep_rank=rank, etp_rank=0)
+    torch.manual_seed(7 + rank)
+
+
+def _masks(gen: torch.Generator) -> torch.Tensor:
+    """[B, 1, L, L] attention masks (True: masked): causal, and per sample some earlier keys masked too (never the
+    diagonal), so that a partition's samples need their own rows."""
+    causal = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
+    extra = (torch.rand(B, 1, L, L, generator=gen) < 0.3) & ~torch.eye(L, dtype=torch.bool)
+    return causal | extra
+
+
+def _run(model: _Model, calls: int, rank: int) -> List[Dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    _seed(rank)
+    out = []
+    for _ in range(calls):
+        x = torch.randn(L, B, M, generator=gen, dtype=torch.float64).requires_grad_(True)
+        mask, g = _masks(gen), torch.randn(L, B, M, generator=gen, dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
+        y = model(x, mask)
+        y.backward(g)
+        res = {"y": y.detach(), "x.grad": x.grad}
+        res.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        out.append(res)
+    return out
+
+
+def _count_drops(layers: List[Any], into: List[int]) -> None:
+    for layer in layers:
+        k = layer.config.moe_router_topk
+        layer.router.register_forward_hook(
+            lambda _m, args, out, k=k: into.append(int(args[0].shape[0] * args[0].shape[1] * k - out[1].sum())))
+
+
+def equal_job(parts: Any = 2, calls: int = 3) -> Dict[str, Any]:
+    """Stock Megatron and the plugin with ``"lancet": {"partitions": parts}`` on the same decoder weights: per call
+    the largest difference over the output, the input gradient and every parameter gradient (by name), whether the
+    same parameters got gradients, the routes each router call dropped in both runs, the executor's ranges and
+    partition counts, and whether closing the plugin took the executor off."""
+    from moe_plugins.patches import megatron as mp
+    rank = dist.get_rank()
+    out: Dict[str, Any] = {"dropped": {"stock": [], "ours": []}}
+    with megatron_on_cpu(), _memory_buffer(), jobs._groups(_spec_for_groups()) as groups:
+        config = _config()
+        torch.manual_seed(0)
+        stock = _Model(_decoder(config, groups.pg_collection))
+        with torch.no_grad():
+            for layer in _moe_layers(stock):
+                layer.router.weight[0] += 1.0                  # lean to expert 0: capacity drops every call
+        _count_drops(_moe_layers(stock), out["dropped"]["stock"])
+        ref = _run(stock, calls, rank)
+        with mp.enable({"ranks_per_node": RPN, "lancet": {"defer_wgrad": False, "partitions": parts}},
+                       groups=groups) as handle:
+            ours = _Model(_decoder(config, groups.pg_collection))
+            ours.load_state_dict(stock.state_dict())
+            _count_drops(_moe_layers(ours), out["dropped"]["ours"])
+            executor = handle.lancet.partitions.wrap_model(ours, _moe_layers(ours), micro_batch=B)
+            got = _run(ours, calls, rank)
+            out.update(ranges=executor.ranges_run, chosen=sorted(set(executor.chosen)),
+                       stock_calls=executor.stock_calls, kinds=sorted({type(b).__name__ for b in executor.blocks}))
+        out["restored"] = all("forward" not in b.__dict__ for b in executor.blocks)
+    out["err"] = [max(jobs._maxerr(a[n], b[n]) for n in a) for a, b in zip(ref, got)]
+    out["same_names"] = all(sorted(a) == sorted(b) for a, b in zip(ref, got))
+    out["nonzero"] = all(float(t.abs().max()) > 0 for r in got for t in r.values())
+    return out
+
+
+def _spec_for_groups() -> MegatronVerifySpec:
+    return MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RPN, mp=1, ep=4, esp=1, experts=E, k=2,
+                              tokens=L * B, hidden=M, ffn=H, dtype="float64", schedule="baseline")
+
+
+def refused_job(overrides: Optional[Dict[str, Any]] = None) -> str:
+    """The error of handing a decoder built with config ``overrides`` to the executor ("" when none)."""
+    from moe_plugins.patches import megatron as mp
+    with megatron_on_cpu(), jobs._groups(_spec_for_groups()) as groups:
+        with mp.enable({"ranks_per_node": RPN, "lancet": {"defer_wgrad": False, "partitions": 2}},
+                       groups=groups) as handle:
+            model = _Model(_decoder(_config(**(overrides or {})), groups.pg_collection))
+            try:
+                handle.lancet.partitions.wrap_model(model, _moe_layers(model), micro_batch=B)
+            except ValueError as exc:
+                return str(exc)
+    return ""
