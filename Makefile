@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python .ci/lint_imports.py   # the import contract in .importlinter
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Megatron-core 0.19.2 (the current release) needs Python 3.12, for which torch is only the CUDA build (about
 # 5 GB with its nvidia wheels): a second venv, built once outside the repo (about 6 minutes here), reused by

@@ -25,6 +25,16 @@ def test_partitions_in_megatron_transformer_layers_equal_stock(world, parts):
         assert r["restored"]
 
 
+def test_training_through_megatron_ddp_with_deferred_dw_equals_stock(world):
+    """4 steps through Megatron's DDP (overlap_grad_reduce), partitions 2 with the experts' dW deferred: the same
+    losses and main_grads as stock Megatron (fp64, <= 1e-12), each DDP hook once per parameter and step."""
+    for r in world(4).run(jobs.train_job, 2, timeout_s=TIMEOUT_S):
+        assert max(r["loss_err"]) <= 1e-12 and max(r["grad_err"]) <= 1e-12, (r["loss_err"], r["grad_err"])
+        stock, ours = r["hooks"]
+        assert ours == stock == [[1]] * 4, r["hooks"]
+        assert r["ranges"] == 4 * 2
+
+
 def test_settings_partitions_cannot_replay_are_refused_naming_them(world):
     fused, recompute = world(4).run(jobs.refused_job, {"bias_dropout_fusion": True}, timeout_s=TIMEOUT_S)[0], \
         world(4).run(jobs.refused_job, {"recompute_granularity": "full", "recompute_method": "uniform",

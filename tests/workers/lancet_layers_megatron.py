@@ -140,6 +140,58 @@ def equal_job(parts: Any = 2, calls: int = 3) -> Dict[str, Any]:
     return out
 
 
+def _train(model: Any, steps: int, rank: int) -> Dict[str, Any]:
+    """``steps`` steps through Megatron's DDP (``overlap_grad_reduce``): per step the loss, every ``main_grad`` after
+    ``finish_grad_sync`` and the DDP hook's calls per parameter (on its gradient accumulator); an SGD update on
+    ``main_grad`` after each."""
+    from tests.workers.lina_megatron import _ddp
+    ddp = _ddp(model.decoder.config, model, model.decoder.pg_collection, bucket_size=2000)
+    calls: Dict[str, int] = {}
+    for n, p in ddp.module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
+    gen = torch.Generator().manual_seed(100 + rank)
+    _seed(rank)
+    out: Dict[str, Any] = {"losses": [], "grads": [], "hooks": []}
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        calls.clear()
+        x, t = (torch.randn(L, B, M, generator=gen, dtype=torch.float64) for _ in range(2))
+        loss = torch.nn.functional.mse_loss(ddp(x, _masks(gen)), t)
+        loss.backward()
+        ddp.finish_grad_sync()
+        out["losses"].append(float(loss))
+        out["hooks"].append(sorted(set(calls.values())))
+        out["grads"].append({n: p.main_grad.clone() for n, p in ddp.module.named_parameters()})
+        with torch.no_grad():
+            for p in ddp.module.parameters():
+                p.sub_(0.05 * p.main_grad)
+    return out
+
+
+def train_job(parts: int = 2, steps: int = 4) -> Dict[str, Any]:
+    """Stock Megatron and the plugin with partitions (and the experts' dW deferred) from the same weights, each
+    trained ``steps`` steps through Megatron's DDP (:func:`_train`): the largest loss and ``main_grad`` differences
+    per step, and the hook counts of both runs."""
+    from moe_plugins.patches import megatron as mp
+    rank = dist.get_rank()
+    with megatron_on_cpu(), _memory_buffer(), jobs._groups(_spec_for_groups()) as groups:
+        config = _config()
+        torch.manual_seed(0)
+        stock = _Model(_decoder(config, groups.pg_collection))
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()}
+        ref = _train(stock, steps, rank)
+        with mp.enable({"ranks_per_node": RPN, "lancet": {"defer_wgrad": True, "partitions": parts}},
+                       groups=groups) as handle:
+            ours = _Model(_decoder(config, groups.pg_collection))
+            ours.load_state_dict(state)
+            executor = handle.lancet.partitions.wrap_model(ours, _moe_layers(ours), micro_batch=B)
+            got = _train(ours, steps, rank)
+            ranges = executor.ranges_run
+    return {"loss_err": [abs(a - b) for a, b in zip(ref["losses"], got["losses"])],
+            "grad_err": [max(jobs._maxerr(a[n], b[n]) for n in a) for a, b in zip(ref["grads"], got["grads"])],
+            "hooks": (ref["hooks"], got["hooks"]), "ranges": ranges}
+
+
 def _spec_for_groups() -> MegatronVerifySpec:
     return MegatronVerifySpec(world=dist.get_world_size(), ranks_per_node=RPN, mp=1, ep=4, esp=1, experts=E, k=2,
                               tokens=L * B, hidden=M, ffn=H, dtype="float64", schedule="baseline")
