@@ -38,7 +38,7 @@ import torch.distributed as dist
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME, reshard_interval
 from moe_plugins.hecate.rehome import Extra, Resharder
-from moe_plugins.hecate.reshard import local_experts
+from moe_plugins.hecate.pool import SlotPool
 
 logger = logging.getLogger(__name__)
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -71,23 +71,9 @@ def check(engine: Any, cfg: Any) -> None:
         raise ValueError("moe_plugins cannot re-shard Hecate's experts on this DeepSpeed engine: " + "; ".join(problems))
 
 
-class SlotPool:
-    """Pooled slots on one engine: the re-sharded layers' local expert modules, in model order, as one storage
-    whose i-th module on this rank holds the i-th of the (layer, expert) pairs homed here (ascending: the
-    ``local_experts`` order of the layers' homes laid end to end, which ``Resharder``'s pooled move follows).
-    Before any move each layer's modules hold its own experts."""
-
-    def __init__(self, moes: List[torch.nn.Module], schedules: List[Any]) -> None:
-        self.moes, self.schedules = moes, schedules
-        self.modules = [m for moe in moes for m in moe.experts.deepspeed_experts]
-
-    def experts_of(self, moe: torch.nn.Module) -> List[torch.nn.Module]:
-        """The modules holding ``moe``'s experts homed on this rank, in ascending expert id."""
-        layer = next(i for i, m in enumerate(self.moes) if m is moe)
-        homes_L = [s.homes for s in self.schedules]
-        start, ids = sum(map(len, homes_L[:layer])), local_experts([r for h in homes_L for r in h],
-                                                                    self.schedules[0].groups.ep.rank)
-        return [self.modules[i] for i, g in enumerate(ids) if start <= g < start + len(homes_L[layer])]
+def slot_pool(moes: List[torch.nn.Module], schedules: List[Any]) -> SlotPool:
+    """Pooled slots on one engine over its re-sharded DeepSpeed ``MOELayer``s (moe_plugins/hecate/pool.py)."""
+    return SlotPool(moes, [list(moe.experts.deepspeed_experts) for moe in moes], schedules)
 
 
 class EngineResharder:
@@ -121,7 +107,7 @@ class EngineResharder:
         self.engine = engine
         self.resharder = Resharder(layers, every.pop(), world=dist.group.WORLD, pooled=pool)
         if pool:
-            shared = SlotPool(moes, [s for s, _ in layers])
+            shared = slot_pool(moes, [s for s, _ in layers])
             for moe in moes:
                 self.pools[moe] = shared
             self._pooled = moes

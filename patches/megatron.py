@@ -281,7 +281,7 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     lancet = LancetState(record_timeline, dense=defers_dense(config), defer=defers_wgrad(config),
                          parts=partition_count(config)) if lancet_on(config) else None
     engines = None
-    from moe_plugins.hecate.config import lane_on, reshard_interval
+    from moe_plugins.hecate.config import lane_on, pooled_slots, reshard_interval
     if config.enabled and lina is None and (default_registry().needs_lane(config.pipeline_degree) or lancet
                                             or lane_on(config)):
         from moe_plugins.patches.megatron_engines import LayoutEngines
@@ -289,7 +289,7 @@ def enable(plugin: PluginLike, *, groups: Optional[MegatronGroups] = None, ranks
     from moe_plugins.patches.megatron_hecate_early import MegatronEarlyGather
     from moe_plugins.patches.megatron_hecate_reshard import MegatronResharding
     every = reshard_interval(config)
-    hecate = MegatronResharding(every) if every else None
+    hecate = MegatronResharding(every, pooled=pooled_slots(config)) if every else None
     handle = MegatronPlugin(config, groups=groups, ranks_per_node=ranks_per_node, ledger=ledger, lina=lina,
                             engines=engines, lancet=lancet, hecate=hecate,
                             early=MegatronEarlyGather() if lane_on(config) else None)

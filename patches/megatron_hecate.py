@@ -23,7 +23,7 @@ Shapes: E_l local experts, M model dim, H FFN hidden.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn.functional as F
@@ -84,11 +84,21 @@ def hecate_class(plugin: PluginConfig, cls: Type[Schedule], config: Any) -> Type
     return hecate.configured(hecate.from_section(plugin.hecate).options, activation=activation_name(config))
 
 
-def stacked_weights(experts: torch.nn.Module) -> RereadableWeights:
-    """The ``SequentialMLP``'s local experts as ExpertWeights (module docstring): ``linear_fc1`` and
-    ``linear_fc2``'s weights (H, M) and (M, H) and their biases."""
-    return stacked_ffn([mlp.linear_fc1 for mlp in experts.local_experts],
-                       [mlp.linear_fc2 for mlp in experts.local_experts])
+def stacked_weights(mlps: Sequence[torch.nn.Module], like: Optional[torch.nn.Module] = None) -> RereadableWeights:
+    """Local experts (a ``SequentialMLP``'s ``local_experts``, or the pooled slots holding a layer's experts) as
+    ExpertWeights (module docstring): ``linear_fc1`` and ``linear_fc2``'s weights (H, M) and (M, H) and their
+    biases. No experts (pooled slots): empty stacks shaped as the MLP ``like``."""
+    return stacked_ffn([mlp.linear_fc1 for mlp in mlps], [mlp.linear_fc2 for mlp in mlps],
+                       None if like is None else (like.linear_fc1, like.linear_fc2))
+
+
+def layer_weights(experts: torch.nn.Module,
+                  pooled: Optional[Callable[[], Optional[Sequence[torch.nn.Module]]]] = None) -> RereadableWeights:
+    """A layer's local experts as ExpertWeights: its ``SequentialMLP``'s, or with Hecate's pooled slots the
+    modules holding its experts on this rank (``pooled()``; None until the pool exists)."""
+    own = list(experts.local_experts)
+    mlps = pooled() if pooled is not None else None
+    return stacked_weights(own) if mlps is None else stacked_weights(mlps, like=own[0])
 
 
 def sections() -> Dict[str, Any]:

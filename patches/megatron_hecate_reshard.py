@@ -25,7 +25,11 @@ While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through
 
 A loop that writes ``state_dict()`` itself (the recipe's per-rank files) uses :meth:`MegatronResharding.stock_homes`
 around the write and :meth:`MegatronResharding.to_stock` before reading. A ``SequentialMLP`` expert is one
-slot: its parameters whole, in the module's order.
+slot: its parameters whole, in the module's order. With ``"pool_slots": true`` (Algorithm 2 as the paper has it)
+the layers one optimizer steps share their slots (:class:`~moe_plugins.hecate.pool.SlotPool`, made with their
+Resharder at that optimizer's first step): an expert may sit in another layer's ``SequentialMLP`` (its parameters,
+``main_grad`` and Adam moments moved there), and each layer reads its experts from the pool
+(:meth:`MegatronResharding.slots_of`); the state dict and checkpoints are written from the stock homes as above.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch.distributed as dist
 from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME
+from moe_plugins.hecate.pool import SlotPool
 from moe_plugins.hecate.rehome import Resharder
 from moe_plugins.patches.megatron_steps import after_fp32_steps
 
@@ -54,8 +59,9 @@ class MegatronResharding:
     """The enabled plugin's re-sharding state (module docstring): the layers that asked for it (in build order,
     the same on every rank), one :class:`Resharder` per torch optimizer holding their experts."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, pooled: bool = False) -> None:
+        self.every, self.pooled = every, pooled
+        self.pool: Optional[SlotPool] = None          # pooled: the layers' shared slots, from the first step
         self._layers: List[weakref.ref] = []
         self._resharders: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Optional[Resharder]]" = \
             weakref.WeakKeyDictionary()
@@ -66,6 +72,11 @@ class MegatronResharding:
 
     def layers(self) -> List[Any]:
         return [layer for layer in (ref() for ref in self._layers) if layer is not None]
+
+    def slots_of(self, layer: Any) -> Optional[List[torch.nn.Module]]:
+        """Pooled slots: the modules holding ``layer``'s experts on this rank (None: its own SequentialMLP's)."""
+        pool = self.pool
+        return pool.experts_of(layer) if pool is not None and pool.holds(layer) else None
 
     @property
     def resharders(self) -> List[Resharder]:
@@ -166,9 +177,15 @@ class MegatronResharding:
             raise ValueError(f"{FIELD} ({self.every}): the experts of {', '.join(partial)} are split over several "
                              "optimizers; each layer's experts must be stepped by one (their state moves with them)")
         resharder = None
+        if layers and self.pooled and self.pool is not None:
+            raise ValueError(f"{SECTION}.{NAME}.pool_slots (True): the Hecate layers are stepped by several "
+                             "optimizers; pooled slots need every re-sharded layer's experts in one")
         if layers:
-            resharder = Resharder([(layer.token_dispatcher.schedule, functools.partial(_slots, layer))
-                                   for layer in layers], self.every, world=dist.group.WORLD)
+            schedules = [layer.token_dispatcher.schedule for layer in layers]
+            resharder = Resharder([(s, functools.partial(_slots, layer)) for s, layer in zip(schedules, layers)],
+                                  self.every, world=dist.group.WORLD, pooled=self.pooled)
+            if self.pooled:
+                self.pool = SlotPool(layers, [list(layer.experts.local_experts) for layer in layers], schedules)
             log = logger.info if dist.get_rank() == 0 else logger.debug
             log("moe_plugins: Hecate re-shards the experts of %d Megatron layers every %d optimizer steps",
                 len(layers), self.every)
@@ -176,7 +193,7 @@ class MegatronResharding:
         return resharder
 
     def close(self) -> None:
-        self._resharders.clear()
+        self._resharders.clear()       # the pool stays: the layers keep reading their experts where they sit
 
 
 def _param_ids(optimizer: Optional[torch.optim.Optimizer]) -> Set[int]:

@@ -14,8 +14,8 @@ How the stage methods map (megatron-core 0.16.1 and 0.19.2; see docs/megatron.md
     combine                   EP all-to-all                         schedule.exchange_out
     postprocess               unpermute (+ shared experts)          schedule.finish (+ shared experts)
 
-With a pipeline degree r > 1 the capacity chunks of steps 2-4 run in ``routed_experts_compute`` (PipeMoE's
-runner), and dispatch/combine pass their input through.
+With a pipeline degree r > 1 steps 2-4 run chunked in ``routed_experts_compute`` (PipeMoE's runner; dispatch and
+combine pass their input through).
 
 Exactness: Megatron's experts scale their hidden activation by the routing weight (``per_token_scale``); here
 they get a scale of one and the schedule's combine multiplies by the same weight, so the forward differs only in
@@ -52,7 +52,6 @@ from moe_plugins.core.router import uniform_capacity
 from moe_plugins.core.schedule import LayerParams, Schedule, with_exchange
 from moe_plugins.hecate.config import lane_on
 from moe_plugins.plugins import default_registry
-
 from moe_plugins.patches import megatron_hecate
 from moe_plugins.patches.megatron_config import ProfileLookup, facts_from_config, moe_config, plugin_problems
 from moe_plugins.patches.megatron_groups import (MegatronGroups, groups_from_pg_collection, parallel_state_collection,
@@ -203,6 +202,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         self.rec = Recorder(ledger, name, self.engine, schedule=cls.name, while_in_flight=self.overlap)
         self.schedule: Schedule = cls(self.moe_config, groups, self.rec)
         self._pass: Optional[_Pass] = None
+        self.expert_weights = partial(megatron_hecate.layer_weights, experts)   # Hecate's (pooled: set by the layer)
 
     @property
     def _pipelined(self) -> bool:
@@ -226,7 +226,7 @@ class ScheduleTokenDispatcher(MoETokenDispatcher):
         esp = self.groups.esp
         experts = self.expert_call()
         rows = partial(_run_expert_rows, self.experts) if esp.size == 1 and self.lancet is None else None
-        weights = megatron_hecate.stacked_weights(self.experts) if self.schedule.needs_expert_weights else None
+        weights = self.expert_weights() if self.schedule.needs_expert_weights else None
         return HostLayerParams(router=MegatronRouting(self.router, x_SM, own), experts=experts,
                                partial_experts=partial(_run_experts, self.experts), row_experts=rows,
                                expert_weights=weights)
@@ -345,6 +345,8 @@ class PluginMoELayer(MoELayer):
             plugin.pipeline_degree, layout.mp, layout.ep, layout.esp, layout.ranks_per_node)
         if resharding is not None:     # Hecate's re-sharding (patches/megatron_hecate_reshard.py) moves its experts
             resharding.add(self)
+            self.token_dispatcher.expert_weights = partial(megatron_hecate.layer_weights, self.experts,
+                                                           partial(resharding.slots_of, self))
 
     @staticmethod
     def _check(config: Any, plugin: PluginConfig, pg_collection: Any, groups: Optional[MegatronGroups],
@@ -380,7 +382,7 @@ class PluginMoELayer(MoELayer):
         the forward pre-hook of the block holding the layer."""
         if self.token_dispatcher.schedule.needs_expert_weights:
             with torch.no_grad():
-                self.token_dispatcher.schedule.prefetch(megatron_hecate.stacked_weights(self.experts))
+                self.token_dispatcher.schedule.prefetch(self.token_dispatcher.expert_weights())
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         """Megatron's forward, or, while Lancet's block executor has its request armed, the partitioned call

@@ -20,7 +20,7 @@ def _jobs():
     return hecate_pool_deepspeed
 
 
-def test_the_section_takes_pool_slots_with_reshard_every_on_deepspeed_only():
+def test_the_section_takes_pool_slots_with_reshard_every_on_both_hosts():
     from moe_plugins.patches.deepspeed_hecate import config_choices
     from moe_plugins.patches.megatron_hecate import sections
     cfg = PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": True}}, **config_choices())
@@ -29,8 +29,8 @@ def test_the_section_takes_pool_slots_with_reshard_every_on_deepspeed_only():
         PluginConfig.from_dict({"hecate": {"pool_slots": True}}, **config_choices())
     with pytest.raises(ValueError, match=r"pool_slots \('yes'\) must be true or false"):
         PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": "yes"}}, **config_choices())
-    with pytest.raises(ValueError, match=r"pool_slots \(True\) runs on DeepSpeed only"):
-        PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": True}}, sections=sections())
+    megatron = PluginConfig.from_dict({"hecate": {"reshard_every": 2, "pool_slots": True}}, sections=sections())
+    assert HecateConfig.from_dict(megatron.hecate).pool_slots is True          # tests/test_hecate_pool_megatron.py
 
 
 @pytest.mark.parametrize("stage, every", [(0, 100), (2, 100), (2, 2)], ids=["zero0", "zero2", "zero2-plan-every-2"])

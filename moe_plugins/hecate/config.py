@@ -17,8 +17,8 @@
         "reshard_every": 0,       # re-home the experts by Algorithm 2 every n optimizer steps (0: never;
                                   # DeepSpeed ZeRO 0/1/2, fp32: moe_plugins/hecate/rehome.py)
         "pool_slots": false       # with reshard_every: the layers share every rank's expert slots (the paper's
-                                  # Algorithm 2: a rank may hold more experts of one layer and fewer of another;
-                                  # DeepSpeed only); false: each layer's experts stay E / R per rank
+                                  # Algorithm 2: a rank may hold more experts of one layer and fewer of another);
+                                  # false: each layer's experts stay E / R per rank
     }
 
 How the section selects the schedule: an enabled section switches schedule ``baseline`` to ``hecate`` (the
@@ -131,6 +131,11 @@ def reshard_interval(cfg: Any) -> int:
     return HecateConfig.from_dict(cfg.hecate).reshard_every
 
 
+def pooled_slots(cfg: Any) -> bool:
+    """A PluginConfig's ``hecate.pool_slots`` (False without re-sharding)."""
+    return bool(reshard_interval(cfg)) and HecateConfig.from_dict(cfg.hecate).pool_slots
+
+
 def enabled_in(section: Mapping[str, Any]) -> bool:
     """Whether a ``moe_plugins`` section runs Hecate: its ``hecate`` section enabled, or schedule ``hecate``."""
     hecate = section.get(NAME)
@@ -168,9 +173,6 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
     esp = section.get("esp")
     if _int(esp, 2):
         problems.append(f"{path}.esp ({esp!r}) must be 1 or null with Hecate: copies of ESP shards are not built")
-    if host == "megatron" and isinstance(hecate, Mapping) and hecate.get("pool_slots") is True:
-        problems.append(f"{path}.{NAME}.pool_slots (True) runs on DeepSpeed only: on Megatron-core each layer's "
-                        "experts stay E / R per rank when re-sharded (leave it false)")
     if host not in HOSTS:     # a reader that would run the plain baseline silently in its place: refuse
         problems.append(f"{path}.{NAME}: Hecate is run by the DeepSpeed and Megatron-core adapters (moe_plugins."
                         "enable(), the ds_config section or the --moe-plugins flag) and by the core "
