@@ -1,7 +1,7 @@
 """Hecate's pooled slots on Megatron-core (``"hecate": {"reshard_every": n, "pool_slots": true}``: Algorithm 2 as
 the paper has it, the layers sharing every rank's expert slots), 4 gloo ranks (2 nodes x 2, EP 4), two MoE layers
 in Megatron's DDP with its fp32 Adam: training with experts moved across the layers' SequentialMLPs equal to stock
-Megatron, and the state dict written in the stock layout. Also run on megatron-core 0.19.2 (make test-mcore19)."""
+Megatron, the state dict and dist_checkpointing files written in the stock layout. Also run on megatron-core 0.19.2 (make test-mcore19)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,21 @@ def test_experts_moved_across_layers_train_as_stock_megatron(world, every, force
     assert any(k.endswith("exp_avg_sq") for k in a) and any(k.endswith("main_grad") for k in a)
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), \
         max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_a_pooled_dist_checkpoint_loads_into_stock_megatron(world, tmp_path):
+    """Saved with experts in the other layer's modules, the checkpoint holds every expert under its (layer, global
+    id): stock layers with other weights load exactly the saver's experts; the saver's stay where they were."""
+    (tmp_path / "ckpt").mkdir()
+    results = world(WORLD).run(jobs.checkpoint_to_stock, str(tmp_path / "ckpt"), timeout_s=TIMEOUT_S)
+    before, after, loaded = (_merged_plain(results, key) for key in ("before", "after", "loaded"))
+    assert set(before) == set(loaded) and len({k.rsplit(".", 2)[0] for k in before}) == 2 * 4, sorted(before)
+    assert all(torch.equal(before[k], loaded[k]) and torch.equal(before[k], after[k]) for k in before)
+    assert all(r["homes"] == [tuple(h) for h in jobs.UNEVEN] for r in results)
+
+
+def _merged_plain(results, key):
+    out = {}
+    for res in results:
+        out.update(res[key])
+    return out

@@ -131,3 +131,49 @@ def pooled_vs_stock(steps: int, every: int, forced: bool) -> Dict[str, Any]:
 
 def _tensors(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)}
+
+
+def _sharded(layers: List[Any], metadata: Dict[str, Any]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for i, layer in enumerate(layers):
+        out.update(layer.sharded_state_dict(prefix=f"moes.{i}.", metadata=metadata))
+    return out
+
+
+def checkpoint_to_stock(ckpt_dir: str, steps: int = 3) -> Dict[str, Any]:
+    """The plugin's two pooled layers trained ``steps`` steps (moved to UNEVEN after the first) and saved through
+    ``dist_checkpointing.save``; two fresh stock layers (other weights) load it through ``dist_checkpointing.load``.
+    Experts by (layer, id) of the saver (read through the pool) before and after the save and of the loader, and
+    the saver's homes after the save."""
+    from megatron.core import dist_checkpointing
+
+    from moe_plugins.patches import megatron as mp
+    from tests.workers.ckpt_reshard_megatron import cpu_saver
+    s = spec(1, 4)
+    with on_cpu(s) as groups:
+        pgc, config = groups.pg_collection, transformer_config(s, num_layers=2)
+        metadata = {"dp_cp_group": pgc.dp_cp}
+        with mp.enable(section(100), groups=groups) as handle:
+            layers = [build_plugin(config, build_stock(s, config, groups, seed=seed).state_dict())
+                      for seed in (1, 2)]
+            for i, layer in enumerate(layers):
+                layer.set_layer_number(i + 1)
+            res = _train(config, layers, pgc, steps, handle, forced=True)
+            before = experts_by_id(layers, res["opt"], handle)
+            with cpu_saver():
+                dist_checkpointing.save(_sharded(layers, metadata), ckpt_dir)
+            dist.barrier()
+            after = experts_by_id(layers, res["opt"], handle)
+            homes = [layer.token_dispatcher.schedule.homes for layer in layers]
+        loaders = [build_stock(s, config, groups, seed=seed) for seed in (3, 4)]
+        for i, layer in enumerate(loaders):
+            layer.set_layer_number(i + 1)
+        state = dist_checkpointing.load(_sharded(loaders, metadata), ckpt_dir)
+        for i, layer in enumerate(loaders):
+            layer.load_state_dict({k[len(f"moes.{i}."):]: v for k, v in state.items() if k.startswith(f"moes.{i}.")})
+        loaded = {}
+        for i, layer in enumerate(loaders):
+            for name, p in layer.experts.local_experts[0].named_parameters():
+                loaded[f"{i}.{dist.get_rank()}.{name}"] = p.detach().clone()
+    weights = {k: v for k, v in before.items() if k.count(".") == 3}      # (layer, id, module, param): the weights
+    return {"before": weights, "after": {k: after[k] for k in weights}, "loaded": loaded, "homes": homes}
