@@ -1,5 +1,5 @@
-"""Lancet's block executor (Part 2): the HF GPT-2 blocks after an MoE layer's gate run partition by partition, so
-that one partition's MoE exchange flies while another partition computes (docs/lancet.md).
+"""Lancet's block executor (Part 2): the transformer blocks after an MoE layer's gate run partition by partition,
+so that one partition's MoE exchange flies while another partition computes (docs/lancet.md).
 
 A *range* starts at an MoE block's gate and ends at the next MoE block's gate (or at the end of the stack): the
 gate needs the whole batch, so the pipeline stops there. For MoE block i with next MoE block j:
@@ -14,14 +14,16 @@ gate needs the whole batch, so the pipeline stops there. For MoE block i with ne
 4. the partitions' results are joined; the host's loop then calls blocks i+1 .. j-1 (passed through: already
    run) and block j (its first half already run: it resumes at the gate).
 
-Partitions cut the batch (dim 0) into equal groups of samples, so attention (per sample) is unchanged. Dropout
-masks are replayed from the whole batch (:class:`DropoutReplay`): partition 0 draws each mask for the whole batch
-in the order the unpartitioned forward draws them, and every partition uses its rows. The result equals the
-unpartitioned model's (fp64: <= 1e-12), dropout on.
+Partitions cut the batch (the block kind's ``batch_dim``: 0 for HF's [B, L, M], 1 for Megatron's [L, B, M]) into
+equal groups of samples, so attention (per sample) is unchanged. Dropout masks are replayed from the whole batch
+(:class:`DropoutReplay`): partition 0 draws each mask for the whole batch in the order the unpartitioned forward
+draws them, and every partition uses its rows. The result equals the unpartitioned model's (fp64: <= 1e-12),
+dropout on.
 
 Known blocks (:mod:`moe_plugins.lancet.block_kinds`): transformers' ``GPT2Block`` and ``BertLayer`` (its MoE blocks
-with the recipes' MoE output); a stack is of one kind. A forward with a cache, cross-attention or ``use_cache``
-runs stock (HF's GPT-2 passes a fresh cache in every forward unless ``use_cache=False`` or
+with the recipes' MoE output), and Megatron-core's ``TransformerLayer`` (before: its attention part and pre-MLP
+norm; after: the MoE output's bias-dropout-add); a stack is of one kind. A forward with a cache, cross-attention or
+``use_cache`` runs stock (HF's GPT-2 passes a fresh cache in every forward unless ``use_cache=False`` or
 ``config.use_cache=False``: partitions cannot fill it per partition; a warning says so once).
 :func:`block_problems` refuses other blocks, and attention dropout outside the eager attention (SDPA draws its
 mask inside the kernel, where it cannot be replayed).
