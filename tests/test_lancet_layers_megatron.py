@@ -25,6 +25,18 @@ def test_partitions_in_megatron_transformer_layers_equal_stock(world, parts):
         assert r["restored"]
 
 
+def test_tuned_partitions_stay_exact_and_every_rank_decides_the_same(world):
+    """``"tune"``: the executor times its own ranges at 1, 2 and 4 partitions (Megatron's heads, batch dim and
+    dropout replay as above): whatever counts it ran, stock's outputs and gradients."""
+    results = world(4).run(jobs.equal_job, "tune", 8, timeout_s=TIMEOUT_S)
+    for r in results:
+        assert max(r["err"]) <= 1e-12 and r["dropped"]["ours"] == r["dropped"]["stock"], (r["err"], r["dropped"])
+        ((choice, times),) = r["tuned"].values()                     # one batch shape
+        assert choice in (1, 2, 4) and len(times) >= 2 and set(r["chosen"]) >= set(times), r["tuned"]
+        assert r["ranges"] == 8 * 2
+    assert len({repr(r["tuned"]) for r in results}) == 1
+
+
 def test_training_through_megatron_ddp_with_deferred_dw_equals_stock(world):
     """4 steps through Megatron's DDP (overlap_grad_reduce), partitions 2 with the experts' dW deferred: the same
     losses and main_grads as stock Megatron (fp64, <= 1e-12), each DDP hook once per parameter and step."""

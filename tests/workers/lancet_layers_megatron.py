@@ -132,7 +132,8 @@ def equal_job(parts: Any = 2, calls: int = 3) -> Dict[str, Any]:
             executor = handle.lancet.partitions.wrap_model(ours, _moe_layers(ours), micro_batch=B)
             got = _run(ours, calls, rank)
             out.update(ranges=executor.ranges_run, chosen=sorted(set(executor.chosen)),
-                       stock_calls=executor.stock_calls, kinds=sorted({type(b).__name__ for b in executor.blocks}))
+                       stock_calls=executor.stock_calls, kinds=sorted({type(b).__name__ for b in executor.blocks}),
+                       tuned=executor.parts.decisions() if hasattr(executor.parts, "decisions") else None)
         out["restored"] = all("forward" not in b.__dict__ for b in executor.blocks)
     out["err"] = [max(jobs._maxerr(a[n], b[n]) for n in a) for a, b in zip(ref, got)]
     out["same_names"] = all(sorted(a) == sorted(b) for a, b in zip(ref, got))
