@@ -17,6 +17,7 @@ import torch.distributed as dist
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu
 from moe_plugins.tools.verify_megatron import MegatronVerifySpec, transformer_config
 from tests.workers import megatron as jobs
+from tests.workers.lancet_parts_megatron import _count_drops
 
 RPN, L, B, M, H, E, LAYERS = 2, 6, 4, 8, 16, 4, 4
 
@@ -98,13 +99,6 @@ def _run(model: _Model, calls: int, rank: int) -> List[Dict[str, torch.Tensor]]:
         res.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         out.append(res)
     return out
-
-
-def _count_drops(layers: List[Any], into: List[int]) -> None:
-    for layer in layers:
-        k = layer.config.moe_router_topk
-        layer.router.register_forward_hook(
-            lambda _m, args, out, k=k: into.append(int(args[0].shape[0] * args[0].shape[1] * k - out[1].sum())))
 
 
 def equal_job(parts: Any = 2, calls: int = 3) -> Dict[str, Any]:
