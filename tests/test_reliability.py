@@ -1,6 +1,6 @@
 """A rank that stops (SIGSTOP: a stuck host) never hangs the others: on 4 gloo ranks, rank 3 stops at a random
 point (an MoE all-to-all in forward or in backward, a PipeMoE chunk, Parm's SAA, a Lina micro-op, Hecate's early
-re-gather), and every other rank exits non-zero within twice the process group's timeout, its error naming where
+re-gather, an exchange of Lancet's batch partitions), and every other rank exits non-zero within twice the process group's timeout, its error naming where
 it was.
 
 The ranks are plain processes (tests/workers/stall.py), not the test pool. The points' op counts are drawn
@@ -28,7 +28,8 @@ TIMEOUT_S = 6.0                    # the process group's timeout (the recipes' -
 SEED = int(os.environ.get("STALL_SEED", random.SystemRandom().randrange(10_000)))
 print(f"test_reliability: STALL_SEED={SEED}")
 RECIPE_TIMEOUT_S = float(os.environ.get("STALL_RECIPE_TIMEOUT_S", "10"))   # the issue's figure: 60
-LAST_OP = {"forward": 12, "backward": 12, "pipemoe": 30, "saa": 8, "lina": 12, "regather": 12}   # stop at op 1..
+LAST_OP = {"forward": 12, "backward": 12, "pipemoe": 30, "saa": 8, "lina": 12, "regather": 12,
+           "partitions": 24}                                                                  # stop at op 1..
 
 
 def _free_port() -> int:
@@ -83,7 +84,7 @@ def _survivors_failed(procs: List[subprocess.Popen], out: Path, timeout: float, 
     return logs
 
 
-@pytest.mark.parametrize("point", ["forward", "backward", "pipemoe", "saa", "lina", "regather"])
+@pytest.mark.parametrize("point", ["forward", "backward", "pipemoe", "saa", "lina", "regather", "partitions"])
 def test_a_stopped_rank_makes_every_other_rank_fail_within_twice_the_timeout(tmp_path, point):
     nth = random.Random(f"{SEED}-{point}").randint(1, LAST_OP[point])
     procs = _launch(point, nth, tmp_path)

@@ -6,7 +6,9 @@ MASTER_ADDR, MASTER_PORT in the environment), not on the test pool: a stopped po
 Points (``--point``): ``forward`` / ``backward`` (an MoE all-to-all of the baseline schedule in that phase),
 ``pipemoe`` (an op of a PipeMoE chunk on the engine's pipeline lane, degree 2), ``saa`` (Parm's SAA of
 parm-s2-saa, MP 2 x EP 2 x ESP 2: its fused EP&ESP group spans the world), ``lina`` (a micro-op of Lina's gradient reduction on the background lane), ``regather`` (Hecate's
-re-materialisation: the copies' early re-gather, a ``spag`` in backward on the pipeline lane). The victim
+re-materialisation: the copies' early re-gather, a ``spag`` in backward on the pipeline lane), ``partitions``
+(Lancet's batch partitions: an exchange of one partition, issued on the pipeline lane in forward or by autograd in
+backward, 2 partitions of samples of 4 tokens). The victim
 stops at the ``--nth`` matching op, counted from the start, after writing the time to ``--out``/stopped.
 Every rank writes ``--out``/rank<r>.json when its step loop ends, normally or not.
 
@@ -35,7 +37,7 @@ from moe_plugins.pipemoe.runner import build_executor
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, make_problem
 
-POINTS = ("forward", "backward", "pipemoe", "saa", "lina", "regather")
+POINTS = ("forward", "backward", "pipemoe", "saa", "lina", "regather", "partitions")
 
 
 def spec_of(point: str) -> VerifySpec:
@@ -77,7 +79,8 @@ def arm(point: str, nth: int, out: Path) -> None:
         wanted = {"forward": op == "all_to_all" and phase == "forward" and lane == "main",
                   "backward": op == "all_to_all" and phase == "backward" and lane == "main",
                   "pipemoe": lane == "pipeline", "lina": lane == "background",
-                  "regather": name == "spag" and phase == "backward" and lane == "pipeline"}[point]
+                  "regather": name == "spag" and phase == "backward" and lane == "pipeline",
+                  "partitions": op == "all_to_all" and lane == "pipeline"}[point]
         if wanted and hit():
             stop_here(out)
         return op_of(self, job, name, op, group, on, x, reduce, layer, phase, ledger, priority, lane, *rest)
@@ -90,7 +93,8 @@ def steps(point: str, n: int) -> int:
     prob = make_problem(spec)
     done = 0
     with process_groups(spec.layout()) as groups:
-        engine = build_engine(groups, pipeline=point in ("pipemoe", "regather"), background=point == "lina")
+        engine = build_engine(groups, pipeline=point in ("pipemoe", "regather", "partitions"),
+                              background=point == "lina")
         schedule = spec.schedule
         if point == "regather":
             from moe_plugins.hecate.config import HecateConfig
@@ -105,9 +109,9 @@ def steps(point: str, n: int) -> int:
             reducer = GradReducer(engine, micro_op_bytes=64, priority=True) if point == "lina" else None
             for _ in range(n):
                 x = prob.x_DSM[dp].clone().requires_grad_(True)
-                o = layer(torch.tanh(dense(x)))
+                y, aux = _moe(layer, torch.tanh(dense(x)), point)
                 dense.zero_grad(set_to_none=True)
-                (o.y * prob.g_DSM[dp]).sum().add(o.aux_loss).backward()
+                (y * prob.g_DSM[dp]).sum().add(aux).backward()
                 if reducer is not None:
                     pending = [reducer.submit(p.grad.view(-1), groups.dp) for p in dense.parameters()]
                     for handle in pending:
@@ -116,6 +120,16 @@ def steps(point: str, n: int) -> int:
         finally:
             engine.close()
     return done
+
+
+def _moe(layer: MoELayer, h_SM: torch.Tensor, point: str):
+    """The layer's output and aux loss: called whole, or (``partitions``) as 2 partitions of samples of 4 tokens."""
+    if point != "partitions":
+        o = layer(h_SM)
+        return o.y, o.aux_loss
+    from moe_plugins.lancet.partition import layer_start
+    call = layer_start(layer, h_SM.view(-1, 4, h_SM.shape[-1]), 2, rows_per_sample=4)
+    return torch.cat([call.output(p) for p in range(len(call))]).view(h_SM.shape), call.aux_loss
 
 
 def main() -> None:
