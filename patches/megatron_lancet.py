@@ -118,9 +118,11 @@ class LancetState:
         self.dense = DenseLayers(self.queue) if dense else None
 
     def patches(self) -> List[Any]:
-        """With ``dense``: the linear classes' construction, wrapped while the plugin is enabled."""
+        """With ``dense``: the linear classes' construction; with batch partitions, ``TransformerBlock``'s (it
+        installs the block executor on its layers: patches/megatron_lancet_parts.py); wrapped while enabled."""
         from moe_plugins.patches.megatron_lancet_dense import dense_patches
-        return dense_patches(self.dense) if self.dense is not None else []
+        dense = dense_patches(self.dense) if self.dense is not None else []
+        return dense + (self.partitions.patches() if self.partitions is not None else [])
 
     def overlap(self, name: str) -> ExchangeOverlap:
         """A new layer's ``while_in_flight`` callback on the shared queue."""

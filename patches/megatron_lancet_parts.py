@@ -3,12 +3,15 @@ the plugin's MoE layers (Megatron's own ``TransformerLayer`` in its ``Transforme
 BERT blocks) run partition by partition after each gate, so that one partition's exchange flies while another
 partition computes (``moe_plugins.lancet.blocks``, docs/lancet.md).
 
-- **The model.** Megatron has no hook where a whole model is known (DeepSpeed has its engine), so the training
-  script hands it over: ``handle.lancet.partitions.wrap_model(model, moe_layers, micro_batch=...)`` installs the
-  block executor on the one ``torch.nn.ModuleList`` of blocks holding the plugin's MoE layers (a GPTModel's
-  ``decoder.layers``, with ``[layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]``; the recipes
-  do this in ``plugin_model_hooks``). A layer built with partitions whose model was not handed over refuses its
-  first training forward, naming the call, rather than running unpartitioned silently.
+- **The model.** A ``TransformerBlock`` built while the plugin is enabled (a GPTModel's ``decoder``, under the flag
+  too) installs the block executor on its own ``layers`` when they hold the plugin's MoE layers (the patched
+  ``__init__``: :meth:`MegatronPartitions.patches`), so Megatron's own models need nothing more. Other models
+  (the recipes' HF blocks) are handed over by the training script:
+  ``handle.lancet.partitions.wrap_model(model, moe_layers, micro_batch=...)`` installs the executor on the one
+  ``torch.nn.ModuleList`` of blocks holding the plugin's MoE layers (the recipes do this in
+  ``plugin_model_hooks``; a second call for layers already covered returns their executor). A layer built with
+  partitions whose model was not handed over refuses its first training forward, naming the call, rather than
+  running unpartitioned silently.
 - **The layer** (:meth:`MegatronPartitions.forward`, from ``PluginMoELayer.forward`` while the executor's request
   is armed): Megatron's router gates the whole batch, sequence-first ``[L, B, M]`` as stock does, so the kept and
   dropped routes, their slots, the aux-loss hooks and z-loss are stock's. The routes are then put in batch-first
@@ -27,6 +30,7 @@ naming the setting), no padding mask. Shapes: L tokens per sample, B samples, M 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Union
@@ -35,6 +39,7 @@ import torch
 from torch import nn
 
 from moe_plugins.core.costmodel import default_cache_dir
+from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.lancet.blocks import BlockExecutor
 from moe_plugins.lancet.partition import partition_bounds, partition_layout_problems, start_partitions
@@ -81,6 +86,9 @@ class MegatronPartitions:
         ``profile_dir``: where ``"auto"`` reads the cached cost profile). Every problem in one ValueError, before
         anything is installed."""
         mine = list(moe_layers)
+        done = [e for e in self.executors if mine and all(any(m in b.modules() for b in e.blocks) for m in mine)]
+        if done:                          # already covered (its TransformerBlock installed one): the same executor
+            return done[0]
         problems = [f"{FIELD}: {type(m).__name__} is not a PluginMoELayer built while this plugin was enabled"
                     for m in mine if getattr(m, "lancet_parts", None) is not self]
         for m in mine:
@@ -103,6 +111,21 @@ class MegatronPartitions:
         logger.info("moe_plugins: Lancet's batch partitions (%s) run the blocks after Megatron MoE blocks %s",
                     self.parts, moe)
         return executor
+
+    def patches(self) -> List[Patch]:
+        """``TransformerBlock.__init__``, wrapped while the plugin is enabled: a block whose layers hold this
+        plugin's MoE layers installs the executor on them (:meth:`wrap_model`, its problems raised there)."""
+        from megatron.core.transformer.transformer_block import TransformerBlock
+        original, state = TransformerBlock.__init__, self
+
+        @functools.wraps(original)
+        def __init__(block, *args, **kwargs):
+            original(block, *args, **kwargs)
+            mine = [layer.mlp for layer in block.layers
+                    if getattr(getattr(layer, "mlp", None), "lancet_parts", None) is state]
+            if mine:
+                state.wrap_model(block, mine)
+        return [Patch(TransformerBlock, "__init__", __init__)]
 
     def check_covered(self, layer: nn.Module) -> None:
         """A training forward of ``layer`` outside any executor: refused (it would run unpartitioned)."""

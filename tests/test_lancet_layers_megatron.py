@@ -1,7 +1,7 @@
-"""Lancet's batch partitions through Megatron-core's own TransformerLayer (issue 26), in its own TransformerBlock on
-4 gloo ranks (EP 4, fp64, hidden and attention dropout 0.1, top-2 with capacity drops): the same outputs, input and
+"""Lancet's batch partitions through Megatron-core's own TransformerLayer (issue 26), in its own TransformerBlock (built
+while the plugin is enabled, it installs the block executor itself) on 4 gloo ranks (EP 4, fp64, hidden and attention dropout 0.1, top-2 with capacity drops): the same outputs, input and
 parameter gradients as stock Megatron (<= 1e-12), the same dropped routes, every range partitioned; settings the
-executor cannot replay refused at wrap_model, naming them. Also run on megatron-core 0.19.2 (make test-mcore19)."""
+executor cannot replay refused when the block is built, naming them. Also run on megatron-core 0.19.2 (make test-mcore19)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_training_through_megatron_ddp_with_deferred_dw_equals_stock(world):
         assert max(r["loss_err"]) <= 1e-12 and max(r["grad_err"]) <= 1e-12, (r["loss_err"], r["grad_err"])
         stock, ours = r["hooks"]
         assert ours == stock == [[1]] * 4, r["hooks"]
-        assert r["ranges"] == 4 * 2
+        assert r["ranges"] == 4 * 2 and r["again"]          # wrap_model on covered layers: the block's executor
 
 
 def test_settings_partitions_cannot_replay_are_refused_naming_them(world):
