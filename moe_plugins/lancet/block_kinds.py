@@ -229,12 +229,13 @@ class MegatronKind(_Kind):
         if config.bias_dropout_fusion and block.hidden_dropout > 0:
             problems.append(f"{where}: bias_dropout_fusion (True) with hidden_dropout ({block.hidden_dropout}) draws "
                             "its mask in a fused kernel, where partitions cannot replay it; set bias_dropout_fusion "
-                            "False or hidden_dropout 0")
+                            "False (Megatron-LM: --no-bias-dropout-fusion) or hidden_dropout 0")
         core = getattr(block.self_attention, "core_attention", None)
         if config.attention_dropout > 0 and type(core).__name__ != "DotProductAttention":
             problems.append(f"{where}: attention dropout ({config.attention_dropout}) in {type(core).__name__} is "
                             "drawn inside the kernel, where partitions cannot replay it; use Megatron's "
-                            "DotProductAttention (the local spec) or attention_dropout 0")
+                            "DotProductAttention (the local spec; Megatron-LM: --transformer-impl local) or "
+                            "attention_dropout 0")
         if getattr(config, "cuda_graph_impl", "none") != "none":
             problems.append(f"{where}: cuda_graph_impl ({config.cuda_graph_impl!r}) must be 'none'")
         return problems
