@@ -67,3 +67,8 @@ def _merged_plain(results, key):
     for res in results:
         out.update(res[key])
     return out
+
+
+def test_pooled_layers_stepped_by_two_optimizers_are_refused(world):
+    errors = world(WORLD).run(jobs.two_optimizers_error, timeout_s=TIMEOUT_S)
+    assert all("pool_slots (True): the Hecate layers are stepped by several optimizers" in e for e in errors), errors

@@ -177,3 +177,35 @@ def checkpoint_to_stock(ckpt_dir: str, steps: int = 3) -> Dict[str, Any]:
                 loaded[f"{i}.{dist.get_rank()}.{name}"] = p.detach().clone()
     weights = {k: v for k, v in before.items() if k.count(".") == 3}      # (layer, id, module, param): the weights
     return {"before": weights, "after": {k: after[k] for k in weights}, "loaded": loaded, "homes": homes}
+
+
+def two_optimizers_error() -> str:
+    """Two pooled layers, each in its own DDP model stepped by its own optimizer: the error at the second
+    optimizer's first step ("" when none)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+        finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from moe_plugins.patches import megatron as mp
+    s = spec(1, 4)
+    with on_cpu(s) as groups:
+        pgc, config = groups.pg_collection, transformer_config(s, num_layers=2)
+        with mp.enable(section(100), groups=groups):
+            layers = [build_plugin(config, build_stock(s, config, groups, seed=seed).state_dict())
+                      for seed in (1, 2)]
+            x, t = data(1)[0]
+            try:
+                for i, layer in enumerate(layers):
+                    layer.set_layer_number(i + 1)
+                    model = DistributedDataParallel(config, DistributedDataParallelConfig(), _net(config, [layer]),
+                                                    pg_collection=pgc)
+                    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0,
+                                                                 params_dtype=torch.float32), [model],
+                                                 use_gloo_process_groups=False, pg_collection=pgc)
+                    model.zero_grad_buffer()
+                    F.mse_loss(model(x), t).backward()
+                    finalize_model_grads([model], pg_collection=pgc)
+                    opt.step()
+            except ValueError as exc:
+                return str(exc)
+    return ""
