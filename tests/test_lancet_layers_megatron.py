@@ -25,6 +25,15 @@ def test_partitions_in_megatron_transformer_layers_equal_stock(world, parts):
         assert r["restored"]
 
 
+def test_a_gpt_model_needs_only_the_section(world):
+    """Megatron's GPTModel (embeddings, 2 MoE TransformerLayers, output layer and loss) built while the plugin is
+    enabled with ``"lancet": {"partitions": 2}`` and nothing else: its decoder installs the executor, and the
+    per-token losses and every parameter gradient equal stock's (fp64, <= 1e-12, dropout on)."""
+    for r in world(4).run(jobs.gpt_job, timeout_s=TIMEOUT_S):
+        assert max(r["err"]) <= 1e-12 and r["same_names"], r["err"]
+        assert r["ranges"] == [2 * 2]                        # one executor: 2 calls x 2 MoE layers
+
+
 def test_tuned_partitions_stay_exact_and_every_rank_decides_the_same(world):
     """``"tune"``: the executor times its own ranges at 1, 2 and 4 partitions (Megatron's heads, batch dim and
     dropout replay as above): whatever counts it ran, stock's outputs and gradients."""

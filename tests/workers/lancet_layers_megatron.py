@@ -8,7 +8,7 @@ Shapes: L tokens per sample, B samples per rank, M model dim.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -186,6 +186,56 @@ def train_job(parts: int = 2, steps: int = 4) -> Dict[str, Any]:
     return {"loss_err": [abs(a - b) for a, b in zip(ref["losses"], got["losses"])],
             "grad_err": [max(jobs._maxerr(a[n], b[n]) for n in a) for a, b in zip(ref["grads"], got["grads"])],
             "hooks": (ref["hooks"], got["hooks"]), "ranges": ranges, "again": again}
+
+
+def _gpt(config: Any, pgc: Any, vocab: int):
+    """Megatron's GPTModel with the local spec, every layer MoE, learned positions, in fp64."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    return GPTModel(config, get_gpt_layer_local_spec(num_experts=E), vocab_size=vocab, max_sequence_length=L,
+                    pg_collection=pgc).double()
+
+
+def gpt_job(parts: int = 2, calls: int = 2, vocab: int = 64) -> Dict[str, Any]:
+    """Megatron's GPTModel built stock and while the plugin is enabled with ``"lancet": {"partitions": parts}``
+    (nothing else: its decoder installs the executor), the same weights, tokens and RNG: per call the largest
+    difference of the per-token losses and of every parameter gradient, and the executor's ranges."""
+    from moe_plugins.patches import megatron as mp
+    rank = dist.get_rank()
+    with megatron_on_cpu(), _memory_buffer(), jobs._groups(_spec_for_groups()) as groups:
+        config = _config(num_layers=2)
+        torch.manual_seed(0)
+        stock = _gpt(config, groups.pg_collection, vocab)
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()}
+        runs = []
+        with ExitStack() as stack:
+            for name in ("stock", "ours"):
+                if name == "ours":
+                    handle = stack.enter_context(mp.enable({"ranks_per_node": RPN, "lancet": {"partitions": parts}},
+                                                           groups=groups))
+                    model = _gpt(config, groups.pg_collection, vocab)
+                    model.load_state_dict(state)
+                else:
+                    model = stock
+                gen = torch.Generator().manual_seed(100 + rank)
+                _seed(rank)
+                per_call = []
+                for _ in range(calls):
+                    ids = torch.randint(0, vocab, (B, L), generator=gen)
+                    positions = torch.arange(L).expand(B, L)
+                    model.zero_grad(set_to_none=True)
+                    logits_BLV = model(ids, positions, _masks(gen))   # the loss here: Megatron's needs its TP state
+                    loss_BL = torch.nn.functional.cross_entropy(logits_BLV.transpose(1, 2), ids, reduction="none")
+                    loss_BL.sum().backward()
+                    res = {"loss": loss_BL.detach()}
+                    res.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+                    per_call.append(res)
+                runs.append(per_call)
+            executors = handle.lancet.partitions.executors
+            ranges = [e.ranges_run for e in executors]
+    ref, got = runs
+    return {"err": [max(jobs._maxerr(a[n], b[n]) for n in a) for a, b in zip(ref, got)],
+            "same_names": all(sorted(a) == sorted(b) for a, b in zip(ref, got)), "ranges": ranges}
 
 
 def _spec_for_groups() -> MegatronVerifySpec:
