@@ -30,7 +30,8 @@ def _direction() -> torch.Tensor:
 
 def _block(config: Any, groups: Any):
     """Megatron's TransformerLayer of the GPT local spec without its attention (Megatron's own IdentityOp: its core
-    attention needs CUDA's RNG tracker, which the CPU shims do not emulate): norm, MoE MLP, residuals."""
+    attention would need Megatron's RNG tracker seeded, its memory buffer and an explicit mask on CPU, as in
+    tests/workers/lancet_layers_megatron.py; the gather concerns the MoE part): norm, MoE MLP, residuals."""
     from dataclasses import replace
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
