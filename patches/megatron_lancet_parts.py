@@ -131,8 +131,9 @@ class MegatronPartitions:
         """A training forward of ``layer`` outside any executor: refused (it would run unpartitioned)."""
         if id(layer) not in self._covered:
             raise ValueError(f"{FIELD} ({self.parts!r}): this MoE layer's model was not handed to "
-                             "handle.lancet.partitions.wrap_model(model, moe_layers) before training (a GPTModel: "
-                             "its decoder's MoE layers' mlp); use partitions 1 otherwise")
+                             "handle.lancet.partitions.wrap_model(model, moe_layers) before training (a "
+                             "TransformerBlock built while the plugin is enabled does it itself); use partitions 1 "
+                             "otherwise")
 
     def forward(self, layer: Any, hidden_LBM: torch.Tensor, *args, **kwargs):
         """``layer``'s (a PluginMoELayer) forward while the request is armed (module docstring): ``(placeholder,
