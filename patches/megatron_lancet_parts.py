@@ -19,9 +19,10 @@ partition computes (``moe_plugins.lancet.blocks``, docs/lancet.md).
   (``moe_plugins.lancet.partition.start_partitions``) through Megatron's own experts (with Lancet's deferred dW
   when ``defer_wgrad`` is on). The layer returns a placeholder ``[L, B, M]``, laid out as its stock output; the
   block's MoE module must return it or a view of all of it (a TransformerLayer's ``mlp`` is the layer itself;
-  the recipes' wrapper returns ``y.transpose(0, 1)``), not a copy. The executor hands each partition's output to the block in the same memory layout (sequence-first
-  under the transpose), so a dropout after the MoE block (BERT's output), which draws its mask in memory order,
-  gets the mask stock drew (``moe_plugins.lancet.blocks.in_layout``).
+  the recipes' wrapper returns ``y.transpose(0, 1)``), not a copy. The executor hands each partition's output to
+  the block in the same memory layout (sequence-first under the transpose), so a dropout after the MoE block
+  (BERT's output), which draws its mask in memory order, gets the mask stock drew
+  (``moe_plugins.lancet.blocks.DropoutReplay.lay_out``).
 
 Supported: TP 1 and expert-TP 1 (``partition_layout_problems``), schedule ``baseline``, pipeline degree 1 (the
 section's checks), no shared experts, latent projection or MoE-layer recompute (refused at ``wrap_model``, each
@@ -33,7 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import replace
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -77,7 +78,7 @@ class MegatronPartitions:
         self.parts = parts
         self.request = PartitionRequest("Megatron-core", RETURNS)
         self.executors: List[BlockExecutor] = []
-        self._covered: set = set()
+        self._covered: Dict[int, BlockExecutor] = {}          # id of a covered MoE layer -> its executor
 
     def wrap_model(self, model: nn.Module, moe_layers: Sequence[nn.Module], micro_batch: Optional[int] = None,
                    profile_dir: Optional[str] = None) -> BlockExecutor:
@@ -86,9 +87,9 @@ class MegatronPartitions:
         ``profile_dir``: where ``"auto"`` reads the cached cost profile). Every problem in one ValueError, before
         anything is installed."""
         mine = list(moe_layers)
-        done = [e for e in self.executors if mine and all(any(m in b.modules() for b in e.blocks) for m in mine)]
-        if done:                          # already covered (its TransformerBlock installed one): the same executor
-            return done[0]
+        owners = [self._covered.get(id(m)) for m in mine]
+        if owners and owners[0] is not None and all(o is owners[0] for o in owners):
+            return owners[0]              # already covered (its TransformerBlock installed one): the same executor
         problems = [f"{FIELD}: {type(m).__name__} is not a PluginMoELayer built while this plugin was enabled"
                     for m in mine if getattr(m, "lancet_parts", None) is not self]
         for m in mine:
@@ -104,7 +105,7 @@ class MegatronPartitions:
                                   profile_dir if profile_dir is not None else str(default_cache_dir()), FIELD)
         executor = BlockExecutor(blocks, moe, self.request.start, policy).install()
         self.executors.append(executor)
-        self._covered.update(id(m) for m in mine)
+        self._covered.update((id(m), executor) for m in mine)
         if executor.kind.caches and getattr(getattr(model, "config", None), "use_cache", False):
             logger.warning("moe_plugins: the model's config.use_cache is on: forwards that do not pass "
                            "use_cache=False keep a KV cache and run without Lancet's batch partitions")

@@ -15,10 +15,13 @@ from tests.workers import hecate_pool_megatron as jobs  # noqa: E402
 WORLD, TIMEOUT_S = 4, 300
 
 
-def _merged(results, run, key):
+def _merged(results, *keys):
+    """Every rank's dict at ``keys`` (nested: e.g. run, then key), merged."""
     out = {}
     for res in results:
-        out.update(res[run][key])
+        for key in keys:
+            res = res[key]
+        out.update(res)
     return out
 
 
@@ -56,17 +59,11 @@ def test_a_pooled_dist_checkpoint_loads_into_stock_megatron(world, tmp_path):
     id): stock layers with other weights load exactly the saver's experts; the saver's stay where they were."""
     (tmp_path / "ckpt").mkdir()
     results = world(WORLD).run(jobs.checkpoint_to_stock, str(tmp_path / "ckpt"), timeout_s=TIMEOUT_S)
-    before, after, loaded = (_merged_plain(results, key) for key in ("before", "after", "loaded"))
+    before, after, loaded = (_merged(results, key) for key in ("before", "after", "loaded"))
     assert set(before) == set(loaded) and len({k.rsplit(".", 2)[0] for k in before}) == 2 * 4, sorted(before)
     assert all(torch.equal(before[k], loaded[k]) and torch.equal(before[k], after[k]) for k in before)
     assert all(r["homes"] == [tuple(h) for h in jobs.UNEVEN] for r in results)
 
-
-def _merged_plain(results, key):
-    out = {}
-    for res in results:
-        out.update(res[key])
-    return out
 
 
 def test_pooled_layers_stepped_by_two_optimizers_are_refused(world):
