@@ -39,11 +39,11 @@ UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
                                                             "dispatch and expert stages, which the plugin replaces"),
 )
 
-# Settings under which Megatron's optimizer keeps master copies of the experts away from their parameters (bf16,
-# fp16) or in shards (the distributed optimizer): Hecate's re-sharding moves the parameters' own Adam state only.
-# TransformerConfig has the first two; the third is Megatron-LM's argument (a layer built from a config cannot
-# see it: the optimizer hook refuses it, patches/megatron_hecate_reshard.py).
-MASTER_COPIES = ("bf16", "fp16", "use_distributed_optimizer")
+# Settings under which Megatron's optimizer keeps the experts' master copies and Adam state in shards over the
+# data-parallel group (the distributed optimizer), which Hecate's re-sharding does not move (it moves whole masters:
+# fp32, or bf16/fp16's Float16OptimizerWithFloat16Params). Megatron-LM's argument, which a layer built from a
+# TransformerConfig cannot see: the optimizer hook refuses it there (patches/megatron_hecate_reshard.py).
+MASTER_COPIES = ("use_distributed_optimizer",)
 
 # Router options that draw random numbers: the baseline schedule re-gates its ESP group's token blocks, which
 # must give the routing their owners drew.
@@ -184,8 +184,9 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
                         f"({facts.etp}) > 1: a schedule may re-gate its ESP group's token blocks, which needs "
                         "the deterministic routing their owners made")
     every = reshard_interval(plugin)
-    problems += [f"{SECTION}.{HECATE}.reshard_every ({every}) runs with Megatron's fp32 non-distributed optimizer, and "
-                 f"{name} is True: the master copies it keeps are not moved with the experts"
+    problems += [f"{SECTION}.{HECATE}.reshard_every ({every}) runs with Megatron's non-distributed optimizers, and "
+                 f"{name} is True: the shards of the master copies and Adam state it keeps are not moved with the "
+                 "experts"
                  for name in facts.master_copies if every]
     if every and facts.bias_sp and facts.tp > 1:
         problems.append(f"{SECTION}.{HECATE}.reshard_every ({every}) cannot run with add_bias_linear and "

@@ -3,21 +3,23 @@ layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.p
 :func:`moe_plugins.patches.megatron.enable` (the ``--moe-plugins`` flag, or the ``with`` form around building and
 training the model).
 
-Runs where Megatron's optimizer keeps its Adam state keyed by the model's own parameters: fp32 (no ``bf16`` /
-``fp16``) with the non-distributed optimizer (``FP32Optimizer``). The flag path refuses the rest from
-Megatron-LM's arguments before anything is patched (:mod:`~moe_plugins.patches.megatron_config`); a layer built
-from a ``TransformerConfig`` refuses ``bf16``/``fp16`` when it is built, and a ``DistributedOptimizer`` or
-mixed-precision optimizer over a re-sharded layer's experts is refused when Megatron builds it.
+Runs with Megatron's non-distributed optimizers: fp32 (``FP32Optimizer``, whose Adam state is keyed by the
+model's own parameters) and bf16/fp16 (``Float16OptimizerWithFloat16Params``: the torch optimizer holds an fp32
+master copy of each parameter, ``param.main_param``, and its Adam state; :func:`masters` gives them to the move).
+The distributed optimizer (its masters and state in shards over the data-parallel group) is refused: by the flag
+path from Megatron-LM's arguments before anything is patched (:mod:`~moe_plugins.patches.megatron_config`), and
+when Megatron builds one over a re-sharded layer's experts.
 
 While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through the plugin's Patcher:
 
-- ``DistributedOptimizer.__init__`` and ``Float16OptimizerWithFloat16Params.__init__``: the refusal above, before
-  Megatron's, when the torch optimizer they are handed or the model chunks (the distributed optimizer's) hold a
-  re-sharded layer's experts.
-- ``FP32Optimizer.step_with_ready_grads``: after a successful step of a torch optimizer holding re-sharded
-  layers' experts (ChainedOptimizer steps its expert optimizer through it), the :class:`Resharder` of that
-  optimizer counts it and re-shards every n (collective; values, ``grad`` (= ``main_grad``, a view of DDP's
-  buffer, in place) and Adam's moments move with the experts; global expert ids never change).
+- ``DistributedOptimizer.__init__``: the refusal above, before Megatron's, when the torch optimizer it is handed
+  or its model chunks hold a re-sharded layer's experts.
+- ``step_with_ready_grads`` of ``FP32Optimizer`` and ``MixedPrecisionOptimizer`` (after its copy of the masters
+  to the parameters): after a successful step of a torch optimizer holding re-sharded layers' experts
+  (ChainedOptimizer steps its expert optimizer through it), the :class:`Resharder` of that optimizer counts it and
+  re-shards every n (collective; values, ``grad`` (fp32: = ``main_grad``, a view of DDP's buffer, in place) and
+  Adam's moments move with the experts, and in bf16/fp16 the masters, their gradients and ``main_grad`` too;
+  global expert ids never change).
 - ``megatron.core.dist_checkpointing.save``: written with every expert on its stock owner (moved there and back
   around the write), so the checkpoint is stock Megatron's; ``async_sharded_save`` is refused (the write would
   outlive the move back). ``dist_checkpointing.load``: the experts go to their stock owners first, so the
@@ -48,8 +50,8 @@ from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME
 from moe_plugins.hecate.pool import SlotPool
-from moe_plugins.hecate.rehome import Resharder
-from moe_plugins.patches.megatron_steps import after_fp32_steps
+from moe_plugins.hecate.rehome import Extra, Resharder
+from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 
 logger = logging.getLogger("moe_plugins.megatron")
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -87,10 +89,8 @@ class MegatronResharding:
     def patches(self) -> List[Patch]:
         from megatron.core import dist_checkpointing
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-        return [Patch(cls, "__init__", self._wrap_init(cls.__init__))
-                for cls in (DistributedOptimizer, Float16OptimizerWithFloat16Params)] + [
-                after_fp32_steps(self._step_end),
+        return [Patch(DistributedOptimizer, "__init__", self._wrap_init(DistributedOptimizer.__init__)),
+                after_fp32_steps(self._step_end), after_mixed_precision_steps(self._step_end),
                 Patch(dist_checkpointing, "save", self._wrap_save(dist_checkpointing.save)),
                 Patch(dist_checkpointing, "load", self._wrap_load(dist_checkpointing.load))]
 
@@ -102,17 +102,17 @@ class MegatronResharding:
             chunks = signature.bind(opt, optimizer, *args, **kwargs).arguments.get("model_chunks") or []
             held = _param_ids(optimizer) | {id(p) for chunk in chunks for p in chunk.parameters()}
             if any(id(p) in held for layer in state.layers() for p in layer.experts.parameters()):
-                raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's fp32 non-distributed optimizer "
-                                 f"(FP32Optimizer), whose Adam state is keyed by the experts' own parameters; "
-                                 f"this model's is a {type(opt).__name__} (bf16/fp16 or use_distributed_optimizer"
-                                 "), whose master copies the move does not reach")
+                raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's non-distributed optimizers "
+                                 "(FP32Optimizer, Float16OptimizerWithFloat16Params), whose masters and Adam state "
+                                 f"are whole per parameter; this model's is a {type(opt).__name__} "
+                                 "(use_distributed_optimizer), whose shards the move does not reach")
             original(opt, optimizer, *args, **kwargs)
         return __init__
 
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
         resharder = self._resharder(optimizer)
         if resharder is not None:
-            resharder.step_end(optimizer)
+            resharder.step_end(optimizer, masters(optimizer))
 
     def _wrap_save(self, original: Callable) -> Callable:
         state, signature = self, inspect.signature(original)
@@ -144,21 +144,21 @@ class MegatronResharding:
         with ExitStack() as stack:
             for optimizer, resharder in list(self._resharders.items()):
                 if resharder is not None:
-                    stack.enter_context(resharder.stock_homes(optimizer))
+                    stack.enter_context(resharder.stock_homes(optimizer, masters(optimizer)))
             yield
 
     def to_stock(self) -> None:
         """Every re-sharded layer's experts to their stock owners, to stay (before loading stock-layout state)."""
         for optimizer, resharder in list(self._resharders.items()):
             if resharder is not None:
-                resharder.to_stock(optimizer)
+                resharder.to_stock(optimizer, masters(optimizer))
 
     def reshard(self, homes_LE: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Re-shard now (collective), each optimizer's layers to Algorithm 2's plan or to ``homes_LE`` (one homes
         tuple per layer, in build order)."""
         for optimizer, resharder in list(self._resharders.items()):
             if resharder is not None:
-                resharder.reshard(optimizer, homes_LE)
+                resharder.reshard(optimizer, homes_LE, masters(optimizer))
 
     def _resharder(self, optimizer: torch.optim.Optimizer) -> Optional[Resharder]:
         """The Resharder of the layers whose experts ``optimizer`` holds (None: it holds none), made at its first
@@ -168,7 +168,7 @@ class MegatronResharding:
         held = _param_ids(optimizer)
         layers, partial = [], []
         for layer in self.layers():
-            ids = [id(p) in held for p in layer.experts.parameters()]
+            ids = [id(getattr(p, "main_param", p)) in held for p in layer.experts.parameters()]
             if all(ids):
                 layers.append(layer)
             elif any(ids):
@@ -198,6 +198,23 @@ class MegatronResharding:
 
 def _param_ids(optimizer: Optional[torch.optim.Optimizer]) -> Set[int]:
     return {id(p) for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]}
+
+
+def masters(optimizer: Optional[torch.optim.Optimizer]) -> Extra:
+    """What moves with a bf16/fp16 parameter under Megatron's mixed-precision optimizer, beyond its values: its
+    ``main_grad`` (DDP's buffer), and its fp32 master (``param.main_param``, held by ``optimizer``) with the
+    master's gradient (unless it is ``main_grad`` itself) and Adam moments. Nothing for an fp32 parameter (its
+    state is keyed by itself: :func:`~moe_plugins.hecate.rehome.slot_tensors` finds it)."""
+    def extra(param: torch.nn.Parameter) -> List[torch.Tensor]:
+        main = getattr(param, "main_param", None)
+        if main is None:
+            return []
+        grads = [g for g in (getattr(param, "main_grad", None), main.grad) if g is not None]
+        state = optimizer.state.get(main, {}) if optimizer is not None else {}
+        return ([g for i, g in enumerate(grads) if all(g.data_ptr() != h.data_ptr() for h in grads[:i])] +
+                [main.data] + [state[k] for k in sorted(state, key=str)
+                               if torch.is_tensor(state[k]) and state[k].shape == main.shape])
+    return extra
 
 
 def _slots(layer: Any) -> List[List[Any]]:

@@ -206,13 +206,13 @@ TABLE = [
     row("megatron", "ragged-with-parm-s2", ({"schedule": "parm-s2", "exchange": "ragged"}, {}),
         "$.exchange ('ragged') is not supported by schedule 'parm-s2'"),
     row("megatron", "no-moe-layer", ({}, {"num_experts": None}), "num_moe_experts (None)", "has no MoE layer"),
-    row("megatron", "hecate-reshard-fp16", ({"hecate": {"reshard_every": 3, "prefetch": True}},
-                                            {"fp16": True, "tensor_model_parallel_size": 1}),
-        "hecate.reshard_every (3) runs with Megatron's fp32 non-distributed optimizer, and fp16 is True"),
+    row("megatron", "hecate-reshard-fp16-distributed-optimizer", ({"hecate": {"reshard_every": 3, "prefetch": True}},
+        {"fp16": True, "use_distributed_optimizer": True, "tensor_model_parallel_size": 1}),
+        "hecate.reshard_every (3) runs with Megatron's non-distributed optimizers, and use_distributed_optimizer is "
+        "True"),
     row("megatron", "hecate-reshard-with-master-copies", ({"hecate": {"reshard_every": 2}},
         {"bf16": True, "use_distributed_optimizer": True, "sequence_parallel": True}),
-        "hecate.reshard_every (2) runs with Megatron's fp32 non-distributed optimizer, and bf16 is True",
-        "hecate.reshard_every (2) runs with Megatron's fp32 non-distributed optimizer, and use_distributed_optimizer "
+        "hecate.reshard_every (2) runs with Megatron's non-distributed optimizers, and use_distributed_optimizer "
         "is True", "hecate.reshard_every (2) cannot run with add_bias_linear and sequence_parallel at "
         "tensor_model_parallel_size 2"),
     row("megatron", "lina-with-distributed-optimizer-instances", ({"lina": {}},

@@ -43,6 +43,33 @@ def test_training_with_resharding_equals_stock_megatron(world, tp, ep, forced):
         max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def test_bf16_resharding_moves_the_fp32_masters(world):
+    """bf16 parameters under Megatron's mixed-precision Adam (``Float16OptimizerWithFloat16Params``, fp32 masters
+    held by the torch optimizer): a move by hand after the first step carries every expert's bf16 values,
+    ``main_grad``, fp32 master and the master's Adam moments, by global id, bitwise; then 12 steps re-sharding
+    every 2 track stock Megatron's bf16 run (losses to bf16 rounding, 2e-2 relative) and every expert's master and
+    moments by global id stay near stock's (a master left behind would put another expert's weights in its slot
+    at the next step)."""
+    steps = 12
+    results = world(WORLD).run(jobs.train_vs_stock, 1, 4, 2, steps, (3, 2, 1, 0), True, timeout_s=JOB_TIMEOUT_S)
+    before, after = ({k: v for res in results for k, v in res["plugin"]["forced"][when].items()}
+                     for when in ("before", "after"))
+    assert set(before) == set(after) and any(k.endswith("main_param") for k in before)
+    assert any(k.endswith("exp_avg_sq") for k in before) and any(k.endswith("main_grad") for k in before)
+    assert all(torch.equal(before[k], after[k]) for k in before), \
+        [k for k in before if not torch.equal(before[k], after[k])]
+    for rank, res in enumerate(results):
+        stock, plugin = res["stock"], res["plugin"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], plugin["losses"]))
+        assert len(plugin["losses"]) == steps and rel <= 2e-2, (rank, rel, stock["losses"], plugin["losses"])
+        assert plugin["homes"][0] == (3, 2, 1, 0) != plugin["stock"] and plugin["moves"] == steps // 2 + 1
+    a, b = _merged(results, "stock", "experts"), _merged(results, "plugin", "experts")
+    masters = [k for k in a if k.endswith(("main_param", "exp_avg", "exp_avg_sq"))]
+    assert set(a) == set(b) and masters
+    worst = max((a[k] - b[k]).abs().max().item() for k in masters)
+    assert worst <= 1e-2, worst              # 4e-3 measured; with the masters left behind the losses part by 50%
+
+
 @pytest.mark.parametrize("saver,loader", [("plugin", "stock"), ("stock", "plugin"), ("plugin", "plugin")])
 def test_dist_checkpoints_are_stock_megatron_files(world, tmp_path, saver, loader):
     """Saved with the experts away from their stock owners, the checkpoint holds every expert under its global id:
@@ -75,5 +102,5 @@ def test_expert_biases_under_sequence_parallelism_are_refused(world):
 
 def test_the_distributed_optimizer_is_refused(world):
     for res in world(WORLD).run(jobs.refused_optimizer, 1, 4, timeout_s=JOB_TIMEOUT_S):
-        assert res["error"] is not None and "moe_plugins.hecate.reshard_every (2) runs with Megatron's fp32 " \
-            "non-distributed optimizer" in res["error"], res["error"]
+        assert res["error"] is not None and "moe_plugins.hecate.reshard_every (2) runs with Megatron's " \
+            "non-distributed optimizers" in res["error"], res["error"]

@@ -1,7 +1,8 @@
 """Pool jobs for Hecate's re-sharding on Megatron-core (tests/test_hecate_reshard_megatron.py), on 4 ranks (2 nodes x
 2) under the CPU shims: stock Megatron's ``MoELayer`` and the plugin's layer, built while the plugin is enabled with
 ``"hecate": {"reshard_every": n}`` (Megatron's own spec builder, replaced), each behind a dense scale in
-Megatron's DistributedDataParallel and stepped by ``get_megatron_optimizer``'s fp32 Adam.
+Megatron's DistributedDataParallel and stepped by ``get_megatron_optimizer``'s Adam: fp32, or with ``bf16`` its
+mixed-precision optimizer (bf16 parameters, fp32 masters).
 
 Every expert gets its own weights (drawn from its global id, :func:`redraw`: Megatron's CPU init gives every EP
 rank the same experts, which would hide a misplaced one), and the gate leans to the ``hot`` experts: the tokens
@@ -36,10 +37,11 @@ def section(every: int, extra: int = 1) -> Dict[str, Any]:
     return {"ranks_per_node": RPN, "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
 
 
-def config_of(s: MegatronVerifySpec):
+def config_of(s: MegatronVerifySpec, bf16: bool = False):
     """The layer's TransformerConfig; at TP > 1 without biases (Megatron sums the experts' fc2 bias gradients over
-    the TP group, slot by slot: re-sharding refuses that, patches/megatron_config.py)."""
-    return transformer_config(s, **({"add_bias_linear": False} if s.mp > 1 else {}))
+    the TP group, slot by slot: re-sharding refuses that, patches/megatron_config.py); ``bf16``: bf16 parameters."""
+    extra: Dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    return transformer_config(s, **({"add_bias_linear": False} if s.mp > 1 else {}), **extra)
 
 
 def spec(tp: int, ep: int, k: int = 2, dtype: str = "float32") -> MegatronVerifySpec:
@@ -53,12 +55,12 @@ def _direction() -> torch.Tensor:
     return u / u.norm()
 
 
-def data(steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def data(steps: int, dtype: torch.dtype = torch.float32) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """(x, target) per step: tokens with the constant direction u, a learnable target; distinct per rank."""
     teacher = torch.randn(M, M, generator=torch.Generator().manual_seed(3)) / M ** 0.5
     gen = torch.Generator().manual_seed(5 + dist.get_rank())
     xs = [torch.randn(S, 1, M, generator=gen) + 2.0 * _direction() for _ in range(4)]
-    return [(x, torch.tanh(x @ teacher)) for x in (xs * steps)[:steps]]
+    return [(x.to(dtype), torch.tanh(x @ teacher).to(dtype)) for x in (xs * steps)[:steps]]
 
 
 @contextmanager
@@ -97,10 +99,12 @@ def build_plugin(config: Any, state: Dict[str, torch.Tensor]):
 def ddp_and_optimizer(config: Any, moe: Any, pgc: Any):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), jobs._net(config, moe), pg_collection=pgc)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
-                                                 clip_grad=0.0), [model], use_gloo_process_groups=False,
-                                 pg_collection=pgc)
+    net = jobs._net(config, moe)
+    net.scale.data = net.scale.data.to(config.params_dtype)      # bf16: the dense parameter in bf16 too
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), net, pg_collection=pgc)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=config.params_dtype,
+                                                 bf16=config.bf16, clip_grad=0.0), [model],
+                                 use_gloo_process_groups=False, pg_collection=pgc)
     return model, opt
 
 
@@ -123,8 +127,8 @@ def homes_of(layer: Any) -> Optional[Tuple[int, ...]]:
 
 
 def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
-    """The experts' parameters (and with ``opt`` their last gradients and Adam moments) keyed by global id and
-    name."""
+    """The experts' parameters (and with ``opt`` their last gradients and Adam moments, and in bf16 their fp32
+    masters with the masters' moments) keyed by global id and name."""
     homes, rank, local = homes_of(layer), pgc.ep.rank(), layer.num_local_experts
     ids = local_experts(homes, rank) if homes is not None else [rank * local + i for i in range(local)]
     states = {}
@@ -136,21 +140,25 @@ def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
             out[f"{ids[i]}.{name}"] = p.detach().clone()
             if opt is not None and getattr(p, "main_grad", None) is not None:
                 out[f"{ids[i]}.{name}.main_grad"] = p.main_grad.clone()
-            for key, value in states.get(p, {}).items():
+            main = getattr(p, "main_param", None)
+            if main is not None:
+                out[f"{ids[i]}.{name}.main_param"] = main.detach().clone()
+            for key, value in states.get(main if main is not None else p, {}).items():
                 if torch.is_tensor(value) and value.shape == p.shape:
                     out[f"{ids[i]}.{name}.{key}"] = value.clone()
     return out
 
 
-def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Sequence[int]] = None,
+                   bf16: bool = False) -> Dict[str, Any]:
     """``steps`` steps of the stock layer, then of the plugin's re-sharding every ``every`` steps (with ``forced``
-    homes: moved there after the first step, whatever Algorithm 2 plans): losses, homes after each step, experts
-    and Adam moments by global id."""
+    homes: moved there after the first step, whatever Algorithm 2 plans; the experts by global id just before and
+    after that move are kept too): losses, homes after each step, experts and Adam moments by global id."""
     from moe_plugins.patches import megatron as mp
     s = spec(tp, ep)
     out: Dict[str, Any] = {}
     with on_cpu(s) as groups:
-        pgc, config = groups.pg_collection, config_of(s)
+        pgc, config = groups.pg_collection, config_of(s, bf16)
         stock = build_stock(s, config, groups, seed=1)
         initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()}
         for name in ("stock", "plugin"):
@@ -159,12 +167,16 @@ def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Se
                 layer = build_plugin(config, initial) if handle is not None else stock
                 model, opt = ddp_and_optimizer(config, layer, pgc)
                 losses, homes = [], []
-                for i, (x, t) in enumerate(data(steps)):
+                for i, (x, t) in enumerate(data(steps, config.params_dtype)):
                     losses.append(step(model, opt, pgc, x, t))
                     if forced is not None and handle is not None and i == 0:
+                        before = by_expert(layer, pgc, opt)
                         handle.hecate.reshard([tuple(forced)])
+                        around = {"before": before, "after": by_expert(layer, pgc, opt)}
                     homes.append(homes_of(layer))
                 out[name] = {"losses": losses, "homes": homes, "experts": by_expert(layer, pgc, opt)}
+                if handle is not None and forced is not None:
+                    out[name]["forced"] = around
                 if handle is not None:
                     out[name].update(moves=handle.hecate.resharders[0].rounds,
                                      stock=layer.token_dispatcher.schedule.stock_homes())
