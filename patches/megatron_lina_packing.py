@@ -24,8 +24,11 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
   every expert; the copies on EP members ``j >= ep / p`` are marked ``shared`` (Megatron's "do not double count"),
   so the norm, and clipping, are stock's.
 
-With Megatron's distributed optimizer or in bf16/fp16, a fixed p only (the regroup happens before the optimizer
-shards the buffers or builds its fp32 masters; ``stock_homes`` is refused there); any TP (at TP > 1 without expert
+In bf16/fp16 (``Float16OptimizerWithFloat16Params``, whose ``__init__`` is wrapped too, and whose steps
+``MixedPrecisionOptimizer.step_with_ready_grads`` counts) the experts' fp32 masters and their Adam moments move
+with them and join or leave Megatron's optimizer groups (patches/megatron_masters.py). With Megatron's
+distributed optimizer, a fixed p only (the regroup happens before it shards the buffers; ``stock_homes`` is
+refused there); any TP (at TP > 1 without expert
 biases under sequence parallelism), expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
 lane), without Hecate, and beside Lancet's batch partitions only at a fixed p (their calls run no timed schedule
@@ -55,7 +58,8 @@ from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
 from moe_plugins.patches.megatron_config import facts_from_config
-from moe_plugins.patches.megatron_steps import after_fp32_steps
+from moe_plugins.patches.megatron_masters import carried_masters, replace_masters, share_flags
+from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -97,11 +101,6 @@ def model_problems(config: Any, layers: List[Any], lina: LinaConfig) -> List[str
         problems.append(f"{what} cannot run with add_bias_linear and sequence_parallel at tensor_model_parallel_size "
                         f"{facts.tp}: Megatron all-reduces each expert's linear_fc2 bias gradient over the tensor-parallel "
                         "group, adding the experts that share a local slot on the TP peers; packing changes which")
-    for name in ("fp16", "bf16"):
-        if getattr(config, name, False) and lina.packing == AUTO:
-            problems.append(f"{what} regroups mid-training, in fp32 only, and {name} is on: Megatron's "
-                            "mixed-precision optimizer keeps master copies that a regroup does not move; give a "
-                            "fixed packing (it regroups when DDP is built, before the optimizer exists)")
     kinds = sorted({type(layer.experts).__name__ for layer in layers if not isinstance(layer.experts, SequentialMLP)})
     if kinds:
         problems.append(f"{what} moves SequentialMLP experts (one module per expert), and this model's are "
@@ -149,7 +148,7 @@ def clone_expert(module: torch.nn.Module) -> torch.nn.Module:
     old = dict(module.named_parameters())
     for name, p in new.named_parameters():
         for key, value in vars(old[name]).items():
-            if key not in ("main_grad", "grad_added_to_main_grad", "shared"):
+            if key not in ("main_grad", "grad_added_to_main_grad", "shared", "main_param"):
                 setattr(p, key, value)
     return new
 
@@ -166,6 +165,7 @@ class DDPPacker:
         self.base: MoEProcessGroups = self.layers[0].groups
         self.made: Dict[int, Any] = {}           # packing -> MegatronGroups built for it
         self.holder: Optional[Any] = None        # the DDP over the experts alone, once regrouped
+        self.mixed: Optional[Any] = None         # bf16/fp16: Megatron's optimizer holding the experts' fp32 masters
         self.regroups = 0
         self.controller = PackingController(
             self.layers, self.base, packing=config.packing, path=f"{SECTION}.lina", regroup=self.regroup,
@@ -208,12 +208,21 @@ class DDPPacker:
                      for layer in layers]                              # raises before moving
         if old.layout.ep == groups.layout.ep:
             return
+        mixed = self.mixed                 # its torch optimizer holds the masters, not the parameters
+        before = [p for layer in layers for p in layer.experts.parameters()]
+        carried = carried_masters(before, mixed.optimizer) if mixed is not None else None
+        keyed = optimizer if mixed is None else None
         def resize(layer: PackedLayer) -> Callable[[int, Dict[str, Dict[str, Any]]], None]:
-            return lambda local, scalars: resize_experts(layer.experts, local, optimizer, scalars,
+            return lambda local, scalars: resize_experts(layer.experts, local, keyed, scalars,
                                                          f"{FIELD}: layer {layer.name}", clone=clone_expert)
         lists = [(f"{FIELD}: layer {layer.name}", layer.experts, resize(layer)) for layer in layers]
-        grads = regroup_modules(lists, num_experts, old, groups, layers[0].rec, optimizer,
-                                grad_of=lambda p: getattr(p, "main_grad", None))
+        grads = regroup_modules(lists, num_experts, old, groups, layers[0].rec, keyed,
+                                grad_of=lambda p: getattr(p, "main_grad", None), carried=carried)
+        if mixed is not None:
+            pairs = [(p, dict(layer.experts[0].named_parameters())[name]) for layer in layers
+                     for expert in layer.experts for name, p in expert.named_parameters()]
+            replace_masters(mixed, before, [p for p, _ in pairs],
+                            [p if any(p is q for q in before) else t for p, t in pairs], carried)
         local = num_experts // groups.layout.ep
         pgc = self._collection(packing)
         for layer in layers:
@@ -263,12 +272,13 @@ class DDPPacker:
                 if id(p) in grads:
                     p.main_grad.copy_(grads[id(p)])
                 p.shared = not keep
+        share_flags(params)
 
     # -- the host's side -------------------------------------------------------------------------------------
 
     def holds(self, optimizer: Any) -> bool:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = [id(p) in ids for layer in self.layers for p in layer.layer.experts.parameters()]
+        mine = [id(getattr(p, "main_param", p)) in ids for layer in self.layers for p in layer.layer.experts.parameters()]
         if any(mine) and not all(mine):
             raise ValueError(f"{FIELD}: the experts of the packed layers are split over several optimizers; one "
                              "torch optimizer must step them all (their state moves with them)")
@@ -309,11 +319,12 @@ class MegatronPacking:
         return packer
 
     def patches(self) -> List[Patch]:
-        from megatron.core.optimizer.optimizer import FP32Optimizer
+        from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params as Mixed
         return [Patch(FP32Optimizer, "__init__", self._wrap_init(FP32Optimizer.__init__)),
-                after_fp32_steps(self._step_end)]
+                Patch(Mixed, "__init__", self._wrap_init(Mixed.__init__, mixed=True)),
+                after_fp32_steps(self._step_end), after_mixed_precision_steps(self._step_end)]
 
-    def _wrap_init(self, original: Callable) -> Callable:
+    def _wrap_init(self, original: Callable, mixed: bool = False) -> Callable:
         state, signature = self, inspect.signature(original)
 
         @functools.wraps(original)
@@ -323,6 +334,7 @@ class MegatronPacking:
             for packer in state.packers:
                 if optimizer is not None and packer.holds(optimizer):
                     packer.controller.optimizer = optimizer
+                    packer.mixed = opt if mixed else None
         return __init__
 
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
@@ -333,16 +345,10 @@ class MegatronPacking:
     @contextmanager
     def stock_homes(self) -> Iterator[None]:
         """Inside: every packed model's experts on the stock layout (a per-rank ``state_dict()`` written or read
-        here is stock Megatron's); after: packed again (collective). Refused (before anything moves) where
-        Megatron's mixed-precision optimizer holds fp32 master copies of the experts: a regroup does not move
-        them; ``dist_checkpointing`` (the layers' ``sharded_state_dict``, by global expert id) needs no regroup."""
+        here is stock Megatron's); after: packed again (collective). Refused (before anything moves) under
+        Megatron's distributed optimizer (its shards do not move); ``dist_checkpointing`` (the layers'
+        ``sharded_state_dict``, by global expert id) needs no regroup."""
         packed = [packer for packer in self.packers if packer.controller.packing != 1]
-        masters = [layer.name for packer in packed for layer in packer.layers
-                   if any(hasattr(p, "main_param") for p in layer.layer.experts.parameters())]
-        if masters:
-            raise ValueError(f"{FIELD}: the experts of {', '.join(masters)} have fp32 master copies in Megatron's "
-                             "mixed-precision optimizer, which a regroup to the stock homes does not move; save and "
-                             "load through dist_checkpointing (sharded_state_dict names experts by global id)")
         if any(packer.ddp.ddp_config.use_distributed_optimizer for packer in packed):
             raise ValueError(f"{FIELD}: Megatron's distributed optimizer shards the packed experts' buffers, which a "
                              "regroup to the stock homes does not move; save and load through dist_checkpointing "

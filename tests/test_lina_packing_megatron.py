@@ -66,26 +66,43 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp):
     assert worst <= 1e-5, worst
 
 
-def test_bf16_with_a_fixed_packing(world):
-    """bf16 parameters under Megatron's mixed-precision Adam (fp32 masters built after the regroup at DDP build):
-    10 steps track the unpacked run to bf16 rounding (the packed copies' gradients are summed over expert-DP), the
-    copies of every expert stay bitwise equal on every rank that holds one, and ``stock_homes`` is refused (the
-    masters would not move) before anything moves."""
-    results = world(WORLD).run(jobs.train_job, 2, steps=10, bf16=True, timeout_s=JOB_TIMEOUT_S)
+@pytest.mark.parametrize("packing,steps", [(2, 10), ("auto", 16)], ids=["p2", "auto"])
+def test_bf16_under_the_mixed_precision_optimizer(world, packing, steps):
+    """bf16 parameters under Megatron's mixed-precision Adam (fp32 masters keying Adam's state): a fixed p regroups
+    at DDP build, before the masters exist; ``"auto"`` regroups at step 10 (and may again at 14), moving each
+    expert's master and moments and making masters for the cloned experts. The losses track the unpacked run to
+    bf16 rounding (the packed copies' gradients are summed over expert-DP); every expert's master and moments by
+    global id stay near the unpacked run's (a master left behind puts another expert's weights in its slot); the
+    copies of every expert (values, main_grad, master, moments) are bitwise equal on every rank that holds one;
+    ``stock_homes`` moves everything to the stock layout and back, bitwise by global id."""
+    results = world(WORLD).run(jobs.train_job, packing, steps=steps, bf16=True, timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
         assert rel <= BF16_LOSS_REL, (rank, rel, stock["losses"], packed["losses"])
-        assert packed["local"] == [2, 2] and packed["regroups"] == 1 and packed["local_after"] == [2, 2]
-        assert "fp32 master copies in Megatron's mixed-precision optimizer" in packed["stock_homes_error"], packed
-    copies = {}
+        local = 4 // (4 // packed["packing"])
+        assert packed["packing"] >= 2 and packed["local"] == [local] * 2 == packed["local_after"], packed["local"]
+        assert packed["regroups"] >= 1 and packed["stock_local"] == [1, 1], packed
+        assert "stock_homes_error" not in packed
+        after = packed["experts_after"]
+        assert set(after) == set(packed["experts"]) and all(torch.equal(after[k], v)
+                                                            for k, v in packed["experts"].items())
+    copies, at_stock = {}, _merged(results, "packed", "stock_experts")
     for res in results:
         for key, value in res["packed"]["experts"].items():
             if key in copies:
                 assert torch.equal(copies[key], value), key
             copies[key] = value
-    # 2 layers x 4 experts x 4 parameters (fc1/fc2 weight and bias), each with its main_grad: all held in bf16
-    assert len(copies) == 2 * 4 * 4 * 2 and all(v.dtype == torch.bfloat16 for v in copies.values())
+    assert set(at_stock) == set(copies) and all(torch.equal(at_stock[k], copies[k]) for k in copies)
+    # 2 layers x 4 experts x 4 parameters (fc1/fc2 weight and bias), each with main_grad, master, exp_avg(_sq)
+    assert len(copies) == 2 * 4 * 4 * 5 and sum(v.dtype == torch.bfloat16 for v in copies.values()) == 2 * 4 * 4 * 2
+    unpacked = _merged(results, "stock", "experts")
+    masters = [k for k in copies if k.endswith(("main_param", "exp_avg", "exp_avg_sq"))]
+    worst = max((unpacked[k] - copies[k]).abs().max().item() for k in masters)
+    # Adam moves a master by up to lr (1e-2) a step, so bf16-level gradient differences may shift it by a few lr
+    # (1e-2 measured at p 2 over 10 steps, 4e-4 for "auto"); experts are drawn with std 0.3, and with the kept
+    # masters left unmoved the losses part by 36%
+    assert worst <= 5e-2, worst
 
 
 def test_fixed_packing_under_the_distributed_optimizer(world):

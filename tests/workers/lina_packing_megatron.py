@@ -62,7 +62,10 @@ def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch
                 out[key] = p.detach().clone()
                 if grads:
                     out[f"{key}.main_grad"] = p.main_grad.clone()
-                for k, v in states.get(p, {}).items():
+                main = getattr(p, "main_param", None)       # bf16: the fp32 master, keying Adam's state
+                if main is not None:
+                    out[f"{key}.main_param"] = main.detach().clone()
+                for k, v in states.get(main if main is not None else p, {}).items():
                     if torch.is_tensor(v) and v.shape == p.shape:
                         out[f"{key}.{k}"] = v.clone()
     return out
@@ -98,7 +101,8 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
 def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False,
               bf16: bool = False, distributed: bool = False, tp: int = 1) -> Dict[str, Any]:
     """``steps`` fp32 Adam steps (``bf16``: bf16 parameters, Megatron's mixed-precision Adam; ``distributed``: its
-    distributed optimizer; with either, ``stock_homes``'s refusal is recorded too) of the model with packing 1,
+    distributed optimizer; with either, what ``stock_homes`` gave or its refusal, and the experts after it) of the
+    model with packing 1,
     then with ``packing``: per step loss and Megatron's
     gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
@@ -134,10 +138,12 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
                     if bf16 or distributed:
                         try:
                             with handle.lina.packing.stock_homes():
-                                pass
+                                res["stock_local"] = [layer.num_local_experts for layer in net.moe]
+                                res["stock_experts"] = by_expert(net, opt, grads=True)
                         except ValueError as exc:
                             res["stock_homes_error"] = str(exc)
                         res["local_after"] = [layer.num_local_experts for layer in net.moe]
+                        res["experts_after"] = by_expert(net, opt, grads=True)
     return out
 
 
