@@ -143,7 +143,10 @@ def test_expert_weight_grad_with_zero(world, zero_stage, mode):
         for mine, theirs in zip(r["grads_ep1"] + r["grads_ep2"], s["grads_ep1"] + s["grads_ep2"]):
             # fp32; pipelined chunks sum in another order: relative to the tensor's largest entry
             assert torch.allclose(mine, theirs, atol=1e-5 * float(theirs.abs().max()), rtol=1e-4)
-    ep1_equals_ep2 = all(torch.allclose(g1, g2, atol=0, rtol=1e-4)
+    # DeepSpeed's bound; pipelined chunks sum each expert's gradient in two parts, so an entry 1e4 times below the
+    # tensor's largest is off by fp32 rounding of that sum (seen: 4.7e-10 on -1.85e-7, largest 4.8e-3)
+    pipelined = (jobs.SECTIONS[mode] or {}).get("pipeline_degree", 1) != 1
+    ep1_equals_ep2 = all(torch.allclose(g1, g2, atol=1e-6 * float(g2.abs().max()) if pipelined else 0, rtol=1e-4)
                          for r in ranks for g1, g2 in zip(r["grads_ep1"], r["grads_ep2"]))
     if zero_stage and not ep1_equals_ep2:
         # stock fails this too (checked: the plugin's gradients equal stock's above): DeepSpeed 0.19.8's
