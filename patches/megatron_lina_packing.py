@@ -29,7 +29,7 @@ In bf16/fp16 (``Float16OptimizerWithFloat16Params``, whose ``__init__`` is wrapp
 with them and join or leave Megatron's optimizer groups (patches/megatron_masters.py). With Megatron's
 distributed optimizer, a fixed p only (the regroup happens before it shards the buffers; ``stock_homes`` is
 refused there); any TP (at TP > 1 without expert
-biases under sequence parallelism), expert-TP 1, PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
+biases under sequence parallelism), any expert-TP (each rank's shards move over its own EP group), PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
 lane), without Hecate, and beside Lancet's batch partitions only at a fixed p (their calls run no timed schedule
 steps for ``"auto"``): :func:`config_problems` and :func:`model_problems` list the rest.
@@ -93,9 +93,8 @@ def model_problems(config: Any, layers: List[Any], lina: LinaConfig) -> List[str
     what, problems = f"{FIELD} ({lina.packing!r})", []
     layout = layers[0].token_dispatcher.groups.layout
     problems += packing_layout_problems(lina.packing, layout, config.num_moe_experts, f"{SECTION}.lina")
-    for name in ("expert_tensor_parallel_size", "pipeline_model_parallel_size"):
-        if (getattr(config, name, 1) or 1) != 1:
-            problems.append(f"{what} runs with {name} 1 (got {getattr(config, name)})")
+    if (getattr(config, "pipeline_model_parallel_size", 1) or 1) != 1:
+        problems.append(f"{what} runs with pipeline_model_parallel_size 1 (got {config.pipeline_model_parallel_size})")
     facts = facts_from_config(config)
     if facts.tp > 1 and facts.bias_sp:           # the reason Hecate's re-sharding refuses it (megatron_config)
         problems.append(f"{what} cannot run with add_bias_linear and sequence_parallel at tensor_model_parallel_size "

@@ -25,11 +25,11 @@ def _merged(results, role: str, key: str):
     return out
 
 
-@pytest.mark.parametrize("packing,degree,lancet,tp", [(2, 1, False, 1), (4, 1, False, 1), ("auto", 1, False, 1),
-                                                      (2, 2, False, 1), ("auto", 2, False, 1), ("auto", 1, True, 1),
-                                                      (2, 1, False, 2)],
-                         ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2", "auto-lancet", "p2-tp2-ep2"])
-def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp):
+@pytest.mark.parametrize("packing,degree,lancet,tp,etp", [
+    (2, 1, False, 1, 1), (4, 1, False, 1, 1), ("auto", 1, False, 1, 1), (2, 2, False, 1, 1), ("auto", 2, False, 1, 1),
+    ("auto", 1, True, 1, 1), (2, 1, False, 2, 1), (2, 1, False, 1, 2)],
+    ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2", "auto-lancet", "p2-tp2-ep2", "p2-etp2-ep2"])
+def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp, etp):
     """20 steps: losses within 1e-5 and Megatron's gradient norms (what clip_grad scales by: the packed copies
     must not count twice) within 1e-5 relative of the unpacked run's at every step; every expert's weights, last main_grad and Adam moments, by global id, within
     1e-5; each rank holds 4 / ep experts times the packing, and Megatron's sharded_state_dict names them by their
@@ -37,9 +37,11 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp):
     its expert micro-ops are far shorter than its all-to-alls). PipeMoE degree 2: both runs pipelined, the packed
     one's executor rebuilt on the packed layout's engine. Lancet's deferred dW in both runs: its exchanges (and the
     dW behind them) move to the packed layout's engine. TP 2 x EP 2 (sequence parallel): EP 2 -> 1, every rank
-    holds the 4 experts, the dense buckets still reduce over Megatron's TP-aware DP group."""
-    ep = 4 // tp
-    results = world(WORLD).run(jobs.train_job, packing, degree=degree, lancet=lancet, tp=tp, ep=ep,
+    holds the 4 experts, the dense buckets still reduce over Megatron's TP-aware DP group. Expert-TP 2 x EP 2:
+    each rank holds half of each expert's hidden dim; EP 2 -> 1 moves the halves over their own EP groups, and the
+    packed copies reduce over expert-DP 2 (experts keyed by global id and expert-TP shard)."""
+    ep = 4 // tp // etp
+    results = world(WORLD).run(jobs.train_job, packing, degree=degree, lancet=lancet, tp=tp, ep=ep, etp=etp,
                                timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]

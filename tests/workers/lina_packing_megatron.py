@@ -10,6 +10,7 @@ same experts, which would hide a misplaced one); experts are compared by global 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Iterator, List, Optional
@@ -35,8 +36,14 @@ def _on_cpu(spec: Any) -> Iterator[Any]:
     """Megatron under the CPU shims, on the spec's layout groups (yielded)."""
     from moe_plugins.patches import megatron as mp
     with megatron_on_cpu(), mp.megatron_groups(ParallelLayout(world=spec.world, ranks_per_node=RANKS_PER_NODE,
-                                                              mp=spec.mp, ep=spec.ep)) as groups:
+                                                              mp=spec.mp, ep=spec.ep, esp=spec.esp)) as groups:
         yield groups
+
+
+def _shard(layer: Any) -> str:
+    """The expert-TP shard a rank holds of the layer's experts ("" at expert-TP 1), part of an expert's key."""
+    group = layer.experts.tp_group
+    return f".etp{group.rank()}" if group.size() > 1 else ""
 
 
 def _redraw(net: Any, seed: int) -> None:
@@ -44,7 +51,8 @@ def _redraw(net: Any, seed: int) -> None:
         for n, layer in enumerate(net.moe):
             for i, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
                 for name, p in expert.named_parameters():
-                    gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{n}.{i}.{name}".encode()))
+                    key = f"{n}.{i}.{name}{_shard(layer)}"
+                    gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(key.encode()))
                     p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
 
 
@@ -58,7 +66,7 @@ def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch
     for n, layer in enumerate(net.moe):
         for i, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
             for name, p in expert.named_parameters():
-                key = f"{n}.{i}.{name}"
+                key = f"{n}.{i}.{name}{_shard(layer)}"
                 out[key] = p.detach().clone()
                 if grads:
                     out[f"{key}.main_grad"] = p.main_grad.clone()
@@ -99,16 +107,16 @@ def _step(model: Any, opt: Any, pgc: Any, x: torch.Tensor, t: torch.Tensor) -> D
 
 
 def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lancet: bool = False,
-              bf16: bool = False, distributed: bool = False, tp: int = 1) -> Dict[str, Any]:
+              bf16: bool = False, distributed: bool = False, tp: int = 1, etp: int = 1) -> Dict[str, Any]:
     """``steps`` fp32 Adam steps (``bf16``: bf16 parameters, Megatron's mixed-precision Adam; ``distributed``: its
     distributed optimizer; with either, what ``stock_homes`` gave or its refusal, and the experts after it) of the
     model with packing 1,
     then with ``packing``: per step loss and Megatron's
     gradient norm (what ``clip_grad`` scales by; clipping itself asserts CUDA gradients, so it is off), experts (values, last main_grad, Adam moments) by global id,
     how many experts each rank holds after, the controller's decisions, and the packed model's sharded
-    checkpoint keys' global expert count."""
+    checkpoint keys' global expert count. ``etp``: expert-TP (each expert's hidden dim sharded over it)."""
     from moe_plugins.patches import megatron as mp
-    spec = _spec(tp, ep, "float32")
+    spec = dataclasses.replace(_spec(tp, ep, "float32"), esp=etp)
     out: Dict[str, Any] = {}
     with _on_cpu(spec) as groups:
         pgc = groups.pg_collection
