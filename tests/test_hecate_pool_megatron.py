@@ -54,6 +54,33 @@ def test_experts_moved_across_layers_train_as_stock_megatron(world, every, force
         max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def test_bf16_pooled_moves_carry_the_fp32_masters(world):
+    """bf16 under Megatron's mixed-precision Adam: the move by hand after the first step puts experts in the other
+    layer's SequentialMLP with their bf16 values, main_grad, fp32 master and the master's moments, bitwise by
+    (layer, id); 8 steps then track stock Megatron's bf16 run (losses within 2e-2 relative, masters and moments by
+    (layer, id) within 5e-2: Adam moves a master up to lr 1e-2 a step), and the state dict written under
+    stock_homes() is stock's to bf16 rounding."""
+    steps = 8
+    results = world(WORLD).run(jobs.pooled_vs_stock, steps, 100, True, True, timeout_s=TIMEOUT_S)
+    before, after = (_merged(results, "plugin", "forced", when) for when in ("before", "after"))
+    assert set(before) == set(after) and any(k.endswith("main_param") for k in before)
+    assert any(k.endswith("exp_avg_sq") for k in before)
+    assert all(torch.equal(before[k], after[k]) for k in before), \
+        [k for k in before if not torch.equal(before[k], after[k])]
+    for rank, res in enumerate(results):
+        stock, plugin = res["stock"], res["plugin"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], plugin["losses"]))
+        assert rel <= 2e-2, (rank, rel, stock["losses"], plugin["losses"])
+        assert plugin["held"] == ([2, 0] if rank < 2 else [0, 2])
+        for a, b in zip(stock["state"], plugin["state"]):
+            assert set(a) == set(b) and all(torch.allclose(a[k].float(), b[k].float(), atol=5e-2) for k in a)
+    a, b = _merged(results, "stock", "experts"), _merged(results, "plugin", "experts")
+    masters = [k for k in a if k.endswith(("main_param", "exp_avg", "exp_avg_sq"))]
+    assert set(a) == set(b) and masters
+    worst = max((a[k] - b[k]).abs().max().item() for k in masters)
+    assert worst <= 5e-2, worst
+
+
 def test_a_pooled_dist_checkpoint_loads_into_stock_megatron(world, tmp_path):
     """Saved with experts in the other layer's modules, the checkpoint holds every expert under its (layer, global
     id): stock layers with other weights load exactly the saver's experts; the saver's stay where they were."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_plugins.tools.verify_megatron import transformer_config
-from tests.workers.hecate_reshard_megatron import build_plugin, build_stock, data, on_cpu, spec
+from tests.workers.hecate_reshard_megatron import build_plugin, build_stock, config_of, data, on_cpu, spec
 
 UNEVEN = ((0, 0, 1, 1), (2, 2, 3, 3))      # rank 0 holds experts 0 and 1 of layer 0, none of layer 1 ...
 
@@ -36,7 +36,7 @@ def _net(config: Any, moes: List[Any]):
 
         def __init__(self):
             super().__init__(config)
-            self.scale = torch.nn.Parameter(torch.ones(config.hidden_size))
+            self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
             self.moes = torch.nn.ModuleList(moes)
 
         def forward(self, x):
@@ -52,11 +52,12 @@ def _train(config: Any, layers: List[Any], pgc: Any, steps: int, handle: Any, fo
         finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), _net(config, layers), pg_collection=pgc)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
-                                                 clip_grad=0.0), [model], use_gloo_process_groups=False,
-                                 pg_collection=pgc)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=config.params_dtype,
+                                                 bf16=config.bf16, clip_grad=0.0), [model],
+                                 use_gloo_process_groups=False, pg_collection=pgc)
     losses: List[float] = []
-    for i, (x, t) in enumerate(data(steps)):
+    around: Dict[str, Any] = {}
+    for i, (x, t) in enumerate(data(steps, config.params_dtype)):
         model.zero_grad_buffer()
         opt.zero_grad()
         loss = F.mse_loss(model(x), t)
@@ -66,13 +67,15 @@ def _train(config: Any, layers: List[Any], pgc: Any, steps: int, handle: Any, fo
             raise RuntimeError("Megatron's optimizer skipped a step")
         losses.append(float(loss.detach()))
         if forced and handle is not None and i == 0:
+            around["before"] = experts_by_id(model.module.moes, opt, handle)
             handle.hecate.reshard([list(h) for h in UNEVEN])
-    return {"losses": losses, "opt": opt}
+            around["after"] = experts_by_id(model.module.moes, opt, handle)
+    return {"losses": losses, "opt": opt, "forced": around}
 
 
 def experts_by_id(layers: List[Any], opt: Any, handle: Any) -> Dict[str, torch.Tensor]:
-    """Every local expert's parameters, ``main_grad`` and Adam moments keyed by (layer, global id, name), wherever
-    the pool keeps them."""
+    """Every local expert's parameters, ``main_grad`` and Adam moments (in bf16 also its fp32 master, which keys
+    the moments) keyed by (layer, global id, name), wherever the pool keeps them."""
     states = {}
     for chained in getattr(opt, "chained_optimizers", [opt]):
         states.update(chained.optimizer.state)
@@ -88,22 +91,26 @@ def experts_by_id(layers: List[Any], opt: Any, handle: Any) -> Dict[str, torch.T
                 key = f"{index}.{e}.{name}"
                 out[key] = p.detach().clone()
                 out[f"{key}.main_grad"] = p.main_grad.clone()
-                for k, v in states.get(p, {}).items():
+                main = getattr(p, "main_param", None)
+                if main is not None:
+                    out[f"{key}.main_param"] = main.detach().clone()
+                for k, v in states.get(main if main is not None else p, {}).items():
                     if torch.is_tensor(v) and v.shape == p.shape:
                         out[f"{key}.{k}"] = v.clone()
     return out
 
 
-def pooled_vs_stock(steps: int, every: int, forced: bool) -> Dict[str, Any]:
+def pooled_vs_stock(steps: int, every: int, forced: bool, bf16: bool = False) -> Dict[str, Any]:
     """``steps`` steps of two stock layers, then of the plugin's with pooled slots re-sharded every ``every`` steps
-    (``forced``: moved to UNEVEN by hand after the first step): losses, homes, how many experts of each layer this
-    rank holds, experts by (layer, id); and, for the plugin, each layer's state dict written under
-    ``stock_homes()`` (the stock layout) against stock's after the same steps."""
+    (``forced``: moved to UNEVEN by hand after the first step, the experts by (layer, id) kept just before and
+    after): losses, homes, how many experts of each layer this rank holds, experts by (layer, id); and, for the
+    plugin, each layer's state dict written under ``stock_homes()`` (the stock layout) against stock's after the
+    same steps. ``bf16``: bf16 parameters under Megatron's mixed-precision Adam."""
     from moe_plugins.patches import megatron as mp
     s = spec(1, 4)
     out: Dict[str, Any] = {}
     with on_cpu(s) as groups:
-        pgc, config = groups.pg_collection, transformer_config(s, num_layers=2)
+        pgc, config = groups.pg_collection, config_of(s, bf16, num_layers=2)
         stocks = [build_stock(s, config, groups, seed=seed) for seed in (1, 2)]
         for i, layer in enumerate(stocks):
             layer.set_layer_number(i + 1)
@@ -116,7 +123,8 @@ def pooled_vs_stock(steps: int, every: int, forced: bool) -> Dict[str, Any]:
                 for i, layer in enumerate(layers):
                     layer.set_layer_number(i + 1)
                 res = _train(config, layers, pgc, steps, handle, forced)
-                out[name] = {"losses": res["losses"], "experts": experts_by_id(layers, res["opt"], handle)}
+                out[name] = {"losses": res["losses"], "experts": experts_by_id(layers, res["opt"], handle),
+                             "forced": res["forced"]}
                 if handle is not None:
                     schedules = [layer.token_dispatcher.schedule for layer in layers]
                     out[name].update(homes=[s.homes for s in schedules], rounds=handle.hecate.resharders[0].rounds,

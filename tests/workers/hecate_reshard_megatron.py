@@ -37,11 +37,11 @@ def section(every: int, extra: int = 1) -> Dict[str, Any]:
     return {"ranks_per_node": RPN, "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
 
 
-def config_of(s: MegatronVerifySpec, bf16: bool = False):
+def config_of(s: MegatronVerifySpec, bf16: bool = False, **more: Any):
     """The layer's TransformerConfig; at TP > 1 without biases (Megatron sums the experts' fc2 bias gradients over
     the TP group, slot by slot: re-sharding refuses that, patches/megatron_config.py); ``bf16``: bf16 parameters."""
     extra: Dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
-    return transformer_config(s, **({"add_bias_linear": False} if s.mp > 1 else {}), **extra)
+    return transformer_config(s, **({"add_bias_linear": False} if s.mp > 1 else {}), **extra, **more)
 
 
 def spec(tp: int, ep: int, k: int = 2, dtype: str = "float32") -> MegatronVerifySpec:
