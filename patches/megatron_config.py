@@ -40,9 +40,9 @@ UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
 )
 
 # Settings under which Megatron's optimizer keeps the experts' master copies and Adam state in shards over the
-# data-parallel group (the distributed optimizer), which Hecate's re-sharding does not move (it moves whole masters:
-# fp32, or bf16/fp16's Float16OptimizerWithFloat16Params). Megatron-LM's argument, which a layer built from a
-# TransformerConfig cannot see: the optimizer hook refuses it there (patches/megatron_hecate_reshard.py).
+# expert-data-parallel group (the distributed optimizer): Hecate's re-sharding moves whole experts, so it runs there
+# at expert-DP 1 only (each rank's shard then holds its experts whole). Megatron-LM's argument, which a layer built
+# from a TransformerConfig cannot see: the optimizer hook checks it there (patches/megatron_hecate_reshard.py).
 MASTER_COPIES = ("use_distributed_optimizer",)
 
 # Router options that draw random numbers: the baseline schedule re-gates its ESP group's token blocks, which
@@ -184,10 +184,12 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
                         f"({facts.etp}) > 1: a schedule may re-gate its ESP group's token blocks, which needs "
                         "the deterministic routing their owners made")
     every = reshard_interval(plugin)
-    problems += [f"{SECTION}.{HECATE}.reshard_every ({every}) runs with Megatron's non-distributed optimizers, and "
-                 f"{name} is True: the shards of the master copies and Adam state it keeps are not moved with the "
-                 "experts"
-                 for name in facts.master_copies if every]
+    expert_dp = world // (facts.ep * facts.etp) if world else 0
+    problems += [f"{SECTION}.{HECATE}.reshard_every ({every}) runs with Megatron's distributed optimizer at expert-DP "
+                 f"1 only, and {name} is True at expert-DP {expert_dp} (world {world} / (expert_model_parallel_size "
+                 f"{facts.ep} x expert-TP {facts.etp})): each rank's shard holds part of every expert's master and "
+                 "Adam state, which the move does not gather"
+                 for name in facts.master_copies if every and expert_dp > 1]
     if every and facts.bias_sp and facts.tp > 1:
         problems.append(f"{SECTION}.{HECATE}.reshard_every ({every}) cannot run with add_bias_linear and "
                         f"sequence_parallel at tensor_model_parallel_size {facts.tp}: Megatron all-reduces each "

@@ -5,15 +5,18 @@ training the model).
 
 Runs with Megatron's non-distributed optimizers: fp32 (``FP32Optimizer``, whose Adam state is keyed by the
 model's own parameters) and bf16/fp16 (``Float16OptimizerWithFloat16Params``: the torch optimizer holds an fp32
-master copy of each parameter, ``param.main_param``, and its Adam state; :func:`masters` gives them to the move).
-The distributed optimizer (its masters and state in shards over the data-parallel group) is refused: by the flag
-path from Megatron-LM's arguments before anything is patched (:mod:`~moe_plugins.patches.megatron_config`), and
-when Megatron builds one over a re-sharded layer's experts.
+master copy of each parameter, ``param.main_param``, and its Adam state); and with the distributed optimizer at
+expert-DP 1, where each rank's shard holds its experts whole (a flat fp32 master in bf16/fp16, a flat view of the
+fp32 parameter otherwise, with their Adam state). :func:`masters` gives them to the move. The distributed
+optimizer at expert-DP > 1 (part of each expert's state on each expert-DP rank) is refused: by the flag path from
+Megatron-LM's arguments before anything is patched (:mod:`~moe_plugins.patches.megatron_config`), and when
+Megatron builds one over a re-sharded layer's experts.
 
 While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through the plugin's Patcher:
 
-- ``DistributedOptimizer.__init__``: the refusal above, before Megatron's, when the torch optimizer it is handed
-  or its model chunks hold a re-sharded layer's experts.
+- ``DistributedOptimizer.__init__``: after Megatron's, the refusal above when its buffers hold a re-sharded
+  layer's experts at expert-DP > 1; at expert-DP 1 it records what the optimizer steps for each expert parameter
+  (:attr:`MegatronResharding.shards`).
 - ``step_with_ready_grads`` of ``FP32Optimizer`` and ``MixedPrecisionOptimizer`` (after its copy of the masters
   to the parameters): after a successful step of a torch optimizer holding re-sharded layers' experts
   (ChainedOptimizer steps its expert optimizer through it), the :class:`Resharder` of that optimizer counts it and
@@ -41,7 +44,7 @@ import inspect
 import logging
 import weakref
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -67,6 +70,7 @@ class MegatronResharding:
         self._layers: List[weakref.ref] = []
         self._resharders: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Optional[Resharder]]" = \
             weakref.WeakKeyDictionary()
+        self.shards: Dict[int, torch.Tensor] = {}     # expert parameter id -> what the distributed optimizer steps
 
     def add(self, layer: Any) -> None:
         """Register a ``PluginMoELayer`` running Hecate with ``reshard_every`` (called when it is built)."""
@@ -95,24 +99,30 @@ class MegatronResharding:
                 Patch(dist_checkpointing, "load", self._wrap_load(dist_checkpointing.load))]
 
     def _wrap_init(self, original: Callable) -> Callable:
-        state, signature = self, inspect.signature(original)
+        state = self
 
         @functools.wraps(original)
-        def __init__(opt, optimizer, *args, **kwargs):
-            chunks = signature.bind(opt, optimizer, *args, **kwargs).arguments.get("model_chunks") or []
-            held = _param_ids(optimizer) | {id(p) for chunk in chunks for p in chunk.parameters()}
-            if any(id(p) in held for layer in state.layers() for p in layer.experts.parameters()):
-                raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's non-distributed optimizers "
-                                 "(FP32Optimizer, Float16OptimizerWithFloat16Params), whose masters and Adam state "
-                                 f"are whole per parameter; this model's is a {type(opt).__name__} "
-                                 "(use_distributed_optimizer), whose shards the move does not reach")
-            original(opt, optimizer, *args, **kwargs)
+        def __init__(opt, *args, **kwargs):
+            original(opt, *args, **kwargs)
+            mine = [layer for layer in state.layers() if any(p in opt.model_param_gbuf_map
+                                                             for p in layer.experts.parameters())]
+            ranks = opt.data_parallel_group.size()
+            if mine and ranks > 1:
+                names = ", ".join(x.token_dispatcher.rec.layer for x in mine)
+                raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's distributed optimizer at expert-DP 1 "
+                                 f"only: it shards the experts of {names} over expert-DP {ranks}, so each rank "
+                                 "holds part of their masters and Adam state, which the move does not gather")
+            shards = dict(zip(map(id, (p for group in opt.model_fp32_groups for p in group)),
+                              (s for group in opt.shard_fp32_groups for s in group)))
+            for layer in mine:                        # expert-DP 1: this rank's shard holds each expert whole
+                for p in layer.experts.parameters():
+                    state.shards[id(p)] = p.main_param if p.dtype != torch.float32 else shards[id(p)]
         return __init__
 
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
         resharder = self._resharder(optimizer)
         if resharder is not None:
-            resharder.step_end(optimizer, masters(optimizer))
+            resharder.step_end(optimizer, masters(optimizer, self.shards))
 
     def _wrap_save(self, original: Callable) -> Callable:
         state, signature = self, inspect.signature(original)
@@ -144,21 +154,21 @@ class MegatronResharding:
         with ExitStack() as stack:
             for optimizer, resharder in list(self._resharders.items()):
                 if resharder is not None:
-                    stack.enter_context(resharder.stock_homes(optimizer, masters(optimizer)))
+                    stack.enter_context(resharder.stock_homes(optimizer, masters(optimizer, self.shards)))
             yield
 
     def to_stock(self) -> None:
         """Every re-sharded layer's experts to their stock owners, to stay (before loading stock-layout state)."""
         for optimizer, resharder in list(self._resharders.items()):
             if resharder is not None:
-                resharder.to_stock(optimizer, masters(optimizer))
+                resharder.to_stock(optimizer, masters(optimizer, self.shards))
 
     def reshard(self, homes_LE: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Re-shard now (collective), each optimizer's layers to Algorithm 2's plan or to ``homes_LE`` (one homes
         tuple per layer, in build order)."""
         for optimizer, resharder in list(self._resharders.items()):
             if resharder is not None:
-                resharder.reshard(optimizer, homes_LE, masters(optimizer))
+                resharder.reshard(optimizer, homes_LE, masters(optimizer, self.shards))
 
     def _resharder(self, optimizer: torch.optim.Optimizer) -> Optional[Resharder]:
         """The Resharder of the layers whose experts ``optimizer`` holds (None: it holds none), made at its first
@@ -168,7 +178,7 @@ class MegatronResharding:
         held = _param_ids(optimizer)
         layers, partial = [], []
         for layer in self.layers():
-            ids = [id(getattr(p, "main_param", p)) in held for p in layer.experts.parameters()]
+            ids = [id(self.shards.get(id(p), getattr(p, "main_param", p))) in held for p in layer.experts.parameters()]
             if all(ids):
                 layers.append(layer)
             elif any(ids):
@@ -200,20 +210,31 @@ def _param_ids(optimizer: Optional[torch.optim.Optimizer]) -> Set[int]:
     return {id(p) for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]}
 
 
-def masters(optimizer: Optional[torch.optim.Optimizer]) -> Extra:
-    """What moves with a bf16/fp16 parameter under Megatron's mixed-precision optimizer, beyond its values: its
-    ``main_grad`` (DDP's buffer), and its fp32 master (``param.main_param``, held by ``optimizer``) with the
-    master's gradient (unless it is ``main_grad`` itself) and Adam moments. Nothing for an fp32 parameter (its
-    state is keyed by itself: :func:`~moe_plugins.hecate.rehome.slot_tensors` finds it)."""
+def masters(optimizer: Optional[torch.optim.Optimizer], shards: Optional[Dict[int, torch.Tensor]] = None) -> Extra:
+    """What moves with an expert parameter beyond what :func:`~moe_plugins.hecate.rehome.slot_tensors` finds on
+    the parameter itself (its values, ``grad``, state keyed by it): what ``optimizer`` steps in its place, with
+    that tensor's gradient and Adam moments, and the parameter's ``main_grad`` (DDP's buffer). In its place:
+    bf16/fp16, the fp32 master (``param.main_param``; the distributed optimizer's is a flat shard, whole at
+    expert-DP 1); fp32 under the distributed optimizer, ``shards[id(param)]``, a flat view of the parameter.
+    Nothing for an fp32 parameter under ``FP32Optimizer`` (its state is keyed by itself). Each storage once."""
+    shards = shards or {}
+
     def extra(param: torch.nn.Parameter) -> List[torch.Tensor]:
         main = getattr(param, "main_param", None)
+        main = shards.get(id(param)) if main is None else main
         if main is None:
             return []
-        grads = [g for g in (getattr(param, "main_grad", None), main.grad) if g is not None]
         state = optimizer.state.get(main, {}) if optimizer is not None else {}
-        return ([g for i, g in enumerate(grads) if all(g.data_ptr() != h.data_ptr() for h in grads[:i])] +
-                [main.data] + [state[k] for k in sorted(state, key=str)
-                               if torch.is_tensor(state[k]) and state[k].shape == main.shape])
+        found = [t for t in (getattr(param, "main_grad", None), main.grad, main.data) if t is not None]
+        found += [state[k] for k in sorted(state, key=str)
+                  if torch.is_tensor(state[k]) and state[k].shape == main.shape]
+        seen = {t.data_ptr() for t in (param.data, param.grad) if t is not None}
+        out = []
+        for t in found:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out.append(t)
+        return out
     return extra
 
 

@@ -277,7 +277,8 @@ class DDPPacker:
 
     def holds(self, optimizer: Any) -> bool:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = [id(getattr(p, "main_param", p)) in ids for layer in self.layers for p in layer.layer.experts.parameters()]
+        mine = [id(getattr(p, "main_param", p)) in ids
+                for layer in self.layers for p in layer.layer.experts.parameters()]
         if any(mine) and not all(mine):
             raise ValueError(f"{FIELD}: the experts of the packed layers are split over several optimizers; one "
                              "torch optimizer must step them all (their state moves with them)")

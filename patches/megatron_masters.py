@@ -26,7 +26,8 @@ def _tensor_state(state: Dict[str, Any], like: torch.Tensor) -> Dict[str, torch.
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == like.shape}
 
 
-def carried_masters(params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, torch.Tensor]]:
+def carried_masters(params: Sequence[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, torch.Tensor]]:
     """Per parameter id: its master's values and the master's optimizer tensors shaped like it (Adam's moments)."""
     out = {}
     for p in params:

@@ -96,14 +96,17 @@ def build_plugin(config: Any, state: Dict[str, torch.Tensor]):
     return layer
 
 
-def ddp_and_optimizer(config: Any, moe: Any, pgc: Any):
+def ddp_and_optimizer(config: Any, moe: Any, pgc: Any, distributed: bool = False):
+    """Megatron's DDP over a dense scale and ``moe``, and its Adam (``distributed``: its distributed optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     net = jobs._net(config, moe)
     net.scale.data = net.scale.data.to(config.params_dtype)      # bf16: the dense parameter in bf16 too
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), net, pg_collection=pgc)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                    net, pg_collection=pgc)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=config.params_dtype,
-                                                 bf16=config.bf16, clip_grad=0.0), [model],
+                                                 bf16=config.bf16, clip_grad=0.0,
+                                                 use_distributed_optimizer=distributed), [model],
                                  use_gloo_process_groups=False, pg_collection=pgc)
     return model, opt
 
@@ -126,6 +129,17 @@ def homes_of(layer: Any) -> Optional[Tuple[int, ...]]:
     return getattr(schedule, "homes", None)
 
 
+def _stepped(opt: Any) -> Dict[int, torch.Tensor]:
+    """Expert parameter id -> the tensor Megatron's optimizer steps in its place, where not the parameter: the fp32
+    master (bf16), or the distributed optimizer's flat shard of an fp32 parameter."""
+    out: Dict[int, torch.Tensor] = {}
+    for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
+        for model_group, shard_group in zip(getattr(chained, "model_fp32_groups", []),
+                                            getattr(chained, "shard_fp32_groups", [])):
+            out.update((id(p), s) for p, s in zip(model_group, shard_group))
+    return out
+
+
 def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
     """The experts' parameters (and with ``opt`` their last gradients and Adam moments, and in bf16 their fp32
     masters with the masters' moments) keyed by global id and name."""
@@ -134,23 +148,24 @@ def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
     states = {}
     for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
         states.update(chained.optimizer.state)
-    out = {}
+    out, stepped = {}, _stepped(opt)
     for i, mlp in enumerate(layer.experts.local_experts):
         for name, p in mlp.named_parameters():
             out[f"{ids[i]}.{name}"] = p.detach().clone()
             if opt is not None and getattr(p, "main_grad", None) is not None:
                 out[f"{ids[i]}.{name}.main_grad"] = p.main_grad.clone()
             main = getattr(p, "main_param", None)
-            if main is not None:
-                out[f"{ids[i]}.{name}.main_param"] = main.detach().clone()
+            main = stepped.get(id(p)) if main is None else main
+            if main is not None and main.data_ptr() != p.data_ptr():
+                out[f"{ids[i]}.{name}.main_param"] = main.detach().clone().view(p.shape)
             for key, value in states.get(main if main is not None else p, {}).items():
-                if torch.is_tensor(value) and value.shape == p.shape:
-                    out[f"{ids[i]}.{name}.{key}"] = value.clone()
+                if torch.is_tensor(value) and value.numel() == p.numel() > 1:
+                    out[f"{ids[i]}.{name}.{key}"] = value.clone().view(p.shape)
     return out
 
 
 def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Sequence[int]] = None,
-                   bf16: bool = False) -> Dict[str, Any]:
+                   bf16: bool = False, distributed: bool = False) -> Dict[str, Any]:
     """``steps`` steps of the stock layer, then of the plugin's re-sharding every ``every`` steps (with ``forced``
     homes: moved there after the first step, whatever Algorithm 2 plans; the experts by global id just before and
     after that move are kept too): losses, homes after each step, experts and Adam moments by global id."""
@@ -165,7 +180,7 @@ def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Se
             with ExitStack() as run:
                 handle = run.enter_context(mp.enable(section(every), groups=groups)) if name == "plugin" else None
                 layer = build_plugin(config, initial) if handle is not None else stock
-                model, opt = ddp_and_optimizer(config, layer, pgc)
+                model, opt = ddp_and_optimizer(config, layer, pgc, distributed)
                 losses, homes = [], []
                 for i, (x, t) in enumerate(data(steps, config.params_dtype)):
                     losses.append(step(model, opt, pgc, x, t))
@@ -253,7 +268,8 @@ def refused_layer() -> Dict[str, Any]:
 
 
 def refused_optimizer(tp: int, ep: int) -> Dict[str, Any]:
-    """The distributed optimizer over a re-sharded layer's experts: the error Megatron's optimizer build raises."""
+    """The distributed optimizer over a re-sharded layer's experts at expert-DP > 1: the error Megatron's optimizer
+    build raises."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
