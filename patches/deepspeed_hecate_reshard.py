@@ -2,7 +2,8 @@
 Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
 
 - :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2 in
-  fp32, without optimizer offload (fp16/bf16 and offload keep master copies elsewhere, which the move does not
+  fp32, or 1 or 2 in bf16 (the bf16 model's fp32 masters are ZeRO's flat partitions, which move as below), without
+  optimizer offload (fp16, bf16 at ZeRO 0 and offload keep master copies elsewhere, which the move does not
   reach). One line per problem, naming the field.
 - ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
   master partition and its Adam moments are flat tensors of the same layout; with the expert group on one rank
@@ -58,10 +59,13 @@ def reshard_problems(engine: Any, cfg: Any) -> List[str]:
     if offload:
         problems.append(f"{FIELD} ({every}) cannot run with zero_optimization.offload_optimizer: the master copies "
                         "it keeps on the host are not moved")
-    for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
-        if on:
-            problems.append(f"{FIELD} ({every}) runs in fp32 only, and {name}.enabled is true: the fp32 master "
-                            "copies are not moved")
+    if engine.fp16_enabled():
+        problems.append(f"{FIELD} ({every}) runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is "
+                        "true: the fp16 optimizer's master copies are not moved")
+    if engine.bfloat16_enabled() and stage == 0:
+        problems.append(f"{FIELD} ({every}) runs in bf16 on ZeRO stage 1 or 2 (whose flat fp32 master partitions "
+                        "move with the experts), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer keeps "
+                        "master copies that are not moved")
     return problems
 
 

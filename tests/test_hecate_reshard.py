@@ -178,13 +178,55 @@ def test_reshard_problems_name_the_field():
     from moe_plugins.patches.deepspeed_hecate import config_choices
     from moe_plugins.patches.deepspeed_hecate_reshard import reshard_problems
     cfg = PluginConfig.from_dict({"hecate": {"reshard_every": 3}}, **config_choices())
-    engine = SimpleNamespace(zero_optimization_stage=lambda: 3, fp16_enabled=lambda: False,
-                             bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: True)
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 3, fp16_enabled=lambda: True,
+                             bfloat16_enabled=lambda: False, zero_cpu_offload=lambda: True)
     assert reshard_problems(engine, cfg) == [
         "moe_plugins.hecate.reshard_every (3) runs on ZeRO stage 0, 1 or 2, and zero_optimization.stage is 3",
         "moe_plugins.hecate.reshard_every (3) cannot run with zero_optimization.offload_optimizer: the master copies "
         "it keeps on the host are not moved",
-        "moe_plugins.hecate.reshard_every (3) runs in fp32 only, and bf16.enabled is true: the fp32 master copies are "
-        "not moved"]
+        "moe_plugins.hecate.reshard_every (3) runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is "
+        "true: the fp16 optimizer's master copies are not moved"]
+    bf16_zero0 = SimpleNamespace(zero_optimization_stage=lambda: 0, fp16_enabled=lambda: False,
+                                 bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: False)
+    assert reshard_problems(bf16_zero0, cfg) == [
+        "moe_plugins.hecate.reshard_every (3) runs in bf16 on ZeRO stage 1 or 2 (whose flat fp32 master partitions "
+        "move with the experts), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer keeps master copies "
+        "that are not moved"]
+    bf16_zero2 = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
+                                 bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: False)
+    assert reshard_problems(bf16_zero2, cfg) == []
     plain = PluginConfig.from_dict({"hecate": {"reshard_every": 0}}, **config_choices())
     assert reshard_problems(engine, plain) == []
+
+
+@pytest.mark.parametrize("stage,ep,forced", [(2, 4, (3, 2, 1, 0)), (1, 2, (1, 0, 0, 1))],
+                         ids=["zero2-ep4", "zero1-ep2-expert_dp2"])
+def test_deepspeed_bf16_resharding_moves_the_fp32_masters(world, stage, ep, forced):
+    """DeepSpeed's bf16 under ZeRO 1/2: the model in bf16, the fp32 master partition and Adam's moments flat in the
+    optimizer. A move by hand after the first step carries every expert's bf16 values, fp32 master and moments
+    (read whole through DeepSpeed's safe_get_full_*) bitwise by global id, at expert-DP 1 (views of the flat
+    partition) and 2 (gathered whole and written back); then 12 steps re-sharding every 2 track stock DeepSpeed's
+    bf16 run (losses within 2e-2 relative, masters and moments within 5e-2)."""
+    jobs = _deepspeed_jobs()
+    steps = 12
+    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, 2, 3, steps, forced, 1, True)
+    for group in ([results[r] for r in range(4) if r // ep == g] for g in range(4 // ep)):   # one EP group each
+        before, after, off, on = {}, {}, {}, {}
+        for r in group:
+            before.update(r["on"]["forced"]["before"])
+            after.update(r["on"]["forced"]["after"])
+            off.update(r["off"]["experts"])
+            on.update(r["on"]["experts"])
+        assert set(before) == set(after) and any(k.endswith(".fp32") for k in before)
+        assert any(k.endswith("exp_avg_sq") for k in before) and before[next(iter(before))].dtype == torch.bfloat16
+        assert all(torch.equal(before[k], after[k]) for k in before), \
+            [k for k in before if not torch.equal(before[k], after[k])]
+        masters = [k for k in off if k.endswith((".fp32", "exp_avg", "exp_avg_sq"))]
+        assert set(off) == set(on) and masters
+        worst = max(float((off[k] - on[k]).abs().max()) for k in masters)
+        assert worst <= 5e-2, worst
+    for rank, res in enumerate(results):
+        off, on = res["off"], res["on"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
+        assert len(on["losses"]) == steps and rel <= 2e-2, (rank, rel, off["losses"], on["losses"])
+        assert on["moves"] == steps // 2 + 1 and on["homes"][0] == forced

@@ -40,10 +40,10 @@ class TinyMoEModel(nn.Module):
         return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1) + 0.01 * aux
 
 
-def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1) -> Dict[str, Any]:
+def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, bf16: bool = False) -> Dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}}
+           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if bf16 else {})}
     if plugin is not None:
         cfg["moe_plugins"] = plugin
     return cfg
@@ -56,9 +56,10 @@ def batch(seed: int, step: int):
 
 
 def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
-                prepare: Optional[Callable[[nn.Module], None]] = None, gas: int = 1):
+                prepare: Optional[Callable[[nn.Module], None]] = None, gas: int = 1, bf16: bool = False):
     """A fresh engine; every global expert gets weights from (seed, id), wherever the layout places it.
-    ``prepare(model)``: changes made to the model before ``deepspeed.initialize``."""
+    ``prepare(model)``: changes made to the model before ``deepspeed.initialize``; ``bf16``: DeepSpeed's bf16
+    (the model in bf16, fp32 masters in the optimizer)."""
     import deepspeed
     torch.manual_seed(seed)
     model = TinyMoEModel(ep, k)
@@ -68,15 +69,15 @@ def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, s
     if prepare is not None:
         prepare(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, plugin, gas))
+                                           config=ds_config(stage, plugin, gas, bf16))
     return engine
 
 
-def train(engine, seed: int, steps: range) -> List[float]:
+def train(engine, seed: int, steps: range, dtype: torch.dtype = torch.float32) -> List[float]:
     losses = []
     for step in steps:
         torch.manual_seed(seed * 31 + step)   # the gate's random draws, the same in both runs
-        loss = engine(*batch(seed, step))
+        loss = engine(*(t.to(dtype) for t in batch(seed, step)))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))

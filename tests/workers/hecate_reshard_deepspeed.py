@@ -21,11 +21,11 @@ def section(every: int, extra: Any = 1, degree: int = 1) -> Dict[str, Any]:
 
 
 def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
-                hot: Sequence[int] = (0, 1), skew: float = 1.5):
+                hot: Sequence[int] = (0, 1), skew: float = 1.5, bf16: bool = False):
     """jobs.make_engine's model, dropless, its gate leaning to the ``hot`` experts (0 and 1: both on node 0 at
     EP 4): their logits gain ``skew`` through the input layer's bias, whatever the token, so that the experts no
     copy serves crowd one node (or rank) and Algorithm 2 has something to move."""
-    return jobs.make_engine(stage, plugin, ep, k, seed, prepare=partial(_lean, hot=hot, skew=skew))
+    return jobs.make_engine(stage, plugin, ep, k, seed, prepare=partial(_lean, hot=hot, skew=skew), bf16=bf16)
 
 
 def _lean(model: torch.nn.Module, hot: Sequence[int], skew: float) -> None:
@@ -40,22 +40,34 @@ def _layer(handle, engine):
     return handle.swapped_layers.get(engine.module.moe.deepspeed_moe) if handle is not None else None
 
 
-def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any] = None) -> Dict[str, Any]:
+def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any] = None,
+                    dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """jobs.train, one step at a time, with the homes after each step; ``forced`` (the engine's resharder, homes): moved
-    there after the first step, whatever Algorithm 2 would plan."""
-    losses, homes = [], []
+    there after the first step, whatever Algorithm 2 would plan (in bf16 the experts by global id with their fp32
+    masters and moments are kept just before and after that move)."""
+    losses, homes, around = [], [], {}
     for step in steps:
-        losses += jobs.train(engine, seed, range(step, step + 1))
+        losses += jobs.train(engine, seed, range(step, step + 1), dtype)
         if forced is not None and step == steps.start:
+            if dtype != torch.float32:
+                around["before"] = by_expert(engine, layer.schedule.homes, masters=True)
             optimizer, extra = forced[0]._moving()          # what the engine's own re-shards move (ZeRO's state)
             forced[0].resharder.reshard(optimizer, [forced[1]], extra)
+            if dtype != torch.float32:
+                around["after"] = by_expert(engine, layer.schedule.homes, masters=True)
         homes.append(layer.schedule.homes if layer is not None else None)
-    return {"losses": losses, "homes": homes}
+    return {"losses": losses, "homes": homes, "forced": around}
 
 
-def by_expert(engine, homes) -> Dict[str, torch.Tensor]:
-    """The experts' parameters keyed by global id (``homes``: the layer's homes; None: stock's)."""
-    from deepspeed.utils import groups
+def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
+    """The experts' parameters keyed by global id (``homes``: the layer's homes; None: stock's); ``masters``: also
+    their fp32 masters and Adam moments, read whole through DeepSpeed's ``safe_get_full_*`` (collective)."""
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+    if masters:                # DeepSpeed links the parameters to their optimizer state fragments lazily
+        zero = engine.optimizer
+        for params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+            lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
     moe = engine.module.moe
     rank = groups._get_expert_parallel_rank(moe.expert_group_name)
     ids = ([e for e, h in enumerate(homes) if h == rank] if homes is not None else
@@ -64,13 +76,18 @@ def by_expert(engine, homes) -> Dict[str, torch.Tensor]:
     for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
         for n, p in expert.named_parameters():
             out[f"{ids[i]}.{n}"] = p.detach().clone()
+            if masters:
+                out[f"{ids[i]}.{n}.fp32"] = safe_get_full_fp32_param(p).clone()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out[f"{ids[i]}.{n}.{key}"] = safe_get_full_optimizer_state(p, key).clone()
     return out
 
 
 def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: int,
-                   forced: Optional[Sequence[int]] = None, degree: int = 1) -> Dict[str, Any]:
+                   forced: Optional[Sequence[int]] = None, degree: int = 1, bf16: bool = False) -> Dict[str, Any]:
     """``steps`` steps of the stock engine, then of the plugin's with re-sharding every ``every`` steps (and,
-    with ``forced``, a move to those homes after the first step): losses, homes, experts by global id."""
+    with ``forced``, a move to those homes after the first step): losses, homes, experts by global id (in
+    ``bf16`` with their fp32 masters and moments)."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
@@ -78,12 +95,13 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
-            engine = make_engine(stage, plugin, ep, k, seed)
+            engine = make_engine(stage, plugin, ep, k, seed, bf16=bf16)
             layer = _layer(handle, engine)
             force = (handle.hecate.resharders[0], tuple(forced)) if forced and handle else None
-            out[name] = _train_tracking(engine, layer, seed, range(steps), force)
+            out[name] = _train_tracking(engine, layer, seed, range(steps), force,
+                                        torch.bfloat16 if bf16 else torch.float32)
             homes = layer.schedule.homes if layer is not None else None
-            out[name]["experts"] = by_expert(engine, homes)
+            out[name]["experts"] = by_expert(engine, homes, masters=bf16)
             if handle is not None:
                 out[name]["moves"] = handle.hecate.resharders[0].resharder.rounds
                 out[name]["stock"] = layer.schedule.stock_homes()
