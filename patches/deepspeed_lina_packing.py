@@ -65,10 +65,13 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
     stage = int(engine.zero_optimization_stage())
     if stage not in (0, 1, 2):
         problems.append(f"{what} runs on zero_optimization.stage 0, 1 or 2, and it is {stage}")
-    for name, on in (("fp16", engine.fp16_enabled()), ("bf16", engine.bfloat16_enabled())):
-        if on:
-            problems.append(f"{what} runs in fp32, and {name}.enabled is true: DeepSpeed's {name} optimizer keeps "
-                            "flat master copies that packing does not resize")
+    if engine.fp16_enabled():
+        problems.append(f"{what} runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is true: "
+                        "DeepSpeed's fp16 optimizer keeps flat master copies that packing does not resize")
+    if engine.bfloat16_enabled() and stage == 0:
+        problems.append(f"{what} runs in bf16 on ZeRO stage 1 or 2 (whose optimizer is rebuilt around a regroup, "
+                        "the fp32 masters carried), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer "
+                        "keeps flat master copies that packing does not resize")
     if cfg.schedule not in SCHEDULES:
         problems.append(f"{what} runs the schedule {' or '.join(map(repr, SCHEDULES))}, and "
                         f"{SECTION}.schedule is {cfg.schedule!r}")

@@ -182,7 +182,7 @@ TABLE = [
         ({"pipeline_degree": "tune", "lina": {"packing": "auto", "micro_op_mb": 1}}, None, {"bf16": {"enabled": True}},
          "none"),
         "$.lina.packing ('auto') needs an integer $.pipeline_degree (got 'tune')",
-        "$.lina.packing ('auto') runs in fp32, and bf16.enabled is true"),
+        "$.lina.packing ('auto') runs in bf16 on ZeRO stage 1 or 2", "and zero_optimization.stage is 0"),
     row("ds-engine", "lina-packing-3-over-ep-2", ({"lina": {"packing": 3, "micro_op_mb": 1}}, None, {}, "none"),
         "$.lina.packing (3) must divide ep (2)"),
     row("ds-engine", "section-contradicts-enable", ({"schedule": "baseline-tp"}, {"schedule": "baseline"}, {}, "none"),

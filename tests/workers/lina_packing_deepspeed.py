@@ -34,7 +34,7 @@ def by_expert(engine) -> Dict[str, torch.Tensor]:
             out[f"{rank * moe.num_local_experts + i}.{n}"] = p.detach().clone()
             state = engine.optimizer.state.get(p, {}) if zero is None else zero[id(p)]
             for key, v in sorted(state.items()):
-                if torch.is_tensor(v) and v.shape == p.shape and key != "fp32":
+                if torch.is_tensor(v) and v.shape == p.shape and (key != "fp32" or p.dtype != torch.float32):
                     out[f"{rank * moe.num_local_experts + i}.{n}.{key}"] = v.clone()
     return out
 
@@ -46,11 +46,12 @@ def _packer(handle, engine):
 
 
 def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: int, stage: int = 0,
-                   gas: int = 1, degree: int = 1, lancet: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                   gas: int = 1, degree: int = 1, lancet: Optional[Dict[str, Any]] = None,
+                   bf16: bool = False) -> Dict[str, Any]:
     """``steps`` micro-batches of the stock engine, then of the plugin's with ``packing`` (ZeRO ``stage``,
     ``gas`` micro-batches per optimizer step): losses, the packing after every one, the controller's decisions,
     the experts by global id, and what the engine holds after ``destroy`` (``degree``: PipeMoE's; ``lancet``: a
-    Lancet section beside it)."""
+    Lancet section beside it; ``bf16``: DeepSpeed's bf16, the fp32 masters among the experts' keys)."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
@@ -59,11 +60,11 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable(ledger=CommLedger())) if plugin is not None else None
-            engine = jobs.make_engine(stage, plugin, ep, k, seed, gas=gas)
+            engine = jobs.make_engine(stage, plugin, ep, k, seed, gas=gas, bf16=bf16)
             packer = _packer(handle, engine)
             losses, packings = [], []
             for step in range(steps):
-                losses += jobs.train(engine, seed, range(step, step + 1))
+                losses += jobs.train(engine, seed, range(step, step + 1), torch.bfloat16 if bf16 else torch.float32)
                 packings.append(packer.controller.packing if packer is not None else 1)
             res: Dict[str, Any] = {"losses": losses, "packings": packings, "experts": by_expert(engine)}
             if packer is not None:
@@ -78,6 +79,10 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
                 res["lane"] = (getattr(swapped.lane, "degree", 1), swapped.schedule.rec.engine is packer.reducer.engine,
                                swapped.groups.layout.ep)
                 res["lancet_runs"] = sum(o.calls for o in handle.lancet.overlaps)
+                if bf16:             # unpacked and packed again (a regroup each way), the masters carried whole
+                    with ctl.unpacked():
+                        res["unpacked_experts"] = by_expert(engine)
+                    res["experts_after"] = by_expert(engine)
             engine.destroy()
             res["wrapped_after"] = sorted(n for n in ("step", "save_checkpoint", "_configure_optimizer")
                                           if n in engine.__dict__)
