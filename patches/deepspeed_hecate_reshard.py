@@ -40,6 +40,7 @@ from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME, reshard_interval
 from moe_plugins.hecate.rehome import Extra, Resharder
 from moe_plugins.hecate.pool import SlotPool
+from moe_plugins.patches.deepspeed_zero_state import precision_problems
 
 logger = logging.getLogger(__name__)
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -59,14 +60,8 @@ def reshard_problems(engine: Any, cfg: Any) -> List[str]:
     if offload:
         problems.append(f"{FIELD} ({every}) cannot run with zero_optimization.offload_optimizer: the master copies "
                         "it keeps on the host are not moved")
-    if engine.fp16_enabled():
-        problems.append(f"{FIELD} ({every}) runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is "
-                        "true: the fp16 optimizer's master copies are not moved")
-    if engine.bfloat16_enabled() and stage == 0:
-        problems.append(f"{FIELD} ({every}) runs in bf16 on ZeRO stage 1 or 2 (whose flat fp32 master partitions "
-                        "move with the experts), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer keeps "
-                        "master copies that are not moved")
-    return problems
+    return problems + precision_problems(engine, f"{FIELD} ({every})", "whose flat fp32 master partitions move "
+                                         "with the experts", "are not moved")
 
 
 def check(engine: Any, cfg: Any) -> None:

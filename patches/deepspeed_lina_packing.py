@@ -49,6 +49,7 @@ from moe_plugins.lina.modules import Carried, regroup_modules, resize_experts
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
+from moe_plugins.patches.deepspeed_zero_state import precision_problems
 from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -65,13 +66,8 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
     stage = int(engine.zero_optimization_stage())
     if stage not in (0, 1, 2):
         problems.append(f"{what} runs on zero_optimization.stage 0, 1 or 2, and it is {stage}")
-    if engine.fp16_enabled():
-        problems.append(f"{what} runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is true: "
-                        "DeepSpeed's fp16 optimizer keeps flat master copies that packing does not resize")
-    if engine.bfloat16_enabled() and stage == 0:
-        problems.append(f"{what} runs in bf16 on ZeRO stage 1 or 2 (whose optimizer is rebuilt around a regroup, "
-                        "the fp32 masters carried), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer "
-                        "keeps flat master copies that packing does not resize")
+    problems += precision_problems(engine, what, "whose optimizer is rebuilt around a regroup, the fp32 masters "
+                                   "carried", "packing does not resize")
     if cfg.schedule not in SCHEDULES:
         problems.append(f"{what} runs the schedule {' or '.join(map(repr, SCHEDULES))}, and "
                         f"{SECTION}.schedule is {cfg.schedule!r}")

@@ -18,6 +18,9 @@ parameter's values whole:
    parameters' snapshot entries move with them.
 3. :func:`restore` on the optimizer the engine builds anew: its state made like the old one's, then filled from
    the snapshot with ``safe_set_full_fp32_param`` and ``safe_set_full_optimizer_state``.
+
+The same holds in bf16 (ZeRO's partitions are then the bf16 model's fp32 masters); :func:`precision_problems`
+names the engines whose masters live elsewhere (fp16, bf16 at ZeRO 0), for both callers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,21 @@ class Snapshot:
     keys: List[str] = field(default_factory=list)        # the optimizer state tensors (Adam: exp_avg, exp_avg_sq)
     scalars: Dict[str, Any] = field(default_factory=dict)
     partitions: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)   # dense group -> its flat ones
+
+
+def precision_problems(engine: Any, what: str, how: str, fate: str) -> List[str]:
+    """Why ``what`` (a move of expert parameters: Hecate's re-sharding, Lina's packing) cannot carry the fp32
+    masters on this DeepSpeed ``engine``: they move in fp32 and in bf16 at ZeRO 1/2 (ZeRO's flat partitions;
+    ``how`` says how the caller carries them), not with DeepSpeed's fp16 optimizer or its ``BF16_Optimizer``
+    (bf16 at ZeRO 0), whose master copies ``fate`` (are not moved, ...)."""
+    problems = []
+    if engine.fp16_enabled():
+        problems.append(f"{what} runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is true: "
+                        f"DeepSpeed's fp16 optimizer keeps master copies that {fate}")
+    if engine.bfloat16_enabled() and int(engine.zero_optimization_stage()) == 0:
+        problems.append(f"{what} runs in bf16 on ZeRO stage 1 or 2 ({how}), and zero_optimization.stage is 0: "
+                        f"DeepSpeed's BF16_Optimizer keeps master copies that {fate}")
+    return problems
 
 
 def snapshot(zero: Any) -> Snapshot:

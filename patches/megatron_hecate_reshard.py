@@ -178,7 +178,8 @@ class MegatronResharding:
         held = _param_ids(optimizer)
         layers, partial = [], []
         for layer in self.layers():
-            ids = [id(self.shards.get(id(p), getattr(p, "main_param", p))) in held for p in layer.experts.parameters()]
+            ids = [id(self.shards.get(id(p), getattr(p, "main_param", p))) in held
+                   for p in layer.experts.parameters()]
             if all(ids):
                 layers.append(layer)
             elif any(ids):
@@ -204,6 +205,7 @@ class MegatronResharding:
 
     def close(self) -> None:
         self._resharders.clear()       # the pool stays: the layers keep reading their experts where they sit
+        self.shards.clear()
 
 
 def _param_ids(optimizer: Optional[torch.optim.Optimizer]) -> Set[int]:

@@ -185,7 +185,7 @@ def test_reshard_problems_name_the_field():
         "moe_plugins.hecate.reshard_every (3) cannot run with zero_optimization.offload_optimizer: the master copies "
         "it keeps on the host are not moved",
         "moe_plugins.hecate.reshard_every (3) runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is "
-        "true: the fp16 optimizer's master copies are not moved"]
+        "true: DeepSpeed's fp16 optimizer keeps master copies that are not moved"]
     bf16_zero0 = SimpleNamespace(zero_optimization_stage=lambda: 0, fp16_enabled=lambda: False,
                                  bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: False)
     assert reshard_problems(bf16_zero0, cfg) == [

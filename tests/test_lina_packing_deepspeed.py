@@ -177,4 +177,4 @@ def test_config_problems_name_every_field():
     assert config_problems(bf16[0], plain, LinaConfig.from_dict(plain.lina)) == [
         "moe_plugins.lina.packing (2) runs in bf16 on ZeRO stage 1 or 2 (whose optimizer is rebuilt around a "
         "regroup, the fp32 masters carried), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer keeps "
-        "flat master copies that packing does not resize"]
+        "master copies that packing does not resize"]
