@@ -53,7 +53,8 @@ from moe_plugins.core.patcher import Patch
 from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME
 from moe_plugins.hecate.pool import SlotPool
-from moe_plugins.hecate.rehome import Extra, Resharder
+from moe_plugins.hecate.rehome import Resharder
+from moe_plugins.patches.megatron_masters import masters, stepped
 from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -178,8 +179,10 @@ class MegatronResharding:
         held = _param_ids(optimizer)
         layers, partial = [], []
         for layer in self.layers():
-            ids = [id(self.shards.get(id(p), getattr(p, "main_param", p))) in held
-                   for p in layer.experts.parameters()]
+            ids = []
+            for p in layer.experts.parameters():
+                main = stepped(p, self.shards)
+                ids.append(id(p if main is None else main) in held)
             if all(ids):
                 layers.append(layer)
             elif any(ids):
@@ -210,34 +213,6 @@ class MegatronResharding:
 
 def _param_ids(optimizer: Optional[torch.optim.Optimizer]) -> Set[int]:
     return {id(p) for group in (optimizer.param_groups if optimizer is not None else []) for p in group["params"]}
-
-
-def masters(optimizer: Optional[torch.optim.Optimizer], shards: Optional[Dict[int, torch.Tensor]] = None) -> Extra:
-    """What moves with an expert parameter beyond what :func:`~moe_plugins.hecate.rehome.slot_tensors` finds on
-    the parameter itself (its values, ``grad``, state keyed by it): what ``optimizer`` steps in its place, with
-    that tensor's gradient and Adam moments, and the parameter's ``main_grad`` (DDP's buffer). In its place:
-    bf16/fp16, the fp32 master (``param.main_param``; the distributed optimizer's is a flat shard, whole at
-    expert-DP 1); fp32 under the distributed optimizer, ``shards[id(param)]``, a flat view of the parameter.
-    Nothing for an fp32 parameter under ``FP32Optimizer`` (its state is keyed by itself). Each storage once."""
-    shards = shards or {}
-
-    def extra(param: torch.nn.Parameter) -> List[torch.Tensor]:
-        main = getattr(param, "main_param", None)
-        main = shards.get(id(param)) if main is None else main
-        if main is None:
-            return []
-        state = optimizer.state.get(main, {}) if optimizer is not None else {}
-        found = [t for t in (getattr(param, "main_grad", None), main.grad, main.data) if t is not None]
-        found += [state[k] for k in sorted(state, key=str)
-                  if torch.is_tensor(state[k]) and state[k].shape == main.shape]
-        seen = {t.data_ptr() for t in (param.data, param.grad) if t is not None}
-        out = []
-        for t in found:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                out.append(t)
-        return out
-    return extra
 
 
 def _slots(layer: Any) -> List[List[Any]]:

@@ -220,8 +220,7 @@ class DDPPacker:
         if mixed is not None:
             pairs = [(p, dict(layer.experts[0].named_parameters())[name]) for layer in layers
                      for expert in layer.experts for name, p in expert.named_parameters()]
-            replace_masters(mixed, before, [p for p, _ in pairs],
-                            [p if any(p is q for q in before) else t for p, t in pairs], carried)
+            replace_masters(mixed, before, [p for p, _ in pairs], [t for _, t in pairs], carried)
         local = num_experts // groups.layout.ep
         pgc = self._collection(packing)
         for layer in layers:

@@ -1,21 +1,23 @@
-"""The fp32 master copies of Megatron-core's mixed-precision optimizer (``Float16OptimizerWithFloat16Params``:
-bf16/fp16 parameters, each with ``param.main_param``, an fp32 copy that the torch optimizer holds and keys Adam's
-state by) when Lina's packing moves experts between ranks and grows or shrinks the expert module lists
-(patches/megatron_lina_packing.py).
+"""What Megatron-core's optimizers step in place of an expert parameter, moved with the expert: the fp32 master of
+its mixed-precision optimizer (``Float16OptimizerWithFloat16Params``: bf16/fp16 parameters, each with
+``param.main_param``, an fp32 copy that the torch optimizer holds and keys Adam's state by), or, under the
+distributed optimizer at expert-DP 1, the flat shard it steps (:func:`stepped`).
 
-Before the move, :func:`carried_masters` gives each expert parameter's master and the master's Adam tensors as
-``carried`` entries of :func:`moe_plugins.lina.modules.regroup_modules`, which moves them with the expert and
-refills them keyed by the parameters that hold each expert after the move. :func:`replace_masters` then puts them
-in the optimizer: a kept parameter's master takes the moved values in place; a new parameter (a cloned expert)
-gets a new master, joining the optimizer's group of the parameter it was cloned from in Megatron's three parallel
-lists (``float16_groups``, ``fp32_from_float16_groups`` and the torch optimizer's ``param_groups``), with Adam's
-scalar ``step``; a dropped parameter's master leaves them with its state. Megatron's own
-``_copy_model_grads_to_main_grads`` / ``_copy_main_params_to_model_params`` then pair them as before.
+Hecate's re-sharding (patches/megatron_hecate_reshard.py) moves experts between ranks in place: :func:`masters`
+gives the views that move with each parameter. Lina's packing (patches/megatron_lina_packing.py) also grows or
+shrinks the expert module lists: before the move, :func:`carried_masters` gives each expert parameter's master and
+the master's Adam tensors as ``carried`` entries of :func:`moe_plugins.lina.modules.regroup_modules`, which moves
+them with the expert and refills them keyed by the parameters that hold each expert after the move.
+:func:`replace_masters` then puts them in the optimizer: a kept parameter's master takes the moved values in place;
+a new parameter (a cloned expert) gets a new master, joining the optimizer's group of the parameter it was cloned
+from in Megatron's three parallel lists (``float16_groups``, ``fp32_from_float16_groups`` and the torch optimizer's
+``param_groups``), with Adam's scalar ``step``; a dropped parameter's master leaves them with its state. Megatron's
+own ``_copy_model_grads_to_main_grads`` / ``_copy_main_params_to_model_params`` then pair them as before.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -23,7 +25,43 @@ MAIN = "main"                        # the carried slot holding the master's val
 
 
 def _tensor_state(state: Dict[str, Any], like: torch.Tensor) -> Dict[str, torch.Tensor]:
-    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == like.shape}
+    """The optimizer state tensors shaped like ``like`` (Adam's moments), by key in sorted order."""
+    return {k: state[k] for k in sorted(state, key=str)
+            if torch.is_tensor(state[k]) and state[k].shape == like.shape}
+
+
+def stepped(param: torch.nn.Parameter, shards: Dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
+    """What Megatron's optimizer steps in ``param``'s place: its fp32 master (bf16/fp16), else ``shards[id(param)]``
+    (the distributed optimizer's flat view of an fp32 parameter), else None (``FP32Optimizer``: the parameter)."""
+    main = getattr(param, "main_param", None)
+    return shards.get(id(param)) if main is None else main
+
+
+def masters(optimizer: Optional[torch.optim.Optimizer],
+            shards: Optional[Dict[int, torch.Tensor]] = None) -> Callable[[torch.nn.Parameter], List[torch.Tensor]]:
+    """Hecate's ``extra`` (moe_plugins.hecate.rehome): what moves with an expert parameter beyond what
+    ``slot_tensors`` finds on the parameter itself (its values, ``grad``, state keyed by it): the tensor
+    ``optimizer`` steps in its place (:func:`stepped`), with that tensor's gradient and Adam moments, and the
+    parameter's ``main_grad`` (DDP's buffer). Nothing for an fp32 parameter under ``FP32Optimizer``. Each storage
+    once (the distributed optimizer's fp32 shard is a view of the parameter; a master's gradient may be
+    ``main_grad`` itself)."""
+    shards = shards or {}
+
+    def extra(param: torch.nn.Parameter) -> List[torch.Tensor]:
+        main = stepped(param, shards)
+        if main is None:
+            return []
+        state = optimizer.state.get(main, {}) if optimizer is not None else {}
+        found = [t for t in (getattr(param, "main_grad", None), main.grad, main.data) if t is not None]
+        found += list(_tensor_state(state, main).values())
+        seen = {t.data_ptr() for t in (param.data, param.grad) if t is not None}
+        out = []
+        for t in found:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out.append(t)
+        return out
+    return extra
 
 
 def carried_masters(params: Sequence[torch.nn.Parameter],
@@ -47,8 +85,8 @@ def _where(mixed: Any, param: torch.nn.Parameter) -> tuple:
 def replace_masters(mixed: Any, before: Sequence[torch.nn.Parameter], after: Sequence[torch.nn.Parameter],
                     templates: Sequence[torch.nn.Parameter], carried: Dict[int, Dict[str, torch.Tensor]]) -> None:
     """Megatron's mixed-precision optimizer ``mixed`` after a regroup (module docstring): ``before`` / ``after``
-    the expert parameters before and after it, ``templates[i]`` the parameter ``after[i]`` was cloned from (or
-    itself), ``carried`` the moved masters keyed by the ``after`` parameters' ids."""
+    the expert parameters before and after it, ``templates[i]`` the parameter ``after[i]`` is a clone of when it
+    is new (unread for a kept one), ``carried`` the moved masters keyed by the ``after`` parameters' ids."""
     from megatron.core import tensor_parallel
     torch_opt = mixed.optimizer
     kept = {id(p) for p in after}
@@ -93,4 +131,4 @@ def share_flags(params: List[torch.nn.Parameter]) -> None:
             main.shared = getattr(p, "shared", False)
 
 
-__all__ = ["MAIN", "carried_masters", "replace_masters", "share_flags"]
+__all__ = ["MAIN", "carried_masters", "masters", "replace_masters", "share_flags", "stepped"]

@@ -1,8 +1,8 @@
 """One hook point for work at Megatron-core's optimizer-step boundary: ``step_with_ready_grads`` of
 ``FP32Optimizer`` (a ``ChainedOptimizer`` steps each of its optimizers through it) and, for Megatron's
-mixed-precision optimizer (bf16/fp16 parameters with fp32 master copies), of ``MixedPrecisionOptimizer``; used
-by Hecate's re-sharding (patches/megatron_hecate_reshard.py, both) and Lina's packing
-(patches/megatron_lina_packing.py, fp32), which refuse each other, so one replacement is active at a time."""
+mixed-precision optimizer (bf16/fp16 parameters with fp32 master copies), of ``MixedPrecisionOptimizer``; both used
+by Hecate's re-sharding (patches/megatron_hecate_reshard.py) and Lina's packing (patches/megatron_lina_packing.py),
+which refuse each other, so one replacement of each is active at a time."""
 
 from __future__ import annotations
 
