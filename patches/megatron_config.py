@@ -39,12 +39,6 @@ UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
                                                             "dispatch and expert stages, which the plugin replaces"),
 )
 
-# Settings under which Megatron's optimizer keeps the experts' master copies and Adam state in shards over the
-# expert-data-parallel group (the distributed optimizer): Hecate's re-sharding moves whole experts, so it runs there
-# at expert-DP 1 only (each rank's shard then holds its experts whole). Megatron-LM's argument, which a layer built
-# from a TransformerConfig cannot see: the optimizer hook checks it there (patches/megatron_hecate_reshard.py).
-MASTER_COPIES = ("use_distributed_optimizer",)
-
 # Router options that draw random numbers: the baseline schedule re-gates its ESP group's token blocks, which
 # must give the routing their owners drew.
 RANDOM_ROUTING = ("moe_input_jitter_eps", "moe_router_force_load_balancing", "moe_enable_routing_replay")
@@ -66,7 +60,6 @@ class MegatronFacts:
     activation: str
     unsupported: Tuple[Tuple[str, Any], ...]   # (field, value) of every UNSUPPORTED field, in that order
     random_routing: Tuple[str, ...]            # RANDOM_ROUTING options that are on
-    master_copies: Tuple[str, ...] = ()        # MASTER_COPIES settings that are on
     bias_sp: bool = False                      # add_bias_linear and sequence_parallel both on
 
 
@@ -76,10 +69,6 @@ def _unsupported(source: Any) -> Tuple[Tuple[str, Any], ...]:
 
 def _random_routing(source: Any) -> Tuple[str, ...]:
     return tuple(name for name in RANDOM_ROUTING if getattr(source, name, None) not in (None, False))
-
-
-def _master_copies(source: Any) -> Tuple[str, ...]:
-    return tuple(name for name in MASTER_COPIES if getattr(source, name, False) is True)
 
 
 def _bias_sp(source: Any) -> bool:
@@ -126,7 +115,7 @@ def facts_from_config(config: Any) -> MegatronFacts:
         ffn=int(config.moe_ffn_hidden_size or config.ffn_hidden_size), topk=int(config.moe_router_topk),
         capacity_factor=config.moe_expert_capacity_factor, dispatcher=str(config.moe_token_dispatcher_type),
         activation=_activation_name(config.activation_func), unsupported=_unsupported(config),
-        random_routing=_random_routing(config), master_copies=_master_copies(config), bias_sp=_bias_sp(config))
+        random_routing=_random_routing(config), bias_sp=_bias_sp(config))
 
 
 def facts_from_args(args: Any) -> MegatronFacts:
@@ -141,8 +130,7 @@ def facts_from_args(args: Any) -> MegatronFacts:
         topk=int(getattr(args, "moe_router_topk", 2)),
         capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
         dispatcher=str(getattr(args, "moe_token_dispatcher_type", "allgather")), activation="gelu",
-        unsupported=_unsupported(args), random_routing=_random_routing(args), master_copies=_master_copies(args),
-        bias_sp=_bias_sp(args))
+        unsupported=_unsupported(args), random_routing=_random_routing(args), bias_sp=_bias_sp(args))
 
 
 def moe_config(facts: MegatronFacts) -> MoEConfig:
@@ -184,12 +172,6 @@ def plugin_problems(facts: MegatronFacts, plugin: PluginConfig, *, world: Option
                         f"({facts.etp}) > 1: a schedule may re-gate its ESP group's token blocks, which needs "
                         "the deterministic routing their owners made")
     every = reshard_interval(plugin)
-    expert_dp = world // (facts.ep * facts.etp) if world else 0
-    problems += [f"{SECTION}.{HECATE}.reshard_every ({every}) runs with Megatron's distributed optimizer at expert-DP "
-                 f"1 only, and {name} is True at expert-DP {expert_dp} (world {world} / (expert_model_parallel_size "
-                 f"{facts.ep} x expert-TP {facts.etp})): each rank's shard holds part of every expert's master and "
-                 "Adam state, which the move does not gather"
-                 for name in facts.master_copies if every and expert_dp > 1]
     if every and facts.bias_sp and facts.tp > 1:
         problems.append(f"{SECTION}.{HECATE}.reshard_every ({every}) cannot run with add_bias_linear and "
                         f"sequence_parallel at tensor_model_parallel_size {facts.tp}: Megatron all-reduces each "

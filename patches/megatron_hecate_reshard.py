@@ -6,17 +6,15 @@ training the model).
 Runs with Megatron's non-distributed optimizers: fp32 (``FP32Optimizer``, whose Adam state is keyed by the
 model's own parameters) and bf16/fp16 (``Float16OptimizerWithFloat16Params``: the torch optimizer holds an fp32
 master copy of each parameter, ``param.main_param``, and its Adam state); and with the distributed optimizer at
-expert-DP 1, where each rank's shard holds its experts whole (a flat fp32 master in bf16/fp16, a flat view of the
-fp32 parameter otherwise, with their Adam state). :func:`masters` gives them to the move. The distributed
-optimizer at expert-DP > 1 (part of each expert's state on each expert-DP rank) is refused: by the flag path from
-Megatron-LM's arguments before anything is patched (:mod:`~moe_plugins.patches.megatron_config`), and when
-Megatron builds one over a re-sharded layer's experts.
+any expert-DP, where each rank steps a piece of each expert (a flat fp32 master in bf16/fp16, a flat view of the
+fp32 parameter otherwise, with their Adam state; patches/megatron_pieces.py), moved piece for piece to the same
+range on the expert's new owner. :class:`~moe_plugins.patches.megatron_masters.Masters` gives them to the move.
 
 While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through the plugin's Patcher:
 
-- ``DistributedOptimizer.__init__``: after Megatron's, the refusal above when its buffers hold a re-sharded
-  layer's experts at expert-DP > 1; at expert-DP 1 it records what the optimizer steps for each expert parameter
-  (:attr:`MegatronResharding.shards`).
+- ``DistributedOptimizer.__init__``: after Megatron's, when its buffers hold a re-sharded layer's experts, it
+  records each expert parameter's piece (:attr:`MegatronResharding.shards`), checked the same across the EP
+  group.
 - ``step_with_ready_grads`` of ``FP32Optimizer`` and ``MixedPrecisionOptimizer`` (after its copy of the masters
   to the parameters): after a successful step of a torch optimizer holding re-sharded layers' experts
   (ChainedOptimizer steps its expert optimizer through it), the :class:`Resharder` of that optimizer counts it and
@@ -54,7 +52,8 @@ from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME
 from moe_plugins.hecate.pool import SlotPool
 from moe_plugins.hecate.rehome import Resharder
-from moe_plugins.patches.megatron_masters import masters, stepped
+from moe_plugins.patches.megatron_masters import Masters, stepped
+from moe_plugins.patches.megatron_pieces import Piece, check_layout, pieces
 from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -71,7 +70,7 @@ class MegatronResharding:
         self._layers: List[weakref.ref] = []
         self._resharders: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Optional[Resharder]]" = \
             weakref.WeakKeyDictionary()
-        self.shards: Dict[int, torch.Tensor] = {}     # expert parameter id -> what the distributed optimizer steps
+        self.shards: Dict[int, Piece] = {}            # expert parameter id -> its distributed optimizer's piece
 
     def add(self, layer: Any) -> None:
         """Register a ``PluginMoELayer`` running Hecate with ``reshard_every`` (called when it is built)."""
@@ -105,25 +104,20 @@ class MegatronResharding:
         @functools.wraps(original)
         def __init__(opt, *args, **kwargs):
             original(opt, *args, **kwargs)
-            mine = [layer for layer in state.layers() if any(p in opt.model_param_gbuf_map
-                                                             for p in layer.experts.parameters())]
-            ranks = opt.data_parallel_group.size()
-            if mine and ranks > 1:
-                names = ", ".join(x.token_dispatcher.rec.layer for x in mine)
-                raise ValueError(f"{FIELD} ({state.every}) runs with Megatron's distributed optimizer at expert-DP 1 "
-                                 f"only: it shards the experts of {names} over expert-DP {ranks}, so each rank "
-                                 "holds part of their masters and Adam state, which the move does not gather")
-            shards = dict(zip(map(id, (p for group in opt.model_fp32_groups for p in group)),
-                              (s for group in opt.shard_fp32_groups for s in group)))
-            for layer in mine:                        # expert-DP 1: this rank's shard holds each expert whole
-                for p in layer.experts.parameters():
-                    state.shards[id(p)] = p.main_param if p.dtype != torch.float32 else shards[id(p)]
+            buffered = {p for buffer in opt.buffers for p in buffer.param_index_map}
+            for layer in state.layers():
+                params = list(layer.experts.parameters())
+                if any(p in buffered for p in params):
+                    found = pieces(opt, params)
+                    schedule = layer.token_dispatcher.schedule
+                    check_layout(found, params, schedule.groups.ep.pg, layer.token_dispatcher.rec.layer)
+                    state.shards.update(found)
         return __init__
 
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
         resharder = self._resharder(optimizer)
         if resharder is not None:
-            resharder.step_end(optimizer, masters(optimizer, self.shards))
+            resharder.step_end(optimizer, Masters(optimizer, self.shards))
 
     def _wrap_save(self, original: Callable) -> Callable:
         state, signature = self, inspect.signature(original)
@@ -155,21 +149,21 @@ class MegatronResharding:
         with ExitStack() as stack:
             for optimizer, resharder in list(self._resharders.items()):
                 if resharder is not None:
-                    stack.enter_context(resharder.stock_homes(optimizer, masters(optimizer, self.shards)))
+                    stack.enter_context(resharder.stock_homes(optimizer, Masters(optimizer, self.shards)))
             yield
 
     def to_stock(self) -> None:
         """Every re-sharded layer's experts to their stock owners, to stay (before loading stock-layout state)."""
         for optimizer, resharder in list(self._resharders.items()):
             if resharder is not None:
-                resharder.to_stock(optimizer, masters(optimizer, self.shards))
+                resharder.to_stock(optimizer, Masters(optimizer, self.shards))
 
     def reshard(self, homes_LE: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Re-shard now (collective), each optimizer's layers to Algorithm 2's plan or to ``homes_LE`` (one homes
         tuple per layer, in build order)."""
         for optimizer, resharder in list(self._resharders.items()):
             if resharder is not None:
-                resharder.reshard(optimizer, homes_LE, masters(optimizer, self.shards))
+                resharder.reshard(optimizer, homes_LE, Masters(optimizer, self.shards))
 
     def _resharder(self, optimizer: torch.optim.Optimizer) -> Optional[Resharder]:
         """The Resharder of the layers whose experts ``optimizer`` holds (None: it holds none), made at its first
@@ -181,8 +175,9 @@ class MegatronResharding:
         for layer in self.layers():
             ids = []
             for p in layer.experts.parameters():
-                main = stepped(p, self.shards)
-                ids.append(id(p if main is None else main) in held)
+                piece, main = self.shards.get(id(p)), stepped(p)
+                ids.append(piece.optimizer is optimizer if piece is not None else
+                           id(p if main is None else main) in held)
             if all(ids):
                 layers.append(layer)
             elif any(ids):

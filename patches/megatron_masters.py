@@ -1,9 +1,9 @@
 """What Megatron-core's optimizers step in place of an expert parameter, moved with the expert: the fp32 master of
 its mixed-precision optimizer (``Float16OptimizerWithFloat16Params``: bf16/fp16 parameters, each with
 ``param.main_param``, an fp32 copy that the torch optimizer holds and keys Adam's state by), or, under the
-distributed optimizer at expert-DP 1, the flat shard it steps (:func:`stepped`).
+distributed optimizer, this rank's piece of it (patches/megatron_pieces.py).
 
-Hecate's re-sharding (patches/megatron_hecate_reshard.py) moves experts between ranks in place: :func:`masters`
+Hecate's re-sharding (patches/megatron_hecate_reshard.py) moves experts between ranks in place: :class:`Masters`
 gives the views that move with each parameter. Lina's packing (patches/megatron_lina_packing.py) also grows or
 shrinks the expert module lists: before the move, :func:`carried_masters` gives each expert parameter's master and
 the master's Adam tensors as ``carried`` entries of :func:`moe_plugins.lina.modules.regroup_modules`, which moves
@@ -17,9 +17,11 @@ own ``_copy_model_grads_to_main_grads`` / ``_copy_main_params_to_model_params`` 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from moe_plugins.patches.megatron_pieces import GatheredPieces, Piece
 
 MAIN = "main"                        # the carried slot holding the master's values
 
@@ -30,28 +32,32 @@ def _tensor_state(state: Dict[str, Any], like: torch.Tensor) -> Dict[str, torch.
             if torch.is_tensor(state[k]) and state[k].shape == like.shape}
 
 
-def stepped(param: torch.nn.Parameter, shards: Dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
-    """What Megatron's optimizer steps in ``param``'s place: its fp32 master (bf16/fp16), else ``shards[id(param)]``
-    (the distributed optimizer's flat view of an fp32 parameter), else None (``FP32Optimizer``: the parameter)."""
-    main = getattr(param, "main_param", None)
-    return shards.get(id(param)) if main is None else main
+def stepped(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """What Megatron's non-distributed optimizer steps in ``param``'s place: its fp32 master (bf16/fp16), else None
+    (``FP32Optimizer``: the parameter)."""
+    return getattr(param, "main_param", None)
 
 
-def masters(optimizer: Optional[torch.optim.Optimizer],
-            shards: Optional[Dict[int, torch.Tensor]] = None) -> Callable[[torch.nn.Parameter], List[torch.Tensor]]:
+class Masters:
     """Hecate's ``extra`` (moe_plugins.hecate.rehome): what moves with an expert parameter beyond what
-    ``slot_tensors`` finds on the parameter itself (its values, ``grad``, state keyed by it): the tensor
-    ``optimizer`` steps in its place (:func:`stepped`), with that tensor's gradient and Adam moments, and the
-    parameter's ``main_grad`` (DDP's buffer). Nothing for an fp32 parameter under ``FP32Optimizer``. Each storage
-    once (the distributed optimizer's fp32 shard is a view of the parameter; a master's gradient may be
-    ``main_grad`` itself)."""
-    shards = shards or {}
+    ``slot_tensors`` finds on the parameter itself (its values, ``grad``, state keyed by it). A parameter with a
+    :class:`~moe_plugins.patches.megatron_pieces.Piece` in ``pieces`` (the distributed optimizer's): its
+    ``main_grad``, its whole master and moments, gathered from the pieces and written back by :meth:`done`
+    (:class:`~moe_plugins.patches.megatron_pieces.GatheredPieces`). Else the master ``optimizer`` steps in its
+    place (:func:`stepped`), with that master's gradient and Adam moments, and the parameter's ``main_grad``
+    (DDP's buffer); nothing for an fp32 parameter under ``FP32Optimizer``. Each storage once (a master's gradient may be ``main_grad`` itself)."""
 
-    def extra(param: torch.nn.Parameter) -> List[torch.Tensor]:
-        main = stepped(param, shards)
+    def __init__(self, optimizer: Optional[torch.optim.Optimizer], pieces: Optional[Dict[int, Piece]] = None):
+        self.optimizer, self.pieces = optimizer, pieces or {}
+        self.gathered = GatheredPieces(self.pieces)
+
+    def __call__(self, param: torch.nn.Parameter) -> List[torch.Tensor]:
+        if id(param) in self.pieces:
+            return self.gathered(param)
+        main = stepped(param)
         if main is None:
             return []
-        state = optimizer.state.get(main, {}) if optimizer is not None else {}
+        state = self.optimizer.state.get(main, {}) if self.optimizer is not None else {}
         found = [t for t in (getattr(param, "main_grad", None), main.grad, main.data) if t is not None]
         found += list(_tensor_state(state, main).values())
         seen = {t.data_ptr() for t in (param.data, param.grad) if t is not None}
@@ -61,7 +67,9 @@ def masters(optimizer: Optional[torch.optim.Optimizer],
                 seen.add(t.data_ptr())
                 out.append(t)
         return out
-    return extra
+
+    def done(self) -> None:
+        self.gathered.done()
 
 
 def carried_masters(params: Sequence[torch.nn.Parameter],
@@ -131,4 +139,4 @@ def share_flags(params: List[torch.nn.Parameter]) -> None:
             main.shared = getattr(p, "shared", False)
 
 
-__all__ = ["MAIN", "carried_masters", "masters", "replace_masters", "share_flags", "stepped"]
+__all__ = ["MAIN", "Masters", "carried_masters", "replace_masters", "share_flags", "stepped"]

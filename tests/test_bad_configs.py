@@ -206,10 +206,6 @@ TABLE = [
     row("megatron", "ragged-with-parm-s2", ({"schedule": "parm-s2", "exchange": "ragged"}, {}),
         "$.exchange ('ragged') is not supported by schedule 'parm-s2'"),
     row("megatron", "no-moe-layer", ({}, {"num_experts": None}), "num_moe_experts (None)", "has no MoE layer"),
-    row("megatron", "hecate-reshard-fp16-distributed-optimizer", ({"hecate": {"reshard_every": 3, "prefetch": True}},
-        {"fp16": True, "use_distributed_optimizer": True, "tensor_model_parallel_size": 1}),
-        "hecate.reshard_every (3) runs with Megatron's distributed optimizer at expert-DP 1 only, and "
-        "use_distributed_optimizer is True at expert-DP 2 (world 4 / (expert_model_parallel_size 2 x expert-TP 1))"),
     row("megatron", "hecate-reshard-biases-under-sp", ({"hecate": {"reshard_every": 2}},
         {"bf16": True, "use_distributed_optimizer": True, "sequence_parallel": True}),
         "hecate.reshard_every (2) cannot run with add_bias_linear and sequence_parallel at "

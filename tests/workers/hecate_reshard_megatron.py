@@ -15,6 +15,7 @@ Shapes: S tokens per rank ([S, 1, M], Megatron's layout), M model dim, E experts
 
 from __future__ import annotations
 
+import itertools
 from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -97,13 +98,16 @@ def build_plugin(config: Any, state: Dict[str, torch.Tensor]):
 
 
 def ddp_and_optimizer(config: Any, moe: Any, pgc: Any, distributed: bool = False):
-    """Megatron's DDP over a dense scale and ``moe``, and its Adam (``distributed``: its distributed optimizer)."""
+    """Megatron's DDP over a dense scale and ``moe``, and its Adam (``distributed``: its distributed optimizer, with
+    buckets of about 1.5 experts (of 4 at M 8, H 16), so that at expert-DP 2 a rank steps parts of the two slots'
+    parameters that differ, some split between the ranks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     net = jobs._net(config, moe)
     net.scale.data = net.scale.data.to(config.params_dtype)      # bf16: the dense parameter in bf16 too
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-                                    net, pg_collection=pgc)
+    buckets = {"bucket_size": 500, "overlap_grad_reduce": True} if distributed else {}
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed,
+                                                                          **buckets), net, pg_collection=pgc)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=config.params_dtype,
                                                  bf16=config.bf16, clip_grad=0.0,
                                                  use_distributed_optimizer=distributed), [model],
@@ -140,6 +144,35 @@ def _stepped(opt: Any) -> Dict[int, torch.Tensor]:
     return out
 
 
+def _whole(opt: Any, layer: Any) -> Dict[int, Dict[str, torch.Tensor]]:
+    """Under Megatron's distributed optimizer: per expert parameter id, its fp32 master (``main_param``, bf16 only)
+    and Adam moments whole, summed over the expert-DP group from each rank's piece placed at its range in
+    Megatron's ``gbuf_ranges`` (collective; zeros where no rank steps it). Empty otherwise."""
+    found = [c for c in getattr(opt, "chained_optimizers", [opt] if opt is not None else [])
+             if hasattr(c, "gbuf_ranges") and any(p in b.param_index_map for b in c.buffers
+                                                  for p in layer.experts.parameters())]
+    if not found:
+        return {}
+    chained, stepped = found[0], _stepped(opt)
+    keys = sorted(k for s in list(chained.optimizer.state.values())[:1] for k, v in s.items()
+                  if torch.is_tensor(v) and v.dim() > 0)
+    out = {}
+    for p in layer.experts.parameters():
+        names = (["main_param"] if p.dtype != torch.float32 else []) + keys
+        whole = torch.zeros(len(names), p.numel())
+        where = chained.model_param_gbuf_map.get(p)
+        if where is not None:
+            span = chained.gbuf_ranges[where[0]][where[1]][where[2]]["param_map"][p]["param"]
+            main = p.main_param if p.dtype != torch.float32 else stepped[id(p)]
+            state = chained.optimizer.state[main]
+            parts = ([main] if p.dtype != torch.float32 else []) + [state[k] for k in keys]
+            for row, part in zip(whole, parts):
+                row[span.start:span.end] = part
+        dist.all_reduce(whole, group=chained.data_parallel_group)
+        out[id(p)] = {name: row.view(p.shape) for name, row in zip(names, whole)}
+    return out
+
+
 def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
     """The experts' parameters (and with ``opt`` their last gradients and Adam moments, and in bf16 their fp32
     masters with the masters' moments) keyed by global id and name."""
@@ -148,12 +181,15 @@ def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
     states = {}
     for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
         states.update(chained.optimizer.state)
-    out, stepped = {}, _stepped(opt)
+    out, stepped, whole = {}, _stepped(opt), _whole(opt, layer)
     for i, mlp in enumerate(layer.experts.local_experts):
         for name, p in mlp.named_parameters():
             out[f"{ids[i]}.{name}"] = p.detach().clone()
             if opt is not None and getattr(p, "main_grad", None) is not None:
                 out[f"{ids[i]}.{name}.main_grad"] = p.main_grad.clone()
+            if id(p) in whole:           # the distributed optimizer: its pieces over expert-DP, whole
+                out.update((f"{ids[i]}.{name}.{key}", t) for key, t in whole[id(p)].items())
+                continue
             main = getattr(p, "main_param", None)
             main = stepped.get(id(p)) if main is None else main
             if main is not None and main.data_ptr() != p.data_ptr():
@@ -165,10 +201,12 @@ def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
 
 
 def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Sequence[int]] = None,
-                   bf16: bool = False, distributed: bool = False) -> Dict[str, Any]:
+                   bf16: bool = False, distributed: bool = False, alternate: bool = False) -> Dict[str, Any]:
     """``steps`` steps of the stock layer, then of the plugin's re-sharding every ``every`` steps (with ``forced``
     homes: moved there after the first step, whatever Algorithm 2 plans; the experts by global id just before and
-    after that move are kept too): losses, homes after each step, experts and Adam moments by global id."""
+    after that move are kept too; ``alternate``: then every re-sharding inside the optimizer step moves them, to
+    the stock homes and back in turn, in place of Algorithm 2's plan): losses, homes after each step, experts and
+    Adam moments by global id."""
     from moe_plugins.patches import megatron as mp
     s = spec(tp, ep)
     out: Dict[str, Any] = {}
@@ -188,12 +226,18 @@ def train_vs_stock(tp: int, ep: int, every: int, steps: int, forced: Optional[Se
                         before = by_expert(layer, pgc, opt)
                         handle.hecate.reshard([tuple(forced)])
                         around = {"before": before, "after": by_expert(layer, pgc, opt)}
+                        if alternate:
+                            turns = itertools.cycle([(layer.token_dispatcher.schedule.stock_homes(),),
+                                                     (tuple(forced),)])
+                            handle.hecate.resharders[0].plan = lambda turns=turns: next(turns)
                     homes.append(homes_of(layer))
                 out[name] = {"losses": losses, "homes": homes, "experts": by_expert(layer, pgc, opt)}
                 if handle is not None and forced is not None:
                     out[name]["forced"] = around
                 if handle is not None:
-                    out[name].update(moves=handle.hecate.resharders[0].rounds,
+                    pieces = [[(x.start, x.end) for p in mlp.parameters() for x in [handle.hecate.shards.get(id(p))]
+                               if x is not None] for mlp in layer.experts.local_experts]
+                    out[name].update(moves=handle.hecate.resharders[0].rounds, pieces=pieces,
                                      stock=layer.token_dispatcher.schedule.stock_homes())
     return out
 
