@@ -7,8 +7,8 @@ Runs with Megatron's non-distributed optimizers: fp32 (``FP32Optimizer``, whose 
 model's own parameters) and bf16/fp16 (``Float16OptimizerWithFloat16Params``: the torch optimizer holds an fp32
 master copy of each parameter, ``param.main_param``, and its Adam state); and with the distributed optimizer at
 any expert-DP, where each rank steps a piece of each expert (a flat fp32 master in bf16/fp16, a flat view of the
-fp32 parameter otherwise, with their Adam state; patches/megatron_pieces.py), moved piece for piece to the same
-range on the expert's new owner. :class:`~moe_plugins.patches.megatron_masters.Masters` gives them to the move.
+fp32 parameter otherwise, with their Adam state; patches/megatron_pieces.py), made whole over expert-DP for the
+move and written back as the new slot's pieces. :class:`~moe_plugins.patches.megatron_masters.Masters` gives them to the move.
 
 While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through the plugin's Patcher:
 
