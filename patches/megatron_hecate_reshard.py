@@ -8,13 +8,13 @@ model's own parameters) and bf16/fp16 (``Float16OptimizerWithFloat16Params``: th
 master copy of each parameter, ``param.main_param``, and its Adam state); and with the distributed optimizer at
 any expert-DP, where each rank steps a piece of each expert (a flat fp32 master in bf16/fp16, a flat view of the
 fp32 parameter otherwise, with their Adam state; patches/megatron_pieces.py), made whole over expert-DP for the
-move and written back as the new slot's pieces. :class:`~moe_plugins.patches.megatron_masters.Masters` gives them to the move.
+move and written back as the new slot's pieces. :class:`~moe_plugins.patches.megatron_masters.Masters` gives them
+to the move.
 
 While enabled, :class:`MegatronResharding` (``handle.hecate``) replaces, through the plugin's Patcher:
 
 - ``DistributedOptimizer.__init__``: after Megatron's, when its buffers hold a re-sharded layer's experts, it
-  records each expert parameter's piece (:attr:`MegatronResharding.shards`), checked the same across the EP
-  group.
+  records each expert parameter's piece (:attr:`MegatronResharding.shards`).
 - ``step_with_ready_grads`` of ``FP32Optimizer`` and ``MixedPrecisionOptimizer`` (after its copy of the masters
   to the parameters): after a successful step of a torch optimizer holding re-sharded layers' experts
   (ChainedOptimizer steps its expert optimizer through it), the :class:`Resharder` of that optimizer counts it and
@@ -53,7 +53,7 @@ from moe_plugins.hecate.config import NAME
 from moe_plugins.hecate.pool import SlotPool
 from moe_plugins.hecate.rehome import Resharder
 from moe_plugins.patches.megatron_masters import Masters, stepped
-from moe_plugins.patches.megatron_pieces import Piece, check_layout, pieces
+from moe_plugins.patches.megatron_pieces import Piece, pieces
 from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 
 logger = logging.getLogger("moe_plugins.megatron")
@@ -108,10 +108,7 @@ class MegatronResharding:
             for layer in state.layers():
                 params = list(layer.experts.parameters())
                 if any(p in buffered for p in params):
-                    found = pieces(opt, params)
-                    schedule = layer.token_dispatcher.schedule
-                    check_layout(found, params, schedule.groups.ep.pg, layer.token_dispatcher.rec.layer)
-                    state.shards.update(found)
+                    state.shards.update(pieces(opt, params))
         return __init__
 
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:

@@ -45,7 +45,8 @@ class Masters:
     ``main_grad``, its whole master and moments, gathered from the pieces and written back by :meth:`done`
     (:class:`~moe_plugins.patches.megatron_pieces.GatheredPieces`). Else the master ``optimizer`` steps in its
     place (:func:`stepped`), with that master's gradient and Adam moments, and the parameter's ``main_grad``
-    (DDP's buffer); nothing for an fp32 parameter under ``FP32Optimizer``. Each storage once (a master's gradient may be ``main_grad`` itself)."""
+    (DDP's buffer); nothing for an fp32 parameter under ``FP32Optimizer``. Each storage once (a master's gradient
+    may be ``main_grad`` itself)."""
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer], pieces: Optional[Dict[int, Piece]] = None):
         self.optimizer, self.pieces = optimizer, pieces or {}

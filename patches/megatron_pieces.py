@@ -27,7 +27,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from moe_plugins.core.groups import int_spread
 
 
 @dataclass(frozen=True)
@@ -59,17 +58,6 @@ def pieces(opt: Any, params: Sequence[torch.nn.Parameter]) -> Dict[int, Piece]:
         main = fp32[id(p)] if p.dtype == torch.float32 else p.main_param
         out[id(p)] = Piece(opt.optimizer, main, span.start, span.end, group)
     return out
-
-
-def check_layout(found: Dict[int, Piece], params: Sequence[torch.nn.Parameter], ep_pg: Optional[Any],
-                 name: str) -> None:
-    """Every member of the EP group ``ep_pg`` must hold the same ranges of the same parameters (collective)."""
-    mine = [v for p in params for v in (found[id(p)].start, found[id(p)].end, p.numel())]
-    high, low = int_spread(mine, ep_pg)
-    if high != mine or low != mine:
-        raise ValueError(f"Megatron's distributed optimizer shards the experts of {name} differently on the ranks of "
-                         "their EP group; re-sharding moves each expert's optimizer shard to the same range on its "
-                         "new owner, so every EP rank's experts' buffer must have the same layout")
 
 
 class GatheredPieces:
@@ -124,4 +112,4 @@ class GatheredPieces:
                 state[key].copy_(whole[piece.start:piece.end])
 
 
-__all__ = ["GatheredPieces", "Piece", "check_layout", "pieces"]
+__all__ = ["GatheredPieces", "Piece", "pieces"]

@@ -141,8 +141,8 @@ def test_the_distributed_optimizer_at_expert_dp_2(world, tp, bf16):
     (bf16) and Adam moments made whole over expert-DP, bitwise by global id; then re-sharding every 2 steps back to
     the stock homes and out again (in place of Algorithm 2's plan; each move inside the optimizer step, when only
     a rank's own range of the parameters holds the stepped values, before Megatron all-gathers them) tracks stock
-    Megatron with the same optimizer (buckets of about one expert, overlapped reduction): fp32 losses within 1e-5, experts with their
-    moments within 1e-4; bf16 to its rounding."""
+    Megatron with the same optimizer (buckets of about 1.5 experts, overlapped reduction): fp32 losses within
+    1e-5, experts with their moments within 1e-4; bf16 to its rounding."""
     steps = 12
     results = world(WORLD).run(jobs.train_vs_stock, tp, 2, 2, steps, (1, 0, 1, 0), bf16, True, True,
                                timeout_s=JOB_TIMEOUT_S)
