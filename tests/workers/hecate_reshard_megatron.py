@@ -97,15 +97,16 @@ def build_plugin(config: Any, state: Dict[str, torch.Tensor]):
     return layer
 
 
-def ddp_and_optimizer(config: Any, moe: Any, pgc: Any, distributed: bool = False):
+def ddp_and_optimizer(config: Any, moe: Any, pgc: Any, distributed: bool = False, net: Any = None,
+                      small_buckets: bool = True):
     """Megatron's DDP over a dense scale and ``moe``, and its Adam (``distributed``: its distributed optimizer, with
     buckets of about 1.5 experts (of 4 at M 8, H 16), so that at expert-DP 2 a rank steps parts of the two slots'
     parameters that differ, some split between the ranks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    net = jobs._net(config, moe)
+    net = jobs._net(config, moe) if net is None else net
     net.scale.data = net.scale.data.to(config.params_dtype)      # bf16: the dense parameter in bf16 too
-    buckets = {"bucket_size": 500, "overlap_grad_reduce": True} if distributed else {}
+    buckets = {"bucket_size": 500, "overlap_grad_reduce": True} if distributed and small_buckets else {}
     model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed,
                                                                           **buckets), net, pg_collection=pgc)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=config.params_dtype,
@@ -333,3 +334,72 @@ def refused_optimizer(tp: int, ep: int) -> Dict[str, Any]:
             except ValueError as exc:
                 return {"error": str(exc)}
     return {"error": None}
+
+
+def _shifted_net(config: Any, moe: Any):
+    """The tests' net (a dense scale before the MoE layer) with a dense shift of 64 x M elements too, so that
+    every rank of a DP group of 4 steps part of the dense parameters (Megatron's distributed optimizer's
+    ``state_dict`` asserts one Adam step count per rank: a rank with no dense elements has none)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class ShiftedNet(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.scale = torch.nn.Parameter(torch.ones(config.hidden_size))
+            self.shift = torch.nn.Parameter(torch.zeros(64, config.hidden_size))
+            self.moe = moe
+
+        def forward(self, x):
+            y, _ = self.moe(x * self.scale + self.shift.mean(0))
+            return y
+    return ShiftedNet()
+
+
+def optimizer_checkpoint_across(ckpt_dir: str, saver: str, loader: str, sharding: str,
+                                steps: int = 4) -> Dict[str, Any]:
+    """Under Megatron's distributed optimizer at TP 1 x EP 2 (expert-DP 2): a ``saver`` ("stock" or "plugin",
+    re-sharded by hand to (1, 0, 1, 0) after ``steps`` steps) writes the model and its optimizer's sharded state
+    (``sharding``: the distributed optimizer's format) through ``dist_checkpointing.save``; a fresh ``loader``
+    (other weights, one step; a plugin loader re-sharded to (1, 0, 1, 0) too) reads both back. Experts by global id
+    (values, whole masters and moments) after the save and after the load, and the losses of 2 more steps of each
+    from there."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from moe_plugins.patches import megatron as mp
+    s = spec(1, 2)
+    out: Dict[str, Any] = {}
+    with on_cpu(s) as groups:
+        pgc, config = groups.pg_collection, config_of(s)
+        metadata = {"dp_cp_group": pgc.dp_cp, "distrib_optim_sharding_type": sharding}
+        for role, kind, seed in (("saver", saver, 1), ("loader", loader, 2)):
+            with ExitStack() as run:
+                handle = run.enter_context(mp.enable(section(100), groups=groups)) if kind == "plugin" else None
+                stock = build_stock(s, config, groups, seed)
+                layer = build_plugin(config, stock.state_dict()) if handle is not None else stock
+                model, opt = ddp_and_optimizer(config, layer, pgc, True, _shifted_net(config, layer), False)
+                for x, t in data(steps if role == "saver" else 1):
+                    step(model, opt, pgc, x, t)
+                if handle is not None:
+                    handle.hecate.reshard([(1, 0, 1, 0)])
+                res = out[role] = {"homes": homes_of(layer)}
+                model_sd = layer.sharded_state_dict(prefix="moe.", metadata=metadata)    # Net's own reads global TP
+                for name in ("scale", "shift"):
+                    model_sd[name] = ShardedTensor.from_rank_offsets(name, getattr(model.module, name),
+                                                                     replica_id=(0, 0, dist.get_rank()))
+                if role == "saver":
+                    res["experts"] = by_expert(layer, pgc, opt)
+                    sharded = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=metadata)}
+                    with cpu_saver():
+                        dist_checkpointing.save(sharded, ckpt_dir)
+                    dist.barrier()
+                else:
+                    sharded = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True,
+                                                                                      metadata=metadata)}
+                    state = dist_checkpointing.load(sharded, ckpt_dir)
+                    model.module.load_state_dict(state["model"])
+                    with torch.no_grad():       # fp32: Megatron copies into views of the parameters
+                        opt.load_state_dict(state["optimizer"])
+                    res.update(experts=by_expert(layer, pgc, opt), loaded_homes=homes_of(layer))
+                res["after"] = [step(model, opt, pgc, x, t) for x, t in data(steps + 2)[steps:]]
+    return out
