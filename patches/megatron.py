@@ -175,8 +175,7 @@ def enable_from_args(args: argparse.Namespace, *, groups: Optional[MegatronGroup
                                ranks_per_node=rpn)
     if plugin.enabled and plugin.lina is not None:
         from moe_plugins.patches.megatron_lina import ddp_problems
-        problems += ddp_problems(args, args=True,
-                                 packing=plugin.lina.get("packing", 1) if isinstance(plugin.lina, dict) else 1)
+        problems += ddp_problems(args, args=True)
     if problems:
         raise ValueError(f"{FLAG} cannot run this Megatron model: " + "; ".join(problems))
     if not plugin.enabled:

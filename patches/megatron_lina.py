@@ -76,13 +76,10 @@ def version_problems(version: str) -> List[str]:
             "_ParamAndGradBucketGroup.start_grad_sync, was checked against those versions only"]
 
 
-def ddp_problems(source: Any, *, args: bool = False, packing: Any = 1) -> List[str]:
+def ddp_problems(source: Any, *, args: bool = False) -> List[str]:
     """Every DDP setting of ``source`` (a ``DistributedDataParallelConfig``, or Megatron-LM's parsed arguments
-    with ``args=True``) that Lina at ``packing`` cannot run, each naming the field and its value."""
+    with ``args=True``) that Lina cannot run, each naming the field and its value."""
     problems = []
-    if packing == "auto" and getattr(source, "use_distributed_optimizer", False):
-        problems.append(f"{PATH}.packing ('auto') regroups mid-training, which does not move the distributed "
-                        "optimizer's shards: use_distributed_optimizer (True) needs a fixed packing")
     for name, arg, fine, why in DDP_UNSUPPORTED:
         key = arg if args else name
         value = getattr(source, key, fine)
@@ -241,7 +238,7 @@ class LinaState:
                    module: Any) -> None:
         """Before Megatron's DDP is built: its settings, the ranks its bucket groups will reduce over, and with
         packing the model's."""
-        problems = ddp_problems(ddp_config, packing=self.config.packing)
+        problems = ddp_problems(ddp_config)
         if self.packing is not None:
             from moe_plugins.patches.megatron_lina_packing import model_problems
             problems += model_problems(config, _plugin_layers(module), self.config)

@@ -22,12 +22,14 @@ with Lina's gradient micro-ops (patches/megatron_lina.py), whose DDP hook it ext
   group (a superset), so routing, capacities and drops are stock's.
 - Gradient norm: the expert optimizer sums squared norms over Megatron's EP group, which now holds p copies of
   every expert; the copies on EP members ``j >= ep / p`` are marked ``shared`` (Megatron's "do not double count"),
-  so the norm, and clipping, are stock's.
+  so the norm, and clipping, are stock's. Not under the distributed optimizer: its pieces over the packed
+  expert-DP group hold every expert once.
 
 In bf16/fp16 (``Float16OptimizerWithFloat16Params``, whose ``__init__`` is wrapped too, and whose steps
 ``MixedPrecisionOptimizer.step_with_ready_grads`` counts) the experts' fp32 masters and their Adam moments move
 with them and join or leave Megatron's optimizer groups (patches/megatron_masters.py). With Megatron's
-distributed optimizer, a fixed p only (the regroup happens before it shards the buffers; ``stock_homes`` is
+distributed optimizer a fixed p regroups before it shards the buffers, and a mid-training one rebuilds it over the
+new buffers, the masters and moments carried whole (patches/megatron_packing_distopt.py; ``stock_homes`` is
 refused there); any TP (at TP > 1 without expert
 biases under sequence parallelism), any expert-TP (each rank's shards move over its own EP group), PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
@@ -59,6 +61,7 @@ from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problem
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
 from moe_plugins.patches.megatron_config import facts_from_config
 from moe_plugins.patches.megatron_masters import carried_masters, replace_masters, share_flags
+from moe_plugins.patches.megatron_packing_distopt import DistributedExperts, record_patch
 from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 from moe_plugins.pipemoe.runner import build_executor
 
@@ -165,6 +168,7 @@ class DDPPacker:
         self.made: Dict[int, Any] = {}           # packing -> MegatronGroups built for it
         self.holder: Optional[Any] = None        # the DDP over the experts alone, once regrouped
         self.mixed: Optional[Any] = None         # bf16/fp16: Megatron's optimizer holding the experts' fp32 masters
+        self.dist: Optional[DistributedExperts] = None   # Megatron's distributed optimizer holding the experts
         self.regroups = 0
         self.controller = PackingController(
             self.layers, self.base, packing=config.packing, path=f"{SECTION}.lina", regroup=self.regroup,
@@ -207,19 +211,20 @@ class DDPPacker:
                      for layer in layers]                              # raises before moving
         if old.layout.ep == groups.layout.ep:
             return
-        mixed = self.mixed                 # its torch optimizer holds the masters, not the parameters
+        mixed, spread = self.mixed, self.dist    # their torch optimizers hold masters / pieces, not the parameters
         before = [p for layer in layers for p in layer.experts.parameters()]
-        carried = carried_masters(before, mixed.optimizer) if mixed is not None else None
-        keyed = optimizer if mixed is None else None
+        carried = carried_masters(before, mixed.optimizer) if mixed is not None else \
+            spread.carried(before) if spread is not None else None
+        keyed = optimizer if mixed is None and spread is None else None
         def resize(layer: PackedLayer) -> Callable[[int, Dict[str, Dict[str, Any]]], None]:
             return lambda local, scalars: resize_experts(layer.experts, local, keyed, scalars,
                                                          f"{FIELD}: layer {layer.name}", clone=clone_expert)
         lists = [(f"{FIELD}: layer {layer.name}", layer.experts, resize(layer)) for layer in layers]
         grads = regroup_modules(lists, num_experts, old, groups, layers[0].rec, keyed,
                                 grad_of=lambda p: getattr(p, "main_grad", None), carried=carried)
+        pairs = [(p, dict(layer.experts[0].named_parameters())[name]) for layer in layers
+                 for expert in layer.experts for name, p in expert.named_parameters()]
         if mixed is not None:
-            pairs = [(p, dict(layer.experts[0].named_parameters())[name]) for layer in layers
-                     for expert in layer.experts for name, p in expert.named_parameters()]
             replace_masters(mixed, before, [p for p, _ in pairs], [t for _, t in pairs], carried)
         local = num_experts // groups.layout.ep
         pgc = self._collection(packing)
@@ -230,6 +235,8 @@ class DDPPacker:
             start = groups.ep.rank * local
             moe.local_expert_indices = list(range(start, start + local))
         self._rebuild_buffers(layers, pgc, groups, engine, grads)
+        if spread is not None:             # its torch optimizer is new: the controller learns it (record_patch)
+            spread.rebuild(before, [p for p, _ in pairs], [t for _, t in pairs], carried, pgc.expt_dp)
         for layer, schedule in zip(layers, schedules):
             dispatcher = layer.dispatcher
             dispatcher.groups = layer.layer.moe_groups = groups
@@ -263,7 +270,8 @@ class DDPPacker:
             self.lina.routed += 1
         self.found.reducer.engine = engine     # one engine orders the exchanges and every micro-op
         self.holder = holder
-        keep = self.base.ep.rank < groups.layout.ep        # the first ep/p EP members hold every expert once
+        # the first ep/p EP members hold every expert once; the distributed optimizer's pieces hold it once already
+        keep = self.base.ep.rank < groups.layout.ep or ddp.ddp_config.use_distributed_optimizer
         with torch.no_grad():
             for p in params:
                 p.grad = None
@@ -321,6 +329,7 @@ class MegatronPacking:
         from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params as Mixed
         return [Patch(FP32Optimizer, "__init__", self._wrap_init(FP32Optimizer.__init__)),
                 Patch(Mixed, "__init__", self._wrap_init(Mixed.__init__, mixed=True)),
+                record_patch(self._distributed),
                 after_fp32_steps(self._step_end), after_mixed_precision_steps(self._step_end)]
 
     def _wrap_init(self, original: Callable, mixed: bool = False) -> Callable:
@@ -336,6 +345,13 @@ class MegatronPacking:
                     packer.mixed = opt if mixed else None
         return __init__
 
+    def _distributed(self, opt: Any, groups: Any) -> None:
+        """Megatron built (or the packer rebuilt) a distributed optimizer: it holds a packer's experts or none."""
+        for packer in self.packers:
+            experts = [p for layer in packer.layers for p in layer.experts.parameters()]
+            if any(p in buffer.param_index_map for buffer in opt.buffers for p in experts):
+                packer.dist, packer.controller.optimizer = DistributedExperts(opt, groups), opt.optimizer
+
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
         for packer in self.packers:
             if optimizer is packer.optimizer:
@@ -345,13 +361,14 @@ class MegatronPacking:
     def stock_homes(self) -> Iterator[None]:
         """Inside: every packed model's experts on the stock layout (a per-rank ``state_dict()`` written or read
         here is stock Megatron's); after: packed again (collective). Refused (before anything moves) under
-        Megatron's distributed optimizer (its shards do not move); ``dist_checkpointing`` (the layers'
-        ``sharded_state_dict``, by global expert id) needs no regroup."""
+        Megatron's distributed optimizer, where a per-rank ``state_dict`` holds shards of the packed buffers;
+        ``dist_checkpointing`` (the layers' ``sharded_state_dict``, by global expert id) needs no regroup."""
         packed = [packer for packer in self.packers if packer.controller.packing != 1]
         if any(packer.ddp.ddp_config.use_distributed_optimizer for packer in packed):
-            raise ValueError(f"{FIELD}: Megatron's distributed optimizer shards the packed experts' buffers, which a "
-                             "regroup to the stock homes does not move; save and load through dist_checkpointing "
-                             "(sharded_state_dict names experts by global id)")
+            raise ValueError(f"{FIELD}: Megatron's distributed optimizer shards the packed experts' buffers, and a "
+                             "per-rank state_dict() written around a regroup to the stock homes is not supported "
+                             "there; save and load through dist_checkpointing (sharded_state_dict names experts by "
+                             "global id)")
         with ExitStack() as stack:
             for packer in self.packers:
                 stack.enter_context(packer.stock())

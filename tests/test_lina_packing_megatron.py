@@ -109,14 +109,16 @@ def test_bf16_under_the_mixed_precision_optimizer(world, packing, steps):
 
 def test_fixed_packing_under_the_distributed_optimizer(world):
     """A fixed packing regroups when DDP is built, before Megatron's distributed optimizer shards the (new) expert
-    buffers: 8 steps equal the unpacked run with the distributed optimizer (fp32, 1e-5; Lina reduce-scatters the
-    buckets as micro-ops), every expert's copies equal across ranks; ``stock_homes`` is refused (the shards would
-    not move)."""
+    buffers: 8 steps equal the unpacked run with the distributed optimizer (fp32, losses and Megatron's gradient
+    norms 1e-5: the packed copies' pieces count once, none marked shared; Lina reduce-scatters the
+    buckets as micro-ops), every expert's copies equal across ranks; ``stock_homes`` is refused (per-rank saves
+    there are not supported)."""
     results = world(WORLD).run(jobs.train_job, 2, steps=8, distributed=True, timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
         assert rel <= 1e-5 and len(packed["losses"]) == 8, (rank, rel)
+        assert max(abs(a - b) / a for a, b in zip(stock["norms"], packed["norms"])) <= 1e-5
         assert packed["local"] == [2, 2] and packed["regroups"] == 1
         assert "distributed optimizer shards the packed experts' buffers" in packed["stock_homes_error"], packed
     values = {}
@@ -125,7 +127,56 @@ def test_fixed_packing_under_the_distributed_optimizer(world):
             if not key.endswith("main_grad"):          # the rest of a shard holds each rank's own gradient
                 assert key not in values or torch.equal(values[key], value), key
                 values[key] = value
-    assert len(values) == 2 * 4 * 4
+    assert len(values) == 2 * 4 * 4 * 3        # values, and Adam's moments made whole from the pieces
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_auto_packing_under_the_distributed_optimizer(world, bf16):
+    """``"auto"`` under Megatron's distributed optimizer: the regroup at step 10 (and maybe 14) runs inside its
+    step, and rebuilds it over the packed experts' new buffers on the packed expert-DP group, every expert's
+    master and moments made whole over the old expert-DP group and moved with it. 20 steps track the unpacked run
+    with the same optimizer (fp32: losses and gradient norms within 1e-5; bf16: to its rounding), every expert's
+    copies equal on every rank that holds one."""
+    steps = 16 if bf16 else 20        # bf16: one regroup (1 -> 2 at step 10); p 4 sums bf16 gradients over 4
+    results = world(WORLD).run(jobs.train_job, "auto", steps=steps, bf16=bf16, distributed=True,
+                               timeout_s=JOB_TIMEOUT_S)
+    for rank, res in enumerate(results):
+        stock, packed = res["stock"], res["packed"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
+        assert len(packed["losses"]) == steps and rel <= (BF16_LOSS_REL if bf16 else 1e-5), (rank, rel)
+        if not bf16:
+            assert max(abs(a - b) / a for a, b in zip(stock["norms"], packed["norms"])) <= 1e-5
+        p = packed["packing"]
+        assert p > 1 and packed["local"] == [p] * 2 and packed["decisions"][0][0] == 10
+        assert packed["regroups"] == sum(a != b for _, a, b in packed["decisions"]) >= 1
+        assert packed["decisions"] == results[0]["packed"]["decisions"]
+    values = {}
+    for res in results:
+        for key, value in res["packed"]["experts"].items():
+            if not key.endswith("main_grad"):          # the rest of a shard holds each rank's own gradient
+                assert key not in values or torch.equal(values[key], value), key
+                values[key] = value
+    assert len(values) == 2 * 4 * 4 * (4 if bf16 else 3)     # values, (masters,) moments made whole
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_regroup_under_the_distributed_optimizer_moves_its_state_bitwise(world, bf16):
+    """A regroup by hand to packing 2 after 2 steps under Megatron's distributed optimizer (EP 4 -> 2, expert-DP
+    1 -> 2: every rank's pieces new): every expert's values, and its fp32 master (bf16) and Adam moments made
+    whole from the pieces over expert-DP, equal bitwise by global id before and after it, on every rank holding a
+    copy; 2 more steps run."""
+    results = world(WORLD).run(jobs.regroup_by_hand, bf16, timeout_s=JOB_TIMEOUT_S)
+    before, after = {}, {}
+    for res in results:
+        assert res["local"] == [2, 2] and len(res["losses"]) == 2
+        for seen, got in ((before, res["before"]), (after, res["after"])):
+            for key, value in got.items():
+                assert key not in seen or torch.equal(seen[key], value), key
+                seen[key] = value
+    assert set(before) == set(after) and any(k.endswith("exp_avg_sq") for k in before)
+    assert any(k.endswith("main_param") for k in before) == bf16
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before
+                                                                   if not torch.equal(before[k], after[k])]
 
 
 def test_fp64_gradients_by_global_expert_equal_unpacked(world):

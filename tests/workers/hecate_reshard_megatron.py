@@ -145,9 +145,9 @@ def _stepped(opt: Any) -> Dict[int, torch.Tensor]:
     return out
 
 
-def _whole(opt: Any, layer: Any) -> Dict[int, Dict[str, torch.Tensor]]:
+def whole_pieces(opt: Any, layer: Any) -> Dict[int, Dict[str, torch.Tensor]]:
     """Under Megatron's distributed optimizer: per expert parameter id, its fp32 master (``main_param``, bf16 only)
-    and Adam moments whole, summed over the expert-DP group from each rank's piece placed at its range in
+    and Adam moments whole, summed over its buffer's DP group from each rank's piece placed at its range in
     Megatron's ``gbuf_ranges`` (collective; zeros where no rank steps it). Empty otherwise."""
     found = [c for c in getattr(opt, "chained_optimizers", [opt] if opt is not None else [])
              if hasattr(c, "gbuf_ranges") and any(p in b.param_index_map for b in c.buffers
@@ -169,7 +169,8 @@ def _whole(opt: Any, layer: Any) -> Dict[int, Dict[str, torch.Tensor]]:
             parts = ([main] if p.dtype != torch.float32 else []) + [state[k] for k in keys]
             for row, part in zip(whole, parts):
                 row[span.start:span.end] = part
-        dist.all_reduce(whole, group=chained.data_parallel_group)
+        group = next(b.data_parallel_group for b in chained.buffers if p in b.param_index_map)
+        dist.all_reduce(whole, group=group)
         out[id(p)] = {name: row.view(p.shape) for name, row in zip(names, whole)}
     return out
 
@@ -182,7 +183,7 @@ def by_expert(layer: Any, pgc: Any, opt: Any = None) -> Dict[str, torch.Tensor]:
     states = {}
     for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
         states.update(chained.optimizer.state)
-    out, stepped, whole = {}, _stepped(opt), _whole(opt, layer)
+    out, stepped, whole = {}, _stepped(opt), whole_pieces(opt, layer)
     for i, mlp in enumerate(layer.experts.local_experts):
         for name, p in mlp.named_parameters():
             out[f"{ids[i]}.{name}"] = p.detach().clone()

@@ -23,6 +23,7 @@ from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.patches.megatron_cpu import megatron_on_cpu, megatron_optimizer_on_cpu
 from moe_plugins.tools.verify_megatron import transformer_config
 from tests.workers.ckpt_reshard_megatron import cpu_saver
+from tests.workers.hecate_reshard_megatron import whole_pieces
 from tests.workers.lina_megatron import RANKS_PER_NODE, _batches, _ddp, _net, _spec
 
 
@@ -57,19 +58,24 @@ def _redraw(net: Any, seed: int) -> None:
 
 
 def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch.Tensor]:
-    """Every expert's parameters (with ``grads`` their ``main_grad``, with ``opt`` Adam's moments) by layer,
+    """Every expert's parameters (with ``grads`` their ``main_grad``, with ``opt`` Adam's moments and in bf16 the
+    fp32 masters; under the distributed optimizer both made whole from the ranks' pieces, collective) by layer,
     global id and name."""
     states: Dict[Any, Any] = {}
     for chained in getattr(opt, "chained_optimizers", [opt] if opt is not None else []):
         states.update(chained.optimizer.state)
     out = {}
     for n, layer in enumerate(net.moe):
+        whole = whole_pieces(opt, layer) if opt is not None else {}
         for i, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
             for name, p in expert.named_parameters():
                 key = f"{n}.{i}.{name}{_shard(layer)}"
                 out[key] = p.detach().clone()
                 if grads:
                     out[f"{key}.main_grad"] = p.main_grad.clone()
+                if id(p) in whole:                       # the distributed optimizer's pieces, whole
+                    out.update((f"{key}.{k}", v) for k, v in whole[id(p)].items())
+                    continue
                 main = getattr(p, "main_param", None)       # bf16: the fp32 master, keying Adam's state
                 if main is not None:
                     out[f"{key}.main_param"] = main.detach().clone()
@@ -265,3 +271,30 @@ def refused_job(case: str) -> Optional[str]:
         except ValueError as exc:
             return str(exc)
     return None
+
+
+def regroup_by_hand(bf16: bool, steps: int = 2) -> Dict[str, Any]:
+    """Under Megatron's distributed optimizer with ``"auto"``: ``steps`` steps, then a regroup to packing 2 by hand
+    (``set_packing``, outside the step): every expert's values and whole master (bf16) and moments by global id
+    before and after it, and the losses of 2 more steps."""
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(1, 4, "float32")
+    with _on_cpu(spec) as groups:
+        pgc = groups.pg_collection
+        config = transformer_config(spec, num_layers=2, **({"bf16": True, "params_dtype": torch.bfloat16}
+                                                           if bf16 else {}))
+        data = _batches(config.params_dtype, 4, seed=21)
+        with mp.enable(_plugin("auto", 1), groups=groups) as handle:
+            net = _net(config, seed=7)
+            _redraw(net, seed=3)
+            model = _ddp(config, net, pgc, bucket_size=300, use_distributed_optimizer=True)
+            opt = _optimizer(model, pgc, 0.0, bf16, True)
+            for x, t in data[:steps]:
+                _step(model, opt, pgc, x, t)
+            before = by_expert(net, opt)
+            with megatron_optimizer_on_cpu():                   # as around the step (where "auto" regroups)
+                handle.lina.packing.packers[0].controller.set_packing(2)
+            after = by_expert(net, opt)
+            losses = [_step(model, opt, pgc, x, t)["loss"] for x, t in data[steps:steps + 2]]
+            return {"before": before, "after": after, "losses": losses,
+                    "local": [layer.num_local_experts for layer in net.moe]}
