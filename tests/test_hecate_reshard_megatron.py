@@ -43,17 +43,20 @@ def test_training_with_resharding_equals_stock_megatron(world, tp, ep, forced):
         max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_bf16_resharding_moves_the_fp32_masters(world):
-    """bf16 parameters under Megatron's mixed-precision Adam (``Float16OptimizerWithFloat16Params``, fp32 masters
-    held by the torch optimizer): a move by hand after the first step carries every expert's bf16 values,
+@pytest.mark.parametrize("half", [True, "fp16"], ids=["bf16", "fp16"])
+def test_bf16_resharding_moves_the_fp32_masters(world, half):
+    """bf16 (and fp16, under a constant loss scale of 1024) parameters under Megatron's mixed-precision Adam
+    (``Float16OptimizerWithFloat16Params``, fp32 masters held by the torch optimizer): a move by hand after the first step carries every expert's bf16 values,
     ``main_grad``, fp32 master and the master's Adam moments, by global id, bitwise; then 12 steps re-sharding
     every 2 track stock Megatron's bf16 run (losses to bf16 rounding, 2e-2 relative) and every expert's master and
     moments by global id stay near stock's (a master left behind would put another expert's weights in its slot
     at the next step)."""
     steps = 12
-    results = world(WORLD).run(jobs.train_vs_stock, 1, 4, 2, steps, (3, 2, 1, 0), True, timeout_s=JOB_TIMEOUT_S)
+    results = world(WORLD).run(jobs.train_vs_stock, 1, 4, 2, steps, (3, 2, 1, 0), half, timeout_s=JOB_TIMEOUT_S)
     before, after = ({k: v for res in results for k, v in res["plugin"]["forced"][when].items()}
                      for when in ("before", "after"))
+    assert {v.dtype for k, v in before.items() if k.endswith("weight")} == \
+        {torch.float16 if half == "fp16" else torch.bfloat16}
     assert set(before) == set(after) and any(k.endswith("main_param") for k in before)
     assert any(k.endswith("exp_avg_sq") for k in before) and any(k.endswith("main_grad") for k in before)
     assert all(torch.equal(before[k], after[k]) for k in before), \
@@ -132,7 +135,8 @@ def test_the_distributed_optimizer_at_expert_dp_1(world, bf16):
             max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("tp,bf16", [(1, False), (1, True), (2, False)], ids=["tp1-fp32", "tp1-bf16", "tp2-fp32"])
+@pytest.mark.parametrize("tp,bf16", [(1, False), (1, True), (1, "fp16"), (2, False)],
+                         ids=["tp1-fp32", "tp1-bf16", "tp1-fp16", "tp2-fp32"])
 def test_the_distributed_optimizer_at_expert_dp_2(world, tp, bf16):
     """Megatron's distributed optimizer at EP 2 x expert-DP 2 (TP 1, and TP 2 with expert-TP 1): each rank steps a
     piece of some experts' parameters (some split between the two expert-DP ranks, some not here at all), and which
@@ -155,7 +159,7 @@ def test_the_distributed_optimizer_at_expert_dp_2(world, tp, bf16):
     before, after = ({k: v for res in results for k, v in res["plugin"]["forced"][when].items()}
                      for when in ("before", "after"))
     assert set(before) == set(after) and any(k.endswith("exp_avg_sq") for k in before)
-    assert any(k.endswith("main_param") for k in before) == bf16
+    assert any(k.endswith("main_param") for k in before) == bool(bf16)
     assert all(torch.equal(before[k], after[k]) for k in before), \
         [k for k in before if not torch.equal(before[k], after[k])]
     for rank, res in enumerate(results):

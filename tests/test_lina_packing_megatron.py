@@ -68,16 +68,18 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp, etp
     assert worst <= 1e-5, worst
 
 
-@pytest.mark.parametrize("packing,steps", [(2, 10), ("auto", 16)], ids=["p2", "auto"])
-def test_bf16_under_the_mixed_precision_optimizer(world, packing, steps):
-    """bf16 parameters under Megatron's mixed-precision Adam (fp32 masters keying Adam's state): a fixed p regroups
+@pytest.mark.parametrize("packing,steps,half", [(2, 10, True), ("auto", 16, True), ("auto", 16, "fp16")],
+                         ids=["p2", "auto", "auto-fp16"])
+def test_bf16_under_the_mixed_precision_optimizer(world, packing, steps, half):
+    """bf16 parameters (and fp16 ones under a constant loss scale of 1024, for "auto") under Megatron's
+    mixed-precision Adam (fp32 masters keying Adam's state): a fixed p regroups
     at DDP build, before the masters exist; ``"auto"`` regroups at step 10 (and may again at 14), moving each
     expert's master and moments and making masters for the cloned experts. The losses track the unpacked run to
     bf16 rounding (the packed copies' gradients are summed over expert-DP); every expert's master and moments by
     global id stay near the unpacked run's (a master left behind puts another expert's weights in its slot); the
     copies of every expert (values, main_grad, master, moments) are bitwise equal on every rank that holds one;
     ``stock_homes`` moves everything to the stock layout and back, bitwise by global id."""
-    results = world(WORLD).run(jobs.train_job, packing, steps=steps, bf16=True, timeout_s=JOB_TIMEOUT_S)
+    results = world(WORLD).run(jobs.train_job, packing, steps=steps, bf16=half, timeout_s=JOB_TIMEOUT_S)
     for rank, res in enumerate(results):
         stock, packed = res["stock"], res["packed"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], packed["losses"]))
@@ -97,7 +99,8 @@ def test_bf16_under_the_mixed_precision_optimizer(world, packing, steps):
             copies[key] = value
     assert set(at_stock) == set(copies) and all(torch.equal(at_stock[k], copies[k]) for k in copies)
     # 2 layers x 4 experts x 4 parameters (fc1/fc2 weight and bias), each with main_grad, master, exp_avg(_sq)
-    assert len(copies) == 2 * 4 * 4 * 5 and sum(v.dtype == torch.bfloat16 for v in copies.values()) == 2 * 4 * 4 * 2
+    dtype = torch.float16 if half == "fp16" else torch.bfloat16
+    assert len(copies) == 2 * 4 * 4 * 5 and sum(v.dtype == dtype for v in copies.values()) == 2 * 4 * 4 * 2
     unpacked = _merged(results, "stock", "experts")
     masters = [k for k in copies if k.endswith(("main_param", "exp_avg", "exp_avg_sq"))]
     worst = max((unpacked[k] - copies[k]).abs().max().item() for k in masters)
@@ -159,7 +162,7 @@ def test_auto_packing_under_the_distributed_optimizer(world, bf16):
     assert len(values) == 2 * 4 * 4 * (4 if bf16 else 3)     # values, (masters,) moments made whole
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [False, True, "fp16"], ids=["fp32", "bf16", "fp16"])
 def test_a_regroup_under_the_distributed_optimizer_moves_its_state_bitwise(world, bf16):
     """A regroup by hand to packing 2 after 2 steps under Megatron's distributed optimizer (EP 4 -> 2, expert-DP
     1 -> 2: every rank's pieces new): every expert's values, and its fp32 master (bf16) and Adam moments made
@@ -174,7 +177,9 @@ def test_a_regroup_under_the_distributed_optimizer_moves_its_state_bitwise(world
                 assert key not in seen or torch.equal(seen[key], value), key
                 seen[key] = value
     assert set(before) == set(after) and any(k.endswith("exp_avg_sq") for k in before)
-    assert any(k.endswith("main_param") for k in before) == bf16
+    assert any(k.endswith("main_param") for k in before) == bool(bf16)
+    assert {v.dtype for k, v in before.items() if k.endswith("weight")} == \
+        {{False: torch.float32, True: torch.bfloat16, "fp16": torch.float16}[bf16]}
     assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before
                                                                    if not torch.equal(before[k], after[k])]
 

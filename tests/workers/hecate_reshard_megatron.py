@@ -38,10 +38,12 @@ def section(every: int, extra: int = 1) -> Dict[str, Any]:
     return {"ranks_per_node": RPN, "hecate": {"enabled": True, "extra_experts": extra, "reshard_every": every}}
 
 
-def config_of(s: MegatronVerifySpec, bf16: bool = False, **more: Any):
+def config_of(s: MegatronVerifySpec, bf16: Any = False, **more: Any):
     """The layer's TransformerConfig; at TP > 1 without biases (Megatron sums the experts' fc2 bias gradients over
-    the TP group, slot by slot: re-sharding refuses that, patches/megatron_config.py); ``bf16``: bf16 parameters."""
-    extra: Dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    the TP group, slot by slot: re-sharding refuses that, patches/megatron_config.py); ``bf16``: bf16 parameters
+    (``"fp16"``: fp16 ones, under a constant loss scale)."""
+    extra: Dict[str, Any] = {"fp16": True, "params_dtype": torch.float16} if bf16 == "fp16" else \
+        {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
     return transformer_config(s, **({"add_bias_linear": False} if s.mp > 1 else {}), **extra, **more)
 
 
@@ -110,7 +112,8 @@ def ddp_and_optimizer(config: Any, moe: Any, pgc: Any, distributed: bool = False
     model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed,
                                                                           **buckets), net, pg_collection=pgc)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=config.params_dtype,
-                                                 bf16=config.bf16, clip_grad=0.0,
+                                                 bf16=config.bf16, fp16=config.fp16, clip_grad=0.0,
+                                                 loss_scale=1024.0 if config.fp16 else None,
                                                  use_distributed_optimizer=distributed), [model],
                                  use_gloo_process_groups=False, pg_collection=pgc)
     return model, opt

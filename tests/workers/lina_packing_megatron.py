@@ -85,13 +85,22 @@ def by_expert(net: Any, opt: Any = None, grads: bool = False) -> Dict[str, torch
     return out
 
 
-def _optimizer(model: Any, pgc: Any, clip: float, bf16: bool = False, distributed: bool = False) -> Any:
-    """Megatron's Adam: fp32 (``FP32Optimizer``), or with ``bf16`` its mixed-precision optimizer (fp32 masters);
-    ``distributed``: its distributed optimizer."""
+def _half(bf16: Any) -> Dict[str, Any]:
+    """The TransformerConfig settings of ``bf16``: True for bf16 parameters, ``"fp16"`` for fp16 ones."""
+    return {"fp16": True, "params_dtype": torch.float16} if bf16 == "fp16" else \
+        {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+
+
+def _optimizer(model: Any, pgc: Any, clip: float, bf16: Any = False, distributed: bool = False) -> Any:
+    """Megatron's Adam: fp32 (``FP32Optimizer``), or with ``bf16`` its mixed-precision optimizer (fp32 masters;
+    ``"fp16"``: fp16 parameters under a constant loss scale of 1024); ``distributed``: its distributed optimizer."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    half = _half(bf16)
+    dtype = half.get("params_dtype", torch.float32)
     with megatron_optimizer_on_cpu():
-        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=dtype, bf16=bf16,
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=dtype,
+                                                      bf16="bf16" in half, fp16="fp16" in half,
+                                                      loss_scale=1024.0 if "fp16" in half else None,
                                                       clip_grad=clip, use_distributed_optimizer=distributed),
                                       [model], use_gloo_process_groups=False, pg_collection=pgc)
 
@@ -126,7 +135,7 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
     out: Dict[str, Any] = {}
     with _on_cpu(spec) as groups:
         pgc = groups.pg_collection
-        extra = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+        extra = _half(bf16)
         if tp > 1:                  # refused with packing: Megatron sums expert biases over TP peers (see the patch)
             extra["add_bias_linear"] = False
         config = transformer_config(spec, num_layers=2, **extra)
@@ -281,8 +290,7 @@ def regroup_by_hand(bf16: bool, steps: int = 2) -> Dict[str, Any]:
     spec = _spec(1, 4, "float32")
     with _on_cpu(spec) as groups:
         pgc = groups.pg_collection
-        config = transformer_config(spec, num_layers=2, **({"bf16": True, "params_dtype": torch.bfloat16}
-                                                           if bf16 else {}))
+        config = transformer_config(spec, num_layers=2, **_half(bf16))
         data = _batches(config.params_dtype, 4, seed=21)
         with mp.enable(_plugin("auto", 1), groups=groups) as handle:
             net = _net(config, seed=7)
