@@ -2,15 +2,16 @@
 Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
 
 - :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2 in
-  fp32, or 1 or 2 in bf16 (the bf16 model's fp32 masters are ZeRO's flat partitions, which move as below), without
-  optimizer offload (fp16, bf16 at ZeRO 0 and offload keep master copies elsewhere, which the move does not
-  reach). One line per problem, naming the field.
+  fp32 or bf16 (the bf16 model's fp32 masters move as below), without optimizer offload (fp16 and offload keep master copies elsewhere, which the move
+  does not reach). One line per problem, naming the field.
 - ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
   master partition and its Adam moments are flat tensors of the same layout; with the expert group on one rank
   (expert-DP 1: ``ep_size`` = world) each expert parameter's slices of those move with it, in place. An expert
   group partitioned over expert-DP > 1 holds only a slice of each expert here: its master values and moments
   are gathered whole for the move (collective), moved with the experts, and this rank's slices written back
-  after it (:class:`moe_plugins.patches.deepspeed_zero_state.GatheredState`).
+  after it (:class:`moe_plugins.patches.deepspeed_zero_state.GatheredState`); so for ``BF16_Optimizer`` (bf16
+  with fp32 gradient accumulation), whose flat fp32 partitions over DP are ZeRO 1's layout. bf16 at ZeRO 0 runs
+  ``FP16_UnfusedOptimizer``: an fp32 master per parameter, moved with it (:func:`unfused_masters`).
 - :class:`EngineResharder`: after the engine configured its model, wraps three methods of that engine (instance
   attributes, taken off by :meth:`EngineResharder.remove`):
 
@@ -61,7 +62,7 @@ def reshard_problems(engine: Any, cfg: Any) -> List[str]:
         problems.append(f"{FIELD} ({every}) cannot run with zero_optimization.offload_optimizer: the master copies "
                         "it keeps on the host are not moved")
     return problems + precision_problems(engine, f"{FIELD} ({every})", "whose flat fp32 master partitions move "
-                                         "with the experts", "are not moved")
+                                         "with the experts", "are not moved", bf16_zero0=True)
 
 
 def check(engine: Any, cfg: Any) -> None:
@@ -158,11 +159,17 @@ def _slots(moe: torch.nn.Module) -> List[List[Any]]:
 def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[Extra]]:
     """What moves besides the parameters: (a torch optimizer keyed by them (ZeRO 0), or None; the ZeRO 1/2
     views (expert groups on one rank each), or the whole master values and moments gathered for the move and
-    written back after it (an expert group partitioned over expert-DP > 1: patches/deepspeed_zero_state.py), or
-    None)."""
+    written back after it (an expert group partitioned over expert-DP > 1, or BF16_Optimizer's:
+    patches/deepspeed_zero_state.py), or the per-parameter masters of bf16 at ZeRO 0 (:func:`unfused_masters`),
+    or None)."""
     opt = getattr(engine, "optimizer", None)
     if opt is None:
         return None, None
+    if hasattr(opt, "fp32_groups_flat_partition"):       # BF16_Optimizer: ZeRO 1's layout (deepspeed_zero_state)
+        from moe_plugins.patches.deepspeed_zero_state import GatheredState
+        return None, GatheredState(opt)
+    if isinstance(getattr(opt, "fp32_groups", None), list) and hasattr(opt, "fp16_groups"):
+        return None, unfused_masters(opt)                  # FP16_UnfusedOptimizer: bf16 at ZeRO 0
     if int(engine.zero_optimization_stage()) in (1, 2):
         if any(opt.is_moe_group(g) and dist.get_world_size(group=pg) > 1
                for g, pg in zip(opt.optimizer.param_groups, opt.real_dp_process_group)):
@@ -173,6 +180,23 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
         raise ValueError(f"{FIELD}: the engine's optimizer ({type(opt).__qualname__}) is not a torch optimizer "
                          "keyed by the parameters; re-sharding moves that optimizer's state")
     return opt, None
+
+
+def unfused_masters(opt: Any) -> Extra:
+    """For DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (bf16 at ZeRO 0: ``fp16_groups`` of model parameters,
+    parallel ``fp32_groups`` of fp32 masters that its torch optimizer steps and keys Adam's state by): a
+    parameter's master and the master's moments, whole (nothing is partitioned)."""
+    master = {id(p): m for low, high in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(low, high)}
+
+    def views(param: torch.nn.Parameter) -> List[torch.Tensor]:
+        main = master.get(id(param))
+        if main is None:
+            raise ValueError(f"{FIELD}: an expert parameter {tuple(param.shape)} has no master in DeepSpeed's "
+                             f"{type(opt).__qualname__}")
+        state = opt.optimizer.state.get(main, {})
+        return [main.data] + [state[k] for k in sorted(state, key=str) if torch.is_tensor(state[k])
+                              and state[k].shape == main.shape]
+    return views
 
 
 def zero_views(opt: Any) -> Extra:

@@ -19,14 +19,16 @@ parameter's values whole:
 3. :func:`restore` on the optimizer the engine builds anew: its state made like the old one's, then filled from
    the snapshot with ``safe_set_full_fp32_param`` and ``safe_set_full_optimizer_state``.
 
-The same holds in bf16 (ZeRO's partitions are then the bf16 model's fp32 masters); :func:`precision_problems`
-names the engines whose masters live elsewhere (fp16, bf16 at ZeRO 0), for both callers.
+The same holds in bf16 (ZeRO's partitions are then the bf16 model's fp32 masters), and :func:`snapshot` /
+:func:`write_back` (so :class:`GatheredState`) read DeepSpeed's ``BF16_Optimizer`` (bf16 at ZeRO 0: flat fp32
+partitions over DP under other names, :func:`layout`) too; :func:`precision_problems` names the engines whose
+masters a caller cannot carry (fp16; bf16 at ZeRO 0 for packing, whose rebuild is ZeRO 1/2's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -43,19 +45,33 @@ class Snapshot:
     partitions: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)   # dense group -> its flat ones
 
 
-def precision_problems(engine: Any, what: str, how: str, fate: str) -> List[str]:
+def precision_problems(engine: Any, what: str, how: str, fate: str, bf16_zero0: bool = False) -> List[str]:
     """Why ``what`` (a move of expert parameters: Hecate's re-sharding, Lina's packing) cannot carry the fp32
     masters on this DeepSpeed ``engine``: they move in fp32 and in bf16 at ZeRO 1/2 (ZeRO's flat partitions;
-    ``how`` says how the caller carries them), not with DeepSpeed's fp16 optimizer or its ``BF16_Optimizer``
-    (bf16 at ZeRO 0), whose master copies ``fate`` (are not moved, ...)."""
+    ``how`` says how the caller carries them), and with ``bf16_zero0`` in bf16 at ZeRO 0 too (DeepSpeed's
+    ``BF16_Optimizer``, whose flat partitions :class:`GatheredState` reads and writes alike); not with DeepSpeed's
+    fp16 optimizer (nor, without ``bf16_zero0``, its ``BF16_Optimizer``), whose master copies ``fate``."""
     problems = []
     if engine.fp16_enabled():
-        problems.append(f"{what} runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is true: "
+        stages = "any ZeRO stage 0-2" if bf16_zero0 else "ZeRO stage 1 or 2"
+        problems.append(f"{what} runs in fp32, or in bf16 on {stages}, and fp16.enabled is true: "
                         f"DeepSpeed's fp16 optimizer keeps master copies that {fate}")
-    if engine.bfloat16_enabled() and int(engine.zero_optimization_stage()) == 0:
+    if engine.bfloat16_enabled() and int(engine.zero_optimization_stage()) == 0 and not bf16_zero0:
         problems.append(f"{what} runs in bf16 on ZeRO stage 1 or 2 ({how}), and zero_optimization.stage is 0: "
                         f"DeepSpeed's BF16_Optimizer keeps master copies that {fate}")
     return problems
+
+
+def layout(zero: Any) -> Tuple[List[List[torch.nn.Parameter]], List[torch.Tensor], List[bool]]:
+    """(the 16-bit (or fp32) parameter groups, their flat fp32 master partitions, whether each group is an MoE
+    one) of a ZeRO 1/2 optimizer or of DeepSpeed's ``BF16_Optimizer`` (bf16 at ZeRO 0): the same layout under
+    other names."""
+    if hasattr(zero, "single_partition_of_fp32_groups"):
+        return zero.bit16_groups, zero.single_partition_of_fp32_groups, [zero.is_moe_group(g) for g in
+                                                                         zero.optimizer.param_groups]
+    from deepspeed.moe.utils import is_moe_param_group
+    return zero.bf16_groups, zero.fp32_groups_flat_partition, [is_moe_param_group(g) for g in
+                                                                zero.optimizer.param_groups]
 
 
 def snapshot(zero: Any) -> Snapshot:
@@ -63,14 +79,15 @@ def snapshot(zero: Any) -> Snapshot:
     docstring, 1). Collective."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     out = Snapshot()
-    first = zero.optimizer.state.get(zero.single_partition_of_fp32_groups[0], {})
+    groups, flats, moe = layout(zero)
+    first = zero.optimizer.state.get(flats[0], {})
     out.keys = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
     out.scalars = {k: v for k, v in first.items() if k not in out.keys}
     if out.keys:
         _link_state(zero)
-    for i, params in enumerate(zero.bit16_groups):
-        if not zero.is_moe_group(zero.optimizer.param_groups[i]):
-            flat = zero.single_partition_of_fp32_groups[i]
+    for i, params in enumerate(groups):
+        if not moe[i]:
+            flat = flats[i]
             state = zero.optimizer.state.get(flat, {})
             out.partitions[i] = {FP32: flat, **{key: state[key] for key in out.keys}}
             continue
@@ -119,7 +136,7 @@ def write_back(zero: Any, snap: Snapshot) -> None:
     """Every MoE group parameter's fragment of its master value and optimizer state from ``snap`` (this rank's
     slices of the whole tensors; no collective)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    for i, params in enumerate(zero.bit16_groups):
+    for i, params in enumerate(layout(zero)[0]):
         if i in snap.partitions:
             continue
         for p in params:
@@ -154,6 +171,7 @@ def _link_state(zero: Any) -> None:
     """Point every parameter's fragment mapping at its group's optimizer state now (DeepSpeed links them once,
     after its first step, and a checkpoint load re-links the parameters without it)."""
     from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
-    for params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+    groups, flats, _ = layout(zero)
+    for params, flat in zip(groups, flats):
         lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
     zero._hp_optimizer_states_linked = True

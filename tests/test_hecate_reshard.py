@@ -184,14 +184,11 @@ def test_reshard_problems_name_the_field():
         "moe_plugins.hecate.reshard_every (3) runs on ZeRO stage 0, 1 or 2, and zero_optimization.stage is 3",
         "moe_plugins.hecate.reshard_every (3) cannot run with zero_optimization.offload_optimizer: the master copies "
         "it keeps on the host are not moved",
-        "moe_plugins.hecate.reshard_every (3) runs in fp32, or in bf16 on ZeRO stage 1 or 2, and fp16.enabled is "
+        "moe_plugins.hecate.reshard_every (3) runs in fp32, or in bf16 on any ZeRO stage 0-2, and fp16.enabled is "
         "true: DeepSpeed's fp16 optimizer keeps master copies that are not moved"]
     bf16_zero0 = SimpleNamespace(zero_optimization_stage=lambda: 0, fp16_enabled=lambda: False,
                                  bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: False)
-    assert reshard_problems(bf16_zero0, cfg) == [
-        "moe_plugins.hecate.reshard_every (3) runs in bf16 on ZeRO stage 1 or 2 (whose flat fp32 master partitions "
-        "move with the experts), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer keeps master copies "
-        "that are not moved"]
+    assert reshard_problems(bf16_zero0, cfg) == []
     bf16_zero2 = SimpleNamespace(zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
                                  bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: False)
     assert reshard_problems(bf16_zero2, cfg) == []
@@ -199,17 +196,23 @@ def test_reshard_problems_name_the_field():
     assert reshard_problems(engine, plain) == []
 
 
-@pytest.mark.parametrize("stage,ep,forced", [(2, 4, (3, 2, 1, 0)), (1, 2, (1, 0, 0, 1))],
-                         ids=["zero2-ep4", "zero1-ep2-expert_dp2"])
-def test_deepspeed_bf16_resharding_moves_the_fp32_masters(world, stage, ep, forced):
-    """DeepSpeed's bf16 under ZeRO 1/2: the model in bf16, the fp32 master partition and Adam's moments flat in the
-    optimizer. A move by hand after the first step carries every expert's bf16 values, fp32 master and moments
+@pytest.mark.parametrize("stage,ep,forced,bf16", [
+    (2, 4, (3, 2, 1, 0), True), (1, 2, (1, 0, 0, 1), True), (0, 4, (3, 2, 1, 0), True), (0, 2, (1, 0, 0, 1), True),
+    (1, 2, (1, 0, 0, 1), "fp32-accum")],
+    ids=["zero2-ep4", "zero1-ep2-expert_dp2", "zero0-ep4", "zero0-ep2-expert_dp2", "bf16opt-zero1-ep2-expert_dp2"])
+def test_deepspeed_bf16_resharding_moves_the_fp32_masters(world, stage, ep, forced, bf16):
+    """DeepSpeed's bf16 under ZeRO 1/2, at ZeRO 0 (``FP16_UnfusedOptimizer`` in bf16: an fp32 master per
+    parameter, moved with it), and with fp32 gradient accumulation at ZeRO 1 (DeepSpeed's ``BF16_Optimizer``: its
+    flat partitions gathered whole and written back like ZeRO's): the model in bf16, the fp32 masters and Adam's
+    moments in the optimizer. A move by hand after the first step carries every expert's bf16 values, fp32 master and moments
     (read whole through DeepSpeed's safe_get_full_*) bitwise by global id, at expert-DP 1 (views of the flat
     partition) and 2 (gathered whole and written back); then 12 steps re-sharding every 2 track stock DeepSpeed's
     bf16 run (losses within 2e-2 relative, masters and moments within 5e-2)."""
     jobs = _deepspeed_jobs()
     steps = 12
-    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, 2, 3, steps, forced, 1, True)
+    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, 2, 3, steps, forced, 1, bf16)
+    assert all(res["on"]["optimizer"] == {True: {0: "FP16_UnfusedOptimizer"}.get(stage, "DeepSpeedZeroOptimizer"),
+                                          "fp32-accum": "BF16_Optimizer"}[bf16] for res in results), results[0]["on"]
     for group in ([results[r] for r in range(4) if r // ep == g] for g in range(4 // ep)):   # one EP group each
         before, after, off, on = {}, {}, {}, {}
         for r in group:

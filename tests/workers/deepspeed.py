@@ -40,10 +40,13 @@ class TinyMoEModel(nn.Module):
         return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1) + 0.01 * aux
 
 
-def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, bf16: bool = False) -> Dict[str, Any]:
+def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, bf16: Any = False) -> Dict[str, Any]:
+    """``bf16``: True for DeepSpeed's bf16; ``"fp32-accum"`` with fp32 gradient accumulation too (at ZeRO 1,
+    DeepSpeed's BF16_Optimizer)."""
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if bf16 else {})}
+           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if bf16 else {}),
+           **({"data_types": {"grad_accum_dtype": "fp32"}} if bf16 == "fp32-accum" else {})}
     if plugin is not None:
         cfg["moe_plugins"] = plugin
     return cfg

@@ -64,9 +64,12 @@ def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
     their fp32 masters and Adam moments, read whole through DeepSpeed's ``safe_get_full_*`` (collective)."""
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
-    if masters:                # DeepSpeed links the parameters to their optimizer state fragments lazily
-        zero = engine.optimizer
-        for params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+    zero = engine.optimizer
+    unfused = {id(p): m for low, high in zip(getattr(zero, "fp16_groups", []), getattr(zero, "fp32_groups", []))
+               for p, m in zip(low, high)} if masters and hasattr(zero, "fp16_groups") else {}   # bf16 at ZeRO 0
+    if masters and not unfused:  # DeepSpeed links the parameters to their optimizer state fragments lazily
+        from moe_plugins.patches.deepspeed_zero_state import layout      # ZeRO 1/2's names or BF16_Optimizer's
+        for params, flat in zip(*layout(zero)[:2]):
             lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
     moe = engine.module.moe
     rank = groups._get_expert_parallel_rank(moe.expert_group_name)
@@ -76,7 +79,12 @@ def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
     for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
         for n, p in expert.named_parameters():
             out[f"{ids[i]}.{n}"] = p.detach().clone()
-            if masters:
+            if id(p) in unfused:          # FP16_UnfusedOptimizer: a master per parameter, Adam's state keyed by it
+                main = unfused[id(p)]
+                out[f"{ids[i]}.{n}.fp32"] = main.detach().clone()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out[f"{ids[i]}.{n}.{key}"] = zero.optimizer.state[main][key].clone()
+            elif masters:
                 out[f"{ids[i]}.{n}.fp32"] = safe_get_full_fp32_param(p).clone()
                 for key in ("exp_avg", "exp_avg_sq"):
                     out[f"{ids[i]}.{n}.{key}"] = safe_get_full_optimizer_state(p, key).clone()
@@ -101,7 +109,8 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
             out[name] = _train_tracking(engine, layer, seed, range(steps), force,
                                         torch.bfloat16 if bf16 else torch.float32)
             homes = layer.schedule.homes if layer is not None else None
-            out[name]["experts"] = by_expert(engine, homes, masters=bf16)
+            out[name]["experts"] = by_expert(engine, homes, masters=bool(bf16))
+            out[name]["optimizer"] = type(engine.optimizer).__name__
             if handle is not None:
                 out[name]["moves"] = handle.hecate.resharders[0].resharder.rounds
                 out[name]["stock"] = layer.schedule.stock_homes()
