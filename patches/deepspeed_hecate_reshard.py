@@ -2,8 +2,8 @@
 Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
 
 - :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2 in
-  fp32 or bf16 (the bf16 model's fp32 masters move as below), without optimizer offload (fp16 and offload keep master copies elsewhere, which the move
-  does not reach). One line per problem, naming the field.
+  fp32 or bf16 (the bf16 model's fp32 masters move as below), without optimizer offload (fp16 and offload keep
+  master copies elsewhere, which the move does not reach). One line per problem, naming the field.
 - ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
   master partition and its Adam moments are flat tensors of the same layout; with the expert group on one rank
   (expert-DP 1: ``ep_size`` = world) each expert parameter's slices of those move with it, in place. An expert
@@ -176,6 +176,10 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
             from moe_plugins.patches.deepspeed_zero_state import GatheredState
             return None, GatheredState(opt)
         return None, zero_views(opt)
+    if hasattr(opt, "fp32_groups_flat"):                 # FP16_Optimizer: bf16 at ZeRO 0 with a fused Adam
+        raise ValueError(f"{FIELD}: DeepSpeed wraps a fused optimizer in its FP16_Optimizer in bf16 at "
+                         "zero_optimization.stage 0 (flat fp32 masters, not moved): set optimizer.params.torch_adam "
+                         "true, or use ZeRO stage 1 or 2")
     if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"{FIELD}: the engine's optimizer ({type(opt).__qualname__}) is not a torch optimizer "
                          "keyed by the parameters; re-sharding moves that optimizer's state")

@@ -80,9 +80,9 @@ def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: s
         problems.append(f"{PATH} does not support zero_optimization.offload_optimizer (not checked)")
     if stage in (1, 2) and getattr(cfg.zero_config, "zenflow", None) is not None:
         problems.append(f"{PATH} does not support zero_optimization.zenflow")
-    if stage == 0 and engine.bfloat16_enabled():
-        problems.append(f"{PATH} does not support bf16 with ZeRO 0: DeepSpeed's BF16_Optimizer reduces its own fp32 "
-                        "copies of the gradients, not the gradients Lina reduces")
+    if stage == 1 and engine.bfloat16_enabled() and engine.get_data_types()[1] == torch.float32:
+        problems.append(f"{PATH} does not support bf16 with data_types.grad_accum_dtype fp32 at ZeRO 1: DeepSpeed's "
+                        "BF16_Optimizer reduces its own fp32 copies of the gradients, not the gradients Lina reduces")
     grad_dtype, comm_dtype = _grad_dtype(engine, model), engine.communication_data_type
     if grad_dtype is not None and comm_dtype != grad_dtype:
         problems.append(f"{PATH} needs communication_data_type equal to the gradients' dtype ({grad_dtype}); got "

@@ -4,8 +4,9 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 (DeepSpeed expert modules), and expert-DP grows by p (moe_plugins/lina/packing.py). The pieces:
 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
-  :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 (DeepSpeed's fp16 and
-  bf16 optimizers keep flat master copies), ZeRO stage 0, 1 or 2, the ``baseline`` schedule at an integer
+  :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 or bf16 (DeepSpeed's
+  fp16 optimizer and its BF16_Optimizer, bf16 with fp32 gradient accumulation at ZeRO 1, are not rebuilt),
+  ZeRO stage 0, 1 or 2, the ``baseline`` schedule at an integer
   pipeline degree with MP 1 and ESP 1, no Hecate, Lancet's batch partitions with a fixed packing only (their calls run no timed schedule steps), and
   ``"auto"`` only off CUDA (its probe times micro-ops by the wall clock).
 - :func:`regroup_deepspeed`: the controller's regroup (:class:`moe_plugins.lina.packer.PackingController`) for
@@ -24,7 +25,8 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
   ``step`` calls ``step_end`` at every gradient-accumulation boundary ("auto" checks at steps 10, 14, ...);
   ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call, packed again
   after), so the files are stock DeepSpeed's both ways. A regroup once ZeRO 1/2 built its optimizer rebuilds that
-  optimizer around it (patches/deepspeed_zero_state.py), each parameter's master value and moments carried whole.
+  optimizer around it (patches/deepspeed_zero_state.py), each parameter's master value and moments carried whole;
+  in bf16 at ZeRO 0 so is DeepSpeed's ``FP16_UnfusedOptimizer`` (an fp32 master per parameter).
 
 Gradients need no rescaling: DeepSpeed 0.19.8 divides expert gradients by the DP world size, not the expert-DP
 size (ZeRO 0: ``DeepSpeedEngine._reduce_expert_gradients``; ZeRO 1/2: ``gradient_reduction_w_predivide``).
@@ -67,7 +69,10 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
     if stage not in (0, 1, 2):
         problems.append(f"{what} runs on zero_optimization.stage 0, 1 or 2, and it is {stage}")
     problems += precision_problems(engine, what, "whose optimizer is rebuilt around a regroup, the fp32 masters "
-                                   "carried", "packing does not resize")
+                                   "carried", "packing does not resize", bf16_zero0=True)
+    if engine.bfloat16_enabled() and stage == 1 and engine.get_data_types()[1] == torch.float32:
+        problems.append(f"{what} does not rebuild DeepSpeed's BF16_Optimizer (bf16 at zero_optimization.stage 1 "
+                        "with data_types.grad_accum_dtype fp32): accumulate in bf16, or use stage 2")
     if cfg.schedule not in SCHEDULES:
         problems.append(f"{what} runs the schedule {' or '.join(map(repr, SCHEDULES))}, and "
                         f"{SECTION}.schedule is {cfg.schedule!r}")
@@ -233,6 +238,8 @@ class EnginePacker:
         return zero
 
     def _control(self, optimizer: Any) -> None:
+        if _unfused(optimizer):                # bf16 at ZeRO 0: the torch optimizer inside steps the masters
+            optimizer = optimizer.optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"{FIELD} ({self.lina.packing!r}) moves the state of a torch optimizer keyed by the "
                              f"parameters; the engine's optimizer is {type(optimizer).__qualname__}")
@@ -244,7 +251,9 @@ class EnginePacker:
     def _regroup(self, layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any]) -> None:
         """The controller's regroup; once ZeRO 1/2 built its optimizer, that optimizer is rebuilt around it
         (patches/deepspeed_zero_state.py), the experts' master values and state moving with them."""
-        if not self._zero_built:
+        if _unfused(self.engine.optimizer):
+            self._regroup_unfused(layers, groups)
+        elif not self._zero_built:
             regroup_deepspeed(layers, groups, optimizer, register=self.register, engine_for=self.engine_for)
             self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}   # ZeRO names them
         else:
@@ -264,6 +273,24 @@ class EnginePacker:
         if self.reducer is not None and layers[0].rec.engine is not self.reducer.engine:
             self.reducer.engine = layers[0].rec.engine    # one engine orders the exchanges and the micro-ops
 
+    def _regroup_unfused(self, layers: List[PackedLayer], groups: MoEProcessGroups) -> None:
+        """bf16 at ZeRO 0 (``FP16_UnfusedOptimizer``): taken off the model, every master and its moments carried
+        (the experts' through the regroup), and built anew on the regrouped parameters by the engine, as its
+        ``_configure_optimizer`` does (patches/deepspeed_zero_state.py)."""
+        from moe_plugins.patches import deepspeed_zero_state as zero_state
+        taken: Dict[str, Any] = {}
+
+        def release():
+            taken["basic"], taken["carried"], taken["scalars"] = zero_state.unfused_release(self.engine.optimizer)
+            return taken["basic"], taken["carried"]
+        dtype = self.engine.optimizer.fp16_groups[0][0].dtype
+        regroup_deepspeed(layers, groups, None, register=self.register, engine_for=self.engine_for,
+                          before_move=release)
+        if taken:
+            self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
+            self.engine.optimizer = self.engine._configure_fp16_optimizer(taken["basic"], dtype)
+            zero_state.unfused_restore(self.engine.optimizer, taken["carried"], taken["scalars"])
+
     def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         before = self.engine.global_steps
         out = original(*args, **kwargs)
@@ -282,3 +309,8 @@ class EnginePacker:
     def _stock(self) -> ContextManager[None]:
         """Inside: the experts on the stock layout (collective on the way in and out when packed)."""
         return self.controller.unpacked() if self.controller is not None else nullcontext()
+
+
+def _unfused(optimizer: Any) -> bool:
+    """DeepSpeed's ``FP16_UnfusedOptimizer`` (bf16 at ZeRO 0): per-parameter fp32 masters in ``fp32_groups``."""
+    return isinstance(getattr(optimizer, "fp32_groups", None), list) and hasattr(optimizer, "fp16_groups")

@@ -175,3 +175,41 @@ def _link_state(zero: Any) -> None:
     for params, flat in zip(groups, flats):
         lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
     zero._hp_optimizer_states_linked = True
+
+
+def unfused_release(opt: Any) -> Tuple[Any, Dict[int, Dict[str, torch.Tensor]], Dict[str, Any]]:
+    """DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (bf16 at ZeRO 0: ``fp16_groups`` of model parameters and
+    parallel ``fp32_groups`` of fp32 masters, which its torch optimizer steps and keys Adam's state by) taken off
+    the model, as :func:`release` does for ZeRO: returns its torch optimizer with the model's parameters back in
+    its groups and its state emptied, every parameter's master and moments whole by parameter id (``FP32`` and
+    the state keys: Lina's packing carries the expert ones through the regroup), and the scalar state (Adam's
+    ``step``)."""
+    basic = opt.optimizer
+    first = next((s for s in basic.state.values() if s), {})
+    keys = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
+    carried = {}
+    for low, high in zip(opt.fp16_groups, opt.fp32_groups):
+        for p, main in zip(low, high):
+            state = basic.state.get(main, {})
+            carried[id(p)] = {FP32: main.detach().clone(), **{k: state[k].clone() for k in keys if k in state}}
+    for group, low in zip(basic.param_groups, opt.fp16_groups):
+        group["params"] = list(low)
+    basic.state.clear()
+    return basic, carried, {k: v for k, v in first.items() if k not in keys}
+
+
+def unfused_restore(opt: Any, carried: Dict[int, Dict[str, torch.Tensor]], scalars: Dict[str, Any]) -> None:
+    """The ``FP16_UnfusedOptimizer`` the engine built anew on the regrouped parameters: each master and its state
+    from ``carried`` (keyed by the parameters now; every one must have an entry)."""
+    missing = [tuple(p.shape) for low in opt.fp16_groups for p in low if id(p) not in carried]
+    if missing:
+        raise ValueError(f"moe_plugins.lina.packing: no carried master for parameters of shapes {missing}")
+    with torch.no_grad():
+        for low, high in zip(opt.fp16_groups, opt.fp32_groups):
+            for p, main in zip(low, high):
+                saved = dict(carried.pop(id(p)))
+                main.copy_(saved.pop(FP32))
+                if saved:
+                    opt.optimizer.state[main] = {**{k: v.clone() if torch.is_tensor(v) else v
+                                                    for k, v in scalars.items()},
+                                                 **{k: v.clone() for k, v in saved.items()}}

@@ -57,6 +57,16 @@ def test_dp2_bitwise_and_20_steps(world, stage, gas, zero, degree):
     _check(results, 0.0, True, 20, hooked)
 
 
+@pytest.mark.parametrize("gas", [1, 2])
+def test_bf16_at_zero_0(world, gas):
+    """bf16 at ZeRO 0: DeepSpeed 0.19.8 wraps the torch optimizer in its FP16_UnfusedOptimizer (an fp32 master per
+    parameter) and reduces the bf16 gradients at the boundary as at fp32 ZeRO 0; Lina's micro-ops (in bf16) give
+    them bitwise at DP 2 over 20 steps, the losses equal."""
+    results = world(2).run(jobs.compare, 0, gas, 20, LINA, None, 1, {"bf16": {"enabled": True}}, timeout_s=300)
+    assert all(g.dtype == torch.bfloat16 for g in results[0]["grads"][0]), [g.dtype for g in results[0]["grads"][0]]
+    _check(results, 0.0, True, 20, False)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_dp4_within_rounding(world, stage):
     """DeepSpeed on CPU reduces only fp32 and bf16 gradients (ZeRO 0 refuses fp64 ones, ZeRO 1/2 bucket them
@@ -87,13 +97,14 @@ def test_checkpoint_across_the_flag(world, tmp_path, save, load, stage):
 
 
 def _fake_engine(stage=2, contiguous=True, fp16=False, bf16=False, comm=torch.float32, prescale=False,
-                 predivide=1.0, offload=None, zenflow=None):
+                 predivide=1.0, offload=None, zenflow=None, accumulate=None):
     config = SimpleNamespace(prescale_gradients=prescale, gradient_predivide_factor=predivide,
                              zero_config=SimpleNamespace(zenflow=zenflow))
     return SimpleNamespace(_config=config, zero_optimization_stage=lambda: stage,
                            zero_contiguous_gradients=lambda: contiguous, zero_offload_optimizer=lambda: offload,
                            fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: bf16, communication_data_type=comm,
-                           sequence_parallel_size=1)
+                           sequence_parallel_size=1,
+                           get_data_types=lambda: (torch.bfloat16 if bf16 else torch.float32, accumulate or comm))
 
 
 def test_settings_lina_cannot_reproduce_are_all_named():
@@ -112,8 +123,11 @@ def test_settings_lina_cannot_reproduce_are_all_named():
     assert len(more) == 3 and all(field in text for field, text in zip(
         ("zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer", "zero_optimization.zenflow"),
         more)), more
-    assert "bf16 with ZeRO 0" in config_problems(_fake_engine(stage=0, bf16=True, comm=torch.bfloat16),
-                                                 model[:1].bfloat16(), LinaConfig(), "0.19.8")[0]
+    assert config_problems(_fake_engine(stage=0, bf16=True, comm=torch.bfloat16), model[:1].bfloat16(),
+                           LinaConfig(), "0.19.8") == []                 # FP16_UnfusedOptimizer: test_bf16_at_zero_0
+    assert "BF16_Optimizer reduces its own fp32 copies" in config_problems(
+        _fake_engine(stage=1, bf16=True, comm=torch.bfloat16, accumulate=torch.float32), model[:1].bfloat16(),
+        LinaConfig(), "0.19.8")[0]
     assert config_problems(_fake_engine(stage=2), model[:1].float(), LinaConfig(), "0.19.8") == []
 
 

@@ -86,16 +86,18 @@ def test_packed_training_equals_stock_deepspeed(world, packing, ep, k, stage, ga
             assert torch.equal(value, on_experts[name]), name
 
 
-@pytest.mark.parametrize("packing,stage", [(2, 2), ("auto", 1)], ids=["p2-zero2", "auto-zero1"])
+@pytest.mark.parametrize("packing,stage", [(2, 2), ("auto", 1), (2, 0), ("auto", 0)],
+                         ids=["p2-zero2", "auto-zero1", "p2-zero0", "auto-zero0"])
 def test_bf16_packing_under_zero_1_2(world, packing, stage):
     """DeepSpeed's bf16 under ZeRO 1/2 (the model in bf16, ZeRO's flat partitions its fp32 masters): a fixed p
     regroups before ZeRO partitions; "auto" rebuilds the ZeRO optimizer around the regroup with every expert's
-    fp32 master and moments carried whole. 20 steps track stock DeepSpeed's bf16 run (losses within 2e-2
-    relative; the packed copies' gradients are summed over the grown expert-DP), every expert's fp32 master and
-    moments by global id within 5e-2 of stock's, and the replicas of each expert (values, master, moments) are
-    bitwise equal. Unpacked and packed again after the run (two more regroups, each rebuilding the ZeRO
-    optimizer), every expert's values, master and moments are bitwise what they were (masters re-made from the
-    bf16 values would not be)."""
+    fp32 master and moments carried whole. At ZeRO 0 (DeepSpeed's FP16_UnfusedOptimizer in bf16: an fp32 master
+    per parameter) both rebuild that optimizer around the regroup, every master and its moments carried. 20 steps
+    track stock DeepSpeed's bf16 run (losses within 2e-2 relative; the packed copies' gradients are summed over the
+    grown expert-DP), every expert's fp32 master and moments by global id within 5e-2 of stock's, and the replicas
+    of each expert (values, master, moments) are bitwise equal. Unpacked and packed again after the run (two more
+    regroups, each rebuilding the ZeRO optimizer), every expert's values, master and moments are bitwise what they
+    were (masters re-made from the bf16 values would not be)."""
     results = world(4).run(jobs.train_vs_stock, packing, 4, 1, 3, STEPS, stage, 1, 1, None, True)
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
@@ -174,7 +176,10 @@ def test_config_problems_name_every_field():
                                    bfloat16_enabled=lambda: True, device=torch.device("cpu")) for stage in (0, 2)}
     plain = PluginConfig.from_dict({"lina": {"packing": 2}}, **config_choices())
     assert config_problems(bf16[2], plain, LinaConfig.from_dict(plain.lina)) == []      # bf16 at ZeRO 1/2 packs
-    assert config_problems(bf16[0], plain, LinaConfig.from_dict(plain.lina)) == [
-        "moe_plugins.lina.packing (2) runs in bf16 on ZeRO stage 1 or 2 (whose optimizer is rebuilt around a "
-        "regroup, the fp32 masters carried), and zero_optimization.stage is 0: DeepSpeed's BF16_Optimizer keeps "
-        "master copies that packing does not resize"]
+    assert config_problems(bf16[0], plain, LinaConfig.from_dict(plain.lina)) == []      # and at ZeRO 0
+    accumulating = SimpleNamespace(zero_optimization_stage=lambda: 1, fp16_enabled=lambda: False,
+                                   bfloat16_enabled=lambda: True, device=torch.device("cpu"),
+                                   get_data_types=lambda: (torch.bfloat16, torch.float32))
+    assert config_problems(accumulating, plain, LinaConfig.from_dict(plain.lina)) == [
+        "moe_plugins.lina.packing (2) does not rebuild DeepSpeed's BF16_Optimizer (bf16 at zero_optimization.stage "
+        "1 with data_types.grad_accum_dtype fp32): accumulate in bf16, or use stage 2"]

@@ -180,3 +180,17 @@ def test_a_killed_rank_under_two_torchrun_nodes_takes_the_job_down(tmp_path):
                 for p in psutil.Process(a.pid).children(recursive=True) + [psutil.Process(a.pid)]:
                     p.send_signal(signal.SIGKILL)
                 a.wait()
+
+
+def test_a_pool_job_whose_result_cannot_be_sent_fails_at_once(world):
+    """The test pool pickles each rank's result before queueing it: torch refuses to send a non-leaf tensor that
+    requires grad, and in the queue's feeder thread that error was printed and the result lost, so the parent
+    waited out its whole timeout (a hang seen in session 32). Now the job fails with torch's message at once,
+    and the pool runs the next job."""
+    from moe_plugins.tools.pool import WorkerError
+    from tests.workers import pool_jobs
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="Cowardly refusing to serialize non-leaf tensor"):
+        world(2).run(pool_jobs.unsendable, timeout_s=300)
+    assert time.monotonic() - start < 60
+    assert world(2).run(pool_jobs.rank) == [0, 1]

@@ -13,6 +13,7 @@ import queue
 import socket
 import traceback
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
@@ -48,7 +49,11 @@ def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], t
             break
         job_id, fn, args, kwargs = job
         try:
-            results.put((job_id, rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            # pickled here as the queue's feeder thread would: there an error is printed and the result lost,
+            # and the parent would wait for it until its timeout
+            ForkingPickler.dumps(value)
+            results.put((job_id, rank, True, value))
         except Exception:  # reported to the parent, which raises WorkerError
             results.put((job_id, rank, False, traceback.format_exc()))
     import torch.distributed as dist

@@ -111,13 +111,14 @@ def run(cfg: Dict[str, Any], gas: int, steps: int) -> Dict[str, Any]:
 
 
 def compare(stage: int, gas: int, steps: int, lina: Dict[str, Any],
-            zero: Optional[Dict[str, Any]] = None, pipeline_degree: int = 1) -> Dict[str, Any]:
+            zero: Optional[Dict[str, Any]] = None, pipeline_degree: int = 1,
+            extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Stock (the plugin's section without ``lina``) and Lina on this rank: per optimizer step the largest
     difference of the reduced gradients, relative to each tensor's largest magnitude; whether all were bitwise
     equal; the losses, Lina's counters and the Lina run's ledger (every collective with its issue/start/end)."""
     init_deepspeed_comm()
-    stock = run(ds_config(stage, gas, None, zero, pipeline_degree=pipeline_degree), gas, steps)
-    on = run(ds_config(stage, gas, lina, zero, pipeline_degree=pipeline_degree), gas, steps)
+    stock = run(ds_config(stage, gas, None, zero, extra, pipeline_degree=pipeline_degree), gas, steps)
+    on = run(ds_config(stage, gas, lina, zero, extra, pipeline_degree=pipeline_degree), gas, steps)
     diffs, bitwise = [], True
     for a_step, b_step in zip(stock["grads"], on["grads"]):
         if len(a_step) != len(b_step) or not any(t.abs().sum() > 0 for t in a_step):
@@ -127,7 +128,7 @@ def compare(stage: int, gas: int, steps: int, lina: Dict[str, Any],
         bitwise &= all(torch.equal(a, b) for a, b in zip(a_step, b_step))
     return {"diffs": diffs, "bitwise": bitwise, "steps": (len(stock["grads"]), len(on["grads"])),
             "stock_losses": stock["losses"], "lina_losses": on["losses"], "lina": on["lina"],
-            "stock_lina": stock["lina"], "records": on["records"],
+            "stock_lina": stock["lina"], "records": on["records"], "grads": on["grads"][:1],
             "left": (on["left_after_destroy"], on["left_patched"])}
 
 

@@ -21,13 +21,18 @@ def section(packing: Union[int, str], **extra: Any) -> Dict[str, Any]:
 
 def by_expert(engine) -> Dict[str, torch.Tensor]:
     """The experts' parameters and their Adam moments keyed by global id, on whatever layout the layer is (at ZeRO
-    1/2 the moments gathered whole from ZeRO's partitions: collective)."""
+    1/2 the moments gathered whole from ZeRO's partitions: collective; in bf16 at ZeRO 0 the fp32 master of
+    DeepSpeed's FP16_UnfusedOptimizer and its moments, as ``fp32`` and by key)."""
     from deepspeed.utils import groups
 
     from moe_plugins.patches.deepspeed_zero_state import snapshot
     moe = engine.module.moe
     rank = groups._get_expert_parallel_rank(moe.expert_group_name)
     zero = snapshot(engine.optimizer).values if engine.zero_optimization_stage() else None
+    opt = engine.optimizer
+    if zero is None and hasattr(opt, "fp16_groups"):          # FP16_UnfusedOptimizer: a master per parameter
+        zero = {id(p): {"fp32": main.detach(), **opt.optimizer.state.get(main, {})}
+                for low, high in zip(opt.fp16_groups, opt.fp32_groups) for p, main in zip(low, high)}
     out = {}
     for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
         for n, p in expert.named_parameters():
