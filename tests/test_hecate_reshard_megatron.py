@@ -16,6 +16,17 @@ WORLD = 4
 JOB_TIMEOUT_S = 1800
 
 
+def _moved_bitwise(results, half) -> None:
+    """Every expert's state by global id just before and after the move by hand: the same keys (Adam's moments
+    among them, and masters exactly when ``half``), each bitwise equal."""
+    before, after = ({k: v for res in results for k, v in res["plugin"]["forced"][when].items()}
+                     for when in ("before", "after"))
+    assert set(before) == set(after) and any(k.endswith("exp_avg_sq") for k in before)
+    assert any(k.endswith("main_param") for k in before) == bool(half)
+    assert all(torch.equal(before[k], after[k]) for k in before), \
+        [k for k in before if not torch.equal(before[k], after[k])]
+
+
 def _merged(results, role: str, key: str):
     out = {}
     for res in results:
@@ -113,12 +124,7 @@ def test_the_distributed_optimizer_at_expert_dp_1(world, bf16):
     (losses 2e-2 relative, masters and moments 5e-2)."""
     steps = 12
     results = world(WORLD).run(jobs.train_vs_stock, 1, 4, 2, steps, (3, 2, 1, 0), bf16, True, timeout_s=JOB_TIMEOUT_S)
-    before, after = ({k: v for res in results for k, v in res["plugin"]["forced"][when].items()}
-                     for when in ("before", "after"))
-    assert set(before) == set(after) and any(k.endswith("exp_avg_sq") for k in before)
-    assert any(k.endswith("main_param") for k in before) == bf16
-    assert all(torch.equal(before[k], after[k]) for k in before), \
-        [k for k in before if not torch.equal(before[k], after[k])]
+    _moved_bitwise(results, bf16)
     for rank, res in enumerate(results):
         stock, plugin = res["stock"], res["plugin"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], plugin["losses"]))
@@ -156,12 +162,7 @@ def test_the_distributed_optimizer_at_expert_dp_2(world, tp, bf16):
     assert tp > 1 or any(0 < end - start < n for res in results for slot in res["plugin"]["pieces"]
                          for (start, end), n in zip(slot, [jobs.H * jobs.M, jobs.H, jobs.M * jobs.H, jobs.M])), \
         "no parameter split"
-    before, after = ({k: v for res in results for k, v in res["plugin"]["forced"][when].items()}
-                     for when in ("before", "after"))
-    assert set(before) == set(after) and any(k.endswith("exp_avg_sq") for k in before)
-    assert any(k.endswith("main_param") for k in before) == bool(bf16)
-    assert all(torch.equal(before[k], after[k]) for k in before), \
-        [k for k in before if not torch.equal(before[k], after[k])]
+    _moved_bitwise(results, bf16)
     for rank, res in enumerate(results):
         stock, plugin = res["stock"], res["plugin"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], plugin["losses"]))
