@@ -11,7 +11,7 @@ Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, r
   are gathered whole for the move (collective), moved with the experts, and this rank's slices written back
   after it (:class:`moe_plugins.patches.deepspeed_zero_state.GatheredState`); so for ``BF16_Optimizer`` (bf16
   with fp32 gradient accumulation), whose flat fp32 partitions over DP are ZeRO 1's layout. bf16 at ZeRO 0 runs
-  ``FP16_UnfusedOptimizer``: an fp32 master per parameter, moved with it (:func:`unfused_masters`).
+  ``FP16_UnfusedOptimizer``: an fp32 master per parameter, moved with it (:func:`unfused_views`).
 - :class:`EngineResharder`: after the engine configured its model, wraps three methods of that engine (instance
   attributes, taken off by :meth:`EngineResharder.remove`):
 
@@ -41,7 +41,7 @@ from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME, reshard_interval
 from moe_plugins.hecate.rehome import Extra, Resharder
 from moe_plugins.hecate.pool import SlotPool
-from moe_plugins.patches.deepspeed_zero_state import precision_problems
+from moe_plugins.patches.deepspeed_zero_state import precision_problems, unfused, unfused_masters
 
 logger = logging.getLogger(__name__)
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -160,7 +160,7 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
     """What moves besides the parameters: (a torch optimizer keyed by them (ZeRO 0), or None; the ZeRO 1/2
     views (expert groups on one rank each), or the whole master values and moments gathered for the move and
     written back after it (an expert group partitioned over expert-DP > 1, or BF16_Optimizer's:
-    patches/deepspeed_zero_state.py), or the per-parameter masters of bf16 at ZeRO 0 (:func:`unfused_masters`),
+    patches/deepspeed_zero_state.py), or the per-parameter masters of bf16 at ZeRO 0 (:func:`unfused_views`),
     or None)."""
     opt = getattr(engine, "optimizer", None)
     if opt is None:
@@ -168,8 +168,8 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
     if hasattr(opt, "fp32_groups_flat_partition"):       # BF16_Optimizer: ZeRO 1's layout (deepspeed_zero_state)
         from moe_plugins.patches.deepspeed_zero_state import GatheredState
         return None, GatheredState(opt)
-    if isinstance(getattr(opt, "fp32_groups", None), list) and hasattr(opt, "fp16_groups"):
-        return None, unfused_masters(opt)                  # FP16_UnfusedOptimizer: bf16 at ZeRO 0
+    if unfused(opt):                                     # FP16_UnfusedOptimizer: bf16 at ZeRO 0
+        return None, unfused_views(opt)
     if int(engine.zero_optimization_stage()) in (1, 2):
         if any(opt.is_moe_group(g) and dist.get_world_size(group=pg) > 1
                for g, pg in zip(opt.optimizer.param_groups, opt.real_dp_process_group)):
@@ -186,11 +186,11 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
     return opt, None
 
 
-def unfused_masters(opt: Any) -> Extra:
+def unfused_views(opt: Any) -> Extra:
     """For DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (bf16 at ZeRO 0: ``fp16_groups`` of model parameters,
     parallel ``fp32_groups`` of fp32 masters that its torch optimizer steps and keys Adam's state by): a
     parameter's master and the master's moments, whole (nothing is partitioned)."""
-    master = {id(p): m for low, high in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(low, high)}
+    master = unfused_masters(opt)
 
     def views(param: torch.nn.Parameter) -> List[torch.Tensor]:
         main = master.get(id(param))

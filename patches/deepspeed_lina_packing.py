@@ -51,7 +51,7 @@ from moe_plugins.lina.modules import Carried, regroup_modules, resize_experts
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
-from moe_plugins.patches.deepspeed_zero_state import precision_problems
+from moe_plugins.patches.deepspeed_zero_state import precision_problems, unfused
 from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -238,7 +238,7 @@ class EnginePacker:
         return zero
 
     def _control(self, optimizer: Any) -> None:
-        if _unfused(optimizer):                # bf16 at ZeRO 0: the torch optimizer inside steps the masters
+        if unfused(optimizer):                # bf16 at ZeRO 0: the torch optimizer inside steps the masters
             optimizer = optimizer.optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"{FIELD} ({self.lina.packing!r}) moves the state of a torch optimizer keyed by the "
@@ -251,7 +251,7 @@ class EnginePacker:
     def _regroup(self, layers: List[PackedLayer], groups: MoEProcessGroups, optimizer: Optional[Any]) -> None:
         """The controller's regroup; once ZeRO 1/2 built its optimizer, that optimizer is rebuilt around it
         (patches/deepspeed_zero_state.py), the experts' master values and state moving with them."""
-        if _unfused(self.engine.optimizer):
+        if unfused(self.engine.optimizer):
             self._regroup_unfused(layers, groups)
         elif not self._zero_built:
             regroup_deepspeed(layers, groups, optimizer, register=self.register, engine_for=self.engine_for)
@@ -310,7 +310,3 @@ class EnginePacker:
         """Inside: the experts on the stock layout (collective on the way in and out when packed)."""
         return self.controller.unpacked() if self.controller is not None else nullcontext()
 
-
-def _unfused(optimizer: Any) -> bool:
-    """DeepSpeed's ``FP16_UnfusedOptimizer`` (bf16 at ZeRO 0): per-parameter fp32 masters in ``fp32_groups``."""
-    return isinstance(getattr(optimizer, "fp32_groups", None), list) and hasattr(optimizer, "fp16_groups")

@@ -177,6 +177,17 @@ def _link_state(zero: Any) -> None:
     zero._hp_optimizer_states_linked = True
 
 
+def unfused(opt: Any) -> bool:
+    """Whether ``opt`` is DeepSpeed's ``FP16_UnfusedOptimizer`` (bf16 at ZeRO 0): per-parameter fp32 masters in
+    ``fp32_groups``, parallel to its ``fp16_groups``."""
+    return isinstance(getattr(opt, "fp32_groups", None), list) and hasattr(opt, "fp16_groups")
+
+
+def unfused_masters(opt: Any) -> Dict[int, torch.Tensor]:
+    """``FP16_UnfusedOptimizer`` ``opt``'s fp32 master of each model parameter, by parameter id."""
+    return {id(p): main for low, high in zip(opt.fp16_groups, opt.fp32_groups) for p, main in zip(low, high)}
+
+
 def unfused_release(opt: Any) -> Tuple[Any, Dict[int, Dict[str, torch.Tensor]], Dict[str, Any]]:
     """DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (bf16 at ZeRO 0: ``fp16_groups`` of model parameters and
     parallel ``fp32_groups`` of fp32 masters, which its torch optimizer steps and keys Adam's state by) taken off
@@ -188,10 +199,9 @@ def unfused_release(opt: Any) -> Tuple[Any, Dict[int, Dict[str, torch.Tensor]], 
     first = next((s for s in basic.state.values() if s), {})
     keys = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
     carried = {}
-    for low, high in zip(opt.fp16_groups, opt.fp32_groups):
-        for p, main in zip(low, high):
-            state = basic.state.get(main, {})
-            carried[id(p)] = {FP32: main.detach().clone(), **{k: state[k].clone() for k in keys if k in state}}
+    for key, main in unfused_masters(opt).items():
+        state = basic.state.get(main, {})
+        carried[key] = {FP32: main.detach().clone(), **{k: state[k].clone() for k in keys if k in state}}
     for group, low in zip(basic.param_groups, opt.fp16_groups):
         group["params"] = list(low)
     basic.state.clear()
