@@ -32,7 +32,7 @@ import torch
 
 from moe_plugins.core.patcher import Patch
 from moe_plugins.patches.megatron_masters import MAIN
-from moe_plugins.patches.megatron_pieces import pieces, state_keys, whole_state, write_piece
+from moe_plugins.patches.megatron_pieces import first_state, pieces, state_keys, whole_state, write_piece
 
 Groups = List[Tuple[Dict[str, Any], List[torch.nn.Parameter]]]
 
@@ -61,8 +61,7 @@ class DistributedExperts:
         ids, ``group`` the packed expert-DP group."""
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         opt, torch_opt = self.opt, self.opt.optimizer
-        first = next((s for s in torch_opt.state.values() if s), {})
-        scalars = {k: v for k, v in first.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        scalars = {k: v for k, v in first_state(torch_opt).items() if not (torch.is_tensor(v) and v.dim() > 0)}
         index = {id(p): i for i, (_, params) in enumerate(self.groups) for p in params}
         dropped = {id(p) for p in before} - {id(p) for p in after}
         groups = [({k: v for k, v in live.items() if k != "params"}, [p for p in params if id(p) not in dropped])

@@ -62,10 +62,14 @@ def pieces(opt: Any, params: Sequence[torch.nn.Parameter]) -> Dict[int, Piece]:
     return out
 
 
+def first_state(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The torch optimizer's state of its first stepped tensor (empty before any step)."""
+    return next((s for s in optimizer.state.values() if s), {})
+
+
 def state_keys(optimizer: torch.optim.Optimizer) -> List[str]:
     """The torch optimizer's state tensors (Adam's moments): the same on every rank once it has stepped."""
-    first = next((s for s in optimizer.state.values() if s), {})
-    return sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
+    return sorted(k for k, v in first_state(optimizer).items() if torch.is_tensor(v) and v.dim() > 0)
 
 
 def whole_state(piece: Piece, param: torch.nn.Parameter, keys: Sequence[str]) -> torch.Tensor:
@@ -137,4 +141,4 @@ def write_piece(piece: Piece, param: torch.nn.Parameter, master: torch.Tensor,
                 state[key] = part.clone()
 
 
-__all__ = ["GatheredPieces", "Piece", "pieces", "state_keys", "whole_state", "write_piece"]
+__all__ = ["GatheredPieces", "Piece", "first_state", "pieces", "state_keys", "whole_state", "write_piece"]
