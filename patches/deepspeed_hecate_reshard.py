@@ -1,17 +1,19 @@
 """Hecate's re-sharding (``"hecate": {"reshard_every": n}``) on a DeepSpeed engine: Algorithm 2 re-homes each
 Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
 
-- :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2 in
-  fp32 or bf16 (the bf16 model's fp32 masters move as below), without optimizer offload (fp16 and offload keep
-  master copies elsewhere, which the move does not reach). One line per problem, naming the field.
+- :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2, in
+  fp32, bf16 or fp16 (the 16-bit model's fp32 masters move as below), without optimizer offload (it keeps master
+  copies on the host, which the move does not reach). One line per problem, naming the field.
 - ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
   master partition and its Adam moments are flat tensors of the same layout; with the expert group on one rank
   (expert-DP 1: ``ep_size`` = world) each expert parameter's slices of those move with it, in place. An expert
   group partitioned over expert-DP > 1 holds only a slice of each expert here: its master values and moments
   are gathered whole for the move (collective), moved with the experts, and this rank's slices written back
   after it (:class:`moe_plugins.patches.deepspeed_zero_state.GatheredState`); so for ``BF16_Optimizer`` (bf16
-  with fp32 gradient accumulation), whose flat fp32 partitions over DP are ZeRO 1's layout. bf16 at ZeRO 0 runs
-  ``FP16_UnfusedOptimizer``: an fp32 master per parameter, moved with it (:func:`unfused_views`).
+  with fp32 gradient accumulation), whose flat fp32 partitions over DP are ZeRO 1's layout. fp16 and bf16 at
+  ZeRO 0 run ``FP16_UnfusedOptimizer`` (an fp32 master per parameter, moved with it: :func:`unfused_views`), or
+  around a fused Adam ``FP16_Optimizer`` (one flat fp32 master per group: :func:`fused_views`). The loss scale
+  (fp16) is the optimizer's and stays as it is.
 - :class:`EngineResharder`: after the engine configured its model, wraps three methods of that engine (instance
   attributes, taken off by :meth:`EngineResharder.remove`):
 
@@ -41,7 +43,7 @@ from moe_plugins.core.plugin_config import SECTION
 from moe_plugins.hecate.config import NAME, reshard_interval
 from moe_plugins.hecate.rehome import Extra, Resharder
 from moe_plugins.hecate.pool import SlotPool
-from moe_plugins.patches.deepspeed_zero_state import precision_problems, unfused, unfused_masters
+from moe_plugins.patches.deepspeed_zero_state import unfused, unfused_masters
 
 logger = logging.getLogger(__name__)
 FIELD = f"{SECTION}.{NAME}.reshard_every"
@@ -61,8 +63,7 @@ def reshard_problems(engine: Any, cfg: Any) -> List[str]:
     if offload:
         problems.append(f"{FIELD} ({every}) cannot run with zero_optimization.offload_optimizer: the master copies "
                         "it keeps on the host are not moved")
-    return problems + precision_problems(engine, f"{FIELD} ({every})", "whose flat fp32 master partitions move "
-                                         "with the experts", "are not moved", bf16_zero0=True)
+    return problems
 
 
 def check(engine: Any, cfg: Any) -> None:
@@ -160,15 +161,15 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
     """What moves besides the parameters: (a torch optimizer keyed by them (ZeRO 0), or None; the ZeRO 1/2
     views (expert groups on one rank each), or the whole master values and moments gathered for the move and
     written back after it (an expert group partitioned over expert-DP > 1, or BF16_Optimizer's:
-    patches/deepspeed_zero_state.py), or the per-parameter masters of bf16 at ZeRO 0 (:func:`unfused_views`),
-    or None)."""
+    patches/deepspeed_zero_state.py), or the masters of fp16/bf16 at ZeRO 0 (:func:`unfused_views`,
+    :func:`fused_views`), or None)."""
     opt = getattr(engine, "optimizer", None)
     if opt is None:
         return None, None
     if hasattr(opt, "fp32_groups_flat_partition"):       # BF16_Optimizer: ZeRO 1's layout (deepspeed_zero_state)
         from moe_plugins.patches.deepspeed_zero_state import GatheredState
         return None, GatheredState(opt)
-    if unfused(opt):                                     # FP16_UnfusedOptimizer: bf16 at ZeRO 0
+    if unfused(opt):                                     # FP16_UnfusedOptimizer: fp16/bf16 at ZeRO 0
         return None, unfused_views(opt)
     if int(engine.zero_optimization_stage()) in (1, 2):
         if any(opt.is_moe_group(g) and dist.get_world_size(group=pg) > 1
@@ -176,10 +177,8 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
             from moe_plugins.patches.deepspeed_zero_state import GatheredState
             return None, GatheredState(opt)
         return None, zero_views(opt)
-    if hasattr(opt, "fp32_groups_flat"):                 # FP16_Optimizer: bf16 at ZeRO 0 with a fused Adam
-        raise ValueError(f"{FIELD}: DeepSpeed wraps a fused optimizer in its FP16_Optimizer in bf16 at "
-                         "zero_optimization.stage 0 (flat fp32 masters, not moved): set optimizer.params.torch_adam "
-                         "true, or use ZeRO stage 1 or 2")
+    if hasattr(opt, "fp32_groups_flat"):                 # FP16_Optimizer: fp16/bf16 at ZeRO 0 with a fused Adam
+        return None, fused_views(opt)
     if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"{FIELD}: the engine's optimizer ({type(opt).__qualname__}) is not a torch optimizer "
                          "keyed by the parameters; re-sharding moves that optimizer's state")
@@ -187,7 +186,7 @@ def _optimizer(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Optional[E
 
 
 def unfused_views(opt: Any) -> Extra:
-    """For DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (bf16 at ZeRO 0: ``fp16_groups`` of model parameters,
+    """For DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (fp16/bf16 at ZeRO 0: ``fp16_groups`` of model parameters,
     parallel ``fp32_groups`` of fp32 masters that its torch optimizer steps and keys Adam's state by): a
     parameter's master and the master's moments, whole (nothing is partitioned)."""
     master = unfused_masters(opt)
@@ -217,11 +216,34 @@ def zero_views(opt: Any) -> Extra:
         if ranks != 1:
             raise ValueError(f"{FIELD}: ZeRO stage 1/2 partitions this expert group over {ranks} expert-DP ranks; "
                              "re-sharding there runs with expert-DP 1 (ep_size = world) or on ZeRO stage 0")
-        flat, fp32 = opt.bit16_groups_flat[i], opt.single_partition_of_fp32_groups[i]
-        start, n = (param.data_ptr() - flat.data_ptr()) // param.element_size(), param.numel()
-        state = opt.optimizer.state.get(fp32, {})
-        tensors = [fp32] + [state[k] for k in sorted(state, key=str) if torch.is_tensor(state[k])
-                            and state[k].shape == fp32.shape]
-        return [t.narrow(0, start, n).view(param.shape) for t in tensors]
+        fp32 = opt.single_partition_of_fp32_groups[i]
+        return _narrowed(param, opt.bit16_groups_flat[i], fp32, opt.optimizer.state.get(fp32, {}))
     return views
+
+
+def fused_views(opt: Any) -> Extra:
+    """For DeepSpeed's ``FP16_Optimizer`` ``opt`` (fp16 or bf16 at ZeRO 0 around a fused Adam: each group's
+    parameters are views of one flat 16-bit buffer, ``fp16_groups_flat``, and its torch optimizer steps one flat
+    fp32 master of the same layout, ``fp32_groups_flat``, keying Adam's state by it): a parameter's slices of
+    the master and of its moments, shaped like the parameter (nothing is partitioned at ZeRO 0)."""
+    index = {id(p): i for i, group in enumerate(opt.fp16_groups) for p in group}
+
+    def views(param: torch.nn.Parameter) -> List[torch.Tensor]:
+        i = index.get(id(param))
+        if i is None:
+            raise ValueError(f"{FIELD}: an expert parameter {tuple(param.shape)} is in no group of DeepSpeed's "
+                             f"{type(opt).__qualname__}")
+        fp32 = opt.fp32_groups_flat[i]
+        return _narrowed(param, opt.fp16_groups_flat[i], fp32, opt.optimizer.state.get(fp32, {}))
+    return views
+
+
+def _narrowed(param: torch.nn.Parameter, flat: torch.Tensor, fp32: torch.Tensor,
+              state: Mapping[str, Any]) -> List[torch.Tensor]:
+    """``param``'s slices (it is a view of ``flat``) of the flat master ``fp32`` laid out like ``flat``, and of
+    the optimizer ``state`` tensors shaped like it, each viewed in the parameter's shape."""
+    start, n = (param.data_ptr() - flat.data_ptr()) // param.element_size(), param.numel()
+    tensors = [fp32] + [state[k] for k in sorted(state, key=str) if torch.is_tensor(state[k])
+                        and state[k].shape == fp32.shape]
+    return [t.narrow(0, start, n).view(param.shape) for t in tensors]
 

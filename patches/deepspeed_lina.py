@@ -13,8 +13,12 @@ DeepSpeed's own dense collective then waits instead of running: ``DeepSpeedEngin
 (ZeRO 0) and ``DeepSpeedZeroOptimizer.average_tensor`` (ZeRO 1/2) first wait for the micro-ops of every dense
 gradient involved (submitting any not yet submitted), then run as stock with ``deepspeed.comm.all_reduce`` /
 ``reduce`` (SUM) on the DP group replaced by a no-op for the duration of the call. Collectives on other groups
-(expert-DP) run; divisions, partitions and bookkeeping stay DeepSpeed's, which divides the summed values (exact
-for a power-of-two DP size). Expert parameters (``allreduce=False``) are never touched.
+(expert-DP) run; partitions and bookkeeping stay DeepSpeed's, and so does the order of division and sum: where
+DeepSpeed sums, then divides (ZeRO 0; ZeRO 1/2 with ``reduce_scatter`` off), it divides Lina's sums; ZeRO 1/2's
+reduce-scatter path (the default) divides each bucket before its sum, so Lina divides each dense gradient when it
+submits it, the bucket's expert slices before DeepSpeed's call, and that call runs without its division. In fp16
+this is more than rounding: a sum of loss-scaled gradients overflows where the sum of the divided ones may not.
+Expert parameters (``allreduce=False``) are never reduced by Lina.
 
 Stock ZeRO 1/2 all-reduces each bucket too (``use_multi_rank_bucket_allreduce``, the default); with it off,
 it reduces each partition slice to its owner, and Lina's all-reduce then moves more bytes for the same result.
@@ -43,60 +47,16 @@ from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.microops import micro_op_bytes
 from moe_plugins.lina.reducer import GradReducer, PendingReduce
 from moe_plugins.patches import deepspeed_lina_packing as packing
+from moe_plugins.patches.deepspeed_lina_config import config_problems
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
-CHECKED_VERSION = "0.19.8"
 PATH = f"{SECTION}.lina"
 
 
 def _is_moe_param(param: torch.Tensor) -> bool:
     from deepspeed.moe.utils import is_moe_param
     return is_moe_param(param)
-
-
-def _grad_dtype(engine, model: torch.nn.Module) -> Optional[torch.dtype]:
-    if engine.fp16_enabled():
-        return torch.float16
-    if engine.bfloat16_enabled():
-        return torch.bfloat16
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-
-
-def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: str) -> List[str]:
-    """Every setting of this DeepSpeed engine Lina cannot reproduce exactly, each naming its field (read from
-    the engine's parsed config before anything is set up)."""
-    cfg, problems = engine._config, []
-    if version != CHECKED_VERSION:
-        problems.append(f"{PATH} needs DeepSpeed {CHECKED_VERSION}, the version its hooks were checked against; "
-                        f"found {version}")
-    stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
-        problems.append(f"{PATH} needs zero_optimization.stage 0, 1 or 2 (got {stage})")
-    if stage in (1, 2) and not engine.zero_contiguous_gradients():
-        problems.append(f"{PATH} needs zero_optimization.contiguous_gradients true with ZeRO {stage} (got false): "
-                        "without it DeepSpeed reduces through buffered_reduce_fallback, which Lina does not hook")
-    if stage in (1, 2) and engine.zero_offload_optimizer() is not None:
-        problems.append(f"{PATH} does not support zero_optimization.offload_optimizer (not checked)")
-    if stage in (1, 2) and getattr(cfg.zero_config, "zenflow", None) is not None:
-        problems.append(f"{PATH} does not support zero_optimization.zenflow")
-    if stage == 1 and engine.bfloat16_enabled() and engine.get_data_types()[1] == torch.float32:
-        problems.append(f"{PATH} does not support bf16 with data_types.grad_accum_dtype fp32 at ZeRO 1: DeepSpeed's "
-                        "BF16_Optimizer reduces its own fp32 copies of the gradients, not the gradients Lina reduces")
-    grad_dtype, comm_dtype = _grad_dtype(engine, model), engine.communication_data_type
-    if grad_dtype is not None and comm_dtype != grad_dtype:
-        problems.append(f"{PATH} needs communication_data_type equal to the gradients' dtype ({grad_dtype}); got "
-                        f"{comm_dtype}: Lina sums the gradients in their own dtype")
-    if cfg.prescale_gradients:
-        problems.append(f"{PATH} does not support prescale_gradients (true): Lina sums before DeepSpeed divides")
-    if cfg.gradient_predivide_factor != 1.0:
-        problems.append(f"{PATH} does not support gradient_predivide_factor ({cfg.gradient_predivide_factor}) != 1")
-    sparse = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.sparse]
-    if sparse:
-        problems.append(f"{PATH} does not support sparse gradients (nn.Embedding(sparse=True): {', '.join(sparse)})")
-    if getattr(engine, "sequence_parallel_size", 1) > 1:
-        problems.append(f"{PATH} does not support sequence parallelism (size {engine.sequence_parallel_size})")
-    return problems
 
 
 # deepspeed.comm's reductions (0.19.8) and their leading positional parameters; its timed_op wrapper hides them
@@ -126,6 +86,7 @@ class LinaEngine:
         self.handles: List[Any] = []
         self.submitted = self.skipped = self.passed = 0
         self.mode = ""
+        self.predivide: Optional[float] = None  # ZeRO 1/2's reduce-scatter path: divide, then sum (zero12)
         self.packer: Any = None                 # patches/deepspeed_lina_packing.EnginePacker when packing != 1
 
     # -- micro-ops -------------------------------------------------------------------------------------
@@ -136,6 +97,8 @@ class LinaEngine:
         if id(param) in self.pending:
             raise RuntimeError(f"{PATH}: a gradient was submitted twice before DeepSpeed reduced it (shape "
                                f"{tuple(param.shape)}); was backward run twice on one micro-batch?")
+        if self.predivide is not None:
+            grad.div_(self.predivide)
         self.pending[id(param)] = self.reducer.submit(grad.view(-1), self.dp)
         self.submitted += 1
 
@@ -197,6 +160,8 @@ class LinaEngine:
         """Patch the ZeRO 1/2 optimizer of this engine (its instance attributes)."""
         hooked = bool(zero.partition_gradients or zero.overlap_comm or zero.use_grad_accum_attribute)
         self.mode = "after-bucketing" if hooked else "boundary-hook"
+        if zero.reduce_scatter and zero.gradient_average:      # stock divides each bucket before it sums it
+            self.predivide = dist.get_world_size(group=zero.dp_process_group) / float(zero.sequence_parallel_size)
         original_ready, original_average = zero.reduce_ready_partitions_and_remove_grads, zero.average_tensor
 
         def reduce_ready_partitions_and_remove_grads(param, i):
@@ -215,7 +180,15 @@ class LinaEngine:
             bucket = zero.ipg_buckets[communication_data_type]
             params = [zero.bit16_groups[i][idx] for i, idx, _ in bucket.params]
             self.settle([p for p in params if not _is_moe_param(p)], zero.get_gradient_for_reduction)
-            with self.skipping(zero.dp_process_group):
+            undivided = contextlib.nullcontext()
+            if self.predivide is not None:     # the dense slices were divided at submit: the rest here, as stock
+                offset = 0                     # divides the whole bucket (its params' gradients back to back)
+                for p in params:
+                    if _is_moe_param(p):
+                        tensor.narrow(0, offset, p.numel()).div_(self.predivide)
+                    offset += p.numel()
+                undivided = Patcher([Patch(zero, "gradient_average", False)])
+            with undivided, self.skipping(zero.dp_process_group):
                 return original_average(tensor, communication_data_type)
 
         patches = [Patch(zero, "reduce_ready_partitions_and_remove_grads", reduce_ready_partitions_and_remove_grads),

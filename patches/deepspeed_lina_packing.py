@@ -4,8 +4,9 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
 (DeepSpeed expert modules), and expert-DP grows by p (moe_plugins/lina/packing.py). The pieces:
 
 - :func:`config_problems` (the section and the engine's settings, before anything is set up) and
-  :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32 or bf16 (DeepSpeed's
-  fp16 optimizer and its BF16_Optimizer, bf16 with fp32 gradient accumulation at ZeRO 1, are not rebuilt),
+  :func:`layout_problems` (the swapped layers' layout, before anything is patched): fp32, bf16 or fp16 (not
+  DeepSpeed's BF16_Optimizer, bf16 with fp32 gradient accumulation at ZeRO 1, nor its FP16_Optimizer around a
+  fused Adam at ZeRO 0: neither is rebuilt),
   ZeRO stage 0, 1 or 2, the ``baseline`` schedule at an integer
   pipeline degree with MP 1 and ESP 1, no Hecate, Lancet's batch partitions with a fixed packing only (their calls run no timed schedule steps), and
   ``"auto"`` only off CUDA (its probe times micro-ops by the wall clock).
@@ -26,7 +27,8 @@ Packing p runs the engine's MoE layers on the layout with ``ep / p``: each rank 
   ``save_checkpoint`` and ``load_checkpoint`` run on the stock layout (unpacked around the call, packed again
   after), so the files are stock DeepSpeed's both ways. A regroup once ZeRO 1/2 built its optimizer rebuilds that
   optimizer around it (patches/deepspeed_zero_state.py), each parameter's master value and moments carried whole;
-  in bf16 at ZeRO 0 so is DeepSpeed's ``FP16_UnfusedOptimizer`` (an fp32 master per parameter).
+  in fp16/bf16 at ZeRO 0 so is DeepSpeed's ``FP16_UnfusedOptimizer`` (an fp32 master per parameter). In fp16 the
+  rebuilt optimizer goes on with the old one's loss scale.
 
 Gradients need no rescaling: DeepSpeed 0.19.8 divides expert gradients by the DP world size, not the expert-DP
 size (ZeRO 0: ``DeepSpeedEngine._reduce_expert_gradients``; ZeRO 1/2: ``gradient_reduction_w_predivide``).
@@ -51,7 +53,7 @@ from moe_plugins.lina.modules import Carried, regroup_modules, resize_experts
 from moe_plugins.lina.packer import PackingController
 from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problems, regroup_problems
 from moe_plugins.lina.probe import rebuild_schedule
-from moe_plugins.patches.deepspeed_zero_state import precision_problems, unfused
+from moe_plugins.patches.deepspeed_zero_state import loss_scale, unfused
 from moe_plugins.pipemoe.runner import build_executor
 
 logger = logging.getLogger("moe_plugins.deepspeed")
@@ -68,8 +70,6 @@ def config_problems(engine: Any, cfg: Any, lina: LinaConfig) -> List[str]:
     stage = int(engine.zero_optimization_stage())
     if stage not in (0, 1, 2):
         problems.append(f"{what} runs on zero_optimization.stage 0, 1 or 2, and it is {stage}")
-    problems += precision_problems(engine, what, "whose optimizer is rebuilt around a regroup, the fp32 masters "
-                                   "carried", "packing does not resize", bf16_zero0=True)
     if engine.bfloat16_enabled() and stage == 1 and engine.get_data_types()[1] == torch.float32:
         problems.append(f"{what} does not rebuild DeepSpeed's BF16_Optimizer (bf16 at zero_optimization.stage 1 "
                         "with data_types.grad_accum_dtype fp32): accumulate in bf16, or use stage 2")
@@ -238,11 +238,13 @@ class EnginePacker:
         return zero
 
     def _control(self, optimizer: Any) -> None:
-        if unfused(optimizer):                # bf16 at ZeRO 0: the torch optimizer inside steps the masters
+        if unfused(optimizer):                # fp16/bf16 at ZeRO 0: the torch optimizer inside steps the masters
             optimizer = optimizer.optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
+            fused = (" (DeepSpeed's wrapper of a fused Adam in fp16/bf16 at ZeRO 0: set optimizer.params.torch_adam "
+                     "true, or use zero_optimization.stage 1 or 2)") if hasattr(optimizer, "fp32_groups_flat") else ""
             raise ValueError(f"{FIELD} ({self.lina.packing!r}) moves the state of a torch optimizer keyed by the "
-                             f"parameters; the engine's optimizer is {type(optimizer).__qualname__}")
+                             f"parameters; the engine's optimizer is {type(optimizer).__qualname__}{fused}")
         base = self.layers[0].groups
         self.controller = PackingController(
             self.layers, base, packing=self.lina.packing, optimizer=optimizer, path=f"{SECTION}.lina",
@@ -267,14 +269,13 @@ class EnginePacker:
             regroup_deepspeed(layers, groups, None, register=self.register, engine_for=self.engine_for,
                               before_move=release)
             if taken:                          # something moved: ZeRO built anew on the regrouped parameters
-                self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
-                self.engine.optimizer = self.engine._configure_zero_optimizer(taken["basic"])
+                self._rebuilt(lambda: self.engine._configure_zero_optimizer(taken["basic"]))
                 zero_state.restore(self.engine.optimizer, taken["snap"])
         if self.reducer is not None and layers[0].rec.engine is not self.reducer.engine:
             self.reducer.engine = layers[0].rec.engine    # one engine orders the exchanges and the micro-ops
 
     def _regroup_unfused(self, layers: List[PackedLayer], groups: MoEProcessGroups) -> None:
-        """bf16 at ZeRO 0 (``FP16_UnfusedOptimizer``): taken off the model, every master and its moments carried
+        """fp16/bf16 at ZeRO 0 (``FP16_UnfusedOptimizer``): taken off the model, every master and its moments carried
         (the experts' through the regroup), and built anew on the regrouped parameters by the engine, as its
         ``_configure_optimizer`` does (patches/deepspeed_zero_state.py)."""
         from moe_plugins.patches import deepspeed_zero_state as zero_state
@@ -287,9 +288,17 @@ class EnginePacker:
         regroup_deepspeed(layers, groups, None, register=self.register, engine_for=self.engine_for,
                           before_move=release)
         if taken:
-            self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
-            self.engine.optimizer = self.engine._configure_fp16_optimizer(taken["basic"], dtype)
+            self._rebuilt(lambda: self.engine._configure_fp16_optimizer(taken["basic"], dtype))
             zero_state.unfused_restore(self.engine.optimizer, taken["carried"], taken["scalars"])
+
+    def _rebuilt(self, build: Callable[[], Any]) -> None:
+        """The engine's optimizer built anew by ``build`` over the regrouped parameters (named again, as the
+        engine names them for ZeRO), with the old one's loss scale (fp16: ``deepspeed_zero_state.loss_scale``)."""
+        scale = loss_scale(self.engine.optimizer)
+        self.engine.param_names = {p: n for n, p in self.engine.module.named_parameters()}
+        self.engine.optimizer = build()
+        for name, value in scale.items():
+            setattr(self.engine.optimizer, name, value)
 
     def step_(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         before = self.engine.global_steps

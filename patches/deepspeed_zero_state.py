@@ -20,9 +20,9 @@ parameter's values whole:
    the snapshot with ``safe_set_full_fp32_param`` and ``safe_set_full_optimizer_state``.
 
 The same holds in bf16 (ZeRO's partitions are then the bf16 model's fp32 masters), and :func:`snapshot` /
-:func:`write_back` (so :class:`GatheredState`) read DeepSpeed's ``BF16_Optimizer`` (bf16 at ZeRO 0: flat fp32
-partitions over DP under other names, :func:`layout`) too; :func:`precision_problems` names the engines whose
-masters a caller cannot carry (fp16; bf16 at ZeRO 0 for packing, whose rebuild is ZeRO 1/2's).
+:func:`write_back` (so :class:`GatheredState`) read DeepSpeed's ``BF16_Optimizer`` (bf16 with fp32 gradient
+accumulation at ZeRO 1: flat fp32 partitions over DP under other names, :func:`layout`) too, and so in fp16. A
+rebuild hands the old optimizer's loss scale to the new one (:func:`loss_scale`).
 """
 
 from __future__ import annotations
@@ -45,27 +45,22 @@ class Snapshot:
     partitions: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)   # dense group -> its flat ones
 
 
-def precision_problems(engine: Any, what: str, how: str, fate: str, bf16_zero0: bool = False) -> List[str]:
-    """Why ``what`` (a move of expert parameters: Hecate's re-sharding, Lina's packing) cannot carry the fp32
-    masters on this DeepSpeed ``engine``: they move in fp32 and in bf16 at ZeRO 1/2 (ZeRO's flat partitions;
-    ``how`` says how the caller carries them), and with ``bf16_zero0`` in bf16 at ZeRO 0 too (DeepSpeed's
-    ``BF16_Optimizer``, whose flat partitions :class:`GatheredState` reads and writes alike); not with DeepSpeed's
-    fp16 optimizer (nor, without ``bf16_zero0``, its ``BF16_Optimizer``), whose master copies ``fate``."""
-    problems = []
-    if engine.fp16_enabled():
-        stages = "any ZeRO stage 0-2" if bf16_zero0 else "ZeRO stage 1 or 2"
-        problems.append(f"{what} runs in fp32, or in bf16 on {stages}, and fp16.enabled is true: "
-                        f"DeepSpeed's fp16 optimizer keeps master copies that {fate}")
-    if engine.bfloat16_enabled() and int(engine.zero_optimization_stage()) == 0 and not bf16_zero0:
-        problems.append(f"{what} runs in bf16 on ZeRO stage 1 or 2 ({how}), and zero_optimization.stage is 0: "
-                        f"DeepSpeed's BF16_Optimizer keeps master copies that {fate}")
-    return problems
+# Where DeepSpeed's optimizers keep their loss scale (fp16): ZeRO 1/2 a loss scaler object, FP16_UnfusedOptimizer a
+# LossScaleConfig; both the custom scale an engine may set. A rebuilt optimizer takes the old one's.
+LOSS_SCALE = ("loss_scaler", "dynamic_loss_scale", "loss_scale_config", "custom_loss_scaler", "external_loss_scale")
+
+
+def loss_scale(opt: Any) -> Dict[str, Any]:
+    """The loss scale state ``opt`` holds (:data:`LOSS_SCALE`), to hand to the optimizer rebuilt in its place
+    (``setattr`` each): fp16's dynamic scale goes on as it was (a fresh one would start over at the initial
+    scale and skip other steps)."""
+    return {name: getattr(opt, name) for name in LOSS_SCALE if hasattr(opt, name)}
 
 
 def layout(zero: Any) -> Tuple[List[List[torch.nn.Parameter]], List[torch.Tensor], List[bool]]:
     """(the 16-bit (or fp32) parameter groups, their flat fp32 master partitions, whether each group is an MoE
-    one) of a ZeRO 1/2 optimizer or of DeepSpeed's ``BF16_Optimizer`` (bf16 at ZeRO 0): the same layout under
-    other names."""
+    one) of a ZeRO 1/2 optimizer or of DeepSpeed's ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation at
+    ZeRO 1): the same layout under other names."""
     if hasattr(zero, "single_partition_of_fp32_groups"):
         return zero.bit16_groups, zero.single_partition_of_fp32_groups, [zero.is_moe_group(g) for g in
                                                                          zero.optimizer.param_groups]
@@ -178,7 +173,7 @@ def _link_state(zero: Any) -> None:
 
 
 def unfused(opt: Any) -> bool:
-    """Whether ``opt`` is DeepSpeed's ``FP16_UnfusedOptimizer`` (bf16 at ZeRO 0): per-parameter fp32 masters in
+    """Whether ``opt`` is DeepSpeed's ``FP16_UnfusedOptimizer`` (fp16/bf16 at ZeRO 0): per-parameter fp32 masters in
     ``fp32_groups``, parallel to its ``fp16_groups``."""
     return isinstance(getattr(opt, "fp32_groups", None), list) and hasattr(opt, "fp16_groups")
 
@@ -189,7 +184,7 @@ def unfused_masters(opt: Any) -> Dict[int, torch.Tensor]:
 
 
 def unfused_release(opt: Any) -> Tuple[Any, Dict[int, Dict[str, torch.Tensor]], Dict[str, Any]]:
-    """DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (bf16 at ZeRO 0: ``fp16_groups`` of model parameters and
+    """DeepSpeed's ``FP16_UnfusedOptimizer`` ``opt`` (fp16/bf16 at ZeRO 0: ``fp16_groups`` of model parameters and
     parallel ``fp32_groups`` of fp32 masters, which its torch optimizer steps and keys Adam's state by) taken off
     the model, as :func:`release` does for ZeRO: returns its torch optimizer with the model's parameters back in
     its groups and its state emptied, every parameter's master and moments whole by parameter id (``FP32`` and

@@ -183,9 +183,10 @@ def test_reshard_problems_name_the_field():
     assert reshard_problems(engine, cfg) == [
         "moe_plugins.hecate.reshard_every (3) runs on ZeRO stage 0, 1 or 2, and zero_optimization.stage is 3",
         "moe_plugins.hecate.reshard_every (3) cannot run with zero_optimization.offload_optimizer: the master copies "
-        "it keeps on the host are not moved",
-        "moe_plugins.hecate.reshard_every (3) runs in fp32, or in bf16 on any ZeRO stage 0-2, and fp16.enabled is "
-        "true: DeepSpeed's fp16 optimizer keeps master copies that are not moved"]
+        "it keeps on the host are not moved"]
+    fp16_zero0 = SimpleNamespace(zero_optimization_stage=lambda: 0, fp16_enabled=lambda: True,
+                                 bfloat16_enabled=lambda: False, zero_cpu_offload=lambda: False)
+    assert reshard_problems(fp16_zero0, cfg) == []
     bf16_zero0 = SimpleNamespace(zero_optimization_stage=lambda: 0, fp16_enabled=lambda: False,
                                  bfloat16_enabled=lambda: True, zero_cpu_offload=lambda: False)
     assert reshard_problems(bf16_zero0, cfg) == []
@@ -196,23 +197,36 @@ def test_reshard_problems_name_the_field():
     assert reshard_problems(engine, plain) == []
 
 
-@pytest.mark.parametrize("stage,ep,forced,bf16", [
+HALF_OPTIMIZERS = {"fp32-accum": "BF16_Optimizer", "bf16-fused": "FP16_Optimizer", "fp16-fused": "FP16_Optimizer"}
+
+
+@pytest.mark.parametrize("stage,ep,forced,half", [
     (2, 4, (3, 2, 1, 0), True), (1, 2, (1, 0, 0, 1), True), (0, 4, (3, 2, 1, 0), True), (0, 2, (1, 0, 0, 1), True),
-    (1, 2, (1, 0, 0, 1), "fp32-accum")],
-    ids=["zero2-ep4", "zero1-ep2-expert_dp2", "zero0-ep4", "zero0-ep2-expert_dp2", "bf16opt-zero1-ep2-expert_dp2"])
-def test_deepspeed_bf16_resharding_moves_the_fp32_masters(world, stage, ep, forced, bf16):
-    """DeepSpeed's bf16 under ZeRO 1/2, at ZeRO 0 (``FP16_UnfusedOptimizer`` in bf16: an fp32 master per
-    parameter, moved with it), and with fp32 gradient accumulation at ZeRO 1 (DeepSpeed's ``BF16_Optimizer``: its
-    flat partitions gathered whole and written back like ZeRO's): the model in bf16, the fp32 masters and Adam's
-    moments in the optimizer. A move by hand after the first step carries every expert's bf16 values, fp32 master and moments
-    (read whole through DeepSpeed's safe_get_full_*) bitwise by global id, at expert-DP 1 (views of the flat
+    (1, 2, (1, 0, 0, 1), "fp32-accum"), (2, 4, (3, 2, 1, 0), "fp16"), (1, 2, (1, 0, 0, 1), "fp16"),
+    (0, 2, (1, 0, 0, 1), "fp16"), (0, 4, (3, 2, 1, 0), "fp16-fused"), (0, 2, (1, 0, 0, 1), "bf16-fused")],
+    ids=["zero2-ep4", "zero1-ep2-expert_dp2", "zero0-ep4", "zero0-ep2-expert_dp2", "bf16opt-zero1-ep2-expert_dp2",
+         "fp16-zero2-ep4", "fp16-zero1-ep2-expert_dp2", "fp16-zero0-ep2-expert_dp2", "fp16opt-fp16-zero0-ep4",
+         "fp16opt-bf16-zero0-ep2-expert_dp2"])
+def test_deepspeed_half_resharding_moves_the_fp32_masters(world, stage, ep, forced, half):
+    """DeepSpeed's bf16 and fp16 under ZeRO 1/2, at ZeRO 0 (``FP16_UnfusedOptimizer``: an fp32 master per
+    parameter, moved with it; around a fused Adam ``FP16_Optimizer``: one flat fp32 master per group, each
+    parameter's slices moved), and bf16 with fp32 gradient accumulation at ZeRO 1 (DeepSpeed's ``BF16_Optimizer``:
+    its flat partitions gathered whole and written back like ZeRO's): the model 16-bit, the fp32 masters and
+    Adam's moments in the optimizer; fp16 under DeepSpeed's dynamic loss scale (tests/workers/deepspeed.py's
+    ``cpu_half`` levers let DeepSpeed build its fp16 and fused-Adam optimizers on a CPU). A move by hand after the
+    first step carries every expert's 16-bit values, fp32 master and moments (read whole through DeepSpeed's
+    safe_get_full_*, or its own layouts at ZeRO 0) bitwise by global id, at expert-DP 1 (views of the flat
     partition) and 2 (gathered whole and written back); then 12 steps re-sharding every 2 track stock DeepSpeed's
-    bf16 run (losses within 2e-2 relative, masters and moments within 5e-2)."""
+    run (losses within 2e-2 relative, masters and moments within 5e-2; in fp16 the same steps skipped)."""
     jobs = _deepspeed_jobs()
     steps = 12
-    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, 2, 3, steps, forced, 1, bf16)
-    assert all(res["on"]["optimizer"] == {True: {0: "FP16_UnfusedOptimizer"}.get(stage, "DeepSpeedZeroOptimizer"),
-                                          "fp32-accum": "BF16_Optimizer"}[bf16] for res in results), results[0]["on"]
+    results = world(4).run(jobs.train_vs_stock, stage, 2, ep, 2, 3, steps, forced, 1, half)
+    want = HALF_OPTIMIZERS.get(half, "FP16_UnfusedOptimizer" if stage == 0 else "DeepSpeedZeroOptimizer")
+    dtype = jobs.jobs.HALF_DTYPES[half]
+    assert all(res["on"]["optimizer"] == want and res["on"]["dtype"] == dtype for res in results), results[0]["on"]
+    assert all(res["on"]["skipped"] == res["off"]["skipped"] for res in results), [r["on"]["skipped"] for r in results]
+    if jobs.jobs.HALF_DTYPES[half] == torch.float16 and stage:     # (DeepSpeed 0.19.8 scales no loss at ZeRO 0)
+        assert results[0]["off"]["skipped"] >= 1, "the loss scale never overflowed: no skipped step was tested"
     for group in ([results[r] for r in range(4) if r // ep == g] for g in range(4 // ep)):   # one EP group each
         before, after, off, on = {}, {}, {}, {}
         for r in group:
@@ -221,7 +235,7 @@ def test_deepspeed_bf16_resharding_moves_the_fp32_masters(world, stage, ep, forc
             off.update(r["off"]["experts"])
             on.update(r["on"]["experts"])
         assert set(before) == set(after) and any(k.endswith(".fp32") for k in before)
-        assert any(k.endswith("exp_avg_sq") for k in before) and before[next(iter(before))].dtype == torch.bfloat16
+        assert any(k.endswith("exp_avg_sq") for k in before) and before[next(iter(before))].dtype == dtype
         assert all(torch.equal(before[k], after[k]) for k in before), \
             [k for k in before if not torch.equal(before[k], after[k])]
         masters = [k for k in off if k.endswith((".fp32", "exp_avg", "exp_avg_sq"))]

@@ -67,6 +67,37 @@ def test_bf16_at_zero_0(world, gas):
     _check(results, 0.0, True, 20, False)
 
 
+@pytest.mark.parametrize("stage,gas", [(0, 2), (1, 2), (2, 1)])
+def test_fp16_bitwise_at_dp_2_with_the_same_overflows(world, stage, gas):
+    """fp16 under DeepSpeed's dynamic loss scale (tests/workers/deepspeed.py's FP16, from 2^15; its ``cpu_half``
+    lever lets DeepSpeed build fp16 on a CPU): the reduced gradients bitwise at DP 2 over 20 steps, the losses
+    equal, the same steps skipped for overflow (the order of division and sum is tested at DP 4, below).
+    DeepSpeed 0.19.8 scales no loss at ZeRO 0, so no step overflows there."""
+    from tests.workers.deepspeed import FP16
+    results = world(2).run(jobs.compare, stage, gas, 20, LINA, None, 1, {"fp16": dict(FP16)}, timeout_s=300)
+    assert all(g.dtype == torch.float16 for g in results[0]["grads"][0]), [g.dtype for g in results[0]["grads"][0]]
+    _check(results, 0.0, True, 20, stage == 2)
+    skipped = {res["skipped"] for res in results}
+    assert len(skipped) == 1 and len(set(*skipped)) == 1, skipped
+    assert stage == 0 or skipped.pop()[0] >= 1, "no step overflowed: the scaled sums were not tested"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_at_dp_4_overflows_where_stock_does(world, stage):
+    """fp16 at DP 4 (20 steps, dynamic loss scale from 2^15): fp16 sums in another order round differently, so
+    the gradients are not bitwise, but every step's reduced gradients are finite in Lina's run exactly where they
+    are in stock's (summed before the division, as Lina did first, some overflowed where stock's did not: the
+    losses then parted by 10%), the same steps skipped, the losses within 1e-2 (4e-3 measured)."""
+    from tests.workers.deepspeed import FP16
+    results = world(4).run(jobs.compare, stage, 1, 20, LINA, None, 1, {"fp16": dict(FP16)}, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert all(stock == lina for stock, lina in res["finite"]), (rank, res["finite"])
+        assert not all(stock for stock, _ in res["finite"]), "no step overflowed: the scaled sums were not tested"
+        assert res["skipped"][0] == res["skipped"][1] >= 1, res["skipped"]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(res["stock_losses"], res["lina_losses"]))
+        assert rel <= 1e-2, (rank, rel)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_dp4_within_rounding(world, stage):
     """DeepSpeed on CPU reduces only fp32 and bf16 gradients (ZeRO 0 refuses fp64 ones, ZeRO 1/2 bucket them

@@ -40,13 +40,23 @@ class TinyMoEModel(nn.Module):
         return F.mse_loss(self.head(torch.tanh(m_BLM + h_BLM)), t_BL1) + 0.01 * aux
 
 
-def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, bf16: Any = False) -> Dict[str, Any]:
-    """``bf16``: True for DeepSpeed's bf16; ``"fp32-accum"`` with fp32 gradient accumulation too (at ZeRO 1,
-    DeepSpeed's BF16_Optimizer)."""
+# DeepSpeed's fp16 with a dynamic loss scale that moves within a short run: from 2^8, doubled after 4 clean steps,
+# halved (and the step skipped) at an overflow
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 15, "loss_scale_window": 4, "hysteresis": 1}
+HALF_DTYPES = {False: torch.float32, True: torch.bfloat16, "fp32-accum": torch.bfloat16, "bf16-fused": torch.bfloat16,
+               "fp16": torch.float16, "fp16-fused": torch.float16}
+
+
+def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, half: Any = False) -> Dict[str, Any]:
+    """``half`` (a key of HALF_DTYPES): True for DeepSpeed's bf16; ``"fp32-accum"`` with fp32 gradient
+    accumulation too (at ZeRO 1, DeepSpeed's BF16_Optimizer); ``"fp16"`` for its fp16 (:data:`FP16`); the
+    ``-fused`` ones as fp16/bf16, built by :func:`make_engine` around DeepSpeed's fused-Adam optimizer."""
+    low = HALF_DTYPES[half]
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if bf16 else {}),
-           **({"data_types": {"grad_accum_dtype": "fp32"}} if bf16 == "fp32-accum" else {})}
+           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if low == torch.bfloat16 else {}),
+           **({"fp16": dict(FP16)} if low == torch.float16 else {}),
+           **({"data_types": {"grad_accum_dtype": "fp32"}} if half == "fp32-accum" else {})}
     if plugin is not None:
         cfg["moe_plugins"] = plugin
     return cfg
@@ -59,10 +69,10 @@ def batch(seed: int, step: int):
 
 
 def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
-                prepare: Optional[Callable[[nn.Module], None]] = None, gas: int = 1, bf16: bool = False):
+                prepare: Optional[Callable[[nn.Module], None]] = None, gas: int = 1, half: Any = False):
     """A fresh engine; every global expert gets weights from (seed, id), wherever the layout places it.
-    ``prepare(model)``: changes made to the model before ``deepspeed.initialize``; ``bf16``: DeepSpeed's bf16
-    (the model in bf16, fp32 masters in the optimizer)."""
+    ``prepare(model)``: changes made to the model before ``deepspeed.initialize``; ``half``: DeepSpeed's bf16 or
+    fp16 (:func:`ds_config`; the model 16-bit, fp32 masters in the optimizer) under :func:`cpu_half`."""
     import deepspeed
     torch.manual_seed(seed)
     model = TinyMoEModel(ep, k)
@@ -71,9 +81,27 @@ def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, s
     init_experts(model.moe, seed, ep_rank=ep_rank, tp_rank=0, tp=1)
     if prepare is not None:
         prepare(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, plugin, gas, bf16))
+    with cpu_half(half):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config(stage, plugin, gas, half))
     return engine
+
+
+def cpu_half(half: Any) -> Patcher:
+    """Test levers (a Patcher, undone on exit) for DeepSpeed's 16-bit optimizers on a CPU: with fp16, its
+    accelerator's capability check answers yes (DeepSpeed refuses fp16 on a CPU without AVX512-FP16 at engine
+    construction; torch runs fp16 on any CPU, and nothing else reads the check); with a ``-fused`` precision,
+    torch's Adam counts as DeepSpeed's fused Adam (a CUDA kernel: it has no CPU build), so that the engine
+    builds its ``FP16_Optimizer`` (the flat fp32 master per group it wraps a fused Adam in) around the same
+    Adam update. Everything else is DeepSpeed's own path."""
+    patches = []
+    if HALF_DTYPES[half] == torch.float16:
+        from deepspeed.accelerator import get_accelerator
+        patches.append(Patch(get_accelerator(), "is_fp16_supported", lambda: True))
+    if str(half).endswith("-fused"):
+        import deepspeed.runtime.engine as ds_engine
+        patches.append(Patch(ds_engine, "FusedAdam", torch.optim.Adam))
+    return Patcher(patches)
 
 
 def train(engine, seed: int, steps: range, dtype: torch.dtype = torch.float32) -> List[float]:
@@ -96,9 +124,10 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def run_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
-    """Train a fresh engine; the plugin is enabled (moe_plugins.enable(), the ds_config section decides) iff
-    ``plugin`` is a section."""
+def run_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int, steps: int,
+               half: Any = False) -> Dict[str, Any]:
+    """Train a fresh engine (in ``half`` precision: :func:`ds_config`); the plugin is enabled (moe_plugins.enable(),
+    the ds_config section decides) iff ``plugin`` is a section."""
     import moe_plugins
     init_deepspeed_comm()
     capture = _Capture()
@@ -109,8 +138,9 @@ def run_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, se
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
-            engine = make_engine(stage, plugin, ep, k, seed)
-            losses = train(engine, seed, range(steps))
+            engine = make_engine(stage, plugin, ep, k, seed, half=half)
+            losses = train(engine, seed, range(steps), HALF_DTYPES[half])
+            skipped, state = engine.skipped_steps, _state(engine)
             attrs = sorted({(n, p.allreduce, p.group_name) for n, p in engine.module.named_parameters()
                             if hasattr(p, "allreduce")})
             engine.destroy()
@@ -119,12 +149,13 @@ def run_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, se
         log.removeHandler(capture)
     live = set(map(id, dist.distributed_c10d._world.pg_map))          # after disable
     return {"losses": losses, "expert_attrs": attrs, "log": capture.lines, "groups_built": len(built),
-            "groups_left": sum(id(pg) in live for pg in built)}
+            "groups_left": sum(id(pg) in live for pg in built), "skipped": skipped, "state": state}
 
 
-def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: int, steps: int) -> Dict[str, Any]:
-    off = run_engine(stage, None, ep, k, seed, steps)
-    on = run_engine(stage, plugin, ep, k, seed, steps)
+def train_on_and_off(stage: int, plugin: Dict[str, Any], ep: int, k: int, seed: int, steps: int,
+                     half: Any = False) -> Dict[str, Any]:
+    off = run_engine(stage, None, ep, k, seed, steps, half)
+    on = run_engine(stage, plugin, ep, k, seed, steps, half)
     return {"off": off, "on": on}
 
 

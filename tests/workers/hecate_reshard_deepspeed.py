@@ -21,11 +21,11 @@ def section(every: int, extra: Any = 1, degree: int = 1) -> Dict[str, Any]:
 
 
 def make_engine(stage: int, plugin: Optional[Dict[str, Any]], ep: int, k: int, seed: int,
-                hot: Sequence[int] = (0, 1), skew: float = 1.5, bf16: bool = False):
+                hot: Sequence[int] = (0, 1), skew: float = 1.5, half: Any = False):
     """jobs.make_engine's model, dropless, its gate leaning to the ``hot`` experts (0 and 1: both on node 0 at
     EP 4): their logits gain ``skew`` through the input layer's bias, whatever the token, so that the experts no
     copy serves crowd one node (or rank) and Algorithm 2 has something to move."""
-    return jobs.make_engine(stage, plugin, ep, k, seed, prepare=partial(_lean, hot=hot, skew=skew), bf16=bf16)
+    return jobs.make_engine(stage, plugin, ep, k, seed, prepare=partial(_lean, hot=hot, skew=skew), half=half)
 
 
 def _lean(model: torch.nn.Module, hot: Sequence[int], skew: float) -> None:
@@ -59,14 +59,30 @@ def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any
     return {"losses": losses, "homes": homes, "forced": around}
 
 
+def _fused_masters(opt) -> Dict[int, List[torch.Tensor]]:
+    """DeepSpeed's ``FP16_Optimizer``: per parameter (by id), its master and moments, unflattened from the
+    group's flat tensors by torch's ``_unflatten_dense_tensors`` as DeepSpeed made its parameters views of the
+    flat 16-bit buffer."""
+    from torch._utils import _unflatten_dense_tensors
+    out = {}
+    for params, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+        state = opt.optimizer.state[flat]
+        pieces = [_unflatten_dense_tensors(t, params) for t in (flat, state["exp_avg"], state["exp_avg_sq"])]
+        out.update({id(p): [t[j] for t in pieces] for j, p in enumerate(params)})
+    return out
+
+
 def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
     """The experts' parameters keyed by global id (``homes``: the layer's homes; None: stock's); ``masters``: also
     their fp32 masters and Adam moments, read whole through DeepSpeed's ``safe_get_full_*`` (collective)."""
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
     zero = engine.optimizer
-    unfused = {id(p): m for low, high in zip(getattr(zero, "fp16_groups", []), getattr(zero, "fp32_groups", []))
-               for p, m in zip(low, high)} if masters and hasattr(zero, "fp16_groups") else {}   # bf16 at ZeRO 0
+    unfused = {id(p): [m] + [zero.optimizer.state[m][key] for key in ("exp_avg", "exp_avg_sq")]
+               for low, high in zip(getattr(zero, "fp16_groups", []), getattr(zero, "fp32_groups", []))
+               for p, m in zip(low, high)} if masters and hasattr(zero, "fp16_groups") else {}   # ZeRO 0
+    if masters and hasattr(zero, "fp32_groups_flat"):    # FP16_Optimizer: one flat master per group, its state
+        unfused = _fused_masters(zero)                   # keyed by it: unflattened as DeepSpeed lays them out
     if masters and not unfused:  # DeepSpeed links the parameters to their optimizer state fragments lazily
         from moe_plugins.patches.deepspeed_zero_state import layout      # ZeRO 1/2's names or BF16_Optimizer's
         for params, flat in zip(*layout(zero)[:2]):
@@ -79,11 +95,11 @@ def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
     for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
         for n, p in expert.named_parameters():
             out[f"{ids[i]}.{n}"] = p.detach().clone()
-            if id(p) in unfused:          # FP16_UnfusedOptimizer: a master per parameter, Adam's state keyed by it
+            if id(p) in unfused:          # ZeRO 0: the master (and moments) of each parameter
                 main = unfused[id(p)]
-                out[f"{ids[i]}.{n}.fp32"] = main.detach().clone()
-                for key in ("exp_avg", "exp_avg_sq"):
-                    out[f"{ids[i]}.{n}.{key}"] = zero.optimizer.state[main][key].clone()
+                out[f"{ids[i]}.{n}.fp32"] = main[0].detach().clone()
+                for key, moment in zip(("exp_avg", "exp_avg_sq"), main[1:]):
+                    out[f"{ids[i]}.{n}.{key}"] = moment.clone()
             elif masters:
                 out[f"{ids[i]}.{n}.fp32"] = safe_get_full_fp32_param(p).clone()
                 for key in ("exp_avg", "exp_avg_sq"):
@@ -92,10 +108,10 @@ def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
 
 
 def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: int,
-                   forced: Optional[Sequence[int]] = None, degree: int = 1, bf16: bool = False) -> Dict[str, Any]:
+                   forced: Optional[Sequence[int]] = None, degree: int = 1, half: Any = False) -> Dict[str, Any]:
     """``steps`` steps of the stock engine, then of the plugin's with re-sharding every ``every`` steps (and,
     with ``forced``, a move to those homes after the first step): losses, homes, experts by global id (in
-    ``bf16`` with their fp32 masters and moments)."""
+    ``half`` precision, jobs.HALF_DTYPES, with their fp32 masters and moments), the steps skipped (fp16)."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
@@ -103,14 +119,15 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
-            engine = make_engine(stage, plugin, ep, k, seed, bf16=bf16)
+            engine = make_engine(stage, plugin, ep, k, seed, half=half)
             layer = _layer(handle, engine)
             force = (handle.hecate.resharders[0], tuple(forced)) if forced and handle else None
-            out[name] = _train_tracking(engine, layer, seed, range(steps), force,
-                                        torch.bfloat16 if bf16 else torch.float32)
+            out[name] = _train_tracking(engine, layer, seed, range(steps), force, jobs.HALF_DTYPES[half])
             homes = layer.schedule.homes if layer is not None else None
-            out[name]["experts"] = by_expert(engine, homes, masters=bool(bf16))
+            out[name]["experts"] = by_expert(engine, homes, masters=bool(half))
             out[name]["optimizer"] = type(engine.optimizer).__name__
+            out[name]["skipped"] = engine.skipped_steps
+            out[name]["dtype"] = next(engine.module.parameters()).dtype
             if handle is not None:
                 out[name]["moves"] = handle.hecate.resharders[0].resharder.rounds
                 out[name]["stock"] = layer.schedule.stock_homes()

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
-from tests.workers.deepspeed import reduced_grads
+from tests.workers.deepspeed import FP16, cpu_half, reduced_grads
 
 V, M, H, E, B, L = 24, 8, 16, 4, 2, 8
 
@@ -71,7 +71,8 @@ def make_engine(cfg: Dict[str, Any], eps: Tuple[int, int] = (2, 2), seed: int = 
     model = TiedMoEModel(eps)
     for moe in model.moes:
         init_experts(moe, seed, ep_rank=dist.get_rank() % moe.ep_size, tp_rank=0, tp=1)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with cpu_half("fp16" if cfg.get("fp16", {}).get("enabled") else False):      # DeepSpeed's fp16 on a CPU
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
 
@@ -98,6 +99,7 @@ def run(cfg: Dict[str, Any], gas: int, steps: int) -> Dict[str, Any]:
         plugin = stack.enter_context(moe_plugins.enable(ledger=ledger))
         engine = make_engine(cfg)
         out = train(engine, gas, steps)
+        out["skipped"] = engine.skipped_steps
         out["lina"] = [{"mode": s.mode, "submitted": s.submitted, "skipped": s.skipped, "passed": s.passed,
                         "dense": len(s.dense)} for s in plugin.lina.engines]
         optimizer = engine.optimizer
@@ -108,6 +110,24 @@ def run(cfg: Dict[str, Any], gas: int, steps: int) -> Dict[str, Any]:
             sorted(set(vars(optimizer)) & {"average_tensor", "reduce_ready_partitions_and_remove_grads"})
     out["records"] = [asdict(r) for r in ledger.records]
     return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, infinities included, NaNs at the same places (an overflowed fp16 step's gradients hold both;
+    a NaN's sign bit is no value: on one such step stock's came out negative, Lina's positive)."""
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return torch.equal(a.masked_fill(a.isnan(), 0).view(ints), b.masked_fill(b.isnan(), 0).view(ints))
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """0 for :func:`same_bits`, else the largest difference relative to ``a``'s largest magnitude (inf where
+    that is not a number)."""
+    if same_bits(a, b):
+        return 0.0
+    diff = float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
+    return diff if diff == diff else float("inf")
 
 
 def compare(stage: int, gas: int, steps: int, lina: Dict[str, Any],
@@ -121,15 +141,16 @@ def compare(stage: int, gas: int, steps: int, lina: Dict[str, Any],
     on = run(ds_config(stage, gas, lina, zero, extra, pipeline_degree=pipeline_degree), gas, steps)
     diffs, bitwise = [], True
     for a_step, b_step in zip(stock["grads"], on["grads"]):
-        if len(a_step) != len(b_step) or not any(t.abs().sum() > 0 for t in a_step):
+        if len(a_step) != len(b_step) or not any(bool((t != 0).any()) for t in a_step):
             raise ValueError(f"{len(a_step)} stock gradients against {len(b_step)} with Lina (or all zero)")
-        diffs.append(max(float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
-                         for a, b in zip(a_step, b_step)))
-        bitwise &= all(torch.equal(a, b) for a, b in zip(a_step, b_step))
+        diffs.append(max(_difference(a, b) for a, b in zip(a_step, b_step)))
+        bitwise &= all(same_bits(a, b) for a, b in zip(a_step, b_step))
     return {"diffs": diffs, "bitwise": bitwise, "steps": (len(stock["grads"]), len(on["grads"])),
             "stock_losses": stock["losses"], "lina_losses": on["losses"], "lina": on["lina"],
             "stock_lina": stock["lina"], "records": on["records"], "grads": on["grads"][:1],
-            "left": (on["left_after_destroy"], on["left_patched"])}
+            "left": (on["left_after_destroy"], on["left_patched"]), "skipped": (stock["skipped"], on["skipped"]),
+            "finite": [tuple(all(bool(t.isfinite().all()) for t in step) for step in pair)
+                       for pair in zip(stock["grads"], on["grads"])]}
 
 
 def bad_inputs() -> Dict[str, str]:

@@ -50,13 +50,22 @@ def _packer(handle, engine):
     return next(s.packer for s in handle.lina.engines if s.ds_engine is engine)
 
 
+def _loss_scale(opt: Any) -> Optional[float]:
+    """The loss scale of DeepSpeed's optimizer ``opt`` (ZeRO's ``cur_scale``, FP16_UnfusedOptimizer's
+    ``loss_scale_config``), None for a torch optimizer."""
+    config = getattr(opt, "loss_scale_config", None)
+    scale = config.cur_scale if config is not None else getattr(opt, "cur_scale", None)
+    return None if scale is None else float(scale)
+
+
 def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: int, stage: int = 0,
                    gas: int = 1, degree: int = 1, lancet: Optional[Dict[str, Any]] = None,
-                   bf16: bool = False) -> Dict[str, Any]:
+                   half: Any = False) -> Dict[str, Any]:
     """``steps`` micro-batches of the stock engine, then of the plugin's with ``packing`` (ZeRO ``stage``,
     ``gas`` micro-batches per optimizer step): losses, the packing after every one, the controller's decisions,
     the experts by global id, and what the engine holds after ``destroy`` (``degree``: PipeMoE's; ``lancet``: a
-    Lancet section beside it; ``bf16``: DeepSpeed's bf16, the fp32 masters among the experts' keys)."""
+    Lancet section beside it; ``half``: DeepSpeed's bf16 or fp16 (jobs.HALF_DTYPES), the fp32 masters among the
+    experts' keys, and in fp16 the steps skipped and the loss scale after each step)."""
     import moe_plugins
     init_deepspeed_comm()
     out: Dict[str, Any] = {}
@@ -65,13 +74,15 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable(ledger=CommLedger())) if plugin is not None else None
-            engine = jobs.make_engine(stage, plugin, ep, k, seed, gas=gas, bf16=bf16)
+            engine = jobs.make_engine(stage, plugin, ep, k, seed, gas=gas, half=half)
             packer = _packer(handle, engine)
-            losses, packings = [], []
+            losses, packings, scales = [], [], []
             for step in range(steps):
-                losses += jobs.train(engine, seed, range(step, step + 1), torch.bfloat16 if bf16 else torch.float32)
+                losses += jobs.train(engine, seed, range(step, step + 1), jobs.HALF_DTYPES[half])
                 packings.append(packer.controller.packing if packer is not None else 1)
-            res: Dict[str, Any] = {"losses": losses, "packings": packings, "experts": by_expert(engine)}
+                scales.append(_loss_scale(engine.optimizer))
+            res: Dict[str, Any] = {"losses": losses, "packings": packings, "experts": by_expert(engine),
+                                   "skipped": engine.skipped_steps, "scales": scales}
             if packer is not None:
                 ctl = packer.controller
                 res["decisions"] = [(s, t.expert_mean_s, t.a2a_mean_s, a, b) for s, t, a, b in ctl.decisions]
@@ -84,7 +95,7 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
                 res["lane"] = (getattr(swapped.lane, "degree", 1), swapped.schedule.rec.engine is packer.reducer.engine,
                                swapped.groups.layout.ep)
                 res["lancet_runs"] = sum(o.calls for o in handle.lancet.overlaps)
-                if bf16:             # unpacked and packed again (a regroup each way), the masters carried whole
+                if half:             # unpacked and packed again (a regroup each way), the masters carried whole
                     with ctl.unpacked():
                         res["unpacked_experts"] = by_expert(engine)
                     res["experts_after"] = by_expert(engine)
