@@ -181,19 +181,24 @@ def test_checkpoint_round_trip(world, tmp_path, save, load, stage):
         assert rel <= 1e-5, (rank, res["saver"]["after"], res["loader"]["after"])
 
 
-@pytest.mark.parametrize("half,stage,ep,k,plugin", [
-    (True, 2, 2, 2, {"schedule": "baseline"}), ("fp16", 1, 4, 2, {"schedule": "baseline"}),
-    ("fp16", 2, 4, 1, {"schedule": "baseline-tp"}),
-    ("fp16", 0, 2, 1, {"schedule": "baseline", "pipeline_degree": 2})],
-    ids=["bf16-zero2", "fp16-zero1", "fp16-zero2-baseline_tp", "fp16-zero0-pipemoe2"])
-def test_training_in_16_bit_flag_on_equals_off(world, half, stage, ep, k, plugin):
+@pytest.mark.parametrize("half,stage,ep,k,plugin,exact", [
+    (True, 2, 2, 2, {"schedule": "baseline"}, True), ("fp16", 1, 4, 2, {"schedule": "baseline"}, True),
+    ("fp16", 2, 4, 1, {"schedule": "baseline-tp"}, True),
+    ("fp16", 2, 4, 1, {"schedule": "baseline", "lancet": {"defer_wgrad": True}}, True),
+    ("fp16", 0, 2, 1, {"schedule": "baseline", "pipeline_degree": 2}, False),
+    ("fp16", 1, 4, 2, {"ranks_per_node": 2, "hecate": {"enabled": True, "extra_experts": 1}}, False),
+    ("fp16", 2, 4, 2, {"schedule": "baseline", "lina": {"micro_op_mb": 0.01}}, False)],
+    ids=["bf16-zero2", "fp16-zero1", "fp16-zero2-baseline_tp", "fp16-zero2-lancet_dw", "fp16-zero0-pipemoe2",
+         "fp16-zero1-hecate", "fp16-zero2-lina"])
+def test_training_in_16_bit_flag_on_equals_off(world, half, stage, ep, k, plugin, exact):
     """DeepSpeed's bf16 and fp16 (the model 16-bit, fp32 masters in the optimizer; fp16 under its dynamic loss
-    scale, tests/workers/deepspeed.py's FP16, with the ``cpu_half`` lever for a CPU): 20 steps with the plugin's
-    layer give stock's losses and parameters bitwise at pipeline degree 1, the same steps skipped for overflow
-    (3 at ZeRO 1/2). PipeMoE's degree 2 sums each expert's weight gradient over capacity chunks, which rounds
-    otherwise in fp16: its losses within 5e-3 relative (7.5e-4 measured), parameters within 2e-3 (2.4e-4)."""
+    scale, tests/workers/deepspeed.py's FP16, with the ``cpu_half`` lever for a CPU), 20 steps, the same steps
+    skipped for overflow as stock's (3 at ZeRO 1/2). ``baseline``, ``baseline-tp`` and Lancet's deferred dW give
+    stock's losses and parameters bitwise. Where the plugin sums in another order, fp16 rounds otherwise: PipeMoE's
+    degree 2 (each expert's weight gradient over capacity chunks), Hecate (its sparse reduce-scatter of the expert
+    gradients) and Lina (its micro-ops at DP 4): losses within 5e-3 relative (7.7e-4 measured), parameters within
+    2e-3 (2.4e-4, about one fp16 ulp at their size)."""
     results = world(WORLD).run(jobs.train_on_and_off, stage, plugin, ep, k, 0, 20, half)
-    exact = plugin.get("pipeline_degree", 1) == 1
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         assert set(on["state"]) == set(off["state"])
@@ -206,4 +211,6 @@ def test_training_in_16_bit_flag_on_equals_off(world, half, stage, ep, k, plugin
             assert off["losses"] == on["losses"] and worst == 0.0, (rank, rel, worst)
         else:
             assert rel <= 5e-3 and worst <= 2e-3, (rank, rel, worst)
+    schedule = plugin.get("schedule", "hecate")
+    assert any(f"runs schedule '{schedule}'" in line for line in results[0]["on"]["log"]), results[0]["on"]["log"]
     assert results[0]["off"]["losses"][-1] < results[0]["off"]["losses"][0]   # it trains
