@@ -29,8 +29,8 @@ In bf16/fp16 (``Float16OptimizerWithFloat16Params``, whose ``__init__`` is wrapp
 ``MixedPrecisionOptimizer.step_with_ready_grads`` counts) the experts' fp32 masters and their Adam moments move
 with them and join or leave Megatron's optimizer groups (patches/megatron_masters.py). With Megatron's
 distributed optimizer a fixed p regroups before it shards the buffers, and a mid-training one rebuilds it over the
-new buffers, the masters and moments carried whole (patches/megatron_packing_distopt.py; ``stock_homes`` is
-refused there); any TP (at TP > 1 without expert
+new buffers, the masters and moments carried whole (patches/megatron_packing_distopt.py; ``stock_homes`` unpacks
+and packs through the same rebuild); any TP (at TP > 1 without expert
 biases under sequence parallelism), any expert-TP (each rank's shards move over its own EP group), PP 1, ``SequentialMLP`` experts, the ``baseline`` schedule at an integer pipeline degree (PipeMoE's
 executor is rebuilt on the packed layout's engine; so are Lancet's deferred dW, whose exchanges fly on its pipeline
 lane), without Hecate, and beside Lancet's batch partitions only at a fixed p (their calls run no timed schedule
@@ -45,7 +45,7 @@ import functools
 import inspect
 import logging
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ from moe_plugins.lina.packing import AUTO, packed_layout, packing_layout_problem
 from moe_plugins.lina.probe import PackingProbe, rebuild_schedule
 from moe_plugins.patches.megatron_config import facts_from_config
 from moe_plugins.patches.megatron_masters import carried_masters, replace_masters, share_flags
-from moe_plugins.patches.megatron_packing_distopt import DistributedExperts, record_patch
+from moe_plugins.patches.megatron_packing_distopt import DistributedExperts, gloo_for, record_patch
 from moe_plugins.patches.megatron_steps import after_fp32_steps, after_mixed_precision_steps
 from moe_plugins.pipemoe.runner import build_executor
 
@@ -169,6 +169,7 @@ class DDPPacker:
         self.holder: Optional[Any] = None        # the DDP over the experts alone, once regrouped
         self.mixed: Optional[Any] = None         # bf16/fp16: Megatron's optimizer holding the experts' fp32 masters
         self.dist: Optional[DistributedExperts] = None   # Megatron's distributed optimizer holding the experts
+        self.stock_dp: Optional[Tuple[Any, Any, int]] = None    # Megatron's distributed optimizer's (see dp_of)
         self.regroups = 0
         self.controller = PackingController(
             self.layers, self.base, packing=config.packing, path=f"{SECTION}.lina", regroup=self.regroup,
@@ -180,6 +181,14 @@ class DDPPacker:
         from moe_plugins.patches.megatron_groups import build_megatron_groups
         self.made[packing] = build_megatron_groups(packed_layout(self.base.layout, packing))   # collective
         return self.made[packing].groups
+
+    def dp_of(self, packing: int) -> Tuple[Any, Any, int]:
+        """The expert-DP group, its gloo twin and the state index of the distributed optimizer over the experts at
+        ``packing`` (patches/megatron_packing_distopt.py): Megatron's own at 1."""
+        if packing == 1:
+            return self.stock_dp
+        group = self._collection(packing).expt_dp
+        return group, gloo_for(group, self.stock_dp), self.made[packing].pg_collection.tp_ep_pp.rank()
 
     def _packing_of(self, groups: MoEProcessGroups) -> int:
         return self.base.layout.ep // groups.layout.ep
@@ -236,7 +245,7 @@ class DDPPacker:
             moe.local_expert_indices = list(range(start, start + local))
         self._rebuild_buffers(layers, pgc, groups, engine, grads)
         if spread is not None:             # its torch optimizer is new: the controller learns it (record_patch)
-            spread.rebuild(before, [p for p, _ in pairs], [t for _, t in pairs], carried, pgc.expt_dp)
+            spread.rebuild(before, [p for p, _ in pairs], [t for _, t in pairs], carried, self.dp_of(packing))
         for layer, schedule in zip(layers, schedules):
             dispatcher = layer.dispatcher
             dispatcher.groups = layer.layer.moe_groups = groups
@@ -350,6 +359,12 @@ class MegatronPacking:
         for packer in self.packers:
             experts = [p for layer in packer.layers for p in layer.experts.parameters()]
             if any(p in buffer.param_index_map for buffer in opt.buffers for p in experts):
+                if packer.stock_dp is None:      # Megatron's own build, with its groups (a fixed p: the packed ones)
+                    packer.stock_dp = (opt.data_parallel_group, opt.data_parallel_group_gloo,
+                                       opt.data_parallel_group_idx)
+                    packing = packer.controller.packing
+                    opt.data_parallel_group, opt.data_parallel_group_gloo, opt.data_parallel_group_idx = \
+                        packer.dp_of(packing)
                 packer.dist, packer.controller.optimizer = DistributedExperts(opt, groups), opt.optimizer
 
     def _step_end(self, optimizer: torch.optim.Optimizer) -> None:
@@ -360,15 +375,9 @@ class MegatronPacking:
     @contextmanager
     def stock_homes(self) -> Iterator[None]:
         """Inside: every packed model's experts on the stock layout (a per-rank ``state_dict()`` written or read
-        here is stock Megatron's); after: packed again (collective). Refused (before anything moves) under
-        Megatron's distributed optimizer, where a per-rank ``state_dict`` holds shards of the packed buffers;
-        ``dist_checkpointing`` (the layers' ``sharded_state_dict``, by global expert id) needs no regroup."""
-        packed = [packer for packer in self.packers if packer.controller.packing != 1]
-        if any(packer.ddp.ddp_config.use_distributed_optimizer for packer in packed):
-            raise ValueError(f"{FIELD}: Megatron's distributed optimizer shards the packed experts' buffers, and a "
-                             "per-rank state_dict() written around a regroup to the stock homes is not supported "
-                             "there; save and load through dist_checkpointing (sharded_state_dict names experts by "
-                             "global id)")
+        here is stock Megatron's, and under its distributed optimizer, rebuilt on the stock groups, so are its
+        ``save_parameter_state`` files); after: packed again (collective). ``dist_checkpointing`` (the layers'
+        ``sharded_state_dict``, by global expert id) needs no regroup."""
         with ExitStack() as stack:
             for packer in self.packers:
                 stack.enter_context(packer.stock())

@@ -18,17 +18,24 @@ DDP over the experts, on the packed expert-DP group) and so every piece, hence:
    range held the stepped values), and each new piece's master and moments from the whole, with Adam's ``step``.
 
 The groups as Megatron made them (every model parameter's, before the optimizer shards them) are recorded when it
-builds the optimizer (:func:`record_patch`). Not carried: a gloo group for the packed expert-DP group (the
-rebuilt optimizer has none: Megatron's legacy ``dp_zero_gather_scatter`` checkpoint format needs one).
+builds the optimizer (:func:`record_patch`).
+
+The optimizer's own ``data_parallel_group``, its gloo twin (which Megatron's legacy checkpoint formats gather
+over: ``save_parameter_state``, ``dp_zero_gather_scatter``) and ``data_parallel_group_idx`` (which names its
+state in ``dist_checkpointing``: expert-DP peers must share it) follow the packed layout: a fixed p builds the
+buffers on the packed expert-DP group before Megatron builds the optimizer with its stock groups (the packer sets
+the three after), and a rebuild passes them; the gloo twin (:func:`gloo_for`) is Megatron's own on the stock
+ranks, the group itself on gloo (CPU), and none for a packed layout on NCCL (save inside ``stock_homes()``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from moe_plugins.core.patcher import Patch
 from moe_plugins.patches.megatron_masters import MAIN
@@ -55,10 +62,12 @@ class DistributedExperts:
 
     def rebuild(self, before: Sequence[torch.nn.Parameter], after: Sequence[torch.nn.Parameter],
                 templates: Sequence[torch.nn.Parameter], carried: Dict[int, Dict[str, torch.Tensor]],
-                group: Any) -> None:
+                dp: Tuple[Any, Optional[Any], int]) -> None:
         """The optimizer over the experts ``after`` a regroup (module docstring, 2): ``templates[i]`` the parameter
         ``after[i]`` is a clone of when new, ``carried`` the moved whole masters and moments keyed by ``after``'s
-        ids, ``group`` the packed expert-DP group."""
+        ids, ``dp`` the packed layout's expert-DP group, its gloo twin (:func:`gloo_for`) and the index Megatron
+        names this rank's optimizer state by (its rank in the packed expert model-parallel group, which expert-DP
+        peers share)."""
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         opt, torch_opt = self.opt, self.opt.optimizer
         scalars = {k: v for k, v in first_state(torch_opt).items() if not (torch.is_tensor(v) and v.dim() > 0)}
@@ -74,13 +83,21 @@ class DistributedExperts:
         new = type(torch_opt)([{**hyper, "params": params} for hyper, params in groups], **defaults)
         buffers = {i: chunk.expert_parallel_buffers for i, chunk in enumerate(opt.model_chunks)}
         DistributedOptimizer.__init__(opt, new, opt.config, opt.grad_scaler, opt.init_state_fn, opt.model_chunks,
-                                      buffers, group, None, opt.data_parallel_group_idx,
+                                      buffers, *dp,
                                       opt.distributed_optimizer_instance_id)
         found = pieces(opt, after)
         for p in after:
             moved = carried.pop(id(p))
             master = moved.pop(MAIN)
             write_piece(found[id(p)], p, master, moved, scalars)
+
+
+def gloo_for(group: Any, stock: Tuple[Any, Optional[Any]]) -> Optional[Any]:
+    """A gloo group over ``group``'s ranks: Megatron's own (``stock``: the expert-DP group it built the optimizer
+    with, and that group's gloo twin) on the same ranks, ``group`` itself where it is gloo, else None."""
+    if dist.get_process_group_ranks(group) == dist.get_process_group_ranks(stock[0]):
+        return stock[1]
+    return group if dist.get_backend(group) == "gloo" else None
 
 
 def record_patch(on_built: Callable[[Any, Groups], None]) -> Patch:
@@ -99,4 +116,4 @@ def record_patch(on_built: Callable[[Any, Groups], None]) -> Patch:
     return Patch(DistributedOptimizer, "__init__", __init__)
 
 
-__all__ = ["DistributedExperts", "record_patch"]
+__all__ = ["DistributedExperts", "gloo_for", "record_patch"]

@@ -159,8 +159,8 @@ def train_job(packing: Any, steps: int = 20, ep: int = 4, degree: int = 1, lance
                                decisions=[(s, a, b) for s, _, a, b in packer.controller.decisions],
                                global_experts=_sharded_experts(net.moe[0], pgc))
                     if bf16 or distributed:
-                        try:
-                            with handle.lina.packing.stock_homes():
+                        try:              # (under the distributed optimizer a regroup rebuilds it: the CPU shim)
+                            with megatron_optimizer_on_cpu(), handle.lina.packing.stock_homes():
                                 res["stock_local"] = [layer.num_local_experts for layer in net.moe]
                                 res["stock_experts"] = by_expert(net, opt, grads=True)
                         except ValueError as exc:
@@ -262,6 +262,72 @@ def _moe_sharded(net: Any, metadata: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for n, layer in enumerate(net.moe):
         out.update(layer.sharded_state_dict(prefix=f"moe.{n}.", metadata=metadata))
+    return out
+
+
+def _steps_from_groups(opt: Any) -> None:
+    """Adam's ``step`` of every parameter from its group's, as Megatron's ``dp_reshardable`` load leaves it: that
+    format keeps the step in the param groups (TE's FusedAdam reads it there), while torch's Adam (CPU) counts it
+    per parameter, which the load leaves as the loader's own (stock Megatron, stock to stock too: the second
+    resumed step then parts by 2%)."""
+    for chained in opt.chained_optimizers:
+        for group in chained.optimizer.param_groups:
+            for p in group["params"] if "step" in group else []:
+                state = chained.optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"].fill_(group["step"])
+
+
+def optimizer_checkpoint_job(ckpt_dir: str, saver: Any, loader: Any, homes: bool, steps: int = 12) -> Dict[str, Any]:
+    """Under Megatron's distributed optimizer: a model at packing ``saver`` trained ``steps`` steps ("auto" regroups
+    at step 10) writes its model and optimizer sharded state (the distributed optimizer's ``dp_reshardable``
+    format, keyed by its buffers' layout) through ``dist_checkpointing.save``; a fresh model at packing ``loader``
+    (other weights, one step) reads both. With ``homes`` both do it inside ``stock_homes()`` (stock files), else as
+    they stand (packed files, for the same packing). Experts by global id (values, whole moments) after the save
+    and after the load, the packing at each, and the losses of 2 more steps from there."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from moe_plugins.patches import megatron as mp
+    spec = _spec(1, 4, "float32")
+    out: Dict[str, Any] = {}
+    with _on_cpu(spec) as groups:
+        pgc, config = groups.pg_collection, transformer_config(spec, num_layers=2)
+        metadata = {"dp_cp_group": pgc.dp_cp, "distrib_optim_sharding_type": "dp_reshardable"}
+        data = (_batches(torch.float32, 4, seed=21) * (steps + 2))[:steps + 2]
+        for role, packing, seed in (("saver", saver, 7), ("loader", loader, 8)):
+            with mp.enable(_plugin(packing), groups=groups) as handle:
+                net = _net(config, seed=seed)
+                _redraw(net, seed=seed)
+                model = _ddp(config, net, pgc, bucket_size=300, use_distributed_optimizer=True)
+                opt = _optimizer(model, pgc, 0.0, distributed=True)
+                for x, t in data[:steps if role == "saver" else 1]:
+                    _step(model, opt, pgc, x, t)
+                packed = handle.lina.packing
+                res = out[role] = {"packing": packed.packers[0].controller.packing if packed is not None else 1}
+                with ExitStack() as around:        # (a regroup rebuilds the distributed optimizer: the CPU shim)
+                    if homes and packed is not None:
+                        around.enter_context(megatron_optimizer_on_cpu())
+                        around.enter_context(packed.stock_homes())
+                    model_sd = _moe_sharded(net, metadata)
+                    for name, param in net.dense.named_parameters():      # replicated on every rank: rank 0 writes
+                        model_sd[f"dense.{name}"] = ShardedTensor.from_rank_offsets(
+                            f"dense.{name}", param, replica_id=(0, 0, dist.get_rank()))
+                    loading = role == "loader"
+                    sharded = {"model": model_sd,
+                               "optimizer": opt.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)}
+                    if not loading:
+                        with cpu_saver():
+                            dist_checkpointing.save(sharded, ckpt_dir)
+                        dist.barrier()
+                    else:
+                        state = dist_checkpointing.load(sharded, ckpt_dir)
+                        net.load_state_dict(state["model"], strict=False)
+                        with torch.no_grad():       # fp32: Megatron copies into views of the parameters
+                            opt.load_state_dict(state["optimizer"])
+                        _steps_from_groups(opt)
+                res["experts"] = by_expert(net, opt)
+                res["after"] = [_step(model, opt, pgc, x, t)["loss"] for x, t in data[steps:]]
     return out
 
 
