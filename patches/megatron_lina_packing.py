@@ -375,9 +375,9 @@ class MegatronPacking:
     @contextmanager
     def stock_homes(self) -> Iterator[None]:
         """Inside: every packed model's experts on the stock layout (a per-rank ``state_dict()`` written or read
-        here is stock Megatron's, and under its distributed optimizer, rebuilt on the stock groups, so are its
-        ``save_parameter_state`` files); after: packed again (collective). ``dist_checkpointing`` (the layers'
-        ``sharded_state_dict``, by global expert id) needs no regroup."""
+        here is stock Megatron's; under its distributed optimizer, rebuilt on the stock groups, so is the
+        optimizer's ``dp_reshardable`` state, keyed by the buffers' layout); after: packed again (collective).
+        The model's ``sharded_state_dict`` (by global expert id) needs no regroup."""
         with ExitStack() as stack:
             for packer in self.packers:
                 stack.enter_context(packer.stock())
