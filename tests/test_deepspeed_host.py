@@ -186,8 +186,12 @@ def test_checkpoint_round_trip(world, tmp_path, save, load, stage):
     ("fp16", 2, 4, 1, {"schedule": "baseline-tp"}, True),
     ("fp16", 2, 4, 1, {"schedule": "baseline", "lancet": {"defer_wgrad": True}}, True),
     ("fp16", 0, 2, 1, {"schedule": "baseline", "pipeline_degree": 2}, False),
-    ("fp16", 1, 4, 2, {"ranks_per_node": 2, "hecate": {"enabled": True, "extra_experts": 1}}, False),
-    ("fp16", 2, 4, 2, {"schedule": "baseline", "lina": {"micro_op_mb": 0.01}}, False)],
+    pytest.param("fp16", 1, 4, 2, {"ranks_per_node": 2, "hecate": {"enabled": True, "extra_experts": 1}}, False,
+                 marks=pytest.mark.full(covered_by="test_hecate_reshard.py::test_deepspeed_half_resharding_moves_the_"
+                                                   "fp32_masters (Hecate's layers trained in fp16 against stock)")),
+    pytest.param("fp16", 2, 4, 2, {"schedule": "baseline", "lina": {"micro_op_mb": 0.01}}, False,
+                 marks=pytest.mark.full(covered_by="test_lina_deepspeed.py::test_fp16_at_dp_4_overflows_where_stock_"
+                                                   "does (Lina in fp16 at DP 4 against stock)"))],
     ids=["bf16-zero2", "fp16-zero1", "fp16-zero2-baseline_tp", "fp16-zero2-lancet_dw", "fp16-zero0-pipemoe2",
          "fp16-zero1-hecate", "fp16-zero2-lina"])
 def test_training_in_16_bit_flag_on_equals_off(world, half, stage, ep, k, plugin, exact):

@@ -240,7 +240,10 @@ def _copies(results) -> dict:
     return values
 
 
-@pytest.mark.parametrize("saver,loader,homes", [(2, 1, True), ("auto", 1, True), (1, 2, True), (2, 2, False)],
+@pytest.mark.parametrize("saver,loader,homes", [
+    (2, 1, True), pytest.param("auto", 1, True, marks=pytest.mark.full(
+        covered_by="[p2-to-stock] (the same rebuild inside stock_homes) and "
+                   "test_auto_packing_under_the_distributed_optimizer (auto's rebuild)")), (1, 2, True), (2, 2, False)],
                          ids=["p2-to-stock", "auto-to-stock", "stock-to-p2", "p2-to-p2-packed-files"])
 def test_distributed_optimizer_checkpoints_across_packings(world, tmp_path, saver, loader, homes):
     """The distributed optimizer's own sharded state (``dp_reshardable``, keyed by its buffers' layout) through
