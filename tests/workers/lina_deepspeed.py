@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_plugins.core.ledger import CommLedger
 from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm, init_experts
-from tests.workers.deepspeed import FP16, cpu_half, reduced_grads
+from tests.workers.deepspeed import cpu_half, reduced_grads
 
 V, M, H, E, B, L = 24, 8, 16, 4, 2, 8
 
