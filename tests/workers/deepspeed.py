@@ -255,6 +255,29 @@ def engine_sections() -> Dict[str, Any]:
     return out
 
 
+def zero0_masters(opt: Any) -> Dict[int, Dict[str, torch.Tensor]]:
+    """DeepSpeed's 16-bit optimizers at ZeRO 0, read from their own layouts (not through the plugin's readers):
+    per model parameter (by id) its fp32 master (``"fp32"``) and the master's optimizer state tensors shaped like
+    it (Adam's moments). ``FP16_UnfusedOptimizer`` keeps a master per parameter; ``FP16_Optimizer`` one flat
+    master per group, unflattened by torch's ``_unflatten_dense_tensors`` as DeepSpeed made its parameters views
+    of the flat 16-bit buffer. Empty for any other optimizer."""
+    from torch._utils import _unflatten_dense_tensors
+
+    def shaped(main: torch.Tensor) -> Dict[str, torch.Tensor]:
+        state = opt.optimizer.state.get(main, {})
+        return {"fp32": main.detach(),
+                **{k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == main.shape}}
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    if hasattr(opt, "fp32_groups_flat"):
+        for params, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            pieces = {k: _unflatten_dense_tensors(v, params) for k, v in shaped(flat).items()}
+            out.update({id(p): {k: rows[j] for k, rows in pieces.items()} for j, p in enumerate(params)})
+    elif hasattr(opt, "fp16_groups") and isinstance(getattr(opt, "fp32_groups", None), list):
+        out.update({id(p): shaped(main) for low, high in zip(opt.fp16_groups, opt.fp32_groups)
+                    for p, main in zip(low, high)})
+    return out
+
+
 def reduced_grads(engine) -> List[torch.Tensor]:
     """The gradients DeepSpeed hands to the optimizer: ZeRO 0 the parameters' (all-reduced), ZeRO 1/2 this
     rank's partition (``averaged_gradients``)."""

@@ -59,30 +59,13 @@ def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any
     return {"losses": losses, "homes": homes, "forced": around}
 
 
-def _fused_masters(opt) -> Dict[int, List[torch.Tensor]]:
-    """DeepSpeed's ``FP16_Optimizer``: per parameter (by id), its master and moments, unflattened from the
-    group's flat tensors by torch's ``_unflatten_dense_tensors`` as DeepSpeed made its parameters views of the
-    flat 16-bit buffer."""
-    from torch._utils import _unflatten_dense_tensors
-    out = {}
-    for params, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
-        state = opt.optimizer.state[flat]
-        pieces = [_unflatten_dense_tensors(t, params) for t in (flat, state["exp_avg"], state["exp_avg_sq"])]
-        out.update({id(p): [t[j] for t in pieces] for j, p in enumerate(params)})
-    return out
-
-
 def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
     """The experts' parameters keyed by global id (``homes``: the layer's homes; None: stock's); ``masters``: also
     their fp32 masters and Adam moments, read whole through DeepSpeed's ``safe_get_full_*`` (collective)."""
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
     zero = engine.optimizer
-    unfused = {id(p): [m] + [zero.optimizer.state[m][key] for key in ("exp_avg", "exp_avg_sq")]
-               for low, high in zip(getattr(zero, "fp16_groups", []), getattr(zero, "fp32_groups", []))
-               for p, m in zip(low, high)} if masters and hasattr(zero, "fp16_groups") else {}   # ZeRO 0
-    if masters and hasattr(zero, "fp32_groups_flat"):    # FP16_Optimizer: one flat master per group, its state
-        unfused = _fused_masters(zero)                   # keyed by it: unflattened as DeepSpeed lays them out
+    unfused = jobs.zero0_masters(zero) if masters else {}        # ZeRO 0's 16-bit optimizers
     if masters and not unfused:  # DeepSpeed links the parameters to their optimizer state fragments lazily
         from moe_plugins.patches.deepspeed_zero_state import layout      # ZeRO 1/2's names or BF16_Optimizer's
         for params, flat in zip(*layout(zero)[:2]):
@@ -96,10 +79,7 @@ def by_expert(engine, homes, masters: bool = False) -> Dict[str, torch.Tensor]:
         for n, p in expert.named_parameters():
             out[f"{ids[i]}.{n}"] = p.detach().clone()
             if id(p) in unfused:          # ZeRO 0: the master (and moments) of each parameter
-                main = unfused[id(p)]
-                out[f"{ids[i]}.{n}.fp32"] = main[0].detach().clone()
-                for key, moment in zip(("exp_avg", "exp_avg_sq"), main[1:]):
-                    out[f"{ids[i]}.{n}.{key}"] = moment.clone()
+                out.update((f"{ids[i]}.{n}.{key}", v.clone()) for key, v in unfused[id(p)].items())
             elif masters:
                 out[f"{ids[i]}.{n}.fp32"] = safe_get_full_fp32_param(p).clone()
                 for key in ("exp_avg", "exp_avg_sq"):

@@ -29,10 +29,8 @@ def by_expert(engine) -> Dict[str, torch.Tensor]:
     moe = engine.module.moe
     rank = groups._get_expert_parallel_rank(moe.expert_group_name)
     zero = snapshot(engine.optimizer).values if engine.zero_optimization_stage() else None
-    opt = engine.optimizer
-    if zero is None and hasattr(opt, "fp16_groups"):          # FP16_UnfusedOptimizer: a master per parameter
-        zero = {id(p): {"fp32": main.detach(), **opt.optimizer.state.get(main, {})}
-                for low, high in zip(opt.fp16_groups, opt.fp32_groups) for p, main in zip(low, high)}
+    if zero is None:                                          # FP16_UnfusedOptimizer: a master per parameter
+        zero = jobs.zero0_masters(engine.optimizer) or None
     out = {}
     for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
         for n, p in expert.named_parameters():
