@@ -194,3 +194,16 @@ def test_a_pool_job_whose_result_cannot_be_sent_fails_at_once(world):
         world(2).run(pool_jobs.unsendable, timeout_s=300)
     assert time.monotonic() - start < 60
     assert world(2).run(pool_jobs.rank) == [0, 1]
+
+
+def test_a_pool_worker_that_dies_is_named_with_its_exit_code(world):
+    """A worker process that dies without reporting (a crash, a kill) is named with its exit code within seconds,
+    not after the job's timeout (before, a rank lost in session 34's clean run was reported as "timed out after
+    1800 s", which it was not); the pool runs the next job."""
+    from moe_plugins.tools.pool import WorkerError
+    from tests.workers import pool_jobs
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"--- rank 1 ---\nworker process exited with code 7"):
+        world(2).run(pool_jobs.dies_on_rank_1, timeout_s=300)
+    assert time.monotonic() - start < 60
+    assert world(2).run(pool_jobs.rank) == [0, 1]

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -60,6 +61,17 @@ def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], t
     dist.destroy_process_group()
 
 
+POLL_S = 1.0     # how often a waiting run checks that every worker process is still alive
+
+
+def _dead(procs: Sequence[Any], got: Dict[int, Any], errors: Dict[int, str]) -> Dict[int, str]:
+    """The ranks whose worker process has exited without reporting this job, each with its exit code (a negative
+    code is the signal that killed it: -11 a segmentation fault, -9 a kill, e.g. by the kernel's OOM killer)."""
+    return {rank: f"worker process exited with code {p.exitcode} before reporting the job"
+            for rank, p in enumerate(procs)
+            if rank not in got and rank not in errors and p.exitcode is not None}
+
+
 class WorkerPool:
     """``world`` gloo ranks in worker processes, started on first use. ``start_method``: multiprocessing's
     (``"spawn"``: a fresh interpreter per worker; ``"forkserver"`` with ``preload``: workers forked from a server
@@ -94,16 +106,27 @@ class WorkerPool:
             q.put((self._job, fn, args, kwargs))
         got: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
-        try:
-            while len(got) + len(errors) < self.world:
-                # once a rank failed, the others are likely blocked in a collective: wait briefly only
-                job_id, rank, ok, value = self._results.get(timeout=10.0 if errors else timeout_s)
-                if job_id != self._job:
-                    continue
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while len(got) + len(errors) < self.world:
+            try:
+                job_id, rank, ok, value = self._results.get(timeout=max(min(POLL_S, deadline - time.monotonic()),
+                                                                        0.01))
+            except queue.Empty:
+                failed = bool(errors)
+                errors.update(_dead(self._procs, got, errors))
+                if errors and not failed:     # the others are likely blocked in a collective: wait briefly only
+                    deadline = min(deadline, time.monotonic() + 10.0)
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.world)) - set(got) - set(errors))
+                    errors[-1] = (f"no result from ranks {missing} after {time.monotonic() - start:.0f} s "
+                                  f"(job timeout {timeout_s:.0f} s; 10 s once a rank failed)")
+                    break
+                continue
+            if job_id == self._job:
+                if not ok and not errors:
+                    deadline = min(deadline, time.monotonic() + 10.0)
                 (got if ok else errors)[rank] = value
-        except queue.Empty:
-            errors.setdefault(-1, f"timed out after {timeout_s:.0f} s waiting for ranks "
-                                  f"{sorted(set(range(self.world)) - set(got) - set(errors))}")
         if errors:
             self.close()
             raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))

@@ -16,3 +16,13 @@ def unsendable() -> Dict[str, torch.Tensor]:
 
 def rank() -> int:
     return dist.get_rank()
+
+
+def dies_on_rank_1() -> int:
+    """Rank 1's process ends at once, without a word to the pool (as a segmentation fault or the OOM killer would
+    end it); rank 0 then waits in a collective with it."""
+    import os
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.barrier()
+    return 0
