@@ -47,6 +47,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"full profile only (MOE_PLUGINS_TESTS=full); in CI: {covered_by}"))
 
 
+@pytest.fixture(scope="session")
+def recipe_checkpoint(tmp_path_factory):
+    """The DeepSpeed recipe's checkpoint of two steps on one rank (tests/infer_checks.py), trained once per session
+    for the tests that only read it (the inference recipe's, ``lina-profile``'s)."""
+    pytest.importorskip("deepspeed")
+    from tests.infer_checks import train_checkpoint
+    return train_checkpoint(tmp_path_factory.mktemp("recipe-ckpt"))
+
+
 @pytest.fixture(scope="module")
 def world():
     pools = {}

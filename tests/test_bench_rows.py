@@ -84,7 +84,7 @@ def test_auto_rows_decide_from_a_profile_measured_at_each_rate(world):
     other = CaseConfig(tokens=32, hidden=32, ffn=32, experts=4, k=2, capacity_factor=1.0, mp=2, ep=2, esp=2)
     plan = BenchPlan(nodes=2, ranks_per_node=2, cases=(case, other), rates=("unshaped",), iters=1, warmup=1,
                      rows=(RowSpec(name="parm-s1"), RowSpec(name="parm-s2-saa"), RowSpec(name="parm-auto"),
-                           RowSpec(name="parm-s2", options=(("r", "auto"),))))
+                           RowSpec(name="parm-s2", options=(("r", "auto"),))), profile_repeats=3)
     group, second = world(4).run(run_bench_plan, RankJob(plan=plan, cluster=None), timeout_s=600)[0]
     assert group["skipped"] == {} == second["skipped"]
     # the link part is measured once per layout and rate and shared; the gemm is the case's own shape

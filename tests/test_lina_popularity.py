@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from moe_plugins.lina import popularity as pop
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "recipes" / "configs" / "gpt2_moe_tiny.json"
 
 
 @st.composite
@@ -161,14 +160,8 @@ def test_bad_input_names_the_field_and_value(call, message):
 
 # ---- the CLI on a recipe checkpoint ---------------------------------------------------------------------------
 
-def test_lina_profile_on_a_recipe_checkpoint(tmp_path):
-    pytest.importorskip("deepspeed")
-    ckpt = tmp_path / "ckpt"
-    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-             "-m", "moe_plugins.recipes.train_deepspeed", "--ds-config", str(CONFIG), "--max-chars", "20000",
-             "--ep", "1", "--steps", "2", "--ckpt-dir", str(ckpt), "--save-every", "2", "--out", str(tmp_path / "run")]
-    done = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def test_lina_profile_on_a_recipe_checkpoint(tmp_path, recipe_checkpoint):
+    ckpt = recipe_checkpoint            # the recipe's 2 steps on its first 20,000 characters (tests/infer_checks.py)
     table = tmp_path / "table.json"
     cli = [sys.executable, "-m", "moe_plugins.tools.cli", "lina-profile", "--ckpt-dir", str(ckpt),
            "--skip-chars", "20000", "--chars", "12000", "--batch-size", "2", "--out", str(table)]

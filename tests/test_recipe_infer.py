@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from moe_plugins.recipes import infer
-from tests.infer_checks import CONFIG, SEQ, check_measured, run_infer, train_checkpoint
+from tests.infer_checks import CONFIG, SEQ, check_measured, run_infer
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    pytest.importorskip("deepspeed")
-    return train_checkpoint(tmp_path_factory.mktemp("infer"))
+def ckpt(recipe_checkpoint):
+    return recipe_checkpoint
 
 
 def test_plugin_baseline_with_skew_on_four_ranks(ckpt, tmp_path):

@@ -11,16 +11,14 @@ import sys
 
 import pytest
 
-from tests.infer_checks import BATCHES, ROOT, TRAIN_CHARS, check_measured, run_infer, train_checkpoint
+from tests.infer_checks import BATCHES, ROOT, TRAIN_CHARS, check_measured, run_infer
 
 PROFILE_CHARS = 12_000
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    pytest.importorskip("deepspeed")
-    tmp = tmp_path_factory.mktemp("infer-lina")
-    ckpt = train_checkpoint(tmp)
+def setup(tmp_path_factory, recipe_checkpoint):
+    tmp, ckpt = tmp_path_factory.mktemp("infer-lina"), recipe_checkpoint
     table = tmp / "table.json"
     cli = [sys.executable, "-m", "moe_plugins.tools.cli", "lina-profile", "--ckpt-dir", str(ckpt), "--skip-chars",
            str(TRAIN_CHARS), "--chars", str(PROFILE_CHARS), "--batch-size", "4", "--out", str(table)]

@@ -103,6 +103,9 @@ def test_resume_reproduces_losses(world, tmp_path):
         train(world, argv(4, 1, "--resume", "--out", str(tmp_path / "other")))
 
 
+@pytest.mark.full(covered_by="test_lina_packing_in_the_recipe_equals_unpacked_and_resumes_unpacked (a lina section "
+                             "through the recipe's flag, its micro-ops on Megatron's DDP), "
+                             "tests/test_lina_megatron.py (Lina on against off, overlap_grad_reduce)")
 def test_lina_in_the_recipe_equals_the_plugin_without_it(world, tmp_path):
     """The recipe's flag with a lina section: Megatron's DDP (overlap_grad_reduce, which lina turns on) reduces
     the dense and expert buckets as Lina's micro-ops; 12 fp32 steps match the plugin without lina on the same
@@ -158,6 +161,9 @@ def on_equals_stock(world, tmp_path, layout, section: str):
     return on
 
 
+@pytest.mark.full(covered_by="test_hecate_resharding_in_the_recipe_equals_stock_megatron_and_resumes and "
+                             "test_hecate_early_gather_in_the_recipe_equals_stock_megatron (an enabled hecate "
+                             "section through the recipe's flag, equal to stock Megatron)")
 def test_hecate_in_the_recipe_equals_stock_megatron(world, tmp_path):
     """The recipe's flag with an enabled hecate section (EP 4 on 2 emulated nodes: copies of the hot experts, spAG
     and spRS through Megatron's DDP) matches stock Megatron."""

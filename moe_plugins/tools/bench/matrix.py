@@ -92,6 +92,7 @@ class BenchPlan:
     dtype: str = "float32"
     collective_timeout_s: float = 300.0
     notes: Tuple[str, ...] = field(default=())
+    profile_repeats: Optional[int] = None    # timed runs per size of the auto rows' profile (None: profiles.py's)
 
     @property
     def world(self) -> int:
@@ -201,7 +202,8 @@ def plan_problems(plan: BenchPlan, row_problems: Callable[["RowSpec"], List[str]
     """Every problem with the plan at once, each naming the field and its value; ``row_problems`` checks each
     row (:func:`moe_plugins.tools.bench.rows.row_problems`, which builds on this module)."""
     problems = []
-    for name in ("nodes", "ranks_per_node", "iters"):
+    optional = ("profile_repeats",) if plan.profile_repeats is not None else ()
+    for name in ("nodes", "ranks_per_node", "iters") + optional:
         value = getattr(plan, name)
         if not isinstance(value, int) or value < 1:
             problems.append(f"{name} ({value!r}) must be a positive integer")

@@ -224,11 +224,12 @@ def _profile_for(job: RankJob, case: CaseConfig, data: CaseData, specs: List[Row
     every case of that layout) merged with the case's GEMM part (measured once per case)."""
     layout, dtype = data.groups.layout, job.plan.dtype
     same_layout = [c for c in job.plan.cases if _layout_key(c) == _layout_key(case)]
-    parts = []
+    parts, repeats = [], {} if job.plan.profile_repeats is None else {"repeats": job.plan.profile_repeats}
     for key, spec, source in (
-            (("link", rate), link_spec_for(same_layout, layout, specs, dtype),
+            (("link", rate), link_spec_for(same_layout, layout, specs, dtype, **repeats),
              f"moe-plugins bench at {rate}: link, shared by the {len(same_layout)} case(s) of this layout"),
-            (("gemm",), gemm_spec_for(case, layout, dtype), f"moe-plugins bench: gemm of {case.label}")):
+            (("gemm",), gemm_spec_for(case, layout, dtype, **repeats),
+             f"moe-plugins bench: gemm of {case.label}")):
         if key + (spec,) not in profiles:
             profiles[key + (spec,)] = measure_profile(spec, data.groups, source=source)
         parts.append(profiles[key + (spec,)])
