@@ -52,12 +52,14 @@ def _plan(**overrides) -> BenchPlan:
 
 def test_plan_problems_lists_everything_at_once():
     assert matrix.plan_problems(_plan()) == []
-    bad = _plan(iters=0, profile_repeats=0, rates=("fast",), rows=(RowSpec(name="nope"), RowSpec(name="deepspeed", options=(("r", "2"),)),
-                                                 RowSpec(name="baseline"), RowSpec(name="baseline")),
+    bad = _plan(iters=0, profile_repeats=0, rates=("fast",),
+                rows=(RowSpec(name="nope"), RowSpec(name="deepspeed", options=(("r", "2"),)),
+                      RowSpec(name="baseline"), RowSpec(name="baseline")),
                 cases=(CaseConfig(tokens=64, hidden=32, ffn=64, experts=6, ep=4),))
     from moe_plugins.tools.bench.rows import row_problems
     message = "; ".join(matrix.plan_problems(bad, row_problems))
-    for needle in ("iters (0)", "profile_repeats (0) must be a positive integer", "rate ('fast')", "row ('nope') is unknown", "option 'r' is unknown",
+    for needle in ("iters (0)", "profile_repeats (0) must be a positive integer",
+                   "rate ('fast')", "row ('nope') is unknown", "option 'r' is unknown",
                    "rows (baseline) are listed twice", "num_experts (6) must be divisible by ep (4)"):
         assert needle in message, needle
 
