@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, Optional, Tuple
 
 
@@ -86,10 +87,12 @@ def cached_profile_dir() -> Optional[str]:
     return str(default_cache_dir())
 
 
-def init_deepspeed_comm() -> None:
-    """``deepspeed.init_distributed`` over the existing gloo group, without JIT-building DeepSpeed's shm
-    all-reduce op (about 60 s; an optimisation of DeepSpeed's own all-reduce that gloo on CPU does not use).
-    The builder is replaced only while DeepSpeed's backend is created (CPU tools and tests; a GPU job calls
+def init_deepspeed_comm(timeout: Optional[timedelta] = None) -> None:
+    """``deepspeed.init_distributed`` over gloo (the existing group, or a new one from torchrun's variables, with
+    ``timeout``), without JIT-building DeepSpeed's shm all-reduce op (45-60 s of both cores here, once per
+    install; it serves only ``inference_all_reduce``, of DeepSpeed's injected inference layers, which nothing here
+    uses: without it that call falls back to torch's all-reduce). The builder is replaced only
+    while DeepSpeed's backend is created (CPU recipes, tools and tests; a GPU job calls
     ``deepspeed.init_distributed`` itself)."""
     import deepspeed
     from deepspeed import comm as ds_comm
@@ -97,4 +100,4 @@ def init_deepspeed_comm() -> None:
         return
     ds_torch = importlib.import_module("deepspeed.comm.torch")   # `import deepspeed.comm.torch` gives torch
     with Patcher([Patch(ds_torch, "build_shm_op", lambda: None)], logger=logger):
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="gloo", **({} if timeout is None else {"timeout": timeout}))

@@ -128,8 +128,11 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
         plugin = moe_plugins.enable(ds_config)          # validates the section before patching anything
     if args.no_plugins:
         ds_config.pop("moe_plugins", None)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
-                               timeout=timedelta(seconds=args.dist_timeout))
+    if torch.cuda.is_available():
+        deepspeed.init_distributed(dist_backend="nccl", timeout=timedelta(seconds=args.dist_timeout))
+    else:          # gloo, without building DeepSpeed's shm all-reduce op, which training on gloo does not use
+        from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
+        init_deepspeed_comm(timeout=timedelta(seconds=args.dist_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     size = models.SIZES[args.size]

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from moe_plugins.tools.verify_deepspeed import deepspeed_groups
+from moe_plugins.tools.verify_deepspeed import deepspeed_groups, init_deepspeed_comm
 from tests.workers.deepspeed import count_zero_hooks, micro_steps
 
 VOCAB, SEQ = 64, 8
@@ -65,6 +65,7 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
     out: Dict[str, Any] = {}
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
+        init_deepspeed_comm()       # not the first engine's JIT build of DeepSpeed's shm op (45 s, unused)
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
         if profile_dir is not None:
             measure_profile(handle, profile_dir)
