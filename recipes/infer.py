@@ -42,7 +42,7 @@ import torch.distributed as dist
 from moe_plugins.core.groups import group_timeout
 from moe_plugins.recipes import data, models
 from moe_plugins.recipes.infer_session import InferSession, SessionSpec
-from moe_plugins.recipes.train_deepspeed import add_dist_timeout
+from moe_plugins.recipes.train_deepspeed import add_dist_timeout, init_deepspeed_dist
 
 TRAIN_CHARS = 600_000           # the training recipe's --max-chars default
 
@@ -151,7 +151,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 def _main(args: argparse.Namespace) -> Dict[str, Any]:
-    import deepspeed
     from moe_plugins.core.ledger import CommLedger
     ds_config = json.loads(Path(args.ds_config).read_text())
     plugin, ledger = None, CommLedger()
@@ -160,11 +159,7 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
     elif "moe_plugins" in ds_config:
         import moe_plugins
         plugin = moe_plugins.enable(ds_config, ledger=ledger)     # validates the section before patching
-    if torch.cuda.is_available():
-        deepspeed.init_distributed(dist_backend="nccl", timeout=timedelta(seconds=args.dist_timeout))
-    else:          # gloo, without building DeepSpeed's shm all-reduce op, which training on gloo does not use
-        from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
-        init_deepspeed_comm(timeout=timedelta(seconds=args.dist_timeout))
+    init_deepspeed_dist(args.dist_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     size = models.SIZES[args.size]

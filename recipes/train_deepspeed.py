@@ -57,6 +57,17 @@ def add_dist_timeout(p: argparse.ArgumentParser) -> None:
                         "(default 1800, torch's)")
 
 
+def init_deepspeed_dist(timeout_s: float) -> None:
+    """DeepSpeed's communication backend, every collective waiting up to ``timeout_s``: NCCL on GPUs; gloo on CPU,
+    without building DeepSpeed's shm all-reduce op, which nothing here uses (patches/deepspeed_host.py)."""
+    import deepspeed
+    if torch.cuda.is_available():
+        deepspeed.init_distributed(dist_backend="nccl", timeout=timedelta(seconds=timeout_s))
+    else:
+        from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
+        init_deepspeed_comm(timeout=timedelta(seconds=timeout_s))
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -120,7 +131,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 def _main(args: argparse.Namespace) -> Dict[str, Any]:
-    import deepspeed
     ds_config = json.loads(Path(args.ds_config).read_text())
     plugin = None
     if "moe_plugins" in ds_config and not args.no_plugins:
@@ -128,11 +138,7 @@ def _main(args: argparse.Namespace) -> Dict[str, Any]:
         plugin = moe_plugins.enable(ds_config)          # validates the section before patching anything
     if args.no_plugins:
         ds_config.pop("moe_plugins", None)
-    if torch.cuda.is_available():
-        deepspeed.init_distributed(dist_backend="nccl", timeout=timedelta(seconds=args.dist_timeout))
-    else:          # gloo, without building DeepSpeed's shm all-reduce op, which training on gloo does not use
-        from moe_plugins.patches.deepspeed_host import init_deepspeed_comm
-        init_deepspeed_comm(timeout=timedelta(seconds=args.dist_timeout))
+    init_deepspeed_dist(args.dist_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     size = models.SIZES[args.size]

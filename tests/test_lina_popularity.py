@@ -9,15 +9,13 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_plugins.lina import popularity as pop
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.infer_checks import ROOT, TRAIN_CHARS
 
 
 @st.composite
@@ -161,10 +159,10 @@ def test_bad_input_names_the_field_and_value(call, message):
 # ---- the CLI on a recipe checkpoint ---------------------------------------------------------------------------
 
 def test_lina_profile_on_a_recipe_checkpoint(tmp_path, recipe_checkpoint):
-    ckpt = recipe_checkpoint            # the recipe's 2 steps on its first 20,000 characters (tests/infer_checks.py)
+    ckpt = recipe_checkpoint            # the recipe's 2 steps on its first TRAIN_CHARS characters
     table = tmp_path / "table.json"
     cli = [sys.executable, "-m", "moe_plugins.tools.cli", "lina-profile", "--ckpt-dir", str(ckpt),
-           "--skip-chars", "20000", "--chars", "12000", "--batch-size", "2", "--out", str(table)]
+           "--skip-chars", str(TRAIN_CHARS), "--chars", "12000", "--batch-size", "2", "--out", str(table)]
     done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"estimation accuracy \(top-2 set equal, \d+ batch-layers .*\): \d+\.\d%", done.stdout)
@@ -172,7 +170,7 @@ def test_lina_profile_on_a_recipe_checkpoint(tmp_path, recipe_checkpoint):
     assert (loaded.start_layer, loaded.path_length) == (1, 3) and loaded.tokens > 0
     assert sum(loaded.counts(1).marginal) == loaded.tokens
     meta = json.loads(table.read_text())["meta"]
-    assert meta["text"]["skip_chars"] == 20000 and 0 <= meta["accuracy"]["value"] <= 1
+    assert meta["text"]["skip_chars"] == TRAIN_CHARS == 20000 and 0 <= meta["accuracy"]["value"] <= 1
     bad = subprocess.run(cli[:4] + ["--ckpt-dir", str(tmp_path / "none"), "--out", str(table)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and f"--ckpt-dir {str(tmp_path / 'none')!r} has no `latest` file" in bad.stderr

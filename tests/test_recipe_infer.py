@@ -12,13 +12,8 @@ from moe_plugins.recipes import infer
 from tests.infer_checks import CONFIG, SEQ, check_measured, run_infer
 
 
-@pytest.fixture(scope="module")
-def ckpt(recipe_checkpoint):
-    return recipe_checkpoint
-
-
-def test_plugin_baseline_with_skew_on_four_ranks(ckpt, tmp_path):
-    report, stdout = run_infer(ckpt, tmp_path / "out", 4, "--skew", "40")
+def test_plugin_baseline_with_skew_on_four_ranks(recipe_checkpoint, tmp_path):
+    report, stdout = run_infer(recipe_checkpoint, tmp_path / "out", 4, "--skew", "40")
     check_measured(report, 4)
     assert report["meta"]["ep"] == 4 and report["meta"]["capacity_factor"] == "dropless"
     assert [s["schedule"] for s in report["meta"]["plugin"]] == ["baseline", "baseline"]
@@ -30,8 +25,8 @@ def test_plugin_baseline_with_skew_on_four_ranks(ckpt, tmp_path):
     assert "latency per batch (3 batches, slowest rank): p50" in stdout
 
 
-def test_stock_with_the_balanced_gate_on_two_ranks(ckpt, tmp_path):
-    even, _ = run_infer(ckpt, tmp_path / "even", 2, "--no-plugins", "--gate", "balanced")
+def test_stock_with_the_balanced_gate_on_two_ranks(recipe_checkpoint, tmp_path):
+    even, _ = run_infer(recipe_checkpoint, tmp_path / "even", 2, "--no-plugins", "--gate", "balanced")
     check_measured(even, 2)
     assert even["meta"]["plugin"] is None and even["meta"]["gate"] == "balanced"
     for layer in even["layers"]:

@@ -61,7 +61,8 @@ def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], t
     dist.destroy_process_group()
 
 
-POLL_S = 1.0     # how often a waiting run checks that every worker process is still alive
+POLL_S = 1.0             # how often a waiting run checks that every worker process is still alive
+AFTER_FAILURE_S = 10.0   # how long a run still waits for the other ranks once one failed
 
 
 def _dead(procs: Sequence[Any], got: Dict[int, Any], errors: Dict[int, str]) -> Dict[int, str]:
@@ -107,26 +108,22 @@ class WorkerPool:
         got: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
         start = time.monotonic()
-        deadline = start + timeout_s
+        deadline, hurried = start + timeout_s, False
         while len(got) + len(errors) < self.world:
             try:
                 job_id, rank, ok, value = self._results.get(timeout=max(min(POLL_S, deadline - time.monotonic()),
                                                                         0.01))
+                if job_id == self._job:
+                    (got if ok else errors)[rank] = value
             except queue.Empty:
-                failed = bool(errors)
                 errors.update(_dead(self._procs, got, errors))
-                if errors and not failed:     # the others are likely blocked in a collective: wait briefly only
-                    deadline = min(deadline, time.monotonic() + 10.0)
-                if time.monotonic() >= deadline:
-                    missing = sorted(set(range(self.world)) - set(got) - set(errors))
-                    errors[-1] = (f"no result from ranks {missing} after {time.monotonic() - start:.0f} s "
-                                  f"(job timeout {timeout_s:.0f} s; 10 s once a rank failed)")
-                    break
-                continue
-            if job_id == self._job:
-                if not ok and not errors:
-                    deadline = min(deadline, time.monotonic() + 10.0)
-                (got if ok else errors)[rank] = value
+            if errors and not hurried:      # the others are likely blocked in a collective: wait briefly only
+                deadline, hurried = min(deadline, time.monotonic() + AFTER_FAILURE_S), True
+            if len(got) + len(errors) < self.world and time.monotonic() >= deadline:
+                missing = sorted(set(range(self.world)) - set(got) - set(errors))
+                errors[-1] = (f"no result from ranks {missing} after {time.monotonic() - start:.0f} s "
+                              f"(job timeout {timeout_s:.0f} s; {AFTER_FAILURE_S:.0f} s once a rank failed)")
+                break
         if errors:
             self.close()
             raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))

@@ -63,9 +63,9 @@ def train(plugin: Optional[Dict[str, Any]], steps: int, gas: int = 1, micro_batc
     if plugin is not None:
         config["moe_plugins"] = plugin
     out: Dict[str, Any] = {}
+    init_deepspeed_comm()           # as the other DeepSpeed workers: no JIT build of DeepSpeed's unused shm op
     with ExitStack() as stack:
         stack.enter_context(deepspeed_groups(None))
-        init_deepspeed_comm()       # not the first engine's JIT build of DeepSpeed's shm op (45 s, unused)
         handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
         if profile_dir is not None:
             measure_profile(handle, profile_dir)
