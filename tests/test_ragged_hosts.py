@@ -28,7 +28,11 @@ def _spec(**kw) -> DeepSpeedVerifySpec:
                                    dict(mp=2, ep=2, k=1, drop=False, skew=20.0, schedule="baseline-tp"),
                                    dict(ep=4, k=2, drop=False, skew=20.0), dict(ep=4, k=1, drop=True),
                                    dict(ep=2, k=2, drop=True, skew=20.0), dict(ep=2, mp=2, esp=2, k=2, drop=True),
-                                   dict(ep=4, k=2, drop=False, skew=20.0, pipeline_degree=3)],
+                                   dict(ep=4, k=2, drop=False, skew=20.0, pipeline_degree=3),
+                                   dict(mp=2, ep=2, k=2, drop=True, schedule="parm-s1"),
+                                   dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s1", pipeline_degree=2),
+                                   dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s2"),
+                                   dict(mp=2, ep=4, k=1, drop=True, schedule="parm-s2")],
                          ids=str)
 def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     report = world(WORLD).run(run_rank, _spec(**combo))[0]
@@ -36,13 +40,17 @@ def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     for key in ("max_err_out", "max_err_grad_in", "max_err_grad_w", "max_err_aux"):
         assert report[key] <= 1e-12, (key, report[key])
     assert report["routing_equal"] and report["state_keys_equal"] and report["attrs_equal"]
-    assert report["bitwise_equal"], "outputs and input gradients bitwise equal to stock DeepSpeed"
+    # parm-s1's chunks run the expert GEMMs on other row counts than stock's (5e-17 apart in fp64 here)
+    if not (combo.get("schedule") == "parm-s1" and combo.get("pipeline_degree", 1) > 1):
+        assert report["bitwise_equal"], "outputs and input gradients bitwise equal to stock DeepSpeed"
     assert report["swaps"][0]["exchange"] == "ragged"
     layer = next(iter(report["ledger"].values()))
     # the ragged exchange: the counts, then per chunk the rows and back; backward, the rows twice per chunk
-    r = combo.get("pipeline_degree", 1)
-    assert layer["forward:all_to_all@ep"]["count"] == 1 + 2 * r and layer["backward:all_to_all@ep"]["count"] == 2 * r
-    if combo.get("schedule") == "baseline-tp":     # the MP rank's slice: its uneven split and gather
+    r, schedule = combo.get("pipeline_degree", 1), combo.get("schedule", "baseline")
+    group = "ep_esp" if schedule.startswith("parm") else "ep"      # Parm's fused EP&ESP exchange
+    assert layer[f"forward:all_to_all@{group}"]["count"] == 1 + 2 * r
+    assert layer[f"backward:all_to_all@{group}"]["count"] == 2 * r
+    if schedule in ("baseline-tp", "parm-s2"):     # the MP rank's slice: its uneven split and gather
         assert layer["forward:all_to_all@mp"]["count"] == layer["backward:all_to_all@mp"]["count"] == 1
 
 
@@ -63,7 +71,9 @@ def test_megatron_layer_with_the_ragged_exchange_equals_stock(world):
     from moe_plugins.tools.verify_megatron import run_rank as megatron_rank
     # ESP 1: Megatron's experts get the kept rows only, with tokens_per_expert (LayerParams.row_experts)
     for kw in (dict(ep=4, k=2, drop=False), dict(ep=2, mp=2, esp=2, k=1, drop=True),
-               dict(ep=4, k=2, drop=False, pipeline_degree=2), dict(ep=2, k=2, drop=True)):
+               dict(ep=4, k=2, drop=False, pipeline_degree=2), dict(ep=2, k=2, drop=True),
+               dict(ep=2, mp=2, k=2, drop=False, schedule="parm-s1"),
+               dict(ep=2, mp=2, k=1, drop=True, schedule="parm-s2")):
         spec = MegatronVerifySpec(world=WORLD, ranks_per_node=2, experts=4, tokens=16, hidden=8, ffn=16,
                                   min_capacity=0, dtype="float64", exchange="ragged", **kw)
         report = world(WORLD).run(megatron_rank, spec)[0]

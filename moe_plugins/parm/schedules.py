@@ -40,7 +40,7 @@ w_GE1cM), which is how the shared exchange steps tell the two apart.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, ClassVar, Optional
 
@@ -246,7 +246,9 @@ class _ParmSchedule(Schedule):
 
     # -- S1 ---------------------------------------------------------------------------------------------
 
-    def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+    def _block_routing(self, x_SM: torch.Tensor, params: LayerParams):
+        """This MP rank's token block x_sM, its BlockRouting, and its routing with block-local slots (capacity
+        still the gate's C)."""
         cfg, mp, rec = self.config, self.groups.mp, self.rec
         num_tokens, e = x_SM.shape[0], cfg.num_experts
         rows = _round_up(num_tokens, mp.size)
@@ -256,18 +258,23 @@ class _ParmSchedule(Schedule):
         else:
             block = whole_block_routing(params.router(x_SM), e, mp, rec)
         routing = block.routing
-        cap_local = block_slots = int(block.kept_PE.max())
-        if not set(self.groups.ep_esp.ranks) <= set(mp.ranks):  # members with other tokens: agree on C_l
-            cap_local = comm.all_reduce_max(cap_local, self.groups.ep_esp, rec)
-        cap_local = max(cap_local, 1)
         local = Routing(expert_SK=routing.expert_SK,
                         slot_SK=local_slots(routing.expert_SK, routing.slot_SK, e, routing.capacity),
-                        weight_SK=routing.weight_SK, capacity=cap_local, aux_loss=routing.aux_loss,
+                        weight_SK=routing.weight_SK, capacity=routing.capacity, aux_loss=routing.aux_loss,
                         exp_counts_E=routing.exp_counts_E)
+        return x_sM, block, local
+
+    def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        e, num_tokens = self.config.num_experts, x_SM.shape[0]
+        x_sM, block, local = self._block_routing(x_SM, params)
+        cap_local = block_slots = int(block.kept_PE.max())
+        if not set(self.groups.ep_esp.ranks) <= set(self.groups.mp.ranks):  # members with other tokens: agree
+            cap_local = comm.all_reduce_max(cap_local, self.groups.ep_esp, self.rec)
+        cap_local = max(cap_local, 1)
+        local = replace(local, capacity=cap_local)
         d_EcM = dispatch(x_sM, local, e, cap_local)
         return Dispatched(d=d_EcM, cap_dim=1, state=_TokenSplit(local, num_tokens, block_slots),
-                          aux_loss=routing.aux_loss,
-                          exp_counts_E=routing.exp_counts_E, dropped=block.dropped)
+                          aux_loss=local.aux_loss, exp_counts_E=local.exp_counts_E, dropped=block.dropped)
 
     def _finish_tokens(self, r_EcM: torch.Tensor, st: _TokenSplit) -> torch.Tensor:
         y_sM = combine(r_EcM, st.local)
@@ -299,6 +306,11 @@ class ParmS1Schedule(_ParmSchedule):
 
     name = "parm-s1"
 
+    @classmethod
+    def exchange_variant(cls, exchange: str):
+        from moe_plugins.parm.ragged import RaggedParmS1Schedule      # ragged.py builds on this module
+        return {"padded": ParmS1Schedule, "ragged": RaggedParmS1Schedule}.get(exchange)
+
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         return self._prepare_tokens(x_SM, params)
 
@@ -307,6 +319,11 @@ class ParmS2Schedule(_ParmSchedule):
     """Fig. 3c: pause MP after the gate by splitting the capacity axis; gather it before the combine."""
 
     name = "parm-s2"
+
+    @classmethod
+    def exchange_variant(cls, exchange: str):
+        from moe_plugins.parm.ragged import RaggedParmS2Schedule      # ragged.py builds on this module
+        return {"padded": ParmS2Schedule, "ragged": RaggedParmS2Schedule}.get(exchange)
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         return self._prepare_capacity(x_SM, params)
@@ -317,3 +334,7 @@ class ParmS2SAASchedule(ParmS2Schedule):
 
     name = "parm-s2-saa"
     saa = True
+
+    @classmethod
+    def exchange_variant(cls, exchange: str):
+        return cls if exchange == "padded" else None      # SAA's point-to-point slices are padded blocks

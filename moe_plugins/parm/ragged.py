@@ -1,0 +1,269 @@
+"""Parm's S1 and S2 with the ragged exchange (``"exchange": "ragged"``, core/ragged.py): only kept routes travel.
+
+The padded S1 / S2 dump each EP block's slots to its N_ESP expert shards and move the whole buffer in one
+EP&ESP all-to-all (Fig. 4c), then sum the shards' partials (Fig. 4d). Here the same steps move rows:
+
+    parm-s1  MP-Split(tokens) -> gate -> this block's kept routes, in (expert, slot) order -> dump rows
+             -> uneven EP&ESP-A2A -> expert partials -> uneven EP&ESP-A2A -> local combine (index_add over
+             the dump) -> combine rows -> MP-AllGather(tokens)
+    parm-s2  gate -> kept routes of this MP rank's capacity slice [p w, (p+1) w) (split with an uneven
+             MP all-gather in backward) -> dump rows -> uneven EP&ESP-A2A -> expert partials -> uneven
+             EP&ESP-A2A -> local combine -> uneven MP-AllGather(rows) -> combine rows
+
+The counts go first (one even all-to-all of E_l integers per fused-group member, the dumped counts) and are
+read on the host once per call, as in the ragged baseline. Every row holds the value its padded slot holds and
+the combine does the same arithmetic, so outputs, gradients, aux loss and dropped routes equal the padded
+schedules' (to the GEMM blocking of other row counts, and the order of the ESP partials' sum at N_ESP > 2).
+
+S1 runs PipeMoE's capacity chunks (pieces [a, b) of every expert's kept slots 0..n-1, the bound agreed over the
+fused group at the first cut); S2 runs pipeline degree 1 (its MP slices are not cut), as ragged baseline-tp.
+parm-s2-saa, parm-auto and parm-tune keep the padded exchange (core.schedule.exchange_problems refuses them).
+
+Shapes: E experts (E_l per EP block), G = N_EP * N_ESP fused-group members (member g serves EP block
+g // N_ESP), R kept routes of this rank (or of its MP slice), D = the dumped rows, Q received rows, M model dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from moe_plugins.core import comm
+from moe_plugins.core.baseline import RaggedBaselineSchedule, _Box, _RaggedCall
+from moe_plugins.core.gating import Routing
+from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
+                                     gather_rows, grouped_rows, offsets, ragged_all_to_all, route_order, split_rows)
+from moe_plugins.core.schedule import Dispatched, LayerParams
+from moe_plugins.parm.schedules import ParmS1Schedule, ParmS2Schedule, _round_up, expert_partials
+
+# ---- pure pieces -----------------------------------------------------------------------------------------
+
+
+def dumped_experts(num_experts: int, members: int, esp: int) -> List[int]:
+    """The expert of each (member, local expert) cell of the dumped layout: member g = b N_ESP + j gets EP block
+    b's experts [b E_l, (b+1) E_l), as the padded dump (pure)."""
+    if members % esp or num_experts % (members // esp):
+        raise ValueError(f"{num_experts} experts over {members} members at esp {esp} do not split evenly")
+    per = num_experts // (members // esp)
+    return [(g // esp) * per + l for g in range(members) for l in range(per)]
+
+
+def dump_index(block_rows: Sequence[int], esp: int) -> List[int]:
+    """The dumped buffer's rows as rows of the undumped one (pure): EP block b's rows [start_b, start_b + n_b),
+    once for each of its N_ESP members, block by block."""
+    starts = offsets(block_rows)
+    return [starts[b] + i for b, n in enumerate(block_rows) for _ in range(esp) for i in range(n)]
+
+
+def slice_rows(cells: Sequence[int], a: int, b: int) -> List[int]:
+    """Rows of the kept routes whose slot lies in [a, b), where cell e holds slots 0..n_e-1 at rows
+    [start_e, start_e + n_e) (pure)."""
+    rows, start = [], 0
+    for n in cells:
+        rows.extend(range(start + a, start + max(a, min(n, b))))
+        start += n
+    return rows
+
+
+def undumped(cells_GL: Sequence[Sequence[int]], num_experts: int, members: int, esp: int) -> List[int]:
+    """Per-expert kept routes from the dumped cells (one token block each; every member of an EP block holds
+    the same counts): each expert's first cell (pure)."""
+    kept_E: List[Optional[int]] = [None] * num_experts
+    for cell, expert in zip(cells_GL, dumped_experts(num_experts, members, esp)):
+        if kept_E[expert] is None:
+            kept_E[expert] = int(cell[0])
+    return [int(n) for n in kept_E]
+
+
+def block_sums(cells: Sequence[int], blocks: int) -> List[int]:
+    """Per-expert row counts summed per EP block (experts of a block contiguous; pure)."""
+    per = len(cells) // blocks
+    return [sum(cells[b * per:(b + 1) * per]) for b in range(blocks)]
+
+
+# ---- shared steps ----------------------------------------------------------------------------------------
+
+
+def _index(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long, device=like.device)
+
+
+def dump_rows(x_RM: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
+    """The dumped rows (backward: each row's gradient summed over its N_ESP copies)."""
+    return x_RM.index_select(0, _index(index, x_RM))
+
+
+def local_combine(r_DM: torch.Tensor, index: Sequence[int], rows: int) -> torch.Tensor:
+    """Fig. 4d on rows: each row's N_ESP partials summed (backward: the gradient dumped again)."""
+    return r_DM.new_zeros(rows, r_DM.shape[-1]).index_add(0, _index(index, r_DM), r_DM)
+
+
+def dumped_counts(order, num_experts: int, groups, rec) -> Tuple:
+    """The counts exchange on the fused group: this rank's kept routes per dumped cell to every member, read
+    on the host once (:func:`moe_plugins.core.ragged.exchange_counts`)."""
+    cells = _index(dumped_experts(num_experts, groups.ep_esp.size, groups.esp.size), order.counts_EN)
+    dumped = replace(order, counts_EN=order.counts_EN.index_select(0, cells),
+                     top_EN=order.top_EN.index_select(0, cells))
+    return exchange_counts(dumped, groups.ep_esp, rec)
+
+
+class _RowSteps:
+    """The steps S1 and S2 share on rows: the two uneven EP&ESP all-to-alls and the experts' partials."""
+
+    def _plan(self, step: str, rows: int) -> ChunkPlan:
+        raise NotImplementedError
+
+    def exchange_in(self, d_DM: torch.Tensor) -> torch.Tensor:
+        plan = self._plan("exchange_in", d_DM.shape[0])
+        return ragged_all_to_all(d_DM, plan.send, plan.recv, self.groups.ep_esp, self.rec)
+
+    def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
+        plan, model_dim = self._plan("expert", e_QM.shape[0]), e_QM.shape[-1]
+        if params.row_experts is not None and self.groups.esp.size == 1:     # Megatron's experts: kept rows only
+            order, counts = grouped_rows(plan.recv_PL)
+            idx = _index(order, e_QM)
+            return params.row_experts(e_QM.index_select(0, idx), counts).index_select(0, torch.argsort(idx))
+        gather, back, rows = expert_rows(plan.recv_PL, multiple=self.groups.ep_esp.size)
+        padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
+        x_ElnM = padded.index_select(0, _index(gather, e_QM)).view(len(plan.recv_PL[0]), rows, model_dim)
+        y_ElnM = expert_partials(params, self.groups.esp)(x_ElnM)
+        return y_ElnM.reshape(-1, model_dim).index_select(0, _index(back, e_QM))
+
+    def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
+        plan = self._plan("exchange_out", o_QM.shape[0])
+        return ragged_all_to_all(o_QM, plan.recv, plan.send, self.groups.ep_esp, self.rec)
+
+
+# ---- S1 --------------------------------------------------------------------------------------------------
+
+
+class _S1Call(_RaggedCall):
+    """One ragged S1 call: the dumped cells' exchange plans (whole, or per capacity chunk; the chunks' slot bound
+    is agreed over the fused group at the first cut), the dump, and this block's routing."""
+
+    def __init__(self, local: Routing, pos_sK: torch.Tensor, counts: Tuple, dump: List[int], rows: int,
+                 num_tokens: int, groups, rec):
+        super().__init__([local], pos_sK.unsqueeze(0), 0, counts, groups.ep_esp.size)
+        self.dump, self.rows, self.num_tokens, self._groups, self._rec = dump, rows, num_tokens, groups, rec
+
+    def cut(self, degree: int) -> List[ChunkPlan]:
+        if degree > 1 and not self.slots:
+            self.slots = max(1, comm.all_reduce_max(max((n for cell in self.mine_EN for n in cell), default=0),
+                                                    self._groups.ep_esp, self._rec))
+        return super().cut(degree)
+
+
+class RaggedParmS1Schedule(_RowSteps, ParmS1Schedule):
+    """parm-s1 with the ragged exchange: this MP rank's token block's kept routes, dumped to the N_ESP shards of
+    their EP block, in one uneven EP&ESP all-to-all each way per piece."""
+
+    exchange_mode = "ragged"
+    chunks = RaggedBaselineSchedule.chunks        # the pieces are plans of the call in dispatched.state
+    join = RaggedBaselineSchedule.join
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._box = _Box()
+
+    def twin(self, groups) -> "RaggedParmS1Schedule":
+        twin = type(self)(self.config, groups, self.rec)
+        twin._box = self._box
+        return twin
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        num_experts, groups = self.config.num_experts, self.groups
+        x_sM, block, local = self._block_routing(x_SM, params)
+        order = route_order([local], num_experts)
+        counts = dumped_counts(order, num_experts, groups, self.rec)              # the one host read
+        kept_E = undumped(counts[0], num_experts, groups.ep_esp.size, groups.esp.size)
+        per_block = block_sums(kept_E, groups.ep_esp.size // groups.esp.size)
+        dump = dump_index(per_block, groups.esp.size)
+        rows = sum(per_block)
+        call = self._box.call = _S1Call(local, order.pos_NSK[0], counts, dump, rows, x_SM.shape[0], groups,
+                                        self.rec)
+        d_DM = dump_rows(x_sM.index_select(0, order.token_X[:rows]), dump)
+        return Dispatched(d=d_DM, cap_dim=0, state=call, aux_loss=local.aux_loss, exp_counts_E=local.exp_counts_E,
+                          dropped=block.dropped)
+
+    def _plan(self, step: str, rows: int) -> ChunkPlan:
+        if self._box.call is None:
+            raise ValueError(f"schedule 'parm-s1' with the ragged exchange: {step} before prepare")
+        return self._box.call.take(step, rows)
+
+    def finish(self, r_DM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        call: _S1Call = dispatched.state
+        if self._box.call is call:
+            self._box.call = None
+        y_sM = combine_rows(local_combine(r_DM, call.dump, call.rows), call.pos_NSK[0], call.routings[0])
+        return comm.all_gather(y_sM, self.groups.mp, self.rec, dim=0, bwd="split")[:call.num_tokens]
+
+
+# ---- S2 --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _S2Call:
+    """One ragged S2 call: the routing, each route's row, this MP rank's exchange plan (its capacity slice), every
+    MP rank's slice rows (the MP split and gather) and the dump of this rank's slice."""
+
+    routing: Routing
+    pos_SK: torch.Tensor
+    plan: ChunkPlan
+    mp_order: torch.Tensor
+    mp_sizes: Tuple[int, ...]
+    dump: Tuple[int, ...]
+    rows: int
+
+
+class RaggedParmS2Schedule(_RowSteps, ParmS2Schedule):
+    """parm-s2 with the ragged exchange: MP rank p sends the kept routes of its capacity slice [p w, (p+1) w)
+    (w = C / N_MP, C rounded up to N_MP), dumped to their EP block's N_ESP shards, in one uneven EP&ESP
+    all-to-all each way; the MP split and gather are uneven too. Pipeline degree 1 only."""
+
+    exchange_mode = "ragged"
+    ragged_chunks = False
+    _call: Optional[_S2Call] = None
+
+    def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        num_experts, groups = self.config.num_experts, self.groups
+        routing = params.router(x_SM)
+        order = route_order([routing], num_experts)
+        mine, recv_PLN, contiguous = dumped_counts(order, num_experts, groups, self.rec)   # the one host read
+        if not contiguous:
+            raise ValueError("schedule 'parm-s2' with the ragged exchange cuts each MP rank's capacity slice from "
+                             "every expert's kept slots 0..n-1; this gate left gaps: use the padded exchange")
+        p, width = groups.mp.size, _round_up(routing.capacity, groups.mp.size) // groups.mp.size
+        bounds = [(m * width, (m + 1) * width) for m in range(p)]
+        sources = [bounds[groups.layout.coords(r)["mp"]] for r in groups.ep_esp.ranks]
+        plan = chunk_plan(mine, recv_PLN, groups.ep_esp.size, *bounds[groups.mp.rank], sources)
+        kept_E = undumped(mine, num_experts, groups.ep_esp.size, groups.esp.size)
+        slices = [slice_rows(kept_E, a, b) for a, b in bounds]
+        mp_order = _index([r for rows in slices for r in rows], x_SM)
+        a, b = bounds[groups.mp.rank]
+        mine_blocks = block_sums([max(0, min(n, b) - a) for n in kept_E], groups.ep_esp.size // groups.esp.size)
+        call = self._call = _S2Call(routing=routing, pos_SK=order.pos_NSK[0], plan=plan, mp_order=mp_order,
+                                    mp_sizes=tuple(map(len, slices)),
+                                    dump=tuple(dump_index(mine_blocks, groups.esp.size)), rows=sum(mine_blocks))
+        rows_RM = x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, mp_order)
+        d_rM = split_rows(rows_RM, call.mp_sizes, groups.mp, self.rec)              # this MP rank's slice
+        return Dispatched(d=dump_rows(d_rM, call.dump), cap_dim=0, state=call, aux_loss=routing.aux_loss,
+                          exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
+        if degree != 1:
+            raise ValueError(f"schedule 'parm-s2' with the ragged exchange runs pipeline_degree 1, not {degree}")
+        return [dispatched.d]
+
+    def _plan(self, step: str, rows: int) -> ChunkPlan:
+        if self._call is None:
+            raise ValueError(f"schedule 'parm-s2' with the ragged exchange: {step} before prepare")
+        return self._call.plan
+
+    def finish(self, r_DM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        call: _S2Call = dispatched.state
+        self._call = None
+        r_rM = local_combine(r_DM, call.dump, call.rows)
+        r_RM = gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec)          # MP rank by MP rank
+        return combine_rows(r_RM.index_select(0, torch.argsort(call.mp_order)), call.pos_SK, call.routing)

@@ -1,0 +1,103 @@
+"""Parm's S1 and S2 with the ragged exchange (moe_plugins/parm/ragged.py) on 4 gloo ranks, fp64: outputs,
+gradients, aux loss, expert counts and dropped routes equal the padded schedules' and the single-process
+reference (tests/test_ragged_exchange.py's checks) on every layout Parm runs, k 1 and 2, with drops, dropless
+and skewed; S1 under PipeMoE's chunks; fewer bytes on the fused exchange when dropless load is skewed. The pure
+pieces against brute force."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from moe_plugins.core.schedule import exchange_problems, with_exchange
+from moe_plugins.parm.ragged import (RaggedParmS1Schedule, RaggedParmS2Schedule, block_sums, dump_index,
+                                     dumped_experts, slice_rows, undumped)
+from moe_plugins.plugins import default_registry
+from moe_plugins.tools.verify import VerifySpec
+from tests.test_ragged_exchange import WORLD, _bytes, _check_pair, _layouts
+from tests.workers.ragged import padded_and_ragged
+
+
+def _fused_bytes(ranks, phase="forward"):
+    return sum(r["ledger"]["moe"].get(f"{phase}:all_to_all@ep_esp", {}).get("bytes", 0) for r in ranks)
+
+
+@pytest.mark.parametrize("schedule", ["parm-s1", "parm-s2"])
+def test_parm_ragged_equals_padded_on_every_layout(world, schedule):
+    layouts = [lay for lay in _layouts(schedule) if lay[0] > 1]
+    assert len(layouts) >= 4, layouts
+    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, experts=4, tokens=12,
+                        seed=5 + k, schedule=schedule)
+             for mp, ep, esp in layouts for k in (1, 2) for drop in (True, False)]
+    specs += [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, drop=drop, skew=20.0,
+                         schedule=schedule) for mp, ep, esp in ((2, 2, 1), (2, 1, 2), (2, 2, 2)) for drop in
+              (True, False)]
+    pairs = world(WORLD).run(padded_and_ragged, specs)[0]
+    for spec, (padded, ragged) in zip(specs, pairs):
+        _check_pair(spec, padded, ragged)
+        if spec.ep * spec.esp > 1:
+            assert "forward:all_to_all@ep_esp" in ragged[0]["ledger"]["moe"], spec
+    assert sum(r["dropped"] for spec, (_, ragged) in zip(specs, pairs) if spec.drop for r in ragged) > 0
+    # mp 2, ep 2, esp 2, dropless, every first route to expert 0: the padded buffer pads the 4 experts to the
+    # hottest (4 S slots), the ragged one sends the 2 S routes (and E_l counts per member)
+    spec, (padded, ragged) = specs[-1], pairs[-1]
+    assert (spec.mp, spec.ep, spec.esp, spec.drop) == (2, 2, 2, False)
+    for phase in ("forward", "backward"):
+        assert _fused_bytes(ragged, phase) * 1.5 < _fused_bytes(padded, phase), (phase, _fused_bytes(ragged, phase),
+                                                                                  _fused_bytes(padded, phase))
+    if schedule == "parm-s2":          # the uneven MP gather of the capacity is on the ledger
+        assert "forward:all_to_all@mp" in ragged[0]["ledger"]["moe"]
+        assert _bytes(padded[0]["ledger"]) == (0, 0)       # the padded flow has no EP-only all-to-all either
+
+
+def test_parm_s1_ragged_under_pipemoe_chunks(world):
+    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, pipeline_degree=r,
+                        tokens=12, seed=3 + k, schedule="parm-s1")
+             for mp, ep, esp in ((2, 2, 1), (2, 1, 2), (4, 4, 1)) for k in (1, 2)
+             for drop, r in ((True, 3), (False, 2))]
+    specs.append(VerifySpec(world=WORLD, ranks_per_node=2, mp=2, ep=2, esp=2, k=2, skew=20.0, drop=False,
+                            pipeline_degree=3, schedule="parm-s1"))
+    pairs = world(WORLD).run(padded_and_ragged, specs)[0]
+    for spec, (padded, ragged) in zip(specs, pairs):
+        _check_pair(spec, padded, ragged)
+        forward = ragged[0]["ledger"]["moe"]["forward:all_to_all@ep_esp"]["count"]
+        assert forward == 1 + 2 * spec.pipeline_degree, (spec, forward)   # the counts once, then 2 per chunk
+
+
+def test_parm_ragged_variants_and_refusals():
+    registry = default_registry()
+    s1, s2 = registry.schedule_class("parm-s1"), registry.schedule_class("parm-s2")
+    assert with_exchange(s1, "ragged") is RaggedParmS1Schedule and with_exchange(s2, "ragged") is RaggedParmS2Schedule
+    assert with_exchange(RaggedParmS2Schedule, "padded") is s2 and RaggedParmS2Schedule.name == "parm-s2"
+    assert exchange_problems(s1, "ragged", 3) == []
+    (problem,) = exchange_problems(s2, "ragged", 2)
+    assert "schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
+    for name in ("parm-s2-saa", "parm-auto", "parm-tune"):
+        (problem,) = exchange_problems(registry.schedule_class(name), "ragged")
+        assert f"schedule {name!r}" in problem and "'parm-s1' and 'parm-s2'" in problem
+
+
+# ---- pure pieces -----------------------------------------------------------------------------------------
+
+def test_dumped_layout_by_hand():
+    # 4 experts, ep 2 x esp 2: members 0, 1 serve experts 0-1, members 2, 3 experts 2-3
+    assert dumped_experts(4, 4, 2) == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert dump_index([2, 1], 2) == [0, 1, 0, 1, 2, 2]
+    assert undumped([[3], [0], [3], [0], [5], [1], [5], [1]], 4, 4, 2) == [3, 0, 5, 1]
+    assert slice_rows([3, 0, 5, 1], 1, 3) == [1, 2, 4, 5]
+    assert block_sums([3, 0, 5, 1], 2) == [3, 6]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        dumped_experts(3, 4, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.data())
+def test_dump_and_slices_against_brute_force(ep, esp, per, data):
+    experts, members = ep * per, ep * esp
+    kept_E = data.draw(st.lists(st.integers(0, 5), min_size=experts, max_size=experts))
+    rows = [(e, s) for e in range(experts) for s in range(kept_E[e])]            # the (expert, slot) order
+    cells = [[kept_E[e]] for e in dumped_experts(experts, members, esp)]
+    assert undumped(cells, experts, members, esp) == kept_E
+    dumped = [rows[i] for i in dump_index(block_sums(kept_E, ep), esp)]
+    assert dumped == [(e, s) for e in dumped_experts(experts, members, esp) for s in range(kept_E[e])]
+    a = data.draw(st.integers(0, 5))
+    b = data.draw(st.integers(a, 6))
+    assert [rows[i] for i in slice_rows(kept_E, a, b)] == [(e, s) for e, s in rows if a <= s < b]
