@@ -93,6 +93,8 @@ class _RaggedCall:
     blocks' routings, each route's row, the counts read on the host, and the exchange plans (the whole layer,
     or one per capacity chunk), which exchange_in, expert and exchange_out each take in order."""
 
+    schedule = "baseline"          # named in its errors
+
     def __init__(self, routings: List[Routing], pos_NSK: torch.Tensor, slots: int, counts: Tuple, members: int):
         self.routings, self.pos_NSK, self.slots, self.members = routings, pos_NSK, slots, members
         self.mine_EN, self.recv_PLN, self.contiguous = counts
@@ -112,8 +114,8 @@ class _RaggedCall:
         plan = self.plans[index] if index < len(self.plans) else None
         expected = None if plan is None else sum(plan.send if step == "exchange_in" else plan.recv)
         if rows != expected:
-            raise ValueError(f"schedule 'baseline' with the ragged exchange: {step} got {rows} rows, not those of "
-                             f"its piece {index} of {len(self.plans)}; run the layer's pieces through "
+            raise ValueError(f"schedule {self.schedule!r} with the ragged exchange: {step} got {rows} rows, not "
+                             f"those of its piece {index} of {len(self.plans)}; run the layer's pieces through "
                              "Schedule.chunks and Schedule.join")
         self.taken[step] = index + 1
         return plan

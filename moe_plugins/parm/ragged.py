@@ -143,6 +143,8 @@ class _S1Call(_RaggedCall):
     """One ragged S1 call: the dumped cells' exchange plans (whole, or per capacity chunk; the chunks' slot bound
     is agreed over the fused group at the first cut), the dump, and this block's routing."""
 
+    schedule = "parm-s1"
+
     def __init__(self, local: Routing, pos_sK: torch.Tensor, counts: Tuple, dump: List[int], rows: int,
                  num_tokens: int, groups, rec):
         super().__init__([local], pos_sK.unsqueeze(0), 0, counts, groups.ep_esp.size)
