@@ -4,6 +4,8 @@ reference (tests/test_ragged_exchange.py's checks) on every layout Parm runs, k 
 and skewed; S1 under PipeMoE's chunks; fewer bytes on the fused exchange when dropless load is skewed. The pure
 pieces against brute force."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -12,7 +14,9 @@ from moe_plugins.parm.ragged import (RaggedParmS1Schedule, RaggedParmS2Schedule,
                                      dumped_experts, slice_rows, undumped)
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec
+from tests.test_parm import assert_exact, forcing, matrix
 from tests.test_ragged_exchange import WORLD, _bytes, _check_pair, _layouts
+from tests.workers.parm import verify_auto_with_costs, verify_many
 from tests.workers.ragged import padded_and_ragged
 
 
@@ -70,9 +74,40 @@ def test_parm_ragged_variants_and_refusals():
     assert exchange_problems(s1, "ragged", 3) == []
     (problem,) = exchange_problems(s2, "ragged", 2)
     assert "schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
-    for name in ("parm-s2-saa", "parm-auto", "parm-tune"):
-        (problem,) = exchange_problems(registry.schedule_class(name), "ragged")
-        assert f"schedule {name!r}" in problem and "'parm-s1' and 'parm-s2'" in problem
+    (problem,) = exchange_problems(registry.schedule_class("parm-s2-saa"), "ragged")
+    assert "schedule 'parm-s2-saa'" in problem and "'parm-s1', 'parm-s2', 'parm-auto' and 'parm-tune'" in problem
+    for name in ("parm-auto", "parm-tune"):             # their ragged forms, and back; a degree > 1 refused
+        cls = registry.schedule_class(name)
+        ragged = with_exchange(cls, "ragged")
+        assert ragged.name == name and issubclass(ragged, cls) and ragged.exchange_mode == "ragged"
+        assert not ragged.model_saa and with_exchange(ragged, "padded") is cls
+        assert with_exchange(ragged, "ragged") is ragged
+        (problem,) = exchange_problems(cls, "ragged", 2)
+        assert f"schedule {name!r} runs pipeline_degree 1, not 2" in problem
+    costed = registry.schedule_class("parm-auto").with_costs(forcing("parm-s1"), "test")
+    assert with_exchange(costed, "ragged").costs == costed.costs          # a host's measured costs stay
+
+
+@pytest.mark.parametrize("choice", ["parm-s1", "parm-s2", "baseline-tp"])
+def test_parm_auto_ragged_runs_the_ragged_form_of_its_choice(world, choice):
+    # without SAA, S2 wins only where its MP all-gather (E C M = k f S M) is below S1's (S M): f = 0.5, k = 1
+    kw = dict(capacity_factor=0.5, k=1) if choice == "parm-s2" else {}
+    specs = [replace(s, **kw) for s in matrix("parm-auto-test", [(2, 2, 2), (2, 4, 1), (2, 1, 2)], exchange="ragged")]
+    specs += [replace(specs[0], skew=20.0, drop=False), replace(specs[3], skew=20.0, drop=False)]
+    reports = world(WORLD).run(verify_auto_with_costs, "parm-auto-test", forcing(choice), specs)[0]
+    assert_exact(specs, reports)
+    for spec, report in zip(specs, reports):
+        moe = report["ledger"]["moe"]
+        group = "ep" if choice == "baseline-tp" else "ep_esp"
+        if choice != "baseline-tp" or spec.ep > 1:
+            assert moe[f"forward:all_to_all@{group}"]["count"] == 3, (spec, moe)    # the counts, the rows, back
+        assert ("backward:all_reduce@mp" in moe) == (choice == "parm-s1"), (spec, moe)   # S1's split gate
+        assert ("forward:all_to_all@mp" in moe) == (choice != "parm-s1"), (spec, moe)    # the uneven MP split
+
+
+def test_parm_tune_ragged_matches_the_reference(world):
+    specs = matrix("parm-tune", [(2, 2, 2), (2, 4, 1)], exchange="ragged")
+    assert_exact(specs, world(WORLD).run(verify_many, specs)[0])
 
 
 # ---- pure pieces -----------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ def _spec(**kw) -> DeepSpeedVerifySpec:
                                    dict(mp=2, ep=2, k=2, drop=True, schedule="parm-s1"),
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s1", pipeline_degree=2),
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s2"),
-                                   dict(mp=2, ep=4, k=1, drop=True, schedule="parm-s2")],
+                                   dict(mp=2, ep=4, k=1, drop=True, schedule="parm-s2"),
+                                   dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-auto")],
                          ids=str)
 def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     report = world(WORLD).run(run_rank, _spec(**combo))[0]
@@ -48,6 +49,8 @@ def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     # the ragged exchange: the counts, then per chunk the rows and back; backward, the rows twice per chunk
     r, schedule = combo.get("pipeline_degree", 1), combo.get("schedule", "baseline")
     group = "ep_esp" if schedule.startswith("parm") else "ep"      # Parm's fused EP&ESP exchange
+    if schedule == "parm-auto" and f"forward:all_to_all@{group}" not in layer:
+        group = "ep"                                                # it chose DeepSpeed's flow
     assert layer[f"forward:all_to_all@{group}"]["count"] == 1 + 2 * r
     assert layer[f"backward:all_to_all@{group}"]["count"] == 2 * r
     if schedule in ("baseline-tp", "parm-s2"):     # the MP rank's slice: its uneven split and gather
@@ -73,7 +76,8 @@ def test_megatron_layer_with_the_ragged_exchange_equals_stock(world):
     for kw in (dict(ep=4, k=2, drop=False), dict(ep=2, mp=2, esp=2, k=1, drop=True),
                dict(ep=4, k=2, drop=False, pipeline_degree=2), dict(ep=2, k=2, drop=True),
                dict(ep=2, mp=2, k=2, drop=False, schedule="parm-s1"),
-               dict(ep=2, mp=2, k=1, drop=True, schedule="parm-s2")):
+               dict(ep=2, mp=2, k=1, drop=True, schedule="parm-s2"),
+               dict(ep=2, mp=2, k=2, drop=True, schedule="parm-auto")):
         spec = MegatronVerifySpec(world=WORLD, ranks_per_node=2, experts=4, tokens=16, hidden=8, ffn=16,
                                   min_capacity=0, dtype="float64", exchange="ragged", **kw)
         report = world(WORLD).run(megatron_rank, spec)[0]

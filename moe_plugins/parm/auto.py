@@ -52,11 +52,12 @@ class ParmAutoSchedule(_ParmSchedule):
     observe_every: ClassVar[int] = 16
     costs: ClassVar[ParmCosts] = DEFAULT_COSTS
     costs_source: ClassVar[str] = DEFAULT_COSTS_SOURCE
+    tp_class: ClassVar[type] = BaselineTPSchedule      # DeepSpeed's flow (its ragged form: parm/ragged_auto.py)
 
     def __init__(self, config, groups, rec, state: Optional[S2Form] = None):
         super().__init__(config, groups, rec)
         self._state = state if state is not None else S2Form()
-        self._tp = BaselineTPSchedule(config, groups, rec)       # the steps of a call that runs DeepSpeed's flow
+        self._tp = self.tp_class(config, groups, rec)        # the steps of a call that runs DeepSpeed's flow
         self._tp_allowed = not BaselineTPSchedule.layout_problems(groups.layout)
         self.choices: Dict[int, ParmChoice] = {}
         self.watch: Dict[int, _S1Watch] = {}
@@ -67,6 +68,13 @@ class ParmAutoSchedule(_ParmSchedule):
 
     def twin(self, groups) -> "ParmAutoSchedule":
         return type(self)(self.config, groups, self.rec, state=self._state)
+
+    @classmethod
+    def exchange_variant(cls, exchange: str):
+        if exchange == cls.exchange_mode:
+            return cls
+        from moe_plugins.parm.ragged_auto import padded_form, ragged_form     # it builds on this module
+        return ragged_form(cls) if exchange == "ragged" else padded_form(cls) if exchange == "padded" else None
 
     @classmethod
     def with_costs(cls, costs: ParmCosts, source: str) -> Type["ParmAutoSchedule"]:
@@ -130,7 +138,8 @@ class ParmAutoSchedule(_ParmSchedule):
             block_slots = dispatched.state.block_slots
         elif choice.choice == SCHEDULE_TP:
             dispatched = self._tp.prepare(x_SM, params)
-            block_slots = mp_block_slots(dispatched.state, self.config.num_experts, self.groups.mp.size)
+            routing = getattr(dispatched.state, "routing", dispatched.state)     # the ragged flow's call holds it
+            block_slots = mp_block_slots(routing, self.config.num_experts, self.groups.mp.size)
         else:
             dispatched = self._prepare_capacity(x_SM, params)
             block_slots = mp_block_slots(dispatched.state.routing, self.config.num_experts, self.groups.mp.size)

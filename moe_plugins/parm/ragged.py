@@ -146,9 +146,10 @@ class _S1Call(_RaggedCall):
     schedule = "parm-s1"
 
     def __init__(self, local: Routing, pos_sK: torch.Tensor, counts: Tuple, dump: List[int], rows: int,
-                 num_tokens: int, groups, rec):
+                 num_tokens: int, block_slots: torch.Tensor, groups, rec):
         super().__init__([local], pos_sK.unsqueeze(0), 0, counts, groups.ep_esp.size)
         self.dump, self.rows, self.num_tokens, self._groups, self._rec = dump, rows, num_tokens, groups, rec
+        self.block_slots = block_slots      # the padded S1's C_l before the max over EP&ESP (0-dim; parm-auto's)
 
     def cut(self, degree: int) -> List[ChunkPlan]:
         if degree > 1 and not self.slots:
@@ -183,8 +184,8 @@ class RaggedParmS1Schedule(_RowSteps, ParmS1Schedule):
         per_block = block_sums(kept_E, groups.ep_esp.size // groups.esp.size)
         dump = dump_index(per_block, groups.esp.size)
         rows = sum(per_block)
-        call = self._box.call = _S1Call(local, order.pos_NSK[0], counts, dump, rows, x_SM.shape[0], groups,
-                                        self.rec)
+        call = self._box.call = _S1Call(local, order.pos_NSK[0], counts, dump, rows, x_SM.shape[0],
+                                        block.kept_PE.max(), groups, self.rec)
         d_DM = dump_rows(x_sM.index_select(0, order.token_X[:rows]), dump)
         return Dispatched(d=d_DM, cap_dim=0, state=call, aux_loss=local.aux_loss, exp_counts_E=local.exp_counts_E,
                           dropped=block.dropped)

@@ -41,12 +41,12 @@ def model_pick(choice: str, s2_form: str) -> str:
     return SCHEDULE_S2_SAA if choice == SCHEDULE_S2 and s2_form == "saa" else choice
 
 
-def candidates(start: str, mp: int, tp: bool = False) -> Tuple[str, ...]:
+def candidates(start: str, mp: int, tp: bool = False, saa: bool = True) -> Tuple[str, ...]:
     """What to time, Algorithm 1's pick first; only the pick when N_MP = 1. ``tp``: DeepSpeed's flow can
-    run on the layout."""
+    run on the layout; ``saa``: S2 may run with SAA (not with the ragged exchange)."""
     if mp == 1:
         return (start,)
-    every = (SCHEDULE_S1, SCHEDULE_S2, SCHEDULE_S2_SAA) + ((SCHEDULE_TP,) if tp else ())
+    every = (SCHEDULE_S1, SCHEDULE_S2) + ((SCHEDULE_S2_SAA,) if saa else ()) + ((SCHEDULE_TP,) if tp else ())
     return (start,) + tuple(c for c in every if c != start)
 
 
@@ -86,7 +86,7 @@ class ParmTuneSchedule(ParmAutoSchedule):
         if key not in self.searches:
             choice = self.choose(num_tokens)
             start = model_pick(choice.choice, choice.s2_form)
-            order = candidates(start, self.groups.mp.size, self._tp_allowed)
+            order = candidates(start, self.groups.mp.size, self._tp_allowed, self.model_saa)
             self.searches[key] = Search(start=start, propose=partial(first_unmeasured, order),
                                         pick=partial(fastest, start), warmup=self.warmup_calls,
                                         timed=self.timed_calls, decided=start if len(order) == 1 else None)
