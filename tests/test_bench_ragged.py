@@ -16,8 +16,9 @@ def test_exchange_row_option_parses_and_is_checked():
     assert rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=2")) == []
     (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=auto"))
     assert "'baseline@exchange=ragged,r=auto'" in problem and "pipeline_degree ('auto')" in problem
-    (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged"))
-    assert "schedule 'parm-s2'" in problem
+    assert rows.row_problems(matrix.parse_row("parm-s2-saa@exchange=ragged")) == []
+    (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged,r=2"))
+    assert "schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
     (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=sparse"))
     assert "exchange ('sparse') must be one of 'padded', 'ragged'" in problem
     assert "option 'exchange' is unknown" in rows.row_problems(matrix.parse_row("deepspeed@exchange=ragged"))[0]
@@ -95,8 +96,8 @@ def test_deepspeed_adapter_row_takes_the_exchange():
     assert rows.row_problems(spec) == []
     assert plugin_section(spec) == {"schedule": "baseline", "pipeline_degree": 1, "exchange": "ragged"}
     assert "exchange" not in plugin_section(matrix.parse_row("deepspeed@plugin=baseline"))
-    (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@plugin=parm-s2,exchange=ragged"))
-    assert "moe_plugins.exchange ('ragged') is not supported by schedule 'parm-s2'" in problem
+    (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@plugin=parm-s2,exchange=ragged,r=2"))
+    assert "moe_plugins.exchange ('ragged') with schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
     (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@plugin=baseline,exchange=raged"))
     assert "moe_plugins.exchange ('raged') must be 'padded' or 'ragged'" in problem
     (problem,) = adapter_row_problems(matrix.parse_row("deepspeed@exchange=ragged"))

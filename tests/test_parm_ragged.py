@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from moe_plugins.core.schedule import exchange_problems, with_exchange
 from moe_plugins.parm.ragged import (RaggedParmS1Schedule, RaggedParmS2Schedule, block_sums, dump_index,
                                      dumped_experts, slice_rows, undumped)
+from moe_plugins.parm.saa_ragged import RaggedParmS2SAASchedule
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec
 from tests.test_parm import assert_exact, forcing, matrix
@@ -24,7 +25,7 @@ def _fused_bytes(ranks, phase="forward"):
     return sum(r["ledger"]["moe"].get(f"{phase}:all_to_all@ep_esp", {}).get("bytes", 0) for r in ranks)
 
 
-@pytest.mark.parametrize("schedule", ["parm-s1", "parm-s2"])
+@pytest.mark.parametrize("schedule", ["parm-s1", "parm-s2", "parm-s2-saa"])
 def test_parm_ragged_equals_padded_on_every_layout(world, schedule):
     layouts = [lay for lay in _layouts(schedule) if lay[0] > 1]
     assert len(layouts) >= 4, layouts
@@ -47,9 +48,13 @@ def test_parm_ragged_equals_padded_on_every_layout(world, schedule):
     for phase in ("forward", "backward"):
         assert _fused_bytes(ragged, phase) * 1.5 < _fused_bytes(padded, phase), (phase, _fused_bytes(ragged, phase),
                                                                                   _fused_bytes(padded, phase))
-    if schedule == "parm-s2":          # the uneven MP gather of the capacity is on the ledger
-        assert "forward:all_to_all@mp" in ragged[0]["ledger"]["moe"]
-        assert _bytes(padded[0]["ledger"]) == (0, 0)       # the padded flow has no EP-only all-to-all either
+    moe = ragged[0]["ledger"]["moe"]
+    if schedule == "parm-s2":          # the uneven MP split and gather of the capacity are on the ledger
+        assert moe["forward:all_to_all@mp"]["count"] == moe["backward:all_to_all@mp"]["count"] == 1
+    if schedule == "parm-s2-saa":      # SAA records its gather (forward; backward, in the dispatch side's adjoint)
+        assert moe["forward:all_gather@mp"]["count"] == moe["backward:all_gather@mp"]["count"] == 1
+        assert "forward:all_to_all@mp" not in moe
+    assert _bytes(padded[0]["ledger"]) == (0, 0)           # Parm's flows have no EP-only all-to-all
 
 
 def test_parm_s1_ragged_under_pipemoe_chunks(world):
@@ -74,13 +79,16 @@ def test_parm_ragged_variants_and_refusals():
     assert exchange_problems(s1, "ragged", 3) == []
     (problem,) = exchange_problems(s2, "ragged", 2)
     assert "schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
-    (problem,) = exchange_problems(registry.schedule_class("parm-s2-saa"), "ragged")
-    assert "schedule 'parm-s2-saa'" in problem and "'parm-s1', 'parm-s2', 'parm-auto' and 'parm-tune'" in problem
+    saa = registry.schedule_class("parm-s2-saa")
+    assert with_exchange(saa, "ragged") is RaggedParmS2SAASchedule and issubclass(RaggedParmS2SAASchedule, saa)
+    assert with_exchange(RaggedParmS2SAASchedule, "padded") is saa
+    (problem,) = exchange_problems(saa, "ragged", 2)
+    assert "schedule 'parm-s2-saa' runs pipeline_degree 1, not 2" in problem
     for name in ("parm-auto", "parm-tune"):             # their ragged forms, and back; a degree > 1 refused
         cls = registry.schedule_class(name)
         ragged = with_exchange(cls, "ragged")
         assert ragged.name == name and issubclass(ragged, cls) and ragged.exchange_mode == "ragged"
-        assert not ragged.model_saa and with_exchange(ragged, "padded") is cls
+        assert ragged.model_saa and with_exchange(ragged, "padded") is cls
         assert with_exchange(ragged, "ragged") is ragged
         (problem,) = exchange_problems(cls, "ragged", 2)
         assert f"schedule {name!r} runs pipeline_degree 1, not 2" in problem
@@ -90,9 +98,7 @@ def test_parm_ragged_variants_and_refusals():
 
 @pytest.mark.parametrize("choice", ["parm-s1", "parm-s2", "baseline-tp"])
 def test_parm_auto_ragged_runs_the_ragged_form_of_its_choice(world, choice):
-    # without SAA, S2 wins only where its MP all-gather (E C M = k f S M) is below S1's (S M): f = 0.5, k = 1
-    kw = dict(capacity_factor=0.5, k=1) if choice == "parm-s2" else {}
-    specs = [replace(s, **kw) for s in matrix("parm-auto-test", [(2, 2, 2), (2, 4, 1), (2, 1, 2)], exchange="ragged")]
+    specs = matrix("parm-auto-test", [(2, 2, 2), (2, 4, 1), (2, 1, 2)], exchange="ragged")
     specs += [replace(specs[0], skew=20.0, drop=False), replace(specs[3], skew=20.0, drop=False)]
     reports = world(WORLD).run(verify_auto_with_costs, "parm-auto-test", forcing(choice), specs)[0]
     assert_exact(specs, reports)
@@ -102,7 +108,8 @@ def test_parm_auto_ragged_runs_the_ragged_form_of_its_choice(world, choice):
         if choice != "baseline-tp" or spec.ep > 1:
             assert moe[f"forward:all_to_all@{group}"]["count"] == 3, (spec, moe)    # the counts, the rows, back
         assert ("backward:all_reduce@mp" in moe) == (choice == "parm-s1"), (spec, moe)   # S1's split gate
-        assert ("forward:all_to_all@mp" in moe) == (choice != "parm-s1"), (spec, moe)    # the uneven MP split
+        assert ("forward:all_to_all@mp" in moe) == (choice == "baseline-tp"), (spec, moe)   # its uneven MP split
+        assert ("forward:all_gather@mp" in moe) == (choice != "baseline-tp"), (spec, moe)   # S1's tokens, SAA's rows
 
 
 def test_parm_tune_ragged_matches_the_reference(world):

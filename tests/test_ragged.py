@@ -162,15 +162,13 @@ def test_route_order_with_an_expert_without_tokens_and_all_dropped():
 
 # ---- refusals --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["parm-s2-saa"])
-def test_other_schedules_refuse_the_ragged_exchange_by_name(name):
-    cls = default_registry().schedule_class(name)
-    problems = exchange_problems(cls, "ragged")
-    assert len(problems) == 1 and repr(name) in problems[0]
-    assert "'baseline', 'baseline-tp', 'parm-s1', 'parm-s2', 'parm-auto' and 'parm-tune'" in problems[0]
-    with pytest.raises(ValueError, match=f"schedule '{name}'"):
-        with_exchange(cls, "ragged")
-    assert with_exchange(cls, "padded") is cls
+def test_a_schedule_without_the_other_exchange_refuses_it_by_name():
+    cls = default_registry().schedule_class("hecate")           # Hecate sends only the kept rows
+    assert exchange_problems(cls, "padded") == [
+        "exchange ('padded') is not supported by schedule 'hecate', which runs the ragged exchange only"]
+    with pytest.raises(ValueError, match="schedule 'hecate'"):
+        with_exchange(cls, "padded")
+    assert with_exchange(cls, "ragged") is cls
 
 
 def test_baseline_ragged_variant_and_degree_refusal():
@@ -207,8 +205,9 @@ def test_config_field_is_validated_at_the_boundary():
 
 
 def test_verify_spec_names_the_refusals():
-    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", schedule="parm-s2-saa")
-    assert any("schedule 'parm-s2-saa'" in p for p in spec_problems(spec))
+    spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, exchange="ragged", schedule="parm-s2-saa",
+                      pipeline_degree=2)
+    assert any("schedule 'parm-s2-saa' runs pipeline_degree 1, not 2" in p for p in spec_problems(spec))
     spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree="tune")
     assert any("exchange ('ragged') with pipeline_degree ('tune')" in p for p in spec_problems(spec))
     assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged")) == []

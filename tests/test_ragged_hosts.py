@@ -33,7 +33,8 @@ def _spec(**kw) -> DeepSpeedVerifySpec:
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s1", pipeline_degree=2),
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s2"),
                                    dict(mp=2, ep=4, k=1, drop=True, schedule="parm-s2"),
-                                   dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-auto")],
+                                   dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-auto"),
+                                   dict(mp=2, ep=2, k=2, drop=True, schedule="parm-s2-saa")],
                          ids=str)
 def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     report = world(WORLD).run(run_rank, _spec(**combo))[0]

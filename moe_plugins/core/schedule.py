@@ -220,8 +220,7 @@ def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any =
     variant = cls.exchange_variant(exchange)
     if variant is None:
         return [f"exchange ({exchange!r}) is not supported by schedule {cls.name!r}, which runs the "
-                f"{cls.exchange_mode} exchange only; the ragged exchange runs with schedules 'baseline', "
-                "'baseline-tp', 'parm-s1', 'parm-s2', 'parm-auto' and 'parm-tune'"]
+                f"{cls.exchange_mode} exchange only"]
     problems = variant.degree_problems(pipeline_degree)
     if problems:
         return problems

@@ -218,6 +218,7 @@ class _S2Call:
     mp_sizes: Tuple[int, ...]
     dump: Tuple[int, ...]
     rows: int
+    blocks_PB: Tuple[Tuple[int, ...], ...]      # each MP rank's slice rows per EP block (SAA's gathers)
 
 
 class RaggedParmS2Schedule(_RowSteps, ParmS2Schedule):
@@ -230,12 +231,19 @@ class RaggedParmS2Schedule(_RowSteps, ParmS2Schedule):
     _call: Optional[_S2Call] = None
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
+        call, rows_RM = self._route(x_SM, params)
+        d_rM = split_rows(rows_RM, call.mp_sizes, self.groups.mp, self.rec)              # this MP rank's slice
+        return Dispatched(d=dump_rows(d_rM, call.dump), cap_dim=0, state=call, aux_loss=call.routing.aux_loss,
+                          exp_counts_E=call.routing.exp_counts_E, dropped=call.routing.dropped)
+
+    def _route(self, x_SM: torch.Tensor, params: LayerParams) -> Tuple[_S2Call, torch.Tensor]:
+        """The call (gate, counts, plans; the one host read) and every MP rank's slice rows, MP rank by MP rank."""
         num_experts, groups = self.config.num_experts, self.groups
         routing = params.router(x_SM)
         order = route_order([routing], num_experts)
         mine, recv_PLN, contiguous = dumped_counts(order, num_experts, groups, self.rec)   # the one host read
         if not contiguous:
-            raise ValueError("schedule 'parm-s2' with the ragged exchange cuts each MP rank's capacity slice from "
+            raise ValueError(f"schedule {self.name!r} with the ragged exchange cuts each MP rank's capacity slice from "
                              "every expert's kept slots 0..n-1; this gate left gaps: use the padded exchange")
         p, width = groups.mp.size, _round_up(routing.capacity, groups.mp.size) // groups.mp.size
         bounds = [(m * width, (m + 1) * width) for m in range(p)]
@@ -244,24 +252,22 @@ class RaggedParmS2Schedule(_RowSteps, ParmS2Schedule):
         kept_E = undumped(mine, num_experts, groups.ep_esp.size, groups.esp.size)
         slices = [slice_rows(kept_E, a, b) for a, b in bounds]
         mp_order = _index([r for rows in slices for r in rows], x_SM)
-        a, b = bounds[groups.mp.rank]
-        mine_blocks = block_sums([max(0, min(n, b) - a) for n in kept_E], groups.ep_esp.size // groups.esp.size)
+        blocks = groups.ep_esp.size // groups.esp.size
+        blocks_PB = tuple(tuple(block_sums([max(0, min(n, b) - a) for n in kept_E], blocks)) for a, b in bounds)
+        mine_blocks = blocks_PB[groups.mp.rank]
         call = self._call = _S2Call(routing=routing, pos_SK=order.pos_NSK[0], plan=plan, mp_order=mp_order,
-                                    mp_sizes=tuple(map(len, slices)),
-                                    dump=tuple(dump_index(mine_blocks, groups.esp.size)), rows=sum(mine_blocks))
-        rows_RM = x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, mp_order)
-        d_rM = split_rows(rows_RM, call.mp_sizes, groups.mp, self.rec)              # this MP rank's slice
-        return Dispatched(d=dump_rows(d_rM, call.dump), cap_dim=0, state=call, aux_loss=routing.aux_loss,
-                          exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+                                    mp_sizes=tuple(map(len, slices)), rows=sum(mine_blocks), blocks_PB=blocks_PB,
+                                    dump=tuple(dump_index(mine_blocks, groups.esp.size)))
+        return call, x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, mp_order)
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         if degree != 1:
-            raise ValueError(f"schedule 'parm-s2' with the ragged exchange runs pipeline_degree 1, not {degree}")
+            raise ValueError(f"schedule {self.name!r} with the ragged exchange runs pipeline_degree 1, not {degree}")
         return [dispatched.d]
 
     def _plan(self, step: str, rows: int) -> ChunkPlan:
         if self._call is None:
-            raise ValueError(f"schedule 'parm-s2' with the ragged exchange: {step} before prepare")
+            raise ValueError(f"schedule {self.name!r} with the ragged exchange: {step} before prepare")
         return self._call.plan
 
     def finish(self, r_DM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""parm-auto and parm-tune with the ragged exchange: the same choice among S1, S2 and DeepSpeed's flow
-(baseline-tp), each candidate run by its ragged form (:mod:`moe_plugins.parm.ragged`,
-:class:`moe_plugins.core.baseline_tp.RaggedBaselineTPSchedule`). S2 is priced and run without SAA (SAA's
-point-to-point slices are padded blocks), so parm-tune times S1, S2 and baseline-tp. Pipeline degree 1 (the
-ragged S2 and baseline-tp do not cut chunks). The choice is priced with the padded model (Algorithm 1's volumes
-at the observed C_l); with drops and balanced load the ragged rows are about what it prices.
+"""parm-auto and parm-tune with the ragged exchange: the same choice among S1, S2 (with SAA or not) and
+DeepSpeed's flow (baseline-tp), each candidate run by its ragged form (:mod:`moe_plugins.parm.ragged`,
+:mod:`moe_plugins.parm.saa_ragged`, :class:`moe_plugins.core.baseline_tp.RaggedBaselineTPSchedule`). Pipeline
+degree 1 (the ragged S2 and baseline-tp do not cut chunks). The choice is priced with the padded model
+(Algorithm 1's volumes at the observed C_l); with drops and balanced load the ragged rows are about what it
+prices.
 
 :func:`ragged_form` derives the ragged class from a parm-auto / parm-tune class (a measured profile's included:
 ``ParmAutoSchedule.with_costs``), so that a host's costed class keeps its costs; :func:`padded_form` goes back.
@@ -18,17 +18,20 @@ import torch
 from moe_plugins.core.baseline_tp import RaggedBaselineTPSchedule
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
 from moe_plugins.parm.ragged import RaggedParmS1Schedule, RaggedParmS2Schedule
+from moe_plugins.parm.saa_ragged import RaggedParmS2SAASchedule
 from moe_plugins.parm.schedules import _ParmSchedule
 
 
 class _RaggedParmSteps(_ParmSchedule):
     """Below parm-auto / parm-tune in the MRO: their S1 and S2 preparation and the shared steps, run by the
-    ragged S1 / S2 of this call (DeepSpeed's flow is their ``_tp``, the ragged baseline-tp: ``tp_class``)."""
+    ragged S1 / S2 (with SAA or not) of this call (DeepSpeed's flow is their ``_tp``, the ragged baseline-tp:
+    ``tp_class``)."""
 
     def __init__(self, config, groups, rec, *args, **kwargs):
         super().__init__(config, groups, rec, *args, **kwargs)
         self._s1 = RaggedParmS1Schedule(config, groups, rec)
         self._s2 = RaggedParmS2Schedule(config, groups, rec)
+        self._s2saa = RaggedParmS2SAASchedule(config, groups, rec)
         self._run: Optional[Schedule] = None
 
     def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
@@ -36,8 +39,8 @@ class _RaggedParmSteps(_ParmSchedule):
         return self._s1.prepare(x_SM, params)
 
     def _prepare_capacity(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
-        self._run = self._s2
-        return self._s2.prepare(x_SM, params)
+        self._run = self._s2saa if self._state.saa else self._s2          # the call's S2 form
+        return self._run.prepare(x_SM, params)
 
     def _running(self) -> Schedule:
         if self._state.tp:           # parm-auto's call state: DeepSpeed's flow (parm-auto routes its other steps)
@@ -72,8 +75,8 @@ class _RaggedParmSteps(_ParmSchedule):
 def ragged_form(cls: Type[Schedule]) -> Type[Schedule]:
     """``cls`` (parm-auto, parm-tune, or a costed subclass) choosing among the ragged candidates."""
     return type(cls.__name__, (cls, _RaggedParmSteps),
-                {"exchange_mode": "ragged", "ragged_chunks": False, "saa": False, "model_saa": False,
-                 "tp_class": RaggedBaselineTPSchedule, "padded_form": cls, "__module__": __name__})
+                {"exchange_mode": "ragged", "ragged_chunks": False, "tp_class": RaggedBaselineTPSchedule,
+                 "padded_form": cls, "__module__": __name__})
 
 
 def padded_form(cls: Type[Schedule]) -> Optional[Type[Schedule]]:

@@ -337,4 +337,5 @@ class ParmS2SAASchedule(ParmS2Schedule):
 
     @classmethod
     def exchange_variant(cls, exchange: str):
-        return cls if exchange == "padded" else None      # SAA's point-to-point slices are padded blocks
+        from moe_plugins.parm.saa_ragged import RaggedParmS2SAASchedule  # it builds on this module
+        return {"padded": ParmS2SAASchedule, "ragged": RaggedParmS2SAASchedule}.get(exchange)
