@@ -18,7 +18,7 @@ def test_exchange_row_option_parses_and_is_checked():
     assert "'baseline@exchange=ragged,r=auto'" in problem and "pipeline_degree ('auto')" in problem
     assert rows.row_problems(matrix.parse_row("parm-s2-saa@exchange=ragged")) == []
     (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged,r=2"))
-    assert "schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
+    assert "schedule 'parm-s2' runs pipeline_degree 1, not '2'" in problem
     (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=sparse"))
     assert "exchange ('sparse') must be one of 'padded', 'ragged'" in problem
     assert "option 'exchange' is unknown" in rows.row_problems(matrix.parse_row("deepspeed@exchange=ragged"))[0]
