@@ -25,16 +25,23 @@ def _fused_bytes(ranks, phase="forward"):
     return sum(r["ledger"]["moe"].get(f"{phase}:all_to_all@ep_esp", {}).get("bytes", 0) for r in ranks)
 
 
-@pytest.mark.parametrize("schedule", ["parm-s1", "parm-s2", "parm-s2-saa"])
-def test_parm_ragged_equals_padded_on_every_layout(world, schedule):
+# the CI share: every layout once with drops (k 1) and once dropless (k 2); the full profile adds the other two
+CI_CASES, OTHER_CASES = ((1, True), (2, False)), ((1, False), (2, True))
+
+
+def _layout_specs(schedule, cases):
     layouts = [lay for lay in _layouts(schedule) if lay[0] > 1]
     assert len(layouts) >= 4, layouts
-    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, experts=4, tokens=12,
-                        seed=5 + k, schedule=schedule)
-             for mp, ep, esp in layouts for k in (1, 2) for drop in (True, False)]
+    return [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, experts=4, tokens=12,
+                       seed=5 + k, schedule=schedule) for mp, ep, esp in layouts for k, drop in cases]
+
+
+@pytest.mark.parametrize("schedule", ["parm-s1", "parm-s2", "parm-s2-saa"])
+def test_parm_ragged_equals_padded_on_every_layout(world, schedule):
+    specs = _layout_specs(schedule, CI_CASES)
     specs += [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, drop=drop, skew=20.0,
-                         schedule=schedule) for mp, ep, esp in ((2, 2, 1), (2, 1, 2), (2, 2, 2)) for drop in
-              (True, False)]
+                         schedule=schedule)
+              for mp, ep, esp, drop in ((2, 2, 1, True), (2, 1, 2, False), (2, 2, 2, False))]
     pairs = world(WORLD).run(padded_and_ragged, specs)[0]
     for spec, (padded, ragged) in zip(specs, pairs):
         _check_pair(spec, padded, ragged)
@@ -55,6 +62,15 @@ def test_parm_ragged_equals_padded_on_every_layout(world, schedule):
         assert moe["forward:all_gather@mp"]["count"] == moe["backward:all_gather@mp"]["count"] == 1
         assert "forward:all_to_all@mp" not in moe
     assert _bytes(padded[0]["ledger"]) == (0, 0)           # Parm's flows have no EP-only all-to-all
+
+
+@pytest.mark.full(covered_by="test_parm_ragged_equals_padded_on_every_layout (every layout, k 1 with drops, k 2 "
+                  "dropless)")
+@pytest.mark.parametrize("schedule", ["parm-s1", "parm-s2", "parm-s2-saa"])
+def test_parm_ragged_equals_padded_on_every_layout_other_cases(world, schedule):
+    specs = _layout_specs(schedule, OTHER_CASES)
+    for spec, (padded, ragged) in zip(specs, world(WORLD).run(padded_and_ragged, specs)[0]):
+        _check_pair(spec, padded, ragged)
 
 
 def test_parm_s1_ragged_under_pipemoe_chunks(world):
