@@ -143,14 +143,17 @@ class Registry:
 
     def schedule_class(self, schedule: Union[str, Type[Schedule]]) -> Type[Schedule]:
         """The class behind a name; a class is taken as is when it derives from the registered class of its
-        ``name`` (e.g. ``ParmAutoSchedule.with_costs(...)``)."""
+        ``name`` (e.g. ``ParmAutoSchedule.with_costs(...)``) or from that class's form for its exchange (a ragged
+        form written beside the padded class, ``Schedule.exchange_variant``)."""
         if isinstance(schedule, str):
             return self._entry(schedule).cls
         name = getattr(schedule, "name", None)
-        if not (isinstance(schedule, type) and name in self._schedules
-                and issubclass(schedule, self._schedules[name].cls)):
+        registered = self._schedules[name].cls if isinstance(schedule, type) and name in self._schedules else None
+        variant = None if registered is None else registered.exchange_variant(getattr(schedule, "exchange_mode", ""))
+        if registered is None or not (issubclass(schedule, registered)
+                                      or (variant is not None and issubclass(schedule, variant))):
             raise ValueError(f"schedule ({schedule!r}) must be a name in {', '.join(self.schedule_names())} or "
-                             "a subclass of the registered class of its name")
+                             "a subclass of the registered class of its name (or of its exchange's form)")
         return schedule
 
     def is_profiled(self, name: str) -> bool:

@@ -1,7 +1,8 @@
 """Parm: S1/S2 schedules that pause tensor parallelism inside the MoE layer, a fused EP&ESP all-to-all,
 SAA, and the automatic choice (Algorithm 1, extended). docs/parm.md explains the design.
 
-- :mod:`.schedules`: parm-s1, parm-s2, parm-s2-saa; :mod:`.auto`: parm-auto; :mod:`.tune`: parm-tune;
+- :mod:`.schedules`: parm-s1, parm-s2, parm-s2-saa (their shared steps: :mod:`.steps`); :mod:`.auto`: parm-auto;
+  :mod:`.tune`: parm-tune; the ragged exchange's forms: :mod:`.ragged`, :mod:`.saa_ragged`, :mod:`.ragged_auto`;
 - :mod:`.volumes` and :mod:`.cost`: what each schedule sends, its price, Algorithm 1; :mod:`.saa`: the overlapped all-to-all + all-gather;
 - :mod:`.plan`: ``moe-plugins plan parm``; :mod:`.profile_ops`: the SAA op of ``moe-plugins profile``.
 """

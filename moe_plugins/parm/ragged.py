@@ -36,7 +36,7 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
                                      gather_rows, grouped_rows, offsets, ragged_all_to_all, route_order, split_rows)
 from moe_plugins.core.schedule import Dispatched, LayerParams
-from moe_plugins.parm.schedules import ParmS1Schedule, ParmS2Schedule, _round_up, expert_partials
+from moe_plugins.parm.steps import _ParmSchedule, _round_up, expert_partials
 
 # ---- pure pieces -----------------------------------------------------------------------------------------
 
@@ -158,10 +158,11 @@ class _S1Call(_RaggedCall):
         return super().cut(degree)
 
 
-class RaggedParmS1Schedule(_RowSteps, ParmS1Schedule):
+class RaggedParmS1Schedule(_RowSteps, _ParmSchedule):
     """parm-s1 with the ragged exchange: this MP rank's token block's kept routes, dumped to the N_ESP shards of
     their EP block, in one uneven EP&ESP all-to-all each way per piece."""
 
+    name = "parm-s1"
     exchange_mode = "ragged"
     chunks = RaggedBaselineSchedule.chunks        # the pieces are plans of the call in dispatched.state
     join = RaggedBaselineSchedule.join
@@ -221,11 +222,12 @@ class _S2Call:
     blocks_PB: Tuple[Tuple[int, ...], ...]      # each MP rank's slice rows per EP block (SAA's gathers)
 
 
-class RaggedParmS2Schedule(_RowSteps, ParmS2Schedule):
+class RaggedParmS2Schedule(_RowSteps, _ParmSchedule):
     """parm-s2 with the ragged exchange: MP rank p sends the kept routes of its capacity slice [p w, (p+1) w)
     (w = C / N_MP, C rounded up to N_MP), dumped to their EP block's N_ESP shards, in one uneven EP&ESP
     all-to-all each way; the MP split and gather are uneven too. Pipeline degree 1 only."""
 
+    name = "parm-s2"
     exchange_mode = "ragged"
     ragged_chunks = False
     _call: Optional[_S2Call] = None

@@ -19,7 +19,7 @@ from moe_plugins.core.baseline_tp import RaggedBaselineTPSchedule
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
 from moe_plugins.parm.ragged import RaggedParmS1Schedule, RaggedParmS2Schedule
 from moe_plugins.parm.saa_ragged import RaggedParmS2SAASchedule
-from moe_plugins.parm.schedules import _ParmSchedule
+from moe_plugins.parm.steps import _ParmSchedule
 
 
 class _RaggedParmSteps(_ParmSchedule):

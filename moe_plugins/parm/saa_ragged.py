@@ -26,12 +26,10 @@ import torch.distributed as dist
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.engine import now_ns
 from moe_plugins.core.groups import Group
-from moe_plugins.core.ragged import offsets, uneven_all_to_all
-from moe_plugins.core.ragged import combine_rows
+from moe_plugins.core.ragged import combine_rows, offsets, uneven_all_to_all
 from moe_plugins.core.schedule import Dispatched, LayerParams
 from moe_plugins.parm.ragged import RaggedParmS2Schedule, _S2Call, dump_rows
 from moe_plugins.parm.saa import block_order
-from moe_plugins.parm.schedules import ParmS2SAASchedule
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ def saa_scatter_rows(rows_RM: torch.Tensor, s: RowSAA, rec: Recorder) -> torch.T
     return _Scatter.apply(rows_RM, s, rec)
 
 
-class RaggedParmS2SAASchedule(RaggedParmS2Schedule, ParmS2SAASchedule):
+class RaggedParmS2SAASchedule(RaggedParmS2Schedule):
     """parm-s2-saa with the ragged exchange: ragged S2 whose EP&ESP all-to-all back and MP gather overlap block by
     block (:func:`saa_gather_rows`), and whose dispatch side is their adjoint (backward overlapped too)."""
 
