@@ -166,15 +166,11 @@ class RaggedParmS1Schedule(_RowSteps, _ParmSchedule):
     exchange_mode = "ragged"
     chunks = RaggedBaselineSchedule.chunks        # the pieces are plans of the call in dispatched.state
     join = RaggedBaselineSchedule.join
+    twin = RaggedBaselineSchedule.twin            # the lane's twin shares the call box
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._box = _Box()
-
-    def twin(self, groups) -> "RaggedParmS1Schedule":
-        twin = type(self)(self.config, groups, self.rec)
-        twin._box = self._box
-        return twin
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         num_experts, groups = self.config.num_experts, self.groups

@@ -114,36 +114,27 @@ def saa_rows_adjoint(g_RM: torch.Tensor, s: RowSAA, rec: Recorder, phase: str) -
     return uneven_all_to_all(dump_rows(own, s.dump).contiguous(), s.send, s.recv, s.ep_esp, rec, phase)
 
 
-class _Gather(torch.autograd.Function):
+class _Adjoints(torch.autograd.Function):
+    """``fwd`` forward, its adjoint ``bwd`` backward (SAA on rows and the dispatch side are each other's)."""
+
     @staticmethod
-    def forward(ctx, o, s, rec):
-        ctx.s, ctx.rec = s, rec
-        return saa_rows(o, s, rec, "forward")
+    def forward(ctx, x, fwd, bwd, s, rec):
+        ctx.bwd, ctx.s, ctx.rec = bwd, s, rec
+        return fwd(x, s, rec, "forward")
 
     @staticmethod
     def backward(ctx, g):
-        return saa_rows_adjoint(g, ctx.s, ctx.rec, "backward"), None, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, s, rec):
-        ctx.s, ctx.rec = s, rec
-        return saa_rows_adjoint(rows, s, rec, "forward")
-
-    @staticmethod
-    def backward(ctx, g):
-        return saa_rows(g, ctx.s, ctx.rec, "backward"), None, None
+        return ctx.bwd(g, ctx.s, ctx.rec, "backward"), None, None, None, None
 
 
 def saa_gather_rows(o_QM: torch.Tensor, s: RowSAA, rec: Recorder) -> torch.Tensor:
     """Combine side of the ragged S2: the rows back, summed over ESP and gathered over MP, overlapped."""
-    return _Gather.apply(o_QM, s, rec)
+    return _Adjoints.apply(o_QM, saa_rows, saa_rows_adjoint, s, rec)
 
 
 def saa_scatter_rows(rows_RM: torch.Tensor, s: RowSAA, rec: Recorder) -> torch.Tensor:
     """Dispatch side: every MP rank's rows -> the rows this rank's experts get; backward the overlapped SAA."""
-    return _Scatter.apply(rows_RM, s, rec)
+    return _Adjoints.apply(rows_RM, saa_rows_adjoint, saa_rows, s, rec)
 
 
 class RaggedParmS2SAASchedule(RaggedParmS2Schedule):
