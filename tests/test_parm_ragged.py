@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moe_plugins.core.schedule import exchange_problems, with_exchange
-from moe_plugins.parm.ragged import (RaggedParmS1Schedule, RaggedParmS2Schedule, block_sums, dump_index,
-                                     dumped_experts, slice_rows, undumped)
+from moe_plugins.core.ragged import slot_rows, split_sizes
+from moe_plugins.parm.ragged import RaggedParmS1Schedule, RaggedParmS2Schedule, dump_index, dumped_experts, undumped
 from moe_plugins.parm.saa_ragged import RaggedParmS2SAASchedule
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec
@@ -141,8 +141,8 @@ def test_dumped_layout_by_hand():
     assert dumped_experts(4, 4, 2) == [0, 1, 0, 1, 2, 3, 2, 3]
     assert dump_index([2, 1], 2) == [0, 1, 0, 1, 2, 2]
     assert undumped([[3], [0], [3], [0], [5], [1], [5], [1]], 4, 4, 2) == [3, 0, 5, 1]
-    assert slice_rows([3, 0, 5, 1], 1, 3) == [1, 2, 4, 5]
-    assert block_sums([3, 0, 5, 1], 2) == [3, 6]
+    assert slot_rows([3, 0, 5, 1], 1, 3) == [1, 2, 4, 5]
+    assert split_sizes([3, 0, 5, 1], 2) == [3, 6]
     with pytest.raises(ValueError, match="do not split evenly"):
         dumped_experts(3, 4, 2)
 
@@ -155,8 +155,8 @@ def test_dump_and_slices_against_brute_force(ep, esp, per, data):
     rows = [(e, s) for e in range(experts) for s in range(kept_E[e])]            # the (expert, slot) order
     cells = [[kept_E[e]] for e in dumped_experts(experts, members, esp)]
     assert undumped(cells, experts, members, esp) == kept_E
-    dumped = [rows[i] for i in dump_index(block_sums(kept_E, ep), esp)]
+    dumped = [rows[i] for i in dump_index(split_sizes(kept_E, ep), esp)]
     assert dumped == [(e, s) for e in dumped_experts(experts, members, esp) for s in range(kept_E[e])]
     a = data.draw(st.integers(0, 5))
     b = data.draw(st.integers(a, 6))
-    assert [rows[i] for i in slice_rows(kept_E, a, b)] == [(e, s) for e, s in rows if a <= s < b]
+    assert [rows[i] for i in slot_rows(kept_E, a, b)] == [(e, s) for e, s in rows if a <= s < b]

@@ -16,6 +16,7 @@ Shapes: N = N_ESP token blocks, S tokens per block, C capacity, E_l = E / N_EP l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
@@ -23,8 +24,8 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
-                                     grouped_rows, ragged_all_to_all, route_order)
+from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, experts_on_rows,
+                                     ragged_all_to_all, route_order)
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds, routing_stats
 
 
@@ -86,6 +87,11 @@ class BaselineSchedule(Schedule):
             return combine(r_ENCM.squeeze(1), st.routings[0])
         y_NSM = torch.stack([combine(r_ENCM[:, i], rt) for i, rt in enumerate(st.routings)])
         return comm.split(y_NSM, self.groups.esp, self.rec, dim=0).squeeze(0)
+
+
+def _replicated(experts, replicas: int, x_ElnM: torch.Tensor) -> torch.Tensor:
+    """``experts`` on rows that arrive ``replicas`` times: input gradients exact, weight gradients divided."""
+    return comm.grad_scale(experts(comm.grad_scale(x_ElnM, float(replicas))), 1.0 / replicas)
 
 
 class _RaggedCall:
@@ -183,22 +189,12 @@ class RaggedBaselineSchedule(BaselineSchedule):
         return ragged_all_to_all(d_RM, plan.send, plan.recv, self.groups.ep, self.rec)
 
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        plan, model_dim = self._take("expert", e_QM.shape[0]), e_QM.shape[-1]
-        e_l, replicas = self.config.num_experts // self.groups.ep.size, self.groups.mp.size
-        if params.row_experts is not None and replicas == 1:     # the kept rows only (Megatron's experts)
-            order, counts = grouped_rows(plan.recv_PL)
-            idx = torch.tensor(order, dtype=torch.long, device=e_QM.device)
-            return params.row_experts(e_QM.index_select(0, idx), counts).index_select(0, torch.argsort(idx))
-        gather, back, rows = expert_rows(plan.recv_PL, multiple=self.groups.ep.size)  # DeepSpeed splits rows by EP
-        padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
-        x_ElnM = padded.index_select(0, torch.tensor(gather, dtype=torch.long, device=e_QM.device))
-        x_ElnM = x_ElnM.view(e_l, rows, model_dim)
-        if replicas > 1:
-            x_ElnM = comm.grad_scale(x_ElnM, float(replicas))
-        y_ElnM = params.experts(x_ElnM)
-        if replicas > 1:
-            y_ElnM = comm.grad_scale(y_ElnM, 1.0 / replicas)
-        return y_ElnM.reshape(-1, model_dim).index_select(0, torch.tensor(back, dtype=torch.long, device=e_QM.device))
+        plan, replicas = self._take("expert", e_QM.shape[0]), self.groups.mp.size
+        if replicas == 1:       # Megatron's experts (row_experts) get the kept rows only
+            return experts_on_rows(e_QM, plan.recv_PL, params.experts, self.groups.ep.size, params.row_experts)
+        # MP replicas: every row arrives N_MP times, so the weight gradients are divided by it (run_experts);
+        # DeepSpeed splits rows by EP, hence the multiple
+        return experts_on_rows(e_QM, plan.recv_PL, partial(_replicated, params.experts, replicas), self.groups.ep.size)
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
         plan = self._take("exchange_out", o_QM.shape[0])

@@ -20,7 +20,7 @@ from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
+from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, experts_on_rows,
                                      gather_rows, ragged_all_to_all, route_order, split_rows)
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
 
@@ -136,13 +136,7 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
         return gather_rows(e_QM, self._call.esp_sizes, self.groups.esp, self.rec)
 
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        call, model_dim = self._call, e_QM.shape[-1]
-        e_l = self.config.num_experts // self.groups.ep.size
-        gather, back, rows = expert_rows(call.esp_recv_PL, multiple=self.groups.ep.size)
-        padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
-        x_ElnM = padded.index_select(0, torch.tensor(gather, dtype=torch.long, device=e_QM.device))
-        y_ElnM = params.experts(x_ElnM.view(e_l, rows, model_dim))
-        return y_ElnM.reshape(-1, model_dim).index_select(0, torch.tensor(back, dtype=torch.long, device=e_QM.device))
+        return experts_on_rows(e_QM, self._call.esp_recv_PL, params.experts, self.groups.ep.size)
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
         plan = self._call.plan

@@ -32,7 +32,7 @@ Shapes: N token blocks, S tokens per block, K routes per token, E experts (E_l l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -95,6 +95,24 @@ def grouped_rows(recv_PL: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]
     return [gather[l * n + j] for l, count in enumerate(counts) for j in range(count)], counts
 
 
+def experts_on_rows(e_QM: torch.Tensor, recv_PL: Sequence[Sequence[int]], experts: Callable, multiple: int,
+                    row_experts: Optional[Callable] = None) -> torch.Tensor:
+    """The local experts on received rows (source-major; ``recv_PL[p][l]`` rows from source p for local expert l),
+    outputs in the received order: through ``row_experts(x_RM, counts)`` on the kept rows grouped per expert when
+    given (Megatron's experts), else through ``experts(x_ElnM)`` on the rows grouped per expert and padded locally
+    to the busiest expert's, rounded up to ``multiple`` (:func:`expert_rows`)."""
+    model_dim, device = e_QM.shape[-1], e_QM.device
+    if row_experts is not None:
+        order, counts = grouped_rows(recv_PL)
+        idx = torch.tensor(order, dtype=torch.long, device=device)
+        return row_experts(e_QM.index_select(0, idx), counts).index_select(0, torch.argsort(idx))
+    gather, back, rows = expert_rows(recv_PL, multiple=multiple)
+    padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
+    x_ElnM = padded.index_select(0, torch.tensor(gather, dtype=torch.long, device=device))
+    y_ElnM = experts(x_ElnM.view(len(recv_PL[0]), rows, model_dim))
+    return y_ElnM.reshape(-1, model_dim).index_select(0, torch.tensor(back, dtype=torch.long, device=device))
+
+
 # ---- the layer's route layout ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -145,8 +163,19 @@ class ChunkPlan:
     recv_PL: Tuple[Tuple[int, ...], ...]
 
 
-def _clip(n: int, a: int, b: int) -> int:
+def clip(n: int, a: int, b: int) -> int:
+    """How many of a cell's kept slots 0..n-1 lie in [a, b) (pure)."""
     return max(0, min(n, b) - a)
+
+
+def slot_rows(cells: Sequence[int], a: int, b: int) -> List[int]:
+    """Rows of the kept routes whose slot lies in [a, b), where cell i holds slots 0..n_i-1 at rows
+    [start_i, start_i + n_i), cells laid end to end (pure)."""
+    rows, start = [], 0
+    for n in cells:
+        rows.extend(range(start + a, start + a + clip(n, a, b)))
+        start += n
+    return rows
 
 
 def chunk_plan(mine_EN: Sequence[Sequence[int]], recv_PLN: Sequence[Sequence[Sequence[int]]], members: int,
@@ -159,7 +188,7 @@ def chunk_plan(mine_EN: Sequence[Sequence[int]], recv_PLN: Sequence[Sequence[Seq
     slot range source p sends, where sources send different ranges (baseline-tp: each its MP rank's)."""
     if recv_bounds is not None:
         plan = chunk_plan(mine_EN, recv_PLN, members, a, b)
-        recv_PL = tuple(tuple(sum(_clip(n, pa, pb) for n in cell) for cell in src)
+        recv_PL = tuple(tuple(sum(clip(n, pa, pb) for n in cell) for cell in src)
                         for src, (pa, pb) in zip(recv_PLN, recv_bounds))
         return ChunkPlan(rows=plan.rows, send=plan.send, recv=tuple(map(sum, recv_PL)), recv_PL=recv_PL)
     if b is None:
@@ -167,14 +196,9 @@ def chunk_plan(mine_EN: Sequence[Sequence[int]], recv_PLN: Sequence[Sequence[Seq
         return ChunkPlan(rows=None, send=tuple(split_sizes(send_E, members)),
                          recv=tuple(sum(map(sum, src)) for src in recv_PLN),
                          recv_PL=tuple(tuple(sum(cell) for cell in src) for src in recv_PLN))
-    rows: List[int] = []
-    start = 0
-    for cell_N in mine_EN:
-        for n in cell_N:
-            rows.extend(range(start + a, start + a + _clip(n, a, b)))
-            start += n
-    send_E = [sum(_clip(n, a, b) for n in cell_N) for cell_N in mine_EN]
-    recv_PL = tuple(tuple(sum(_clip(n, a, b) for n in cell) for cell in src) for src in recv_PLN)
+    rows = slot_rows([n for cell_N in mine_EN for n in cell_N], a, b)
+    send_E = [sum(clip(n, a, b) for n in cell_N) for cell_N in mine_EN]
+    recv_PL = tuple(tuple(sum(clip(n, a, b) for n in cell) for cell in src) for src in recv_PLN)
     return ChunkPlan(rows=tuple(rows), send=tuple(split_sizes(send_E, members)),
                      recv=tuple(sum(src) for src in recv_PL), recv_PL=recv_PL)
 

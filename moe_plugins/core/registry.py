@@ -59,6 +59,14 @@ def _word(value: Any) -> Optional[str]:
     return value.strip().lower() if isinstance(value, str) else None
 
 
+def _derives(schedule: type, registered: Type[Schedule]) -> bool:
+    """``schedule`` derives from ``registered`` or from its form for ``schedule``'s exchange (asked only then)."""
+    if issubclass(schedule, registered):
+        return True
+    variant = registered.exchange_variant(getattr(schedule, "exchange_mode", ""))
+    return variant is not None and issubclass(schedule, variant)
+
+
 class Registry:
     """Schedules, planners and profile ops by name. Build, register, :meth:`freeze`, then pass it on."""
 
@@ -149,9 +157,7 @@ class Registry:
             return self._entry(schedule).cls
         name = getattr(schedule, "name", None)
         registered = self._schedules[name].cls if isinstance(schedule, type) and name in self._schedules else None
-        variant = None if registered is None else registered.exchange_variant(getattr(schedule, "exchange_mode", ""))
-        if registered is None or not (issubclass(schedule, registered)
-                                      or (variant is not None and issubclass(schedule, variant))):
+        if registered is None or not _derives(schedule, registered):
             raise ValueError(f"schedule ({schedule!r}) must be a name in {', '.join(self.schedule_names())} or "
                              "a subclass of the registered class of its name (or of its exchange's form)")
         return schedule

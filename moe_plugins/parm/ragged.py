@@ -25,6 +25,7 @@ g // N_ESP), R kept routes of this rank (or of its MP slice), D = the dumped row
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
@@ -33,8 +34,9 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.baseline import RaggedBaselineSchedule, _Box, _RaggedCall
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, expert_rows,
-                                     gather_rows, grouped_rows, offsets, ragged_all_to_all, route_order, split_rows)
+from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, clip, combine_rows, exchange_counts, experts_on_rows,
+                                     gather_rows, offsets, ragged_all_to_all, route_order, slot_rows, split_rows,
+                                     split_sizes)
 from moe_plugins.core.schedule import Dispatched, LayerParams
 from moe_plugins.parm.steps import _ParmSchedule, _round_up, expert_partials
 
@@ -57,16 +59,6 @@ def dump_index(block_rows: Sequence[int], esp: int) -> List[int]:
     return [starts[b] + i for b, n in enumerate(block_rows) for _ in range(esp) for i in range(n)]
 
 
-def slice_rows(cells: Sequence[int], a: int, b: int) -> List[int]:
-    """Rows of the kept routes whose slot lies in [a, b), where cell e holds slots 0..n_e-1 at rows
-    [start_e, start_e + n_e) (pure)."""
-    rows, start = [], 0
-    for n in cells:
-        rows.extend(range(start + a, start + max(a, min(n, b))))
-        start += n
-    return rows
-
-
 def undumped(cells_GL: Sequence[Sequence[int]], num_experts: int, members: int, esp: int) -> List[int]:
     """Per-expert kept routes from the dumped cells (one token block each; every member of an EP block holds
     the same counts): each expert's first cell (pure)."""
@@ -75,12 +67,6 @@ def undumped(cells_GL: Sequence[Sequence[int]], num_experts: int, members: int, 
         if kept_E[expert] is None:
             kept_E[expert] = int(cell[0])
     return [int(n) for n in kept_E]
-
-
-def block_sums(cells: Sequence[int], blocks: int) -> List[int]:
-    """Per-expert row counts summed per EP block (experts of a block contiguous; pure)."""
-    per = len(cells) // blocks
-    return [sum(cells[b * per:(b + 1) * per]) for b in range(blocks)]
 
 
 # ---- shared steps ----------------------------------------------------------------------------------------
@@ -109,27 +95,22 @@ def dumped_counts(order, num_experts: int, groups, rec) -> Tuple:
     return exchange_counts(dumped, groups.ep_esp, rec)
 
 
-class _RowSteps:
-    """The steps S1 and S2 share on rows: the two uneven EP&ESP all-to-alls and the experts' partials."""
+class _RowSteps(_ParmSchedule):
+    """The steps S1 and S2 share on rows: the two uneven EP&ESP all-to-alls and the experts' partials, each on
+    the exchange plan the schedule's :meth:`_plan` gives for that step."""
 
+    @abstractmethod
     def _plan(self, step: str, rows: int) -> ChunkPlan:
-        raise NotImplementedError
+        """The plan of this call's piece that ``step`` (exchange_in, expert, exchange_out) runs on ``rows``."""
 
     def exchange_in(self, d_DM: torch.Tensor) -> torch.Tensor:
         plan = self._plan("exchange_in", d_DM.shape[0])
         return ragged_all_to_all(d_DM, plan.send, plan.recv, self.groups.ep_esp, self.rec)
 
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        plan, model_dim = self._plan("expert", e_QM.shape[0]), e_QM.shape[-1]
-        if params.row_experts is not None and self.groups.esp.size == 1:     # Megatron's experts: kept rows only
-            order, counts = grouped_rows(plan.recv_PL)
-            idx = _index(order, e_QM)
-            return params.row_experts(e_QM.index_select(0, idx), counts).index_select(0, torch.argsort(idx))
-        gather, back, rows = expert_rows(plan.recv_PL, multiple=self.groups.ep_esp.size)
-        padded = torch.cat([e_QM, e_QM.new_zeros(1, model_dim)])
-        x_ElnM = padded.index_select(0, _index(gather, e_QM)).view(len(plan.recv_PL[0]), rows, model_dim)
-        y_ElnM = expert_partials(params, self.groups.esp)(x_ElnM)
-        return y_ElnM.reshape(-1, model_dim).index_select(0, _index(back, e_QM))
+        plan, esp = self._plan("expert", e_QM.shape[0]), self.groups.esp
+        return experts_on_rows(e_QM, plan.recv_PL, expert_partials(params, esp), self.groups.ep_esp.size,
+                               params.row_experts if esp.size == 1 else None)   # Megatron's: the kept rows only
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
         plan = self._plan("exchange_out", o_QM.shape[0])
@@ -158,7 +139,7 @@ class _S1Call(_RaggedCall):
         return super().cut(degree)
 
 
-class RaggedParmS1Schedule(_RowSteps, _ParmSchedule):
+class RaggedParmS1Schedule(_RowSteps):
     """parm-s1 with the ragged exchange: this MP rank's token block's kept routes, dumped to the N_ESP shards of
     their EP block, in one uneven EP&ESP all-to-all each way per piece."""
 
@@ -178,7 +159,7 @@ class RaggedParmS1Schedule(_RowSteps, _ParmSchedule):
         order = route_order([local], num_experts)
         counts = dumped_counts(order, num_experts, groups, self.rec)              # the one host read
         kept_E = undumped(counts[0], num_experts, groups.ep_esp.size, groups.esp.size)
-        per_block = block_sums(kept_E, groups.ep_esp.size // groups.esp.size)
+        per_block = split_sizes(kept_E, groups.ep_esp.size // groups.esp.size)
         dump = dump_index(per_block, groups.esp.size)
         rows = sum(per_block)
         call = self._box.call = _S1Call(local, order.pos_NSK[0], counts, dump, rows, x_SM.shape[0],
@@ -218,7 +199,7 @@ class _S2Call:
     blocks_PB: Tuple[Tuple[int, ...], ...]      # each MP rank's slice rows per EP block (SAA's gathers)
 
 
-class RaggedParmS2Schedule(_RowSteps, _ParmSchedule):
+class RaggedParmS2Schedule(_RowSteps):
     """parm-s2 with the ragged exchange: MP rank p sends the kept routes of its capacity slice [p w, (p+1) w)
     (w = C / N_MP, C rounded up to N_MP), dumped to their EP block's N_ESP shards, in one uneven EP&ESP
     all-to-all each way; the MP split and gather are uneven too. Pipeline degree 1 only."""
@@ -248,10 +229,10 @@ class RaggedParmS2Schedule(_RowSteps, _ParmSchedule):
         sources = [bounds[groups.layout.coords(r)["mp"]] for r in groups.ep_esp.ranks]
         plan = chunk_plan(mine, recv_PLN, groups.ep_esp.size, *bounds[groups.mp.rank], sources)
         kept_E = undumped(mine, num_experts, groups.ep_esp.size, groups.esp.size)
-        slices = [slice_rows(kept_E, a, b) for a, b in bounds]
+        slices = [slot_rows(kept_E, a, b) for a, b in bounds]
         mp_order = _index([r for rows in slices for r in rows], x_SM)
         blocks = groups.ep_esp.size // groups.esp.size
-        blocks_PB = tuple(tuple(block_sums([max(0, min(n, b) - a) for n in kept_E], blocks)) for a, b in bounds)
+        blocks_PB = tuple(tuple(split_sizes([clip(n, a, b) for n in kept_E], blocks)) for a, b in bounds)
         mine_blocks = blocks_PB[groups.mp.rank]
         call = self._call = _S2Call(routing=routing, pos_SK=order.pos_NSK[0], plan=plan, mp_order=mp_order,
                                     mp_sizes=tuple(map(len, slices)), rows=sum(mine_blocks), blocks_PB=blocks_PB,
