@@ -65,8 +65,12 @@ class BaselineTPSchedule(Schedule):
         o_EcM = comm.split(o_EcM, self.groups.esp, self.rec, dim=1)
         return comm.all_to_all(o_EcM, self.groups.ep, self.rec)
 
+    def routing_of(self, dispatched: Dispatched) -> Routing:
+        """The gate's routing of a call this schedule prepared."""
+        return dispatched.state
+
     def finish(self, r_EcM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        routing: Routing = dispatched.state
+        routing = self.routing_of(dispatched)
         r_ECM = comm.all_gather(r_EcM, self.groups.mp, self.rec, dim=1, bwd="split")
         return combine(r_ECM, routing)
 
@@ -124,6 +128,9 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
         d_rM = split_rows(rows_RM, call.mp_sizes, mp, self.rec)               # this MP rank's capacity slice
         return Dispatched(d=d_rM, cap_dim=0, state=call, aux_loss=routing.aux_loss,
                           exp_counts_E=routing.exp_counts_E, dropped=routing.dropped)
+
+    def routing_of(self, dispatched: Dispatched) -> Routing:
+        return dispatched.state.routing
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         if degree != 1:

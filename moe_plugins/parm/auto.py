@@ -138,8 +138,7 @@ class ParmAutoSchedule(_ParmSchedule):
             block_slots = dispatched.state.block_slots
         elif choice.choice == SCHEDULE_TP:
             dispatched = self._tp.prepare(x_SM, params)
-            routing = getattr(dispatched.state, "routing", dispatched.state)     # the ragged flow's call holds it
-            block_slots = mp_block_slots(routing, self.config.num_experts, self.groups.mp.size)
+            block_slots = mp_block_slots(self._tp.routing_of(dispatched), self.config.num_experts, self.groups.mp.size)
         else:
             dispatched = self._prepare_capacity(x_SM, params)
             block_slots = mp_block_slots(dispatched.state.routing, self.config.num_experts, self.groups.mp.size)
