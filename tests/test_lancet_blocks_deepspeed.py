@@ -127,7 +127,9 @@ def test_tuned_partitions_time_the_ranges_and_stay_exact(world):
         assert p["chosen"][0][-1] <= 4 and p["ranges"] == [2 * steps]                 # the fastest measured
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.full(
+    covered_by="[2] (Lina's micro-ops beside Lancet's partitions on one engine) and "
+               "test_lina_deepspeed.py::test_dp2_bitwise_and_20_steps (Lina at ZeRO 1)")), 2])
 def test_lina_micro_ops_beside_lancet_partitions_equal_stock(world, stage):
     """Lina's gradient micro-ops with Lancet's partitions and deferred dW on one engine (its background and
     pipeline lanes), fp32 (Lina sums in the gradients' dtype): stock's losses and reduced gradients to fp32

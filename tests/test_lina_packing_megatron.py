@@ -25,8 +25,17 @@ def _merged(results, role: str, key: str):
     return out
 
 
+def _full(covered_by: str):
+    return pytest.mark.full(covered_by=covered_by)
+
+
 @pytest.mark.parametrize("packing,degree,lancet,tp,etp", [
-    (2, 1, False, 1, 1), (4, 1, False, 1, 1), ("auto", 1, False, 1, 1), (2, 2, False, 1, 1), ("auto", 2, False, 1, 1),
+    (2, 1, False, 1, 1),
+    pytest.param(4, 1, False, 1, 1, marks=_full("[p2] (a fixed packing's regroup) and [auto] (which packs to 4 when "
+                                                "its timings say so)")),
+    ("auto", 1, False, 1, 1), (2, 2, False, 1, 1),
+    pytest.param("auto", 2, False, 1, 1, marks=_full("[p2-pipemoe2] (the executor rebuilt on the packed layout) and "
+                                                     "[auto] (auto's regroups)")),
     ("auto", 1, True, 1, 1), (2, 1, False, 2, 1), (2, 1, False, 1, 2)],
     ids=["p2", "p4", "auto", "p2-pipemoe2", "auto-pipemoe2", "auto-lancet", "p2-tp2-ep2", "p2-etp2-ep2"])
 def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp, etp):
@@ -68,7 +77,10 @@ def test_packed_training_equals_unpacked(world, packing, degree, lancet, tp, etp
     assert worst <= 1e-5, worst
 
 
-@pytest.mark.parametrize("packing,steps,half", [(2, 10, True), ("auto", 16, True), ("auto", 16, "fp16")],
+@pytest.mark.parametrize("packing,steps,half", [
+    (2, 10, True), pytest.param("auto", 16, True, marks=_full("[p2] (bf16 masters regrouped) and [auto-fp16] (auto "
+                                                              "under the mixed-precision optimizer)")),
+    ("auto", 16, "fp16")],
                          ids=["p2", "auto", "auto-fp16"])
 def test_bf16_under_the_mixed_precision_optimizer(world, packing, steps, half):
     """bf16 parameters (and fp16 ones under a constant loss scale of 1024, for "auto") under Megatron's
@@ -136,7 +148,9 @@ def test_fixed_packing_under_the_distributed_optimizer(world):
     assert set(values) <= set(at_stock) and all(torch.equal(at_stock[k], values[k]) for k in values)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=_full(
+    "[fp32] (auto's rebuild of the distributed optimizer) and "
+    "test_a_regroup_under_the_distributed_optimizer_moves_its_state_bitwise[bf16]"))], ids=["fp32", "bf16"])
 def test_auto_packing_under_the_distributed_optimizer(world, bf16):
     """``"auto"`` under Megatron's distributed optimizer: the regroup at step 10 (and maybe 14) runs inside its
     step, and rebuilds it over the packed experts' new buffers on the packed expert-DP group, every expert's
@@ -201,7 +215,8 @@ def test_fp64_gradients_by_global_expert_equal_unpacked(world):
         assert worst <= 1e-12, (packing, worst)
 
 
-@pytest.mark.parametrize("saver,loader", [(2, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("saver,loader", [(2, 1), pytest.param(1, 4, marks=_full("[2-1] and [4-2] (packed to "
+                                                                              "unpacked, packed to packed)")), (4, 2)])
 def test_dist_checkpoints_load_across_packings(world, tmp_path, saver, loader):
     """A model saved through dist_checkpointing at one packing loads at another (stock Megatron's files: global
     expert ids): same outputs, same experts by global id; the per-rank state_dict written inside stock_homes()

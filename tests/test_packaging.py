@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("MOE_PLUGINS_SKIP_PACKAGING") == 
 def deepspeed_venv(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("pkg") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--no-compile"]     # no .pyc for all of torch's files up front: what the test imports compiles as it runs
     proc = subprocess.run(pip + ["-c", str(ROOT / "requirements.lock"), f"{ROOT}[deepspeed]"],
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,6 +5,7 @@ zero rows) and the single-process fp64 reference, dropless and with drops, k in 
 the ledger records the true bytes."""
 
 from dataclasses import replace
+from typing import List
 
 import pytest
 import torch
@@ -71,17 +72,23 @@ def test_ragged_equals_padded_on_every_layout(world, drop):
         assert sum(r["dropped"] for _, ragged in pairs for r in ragged) > 0
 
 
+TP_CASES, TP_OTHER_CASES = ((1, True), (2, False)), ((1, False), (2, True))      # (k, drop)
+
+
+def _baseline_tp_specs(cases) -> List[VerifySpec]:
+    return [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, tokens=12, seed=7 + k,
+                       schedule="baseline-tp") for mp, ep, esp in _layouts("baseline-tp") for k, drop in cases]
+
+
 def test_baseline_tp_ragged_equals_padded(world):
     """baseline-tp (DeepSpeed's flow): each MP rank sends the kept routes of its capacity slice; the ESP
-    all-gather / split and the final MP all-gather are uneven too. Every valid layout, k 1 and 2, drops,
-    dropless and skewed."""
-    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, tokens=12,
-                        seed=7 + k, schedule="baseline-tp") for mp, ep, esp in _layouts("baseline-tp") for k in (1, 2)
-             for drop in (True, False)]
+    all-gather / split and the final MP all-gather are uneven too. Every valid layout with k 1 and drops and with
+    k 2 dropless (the other two cases: the full profile's test below), and skewed with and without drops."""
+    specs = _baseline_tp_specs(TP_CASES)
     specs += [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=2, drop=drop, skew=20.0,
                          schedule="baseline-tp") for mp, ep, esp in ((2, 2, 2), (2, 2, 1), (2, 1, 2)) for drop in
               (True, False)]
-    assert len(specs) >= 30
+    assert len(specs) >= 18
     pairs = world(WORLD).run(padded_and_ragged, specs)[0]
     for spec, (padded, ragged) in zip(specs, pairs):
         _check_pair(spec, padded, ragged)
@@ -90,6 +97,13 @@ def test_baseline_tp_ragged_equals_padded(world):
     assert specs[-5].esp == 2 and not specs[-5].drop
     assert {"forward:all_to_all@esp", "forward:all_to_all@mp"} <= set(ragged[0]["ledger"]["moe"])
     assert sum(_bytes(r["ledger"])[0] for r in ragged) < sum(_bytes(r["ledger"])[0] for r in padded)
+
+
+@pytest.mark.full(covered_by="test_baseline_tp_ragged_equals_padded (every layout, k 1 with drops, k 2 dropless)")
+def test_baseline_tp_ragged_equals_padded_other_cases(world):
+    specs = _baseline_tp_specs(TP_OTHER_CASES)
+    for spec, (padded, ragged) in zip(specs, world(WORLD).run(padded_and_ragged, specs)[0]):
+        _check_pair(spec, padded, ragged)
 
 
 def test_skewed_routing(world):
