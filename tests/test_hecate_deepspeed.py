@@ -62,9 +62,10 @@ def test_a_plugin_config_given_directly_is_checked_too():
     assert hecate_config(PluginConfig(hecate={}), _moe(ffn), "moe") == PluginConfig(
         hecate={}, schedule="hecate", exchange="ragged")
     assert hecate_config(PluginConfig(hecate={}, pipeline_degree=2), _moe(ffn), "moe").pipeline_degree == 2
-    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \('auto'\) must be an integer >= 1 "
-                                         r"with Hecate"):
-        hecate_config(PluginConfig(hecate={}, pipeline_degree="auto"), _moe(ffn), "moe")
+    assert hecate_config(PluginConfig(hecate={}, pipeline_degree="auto"), _moe(ffn), "moe").pipeline_degree == "auto"
+    with pytest.raises(ValueError, match=r"moe_plugins\.pipeline_degree \('auto'\) must be 1 with "
+                                         r"moe_plugins\.hecate\.rematerialize"):
+        hecate_config(PluginConfig(hecate={"rematerialize": True}, pipeline_degree="auto"), _moe(ffn), "moe")
     with pytest.raises(ValueError, match=r"moe_plugins\.hecate\.extra_experts \(0\) must be an integer >= 1"):
         hecate_config(PluginConfig(hecate={"extra_experts": 0}), _moe(ffn), "moe")
     odd = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))

@@ -107,8 +107,8 @@ def test_config_section_parses():
     ({"schedule": "baseline-tp", "hecate": {"enabled": True}}, r"schedule \('baseline-tp'\) cannot run Hecate"),
     ({"hecate": {"rematerialize": True}, "pipeline_degree": 2},
      r"pipeline_degree \(2\) must be 1 with moe_plugins\.hecate\.rematerialize"),
-    ({"schedule": "hecate", "pipeline_degree": "auto"}, r"pipeline_degree \('auto'\) must be an integer >= 1 with "
-                                                        r"Hecate"),
+    ({"schedule": "hecate", "pipeline_degree": "auto", "hecate": {"rematerialize": True}},
+     r"pipeline_degree \('auto'\) must be 1 with moe_plugins\.hecate\.rematerialize"),
     ({"hecate": {}, "exchange": "padded"}, r"exchange \('padded'\) cannot be used with Hecate"),
     ({"hecate": {}, "esp": 2}, r"esp \(2\) must be 1 or null with Hecate"),
     ({"schedule": "hecate", "hecate": {"enabled": False}}, r"hecate\.enabled \(False\) contradicts"),
@@ -124,7 +124,8 @@ def test_schedule_refusals():
     assert exchange_problems(HecateSchedule.from_section({"rematerialize": True}), "ragged", 2) == [
         "schedule 'hecate' with rematerialize runs pipeline_degree 1, not 2: the re-gather is built for one expert "
         "step per call"]
-    assert "give an integer" in exchange_problems(HecateSchedule, "ragged", "auto")[0]
+    assert exchange_problems(HecateSchedule, "ragged", "auto") == []       # priced by the agreed rows (row_load)
+    assert "not 'tune'" in exchange_problems(HecateSchedule.from_section({"rematerialize": True}), "ragged", "tune")[0]
     assert "runs the ragged exchange only" in exchange_problems(HecateSchedule, "padded")[0]
     layout = replace(SPEC, ep=2, esp=2).layout()
     assert default_registry().schedule_problems("hecate", layout) == [

@@ -69,10 +69,11 @@ def test_flag_takes_a_json_object_or_a_file(tmp_path):
     assert isinstance(args.moe_plugins, str)                 # Megatron-LM pickles args into checkpoints
     assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(ranks_per_node=8, exchange="ragged")
     for section, exchange in (('{"schedule": "parm-s2-saa"}', "ragged"), ('{"schedule": "parm-auto"}', "ragged"),
-                              ('{"schedule": "parm-s2"}', "ragged"), ('{"pipeline_degree": "auto"}', "padded"),
+                              ('{"schedule": "parm-s2"}', "ragged"), ('{"pipeline_degree": "auto"}', "ragged"),
+                              ('{"schedule": "parm-s2", "pipeline_degree": "auto"}', "padded"),
                               ('{"exchange": "padded"}', "padded"), ('{"lancet": {"defer_wgrad": true}}', "padded"),
                               ('{"schedule": "baseline-tp"}', "ragged"), ('{"pipeline_degree": 3}', "ragged")):
-        assert mp.resolve_plugin(section).exchange == exchange, section   # degree words, Lancet: padded
+        assert mp.resolve_plugin(section).exchange == exchange, section   # parm-s2 at a word, Lancet: padded
     assert parser.parse_args([]).moe_plugins is None
 
 
@@ -425,11 +426,13 @@ def _fake_cluster_profile(tmp_path, ep: int, esp: int) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("schedule", ["baseline", "parm-auto"])
-def test_auto_degree_reads_the_cached_profile_and_matches_stock(world, tmp_path, schedule):
+@pytest.mark.parametrize("schedule, exchange, drop", [("baseline", "padded", True), ("parm-auto", "padded", True),
+                                                     ("baseline", "ragged", True), ("baseline", "ragged", False)])
+def test_auto_degree_reads_the_cached_profile_and_matches_stock(world, tmp_path, schedule, exchange, drop):
+    """The ragged rows: "auto" priced by the busiest rank's rows (Schedule.row_load), with drops and dropless."""
     profile_dir = _fake_cluster_profile(tmp_path, ep=2, esp=2)
-    s = dataclasses.replace(spec(1, 2, 2, k=2, drop=True, capacity_factor=1.5), tokens=16)
-    for r in run(world, jobs.auto_job, s, schedule, profile_dir):
+    s = dataclasses.replace(spec(1, 2, 2, k=2, drop=drop, capacity_factor=1.5), tokens=16)
+    for r in run(world, jobs.auto_job, s, schedule, profile_dir, exchange):
         assert max(r["err_out"], r["err_grad_in"], r["err_grad_w"]) <= 1e-9, r
         assert r["decisions"] and min(r["decisions"]) > 1, r
         assert "w4-n2-mp1-ep2-esp2-gloo-cpu" in r["source"]

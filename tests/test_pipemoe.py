@@ -284,7 +284,8 @@ def test_auto_picks_one_when_the_exchange_moves_nothing():
         groups = SimpleNamespace(ep=SimpleNamespace(size=size))
         schedule = type("Baseline", (), {"name": "baseline", "groups": groups,
                                          "config": SimpleNamespace(ffn=16),
-                                         "exchange": lambda self, d: SimpleNamespace(group="ep", sent=1.0, rows=1)})()
+                                         "exchange": lambda self, d: SimpleNamespace(group="ep", sent=1.0, rows=1),
+                                         "row_load": lambda self, dispatched: None})()       # padded: d's shape
         groups.esp = SimpleNamespace(size=1)
         d = torch.zeros(4, 64, 8)
         r = AutoDegree(costs={"ep": cheap_start}).degree(schedule, SimpleNamespace(d=d, cap_dim=1), True)

@@ -13,7 +13,7 @@ from moe_plugins.core.plugin_config import PluginConfig, plugin_config_problems
 from moe_plugins.core.ragged import (chunk_plan, combine_rows, expert_rows, grouped_rows, offsets, route_order,
                                      split_sizes)
 from moe_plugins.core.schedule import chunk_bounds
-from moe_plugins.core.schedule import exchange_problems, with_exchange
+from moe_plugins.core.schedule import Schedule, exchange_problems, with_exchange
 from moe_plugins.plugins import default_registry
 from moe_plugins.tools.verify import VerifySpec, spec_problems
 
@@ -179,8 +179,17 @@ def test_baseline_ragged_variant_and_degree_refusal():
     assert registry.schedule_class(ragged) is ragged          # a registered schedule's variant
     assert with_exchange(ragged, "padded") is base
     assert exchange_problems(base, "ragged", 3) == exchange_problems(base, "ragged", "2") == []
-    problems = exchange_problems(base, "ragged", "auto")
-    assert len(problems) == 1 and "pipeline_degree ('auto')" in problems[0] and "give an integer" in problems[0]
+    assert exchange_problems(base, "ragged", "auto") == exchange_problems(base, "ragged", "tune") == []
+
+    class Unpriced(ragged):      # a ragged form that cuts chunks but agrees no rows: no degree word
+        row_load = Schedule.row_load
+
+        @classmethod
+        def exchange_variant(cls, exchange):
+            return cls if exchange == "ragged" else None
+
+    (problem,) = exchange_problems(Unpriced, "ragged", "auto")
+    assert "schedule 'baseline' and pipeline_degree ('auto') is not supported" in problem and "row_load" in problem
     assert exchange_problems(base, "sparse") == ["exchange ('sparse') must be one of 'padded', 'ragged'"]
 
 
@@ -208,7 +217,9 @@ def test_verify_spec_names_the_refusals():
     spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, exchange="ragged", schedule="parm-s2-saa",
                       pipeline_degree=2)
     assert any("schedule 'parm-s2-saa' runs pipeline_degree 1, not 2" in p for p in spec_problems(spec))
-    spec = VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree="tune")
-    assert any("exchange ('ragged') with pipeline_degree ('tune')" in p for p in spec_problems(spec))
+    spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, exchange="ragged", schedule="baseline-tp",
+                      pipeline_degree="tune")
+    assert any("exchange ('ragged') with schedule 'baseline-tp' runs pipeline_degree 1, not 'tune'" in p
+               for p in spec_problems(spec)), spec_problems(spec)
     assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged")) == []
     assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree=3)) == []

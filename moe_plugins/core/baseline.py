@@ -24,9 +24,10 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, experts_on_rows,
-                                     ragged_all_to_all, route_order)
-from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds, routing_stats
+from moe_plugins.core.ragged import (ChunkPlan, agreed_load, chunk_plan, combine_rows, exchange_counts,
+                                     experts_on_rows, ragged_all_to_all, route_order)
+from moe_plugins.core.schedule import (Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds,
+                                       routing_stats)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,18 @@ class _RaggedCall:
         self.mine_EN, self.recv_PLN, self.contiguous = counts
         self.plans: List[ChunkPlan] = [chunk_plan(self.mine_EN, self.recv_PLN, members)]
         self.taken: Dict[str, int] = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
+        self.load: Optional[RowLoad] = None
+
+    def local_slots(self) -> int:
+        """The capacity slots this rank's chunks cut (the gate's capacity)."""
+        return self.slots
+
+    def row_load(self, groups, rec) -> RowLoad:
+        """The call's rows agreed over the layer's groups (:func:`agreed_load`), once per call."""
+        if self.load is None:
+            sent, received = sum(map(sum, self.mine_EN)), sum(sum(map(sum, src)) for src in self.recv_PLN)
+            self.load = agreed_load(sent, received, self.local_slots(), groups, rec)
+        return self.load
 
     def cut(self, degree: int) -> List[ChunkPlan]:
         if degree > 1 and not self.contiguous:
@@ -165,6 +178,9 @@ class RaggedBaselineSchedule(BaselineSchedule):
         d_RM = x_NSM.reshape(-1, x_SM.shape[-1]).index_select(0, order.token_X[:kept])
         return Dispatched(d=d_RM, cap_dim=0, state=call, aux_loss=routings[esp.rank].aux_loss,
                           exp_counts_E=counts, dropped=dropped)
+
+    def row_load(self, dispatched: Dispatched) -> RowLoad:
+        return dispatched.state.row_load(self.groups, self.rec)
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         d_RM, plans = dispatched.d, dispatched.state.cut(degree)

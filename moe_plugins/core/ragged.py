@@ -15,7 +15,9 @@ the hottest). The ragged one sends a layer's kept routes only:
 
 At pipeline degree r (PipeMoE), steps 3-5 run per capacity chunk [a, b): the rows of every (expert, block) cell
 whose slot lies in [a, b) (:func:`chunk_plan`; a cell's kept slots are 0..n-1), each chunk one uneven exchange
-each way, sized from the counts already read (no further host read).
+each way, sized from the counts already read (no further host read). A degree word ("auto", "tune") prices the
+call by :func:`agreed_load`: the busiest rank's rows, one small max over the layer's groups and a second host
+read, paid only where a word picks the degree.
 
 Every row holds the value it holds in the padded buffer, and the combine does the same arithmetic, so outputs,
 gradients, aux loss and dropped routes equal the padded exchange's (bitwise, except where a GEMM's blocking
@@ -38,7 +40,8 @@ import torch
 
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.groups import Group
+from moe_plugins.core.groups import Group, MoEProcessGroups
+from moe_plugins.core.schedule import RowLoad
 
 # ---- pure pieces -----------------------------------------------------------------------------------------
 
@@ -300,3 +303,15 @@ def exchange_counts(order: RouteOrder, group: Group, rec: Recorder):
     recv_PLN = [[got[(p * per + l) * blocks:(p * per + l + 1) * blocks] for l in range(per)]
                 for p in range(group.size)]
     return mine, recv_PLN, flat[2 * num * blocks:] == flat[:num * blocks]
+
+
+def agreed_load(sent: int, received: int, slots: int, groups: MoEProcessGroups, rec: Recorder) -> RowLoad:
+    """The most rows any rank of the layer's EP&ESP and MP groups sends and receives, and the most capacity slots,
+    from this rank's (one max over each group of three integers, then one host read): what a degree word
+    prices a ragged call by, the same on every rank that runs the call's pieces."""
+    t = torch.tensor([int(sent), int(received), int(slots)], dtype=torch.int64)
+    for group in (groups.ep_esp, groups.mp):
+        if group.size > 1:
+            t = rec.issue("all_reduce", group, t, "forward", reduce="max")
+    most_sent, most_received, most_slots = t.tolist()                  # the host read
+    return RowLoad(sent=most_sent, received=most_received, slots=most_slots)

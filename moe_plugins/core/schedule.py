@@ -55,6 +55,17 @@ class Exchange:
 
 
 @dataclass(frozen=True)
+class RowLoad:
+    """A ragged call's load as a degree word prices it (pipemoe/degree.py): the most rows any rank of the layer's
+    EP&ESP and MP groups sends and receives in the call's exchange, and the capacity slots its chunks cut. The
+    same on each of those ranks (a max over them), so each picks the same degree."""
+
+    sent: int
+    received: int
+    slots: int
+
+
+@dataclass(frozen=True)
 class LayerParams:
     """What a schedule computes with, supplied by the layer (the core's or a host's):
 
@@ -118,6 +129,12 @@ class Schedule(ABC):
     def exchange(self, d: torch.Tensor) -> Optional[Exchange]:
         """What one exchange of the dispatched tensor ``d`` moves; None when the schedule does not say (a
         cost model then refuses it)."""
+        return None
+
+    def row_load(self, dispatched: Dispatched) -> Optional[RowLoad]:
+        """A ragged call's load, agreed over the ranks that run its pieces (a collective: call it once per call,
+        on every rank of the layer); None where the dispatched tensor's shape prices the call (padded). A ragged
+        schedule that answers it runs PipeMoE's degree words (:func:`exchange_problems`)."""
         return None
 
     def notes(self) -> List[str]:
@@ -225,13 +242,14 @@ def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any =
     if problems:
         return problems
     fixed = isinstance(pipeline_degree, int) or (isinstance(pipeline_degree, str) and pipeline_degree.isdigit())
-    if exchange == "ragged" and not fixed:
-        return [f"exchange ('ragged') with pipeline_degree ({pipeline_degree!r}) is not supported: a degree chosen "
-                "per call from the dispatched rows could differ between ranks, whose rows differ; give an integer"]
     if exchange == "ragged" and pipeline_degree not in (1, "1") and not variant.ragged_chunks:
         return [f"exchange ('ragged') with schedule {cls.name!r} runs pipeline_degree 1, not {pipeline_degree!r} "
                 "(its MP slices are not cut into capacity chunks); use pipeline_degree 1, schedule 'baseline', or "
                 "the padded exchange"]
+    if exchange == "ragged" and not fixed and variant.row_load is Schedule.row_load:
+        return [f"exchange ('ragged') with schedule {cls.name!r} and pipeline_degree ({pipeline_degree!r}) is not "
+                "supported: its ragged form does not agree a call's rows over the ranks that run it (row_load), "
+                "and ranks' rows differ; give an integer"]
     return []
 
 

@@ -160,11 +160,7 @@ def hecate_across(section: Mapping[str, Any], path: str = "moe_plugins", host: O
                         f"the baseline's data flow only (schedule 'baseline' or '{NAME}'); schedule {schedule!r} "
                         "with FSSDP is not built")
     degree = section.get("pipeline_degree", 1)
-    fixed = _int(degree, 1) or (isinstance(degree, str) and degree.isdigit() and int(degree) >= 1)
-    if not fixed:
-        problems.append(f"{path}.pipeline_degree ({degree!r}) must be an integer >= 1 with Hecate: a degree chosen "
-                        "per call (\"auto\", \"tune\") could differ between ranks, whose rows differ")
-    elif int(degree) != 1 and isinstance(hecate, Mapping) and hecate.get("rematerialize") is True:
+    if degree not in (1, "1") and isinstance(hecate, Mapping) and hecate.get("rematerialize") is True:
         problems.append(f"{path}.pipeline_degree ({degree!r}) must be 1 with {path}.{NAME}.rematerialize: the "
                         "re-gather is built for one expert step per call")
     if section.get("exchange", "ragged") != "ragged":

@@ -38,7 +38,6 @@ receives, C experts it holds a copy of, n rows per copy (padded), M model dim, F
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Type
 
@@ -47,31 +46,17 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.experts import ExpertWeights, partial_ffn
 from moe_plugins.core.ragged import combine_rows, expert_rows, ragged_all_to_all, route_order
-from moe_plugins.core.schedule import Dispatched, LayerParams, Schedule
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule
 from moe_plugins.hecate.config import NAME, HecateConfig
 from moe_plugins.hecate.early import EarlyGather, agreed_overlap, issue_early
-from moe_plugins.hecate.flow import (PiecePlan, RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
+from moe_plugins.hecate.flow import (RoutePlan, expert_numel, ffn_activation_problems, flat_experts,
                                      piece_plans, rows_per_expert, unflat_experts)
 from moe_plugins.hecate.memory import CopyLedger
 from moe_plugins.hecate.plan import Placement, materialise_budget, paying_experts, plan_placement, stock_homes
-from moe_plugins.hecate.state import HecateStats, State
+from moe_plugins.hecate.state import Call, HecateStats, State
 from moe_plugins.hecate.regather import rematerialiser, start_at_output
 from moe_plugins.hecate.remat import OwnedRead, Rematerialiser
 from moe_plugins.hecate.sparse import ShardSpec, sparse_all_gather, sparse_exchange, whole_shards
-
-
-@dataclass
-class _Call:
-    routing: Any
-    pos_SK: torch.Tensor                        # each route's row in d (len(d): a dropped route)
-    counts_RE: List[List[int]]                  # every member's kept routes per expert (the host read)
-    placement: Placement
-    at_R: torch.Tensor                          # each (expert, slot) row's position in d (the call's send order)
-    pieces: List[PiecePlan]                     # the whole call, or PipeMoE's chunks (Schedule.chunks)
-    copies: Optional[ExpertWeights]             # dropped after the last piece's expert step
-    remat: Optional[Rematerialiser] = None      # with rematerialize: how the backward gathers them again
-    at_X: Optional[torch.Tensor] = None         # chunks: the pieces' rows' positions in d, piece after piece
-    taken: Dict[str, int] = field(default_factory=lambda: {"exchange_in": 0, "expert": 0, "exchange_out": 0})
 
 
 class HecateSchedule(Schedule):
@@ -130,6 +115,12 @@ class HecateSchedule(Schedule):
         twin = type(self)(self.config, groups, self.rec)
         twin._state = self._state
         return twin
+
+    def exchange(self, d: torch.Tensor) -> Exchange:
+        return Exchange("ep", 1.0, 1.0)             # the rows to the copies, over EP (a degree word's row_load)
+
+    def row_load(self, dispatched: Dispatched) -> RowLoad:
+        return dispatched.state.row_load(self.groups, self.rec)
 
     @property
     def last(self) -> Optional[HecateStats]:
@@ -294,7 +285,7 @@ class HecateSchedule(Schedule):
         whole_X = _index(pieces[0].rows, x_SM.device)                 # d's rows as (expert, slot) rows
         at_R = torch.argsort(whole_X)
         pos_SK = torch.cat([at_R, at_R.new_full((1,), kept)])[order.pos_NSK[0]]     # the combine reads d's order
-        self._state.call = _Call(routing, pos_SK, counts_RE, placement, at_R, pieces,
+        self._state.call = Call(routing, pos_SK, counts_RE, placement, at_R, pieces,
                                  unflat_experts(w_CF, cfg.hidden, cfg.ffn),
                                  self._track(w_CF, params, placement, shards))
         self._state.last = HecateStats(placement, load_E, rows_per_expert(pieces, cfg.num_experts))
@@ -324,7 +315,7 @@ class HecateSchedule(Schedule):
         problems = self.degree_problems(degree)
         if problems:
             raise ValueError(problems[0])
-        call: _Call = dispatched.state
+        call: Call = dispatched.state
         if degree == 1:
             return [dispatched.d]
         call.pieces = piece_plans(call.counts_RE, self.groups.ep.rank, call.placement, degree)
@@ -341,7 +332,7 @@ class HecateSchedule(Schedule):
             return outs[0]
         return torch.cat(outs).index_select(0, torch.argsort(dispatched.state.at_X))
 
-    def _piece(self, step: str, rows: int, side: str) -> Tuple[_Call, RoutePlan]:
+    def _piece(self, step: str, rows: int, side: str) -> Tuple[Call, RoutePlan]:
         """The call in flight and its next piece for ``step``, checked: ``rows`` must be the piece's ``side``
         ("send" or "recv") total."""
         call = self._state.call
@@ -386,7 +377,7 @@ class HecateSchedule(Schedule):
         return ragged_all_to_all(o_QM, plan.recv, plan.send, self.groups.ep, self.rec)
 
     def finish(self, r_XM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        call: _Call = dispatched.state
+        call: Call = dispatched.state
         if self._state.call is call:
             self._state.call = None         # hold nothing of this call (its copies) past the layer
         y_SM = combine_rows(r_XM, call.pos_SK, call.routing)      # r_XM in d's order (join), as pos_SK reads it

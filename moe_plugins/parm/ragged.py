@@ -37,7 +37,7 @@ from moe_plugins.core.gating import Routing
 from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, clip, combine_rows, exchange_counts, experts_on_rows,
                                      gather_rows, offsets, ragged_all_to_all, route_order, slot_rows, split_rows,
                                      split_sizes)
-from moe_plugins.core.schedule import Dispatched, LayerParams
+from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad
 from moe_plugins.parm.steps import _ParmSchedule, _round_up, expert_partials
 
 # ---- pure pieces -----------------------------------------------------------------------------------------
@@ -132,10 +132,17 @@ class _S1Call(_RaggedCall):
         self.dump, self.rows, self.num_tokens, self._groups, self._rec = dump, rows, num_tokens, groups, rec
         self.block_slots = block_slots      # the padded S1's C_l before the max over EP&ESP (0-dim; parm-auto's)
 
+    def local_slots(self) -> int:
+        return self.slots or max((n for cell in self.mine_EN for n in cell), default=0)
+
+    def row_load(self, groups, rec) -> RowLoad:
+        load = super().row_load(groups, rec)
+        self.slots = self.slots or max(1, load.slots)        # the chunks' bound, agreed over EP&ESP and MP
+        return load
+
     def cut(self, degree: int) -> List[ChunkPlan]:
         if degree > 1 and not self.slots:
-            self.slots = max(1, comm.all_reduce_max(max((n for cell in self.mine_EN for n in cell), default=0),
-                                                    self._groups.ep_esp, self._rec))
+            self.slots = max(1, comm.all_reduce_max(self.local_slots(), self._groups.ep_esp, self._rec))
         return super().cut(degree)
 
 
@@ -146,6 +153,7 @@ class RaggedParmS1Schedule(_RowSteps):
     name = "parm-s1"
     exchange_mode = "ragged"
     chunks = RaggedBaselineSchedule.chunks        # the pieces are plans of the call in dispatched.state
+    row_load = RaggedBaselineSchedule.row_load
     join = RaggedBaselineSchedule.join
     twin = RaggedBaselineSchedule.twin            # the lane's twin shares the call box
 

@@ -41,8 +41,10 @@ class AutoDegree:
         """(costs, n_d, n_e) of this call: bytes into one exchange all-to-all, macs of one expert GEMM."""
         return self._workload(schedule, dispatched)[:3]
 
-    def _workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[PipeCosts, float, float, int]:
-        """:meth:`workload` and the size of the exchange's group, from one ``schedule.exchange`` call."""
+    def _workload(self, schedule: Schedule, dispatched: Dispatched) -> Tuple[PipeCosts, float, float, int, int]:
+        """:meth:`workload`, the size of the exchange's group and the most chunks the call can be cut into.
+        A ragged call (``Schedule.row_load``) is priced by its busiest rank's rows, rounded up to the grid of
+        :func:`grid_rows`; a padded one by its dispatched tensor's shape."""
         name = type(schedule).name
         d, cfg, groups = dispatched.d, schedule.config, schedule.groups
         ex = schedule.exchange(d)
@@ -52,9 +54,16 @@ class AutoDegree:
         if ex.group not in self.costs:
             raise ValueError(f"pipeline_degree 'auto' needs all-to-all costs on group {ex.group!r} for schedule "
                              f"{name!r}; it has: {', '.join(sorted(self.costs))}")
-        rows = d.numel() // max(d.shape[-1], 1) * ex.rows
-        return (self.costs[ex.group], float(d.numel() * d.element_size() * ex.sent),
-                float(rows * d.shape[-1] * (cfg.ffn // groups.esp.size)), getattr(groups, ex.group).size)
+        width, size = d.shape[-1], getattr(groups, ex.group).size
+        load = schedule.row_load(dispatched)
+        if load is not None:        # the rows are what travels (a dump's copies included) and what the experts get
+            sent, rows, slots = grid_rows(max(load.sent, load.received)), grid_rows(load.received), load.slots
+            n_d = float(sent * width * d.element_size())
+        else:
+            rows, slots = d.numel() // max(width, 1) * ex.rows, d.shape[dispatched.cap_dim]
+            n_d = float(d.numel() * d.element_size() * ex.sent)
+        return (self.costs[ex.group], n_d, float(rows * width * (cfg.ffn // groups.esp.size)), size,
+                max(1, min(self.r_max, slots)))
 
     def begin(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> Tuple[int, Optional[object]]:
         """(degree, None): the degree of this call; a subclass that times calls (pipemoe_tune.TunedDegree)
@@ -62,15 +71,25 @@ class AutoDegree:
         return self.degree(schedule, dispatched, training), None
 
     def degree(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> int:
-        costs, n_d, n_e, group_size = self._workload(schedule, dispatched)
+        costs, n_d, n_e, group_size, r_max = self._workload(schedule, dispatched)
         if nothing_to_overlap(group_size, n_d):      # r > 1 would only add chunks
             self.decisions[(type(schedule).name, n_d, n_e, training)] = 1
             return 1
-        r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
         r = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
                            self.backward_factor).degree
         self.decisions[(type(schedule).name, n_d, n_e, training)] = r
         return r
+
+
+def grid_rows(rows: int) -> int:
+    """``rows`` rounded up to the quarter-octave grid 1, 2, ..., 8, 10, 12, 14, 16, 20, 24, ... (at most 25%
+    above ``rows``; pure): ragged calls of about the same volume share a decision
+    (AutoDegree's cache, TunedDegree's search) instead of each call's exact row count making a new one."""
+    if rows <= 8:
+        return max(0, int(rows))
+    octave = 1 << (int(rows).bit_length() - 1)           # the power of two at or below rows
+    step = octave // 4
+    return -(-int(rows) // step) * step
 
 
 def nothing_to_overlap(exchange_group_size: int, n_d: float) -> bool:

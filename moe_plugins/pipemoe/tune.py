@@ -123,11 +123,10 @@ class TunedDegree(AutoDegree):
 
     def begin(self, schedule: Schedule, dispatched: Dispatched, training: bool) -> Tuple[int, Optional[Sample]]:
         """The degree for this call and, while tuning, the Sample to fill (None otherwise)."""
-        costs, n_d, n_e = self.workload(schedule, dispatched)
+        costs, n_d, n_e, _, r_max = self._workload(schedule, dispatched)
         key: Key = (type(schedule).name, n_d, n_e, training)
         search = self.searches.get(key)
         if search is None:
-            r_max = max(1, min(self.r_max, dispatched.d.shape[dispatched.cap_dim]))
             start = _cached_choice(costs, n_d, n_e, "training" if training else "forward", r_max,
                                    self.backward_factor).degree
             search = self.searches[key] = Search(start=start, propose=partial(next_probe, start, r_max),
@@ -137,7 +136,7 @@ class TunedDegree(AutoDegree):
         r, sample = search.call(schedule.groups, d.device, training and d.requires_grad)
         if search.decided is not None:
             self.decisions[key] = search.decided
-        return r, sample
+        return min(r, r_max), sample       # a ragged call's key spans calls whose slots differ: never past this one's
 
     def notes(self) -> List[str]:
         """One line per tuned key: the model's start, what was measured, the pick."""

@@ -34,10 +34,12 @@ def _schedules(extra_experts: Any):
             "ragged": with_exchange(base, "ragged"), "padded": base}
 
 
-def one_call(specs: List[VerifySpec], extra_experts: Any = "auto", degree: int = 1) -> List[Dict[str, Dict[str, Any]]]:
+def one_call(specs: List[VerifySpec], extra_experts: Any = "auto",
+             degree: Any = 1) -> List[Dict[str, Dict[str, Any]]]:
     """Per spec, this rank's forward and backward with each schedule (``hecate``, ``ragged``, ``padded``): the
     fields ``moe_plugins.tools.verify.compare`` reads, plus Hecate's placement, load and computed rows. ``degree``
-    > 1: Hecate runs PipeMoE's chunks (an executor on an engine with a pipeline lane), the others degree 1."""
+    > 1 (or a degree policy: pipemoe.degree.AutoDegree): Hecate runs PipeMoE's chunks (an executor on an engine
+    with a pipeline lane), the others degree 1."""
     from moe_plugins.core.engine import build_engine
     from moe_plugins.core.groups import process_groups
     from moe_plugins.core.ledger import CommLedger
@@ -48,7 +50,7 @@ def one_call(specs: List[VerifySpec], extra_experts: Any = "auto", degree: int =
         with process_groups(spec.layout()) as groups:
             coords = spec.layout().coords(groups.global_rank)
             runs = {}
-            engine = build_engine(groups, pipeline=True) if degree > 1 else None
+            engine = build_engine(groups, pipeline=True) if degree != 1 else None
             for name, schedule in _schedules(extra_experts).items():
                 ledger = CommLedger()
                 executor = build_executor(degree, None, engine) if engine is not None and name == "hecate" else None

@@ -281,9 +281,9 @@ def flag_path_job(flag: str) -> Dict[str, Any]:
             and not engines.engines}
 
 
-def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[str, Any]:
+def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str, exchange: str = "padded") -> Dict[str, Any]:
     """``pipeline_degree: "auto"`` through Megatron: the plugin layer finds the profile cached for its layout in
-    ``profile_dir``, picks a degree, and still matches the stock layer."""
+    ``profile_dir``, picks a degree, and still matches the stock layer. ``exchange``: the section's."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec as stock_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -297,7 +297,8 @@ def auto_job(spec: MegatronVerifySpec, schedule: str, profile_dir: str) -> Dict[
             submodules = spec_submodules(stock_spec(use_te=False, num_experts=spec.experts))
             stock = MoELayer(config, submodules=submodules, pg_collection=groups.pg_collection)
             plugin = PluginMoELayer(config, submodules=submodules,
-                                    plugin=PluginConfig(schedule=schedule, pipeline_degree="auto"), groups=groups,
+                                    plugin=PluginConfig(schedule=schedule, pipeline_degree="auto", exchange=exchange),
+                                    groups=groups,
                                     profile_dir=profile_dir, engines=engines)
         plugin.load_state_dict(stock.state_dict())
         for layer in (stock, plugin):

@@ -18,7 +18,7 @@ from moe_plugins.pipemoe.degree import AutoDegree
 from moe_plugins.core.engine import build_engine
 from moe_plugins.pipemoe.runner import Pipelined, build_executor, run_pipelined
 from moe_plugins.tools.profiler import ProfileSpec, profile_rank
-from moe_plugins.core.schedule import LayerParams, run_schedule
+from moe_plugins.core.schedule import LayerParams, run_schedule, with_exchange
 from moe_plugins.core.baseline import BaselineSchedule
 from moe_plugins.tools.verify import DTYPES, VerifySpec, make_problem, run_rank
 
@@ -200,7 +200,8 @@ def tiny_profile(spec: ProfileSpec):
 
 def tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int) -> dict:
     """``steps`` training calls of a layer with TunedDegree next to r = 1, then two no_grad calls: the degree
-    of every call (forward all-to-alls / 2), outputs and input gradients, and the tuner's state."""
+    of every call (forward all-to-alls / 2, less the ragged exchange's counts), outputs and input gradients, and
+    the tuner's state. ``spec.exchange`` is both layers' exchange."""
     with process_groups(spec.layout()) as groups:
         return _tuned_layer(spec, costs, steps, groups)
 
@@ -213,7 +214,8 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
     layers = {}
     engine = build_engine(groups, pipeline=True)
     for label, degree in (("tune", tuned), ("one", 1)):
-        layers[label] = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=spec.schedule,
+        schedule = with_exchange(default_registry().schedule_class(spec.schedule), spec.exchange, "tune")
+        layers[label] = MoELayer(spec.moe_config(), groups, registry=default_registry(), schedule=schedule,
                                  ledger=CommLedger(),
                                  dtype=DTYPES[spec.dtype], executor=build_executor(degree, None, engine))
         layers[label].load_full(prob.wg_EM, prob.full)
@@ -227,25 +229,28 @@ def _tuned_layer(spec: VerifySpec, costs: Dict[str, PipeCosts], steps: int, grou
                 y = layer(x).y
                 (y * prob.g_DSM[dp]).sum().backward()
                 res[label] = (y.detach(), x.grad)
-            out["degrees"].append(_forward_exchanges(layers["tune"].ledger) // 2)
+            out["degrees"].append(_forward_exchanges(layers["tune"].ledger, spec.exchange) // 2)
             out["max_diff"] = max(out["max_diff"], *((a - b).abs().max().item()
                                                      for a, b in zip(res["tune"], res["one"])))
         for _ in range(2):
             layers["tune"].ledger.clear()
             with torch.no_grad():
                 y_eval = layers["tune"](prob.x_DSM[dp]).y
-            out["eval_degrees"].append(_forward_exchanges(layers["tune"].ledger) // 2)
+            out["eval_degrees"].append(_forward_exchanges(layers["tune"].ledger, spec.exchange) // 2)
             out["max_diff"] = max(out["max_diff"], (y_eval - res["one"][0]).abs().max().item())
     finally:
         engine.close()
     out["climbs"] = {key[3]: (c.start, dict(c.times_s), c.decided) for key, c in tuned.searches.items()}
+    out["r_max"] = {key[3]: c.propose.args[1] for key, c in tuned.searches.items()}   # partial(next_probe, start, r_max)
     out["decisions"] = {key[3]: r for key, r in tuned.decisions.items()}
     out["notes"] = tuned.notes()
     return out
 
 
-def _forward_exchanges(ledger: CommLedger) -> int:
-    return sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward")
+def _forward_exchanges(ledger: CommLedger, exchange: str = "padded") -> int:
+    """The forward all-to-alls that carry rows (the ragged exchange's counts go first, in one more)."""
+    return sum(1 for rec in ledger.records if rec.op == "all_to_all" and rec.phase == "forward") - (
+        exchange == "ragged")
 
 
 # ---- nothing of a step outlives it ----------------------------------------------------------------------------
