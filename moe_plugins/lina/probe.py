@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, List, Set
+from typing import Any, Callable, List, Optional, Set
 
 import torch
 
 from moe_plugins.core.groups import MoEProcessGroups
-from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule
 from moe_plugins.lina.packing import MicroOpTimes
 
 
@@ -79,6 +79,9 @@ class TimedSchedule(Schedule):
 
     def exchange(self, d: torch.Tensor) -> Exchange:
         return self.inner.exchange(d)
+
+    def row_load(self, dispatched: Dispatched) -> Optional[RowLoad]:     # a ragged call's agreed rows (degree words)
+        return self.inner.row_load(dispatched)
 
     def notes(self) -> List[str]:
         return self.inner.notes()
