@@ -61,8 +61,8 @@ def test_flag_takes_a_json_object_or_a_file(tmp_path):
     parser = mp.extra_args_provider(argparse.ArgumentParser())
     args = parser.parse_args([mp.FLAG, '{"schedule": "baseline-tp", "pipeline_degree": 2}'])
     # a section naming no exchange runs Megatron's own flow, the ragged one, where the schedule allows it
-    # (baseline-tp's ragged variant runs at degree 1 only)
-    assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(schedule="baseline-tp", pipeline_degree=2)
+    assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(schedule="baseline-tp", pipeline_degree=2,
+                                                               exchange="ragged")
     path = tmp_path / "plugins.json"
     path.write_text(json.dumps({"moe_plugins": {"schedule": "baseline", "ranks_per_node": 8}}))
     args = parser.parse_args([mp.FLAG, str(path)])

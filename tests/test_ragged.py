@@ -193,13 +193,13 @@ def test_baseline_ragged_variant_and_degree_refusal():
     assert exchange_problems(base, "sparse") == ["exchange ('sparse') must be one of 'padded', 'ragged'"]
 
 
-def test_baseline_tp_ragged_variant_runs_degree_1_only():
+def test_baseline_tp_ragged_variant_takes_every_degree():
     base = default_registry().schedule_class("baseline-tp")
     ragged = with_exchange(base, "ragged")
-    assert ragged.exchange_mode == "ragged" and ragged.name == "baseline-tp" and not ragged.ragged_chunks
-    (problem,) = exchange_problems(base, "ragged", 2)
-    assert "schedule 'baseline-tp' runs pipeline_degree 1, not 2" in problem
-    assert exchange_problems(base, "ragged", 1) == []
+    assert ragged.exchange_mode == "ragged" and ragged.name == "baseline-tp" and ragged.ragged_chunks
+    assert [exchange_problems(base, "ragged", r) for r in (1, 2, "3", "auto", "tune")] == [[]] * 5
+    (problem,) = exchange_problems(default_registry().schedule_class("parm-s2"), "ragged", 2)
+    assert "schedule 'parm-s2' runs pipeline_degree 1, not 2" in problem
 
 
 def test_config_field_is_validated_at_the_boundary():
@@ -217,9 +217,9 @@ def test_verify_spec_names_the_refusals():
     spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, exchange="ragged", schedule="parm-s2-saa",
                       pipeline_degree=2)
     assert any("schedule 'parm-s2-saa' runs pipeline_degree 1, not 2" in p for p in spec_problems(spec))
-    spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, exchange="ragged", schedule="baseline-tp",
+    spec = VerifySpec(world=4, ranks_per_node=2, mp=2, ep=2, exchange="ragged", schedule="parm-s2",
                       pipeline_degree="tune")
-    assert any("exchange ('ragged') with schedule 'baseline-tp' runs pipeline_degree 1, not 'tune'" in p
+    assert any("exchange ('ragged') with schedule 'parm-s2' runs pipeline_degree 1, not 'tune'" in p
                for p in spec_problems(spec)), spec_problems(spec)
     assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged")) == []
     assert spec_problems(VerifySpec(world=4, ranks_per_node=2, ep=4, exchange="ragged", pipeline_degree=3)) == []

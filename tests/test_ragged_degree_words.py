@@ -31,7 +31,7 @@ MODEL_KEYS = {"all_to_all@ep": "all_to_all", "all_to_all@ep_esp": "all_to_all", 
               "gemm": "gemm"}
 LEAN_COSTS = PipeCosts(alpha_a=1e-9, beta_a=1e-8, alpha_e=1e-9, beta_e=1e-9)
 CASES = [("baseline", 1, 4, 1), ("baseline", 1, 2, 2), ("baseline", 2, 2, 1), ("parm-s1", 2, 2, 1),
-         ("parm-s1", 2, 1, 2)]
+         ("parm-s1", 2, 1, 2), ("baseline-tp", 2, 2, 2), ("baseline-tp", 2, 2, 1)]
 
 
 def _lean_profiles(root: Path) -> str:
@@ -79,7 +79,7 @@ def test_auto_and_tune_with_the_ragged_exchange_equal_padded(world, tmp_path):
     chunks_run = []
     for spec, (padded, ragged) in zip(specs, pairs):
         _check_pair(spec, padded, ragged)
-        group = "ep" if spec.schedule == "baseline" else "ep_esp"
+        group = "ep_esp" if spec.schedule == "parm-s1" else "ep"
         forward = {r["ledger"]["moe"][f"forward:all_to_all@{group}"]["count"] for r in ragged}
         assert len(forward) == 1 and (forward.pop() - 1) % 2 == 0, (spec, forward)
         chunks = (ragged[0]["ledger"]["moe"][f"forward:all_to_all@{group}"]["count"] - 1) // 2

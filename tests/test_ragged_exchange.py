@@ -175,6 +175,23 @@ def test_pipemoe_chunks(world):
         assert forward == 1 + 2 * spec.pipeline_degree, (spec, forward)   # the counts once, then 2 per chunk
 
 
+def test_baseline_tp_chunks(world):
+    """baseline-tp's ragged form at degree 2 and 3: every MP rank's capacity slice cut into the same chunks
+    [a, b) of its slots, each one uneven EP exchange each way (its ESP gather and split too); equal to the padded
+    exchange and the reference; more chunks than a slice's slots included."""
+    specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=2, ep=ep, esp=esp, k=k, drop=drop, pipeline_degree=r,
+                        tokens=12, seed=5 + k, schedule="baseline-tp")
+             for ep, esp in ((2, 2), (2, 1), (1, 2)) for k, drop, r in ((1, True, 3), (2, False, 2))]
+    specs += [VerifySpec(world=WORLD, ranks_per_node=2, mp=2, ep=2, esp=2, k=2, drop=False, skew=20.0, tokens=4,
+                         pipeline_degree=8, schedule="baseline-tp")]
+    pairs = world(WORLD).run(padded_and_ragged, specs)[0]
+    for spec, (padded, ragged) in zip(specs, pairs):
+        _check_pair(spec, padded, ragged)
+        if spec.ep > 1:
+            forward = ragged[0]["ledger"]["moe"]["forward:all_to_all@ep"]["count"]
+            assert forward == 1 + 2 * spec.pipeline_degree, (spec, forward)   # the counts once, then 2 per chunk
+
+
 def test_sequential_chunks(world):
     spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=1, ep=2, esp=2, k=2, drop=False, skew=3.0)
     for res in world(WORLD).run(sequential_chunks, spec, 3):

@@ -11,8 +11,9 @@ empty slots; which routes are dropped is decided by the unpadded capacity, so th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple, Type
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, List, Optional, Tuple, Type
 
 import torch
 
@@ -20,9 +21,9 @@ from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, combine_rows, exchange_counts, experts_on_rows,
-                                     gather_rows, ragged_all_to_all, route_order, split_rows)
-from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
+from moe_plugins.core.ragged import (ChunkPlan, agreed_load, chunk_plan, combine_rows, exchange_counts,
+                                     experts_on_rows, gather_rows, ragged_all_to_all, route_order, split_rows)
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -76,28 +77,102 @@ class BaselineTPSchedule(Schedule):
 
 
 @dataclass(frozen=True)
-class _TPCall:
-    """One call of the ragged baseline-tp: the routing, each route's row, this MP rank's exchange plan (its
-    capacity slice), every MP rank's slice rows (the MP split and gather) and the ESP members' received rows."""
+class _TPPiece:
+    """One piece of a ragged baseline-tp call (the whole slice, or one PipeMoE chunk of it): this MP rank's EP
+    exchange plan, the received rows per (ESP member, source) and local expert, member-major, and the ESP
+    members' row counts; ``at``: its rows' positions in the dispatched slice (None: all of them, in order)."""
 
-    routing: Routing
-    pos_SK: torch.Tensor
     plan: ChunkPlan
-    mp_order: torch.Tensor        # the layer's rows, MP rank by MP rank (each its capacity slice)
-    mp_sizes: Tuple[int, ...]
-    esp_recv_PL: Tuple[Tuple[int, ...], ...]   # rows per (ESP member, source) and local expert, member-major
+    esp_recv_PL: Tuple[Tuple[int, ...], ...]
     esp_sizes: Tuple[int, ...]
+    at: Optional[torch.Tensor] = None
+
+
+def _tp_piece(counts: Tuple, members: int, slot_bounds, sources: List[int], mp_rank: int, esp_size: int,
+              a: int, b: int) -> _TPPiece:
+    """The piece of slots [a, b) of every MP rank's slice (``slot_bounds[m]``: slice m's first slot; pure):
+    each EP peer sends its own MP rank's slice (``sources``: their MP coordinates), and with ESP = MP member j
+    receives slice j from every peer."""
+    mine_EN, recv_PLN = counts
+
+    def cut(m: int) -> Tuple[int, int]:
+        return slot_bounds[m] + a, slot_bounds[m] + b
+
+    plan = chunk_plan(mine_EN, recv_PLN, members, *cut(mp_rank), [cut(m) for m in sources])
+    esp_recv = ([chunk_plan(mine_EN, recv_PLN, members, *cut(j), [cut(j)] * members).recv_PL
+                 for j in range(esp_size)] if esp_size > 1 else [plan.recv_PL])
+    return _TPPiece(plan=plan, esp_recv_PL=tuple(src for member in esp_recv for src in member),
+                    esp_sizes=tuple(sum(map(sum, member)) for member in esp_recv))
+
+
+class _TPCall:
+    """One call of the ragged baseline-tp, shared with the schedule's twin (PipeMoE's lane runs the exchanges):
+    the routing, each route's row, every MP rank's slice rows (the MP split and gather) and the pieces, which
+    exchange_in, expert and exchange_out each take in order."""
+
+    def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[ChunkPlan],
+                 cut: Callable[[int, int], _TPPiece], width: int, mp_rank: int, device: torch.device):
+        self.routing, self.pos_SK, self.cut, self.width = routing, pos_SK, cut, width
+        self.mp_order = torch.tensor([r for p in slices for r in p.rows], dtype=torch.long, device=device)
+        self.mp_sizes = tuple(len(p.rows) for p in slices)
+        self.slice_rows = slices[mp_rank].rows          # this MP rank's slice: the dispatched rows, in order
+        self.whole = cut(0, width)
+        self.pieces = [self.whole]
+        self.taken = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
+        self.load: Optional[RowLoad] = None
+
+    def chunked(self, degree: int) -> List[_TPPiece]:
+        """The call cut into ``degree`` capacity chunks of every slice (:func:`chunk_bounds` of the slice width),
+        each piece's rows located in the dispatched slice."""
+        at = {row: i for i, row in enumerate(self.slice_rows)}
+        device = self.mp_order.device
+        self.pieces = [replace(piece, at=torch.tensor([at[r] for r in piece.plan.rows], dtype=torch.long,
+                                                      device=device))
+                       for piece in (self.cut(a, b) for a, b in chunk_bounds(self.width, degree))]
+        return self.pieces
+
+    def row_load(self, groups, rec) -> RowLoad:
+        """The whole slice's rows sent over EP and gathered for the experts, agreed over the layer's groups."""
+        if self.load is None:
+            sent, gathered = sum(self.whole.plan.send), sum(self.whole.esp_sizes)
+            self.load = agreed_load(sent, gathered, self.width, groups, rec)
+        return self.load
+
+    def take(self, step: str, rows: int) -> _TPPiece:
+        index = self.taken[step]
+        piece = self.pieces[index] if index < len(self.pieces) else None
+        expected = None if piece is None else sum(piece.plan.send if step == "exchange_in" else piece.esp_sizes)
+        if rows != expected:
+            raise ValueError(f"schedule 'baseline-tp' with the ragged exchange: {step} got {rows} rows, not those "
+                             f"of its piece {index} of {len(self.pieces)}; run the layer's pieces through "
+                             "Schedule.chunks and Schedule.join")
+        self.taken[step] = index + 1
+        return piece
+
+
+class _Box:
+    """The call in flight, shared by a schedule and its twin."""
+
+    call: Optional[_TPCall] = None
 
 
 class RaggedBaselineTPSchedule(BaselineTPSchedule):
     """baseline-tp with the ragged exchange: MP rank m sends the kept routes of its capacity slice
-    [m c, (m+1) c) (c = C / N_MP, C rounded up to N_MP), in one uneven EP all-to-all each way; the ESP
+    [m c, (m+1) c) (c = C / N_MP, C rounded up to N_MP), in one uneven EP all-to-all each way per piece; the ESP
     all-gather and split of the capacity and the final MP all-gather are uneven too (core/ragged.py). One host
-    read per call (the split sizes). Pipeline degree 1 only."""
+    read per call (the split sizes). Pipeline degree r > 1 cuts every slice into r capacity chunks (the same
+    [a, b) of each slice), one exchange each way per chunk."""
 
     exchange_mode = "ragged"
-    ragged_chunks = False
-    _call: Optional[_TPCall] = None      # per call: what exchange_in, expert and exchange_out read
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._box = _Box()
+
+    def twin(self, groups) -> "RaggedBaselineTPSchedule":
+        twin = type(self)(self.config, groups, self.rec)
+        twin._box = self._box
+        return twin
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, groups = self.config, self.groups
@@ -109,20 +184,14 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
             raise ValueError("schedule 'baseline-tp' with the ragged exchange cuts each MP rank's capacity slice "
                              "from every expert's kept slots 0..n-1; this gate left gaps: use the padded exchange")
         width = -(-routing.capacity // mp.size)
-        bounds = [(m * width, (m + 1) * width) for m in range(mp.size)]
+        firsts = [m * width for m in range(mp.size)]
         # an EP peer sends its own MP rank's slice; the MP ranks hold the same tokens, hence the same counts
-        sources = [bounds[groups.layout.coords(r)["mp"]] for r in ep.ranks]
-        slices = [chunk_plan(mine_EN, recv_PLN, ep.size, a, b, sources) for a, b in bounds]
-        # esp = mp: the ESP members are this MP group's ranks, and member j's EP peers all send slice j
-        esp_recv = ([chunk_plan(mine_EN, recv_PLN, ep.size, *bounds[j], [bounds[j]] * ep.size).recv_PL
-                     for j in range(esp.size)] if esp.size > 1 else [slices[mp.rank].recv_PL])
-        call = _TPCall(routing=routing, pos_SK=order.pos_NSK[0], plan=slices[mp.rank],
-                       mp_order=torch.tensor([r for p in slices for r in p.rows], dtype=torch.long,
-                                             device=x_SM.device),
-                       mp_sizes=tuple(len(p.rows) for p in slices),
-                       esp_recv_PL=tuple(src for member in esp_recv for src in member),
-                       esp_sizes=tuple(sum(map(sum, member)) for member in esp_recv))
-        self._call = call
+        sources = [groups.layout.coords(r)["mp"] for r in ep.ranks]
+        slices = [chunk_plan(mine_EN, recv_PLN, ep.size, first, first + width, [(firsts[m], firsts[m] + width)
+                                                                                 for m in sources])
+                  for first in firsts]
+        cut = partial(_tp_piece, (mine_EN, recv_PLN), ep.size, firsts, sources, mp.rank, esp.size)
+        call = self._box.call = _TPCall(routing, order.pos_NSK[0], slices, cut, width, mp.rank, x_SM.device)
         kept = sum(map(sum, mine_EN))
         rows_RM = x_SM.index_select(0, order.token_X[:kept]).index_select(0, call.mp_order)
         d_rM = split_rows(rows_RM, call.mp_sizes, mp, self.rec)               # this MP rank's capacity slice
@@ -132,27 +201,42 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
     def routing_of(self, dispatched: Dispatched) -> Routing:
         return dispatched.state.routing
 
+    def row_load(self, dispatched: Dispatched) -> RowLoad:
+        return dispatched.state.row_load(self.groups, self.rec)
+
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
-        if degree != 1:
-            raise ValueError(f"schedule 'baseline-tp' with the ragged exchange runs pipeline_degree 1, not {degree}")
-        return [dispatched.d]
+        if degree == 1:
+            return [dispatched.d]
+        return [dispatched.d.index_select(0, piece.at) for piece in dispatched.state.chunked(degree)]
+
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        if len(outs) == 1:
+            return outs[0]
+        at = torch.cat([piece.at for piece in dispatched.state.pieces])
+        return torch.cat(outs).index_select(0, torch.argsort(at))          # back to the slice's row order
+
+    def _take(self, step: str, rows: int) -> _TPPiece:
+        if self._box.call is None:
+            raise ValueError(f"schedule 'baseline-tp' with the ragged exchange: {step} before prepare")
+        return self._box.call.take(step, rows)
 
     def exchange_in(self, d_rM: torch.Tensor) -> torch.Tensor:
-        plan = self._call.plan
-        e_QM = ragged_all_to_all(d_rM, plan.send, plan.recv, self.groups.ep, self.rec)
-        return gather_rows(e_QM, self._call.esp_sizes, self.groups.esp, self.rec)
+        piece = self._take("exchange_in", d_rM.shape[0])
+        e_QM = ragged_all_to_all(d_rM, piece.plan.send, piece.plan.recv, self.groups.ep, self.rec)
+        return gather_rows(e_QM, piece.esp_sizes, self.groups.esp, self.rec)
 
     def expert(self, e_QM: torch.Tensor, params: LayerParams) -> torch.Tensor:
-        return experts_on_rows(e_QM, self._call.esp_recv_PL, params.experts, self.groups.ep.size)
+        piece = self._take("expert", e_QM.shape[0])
+        return experts_on_rows(e_QM, piece.esp_recv_PL, params.experts, self.groups.ep.size)
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
-        plan = self._call.plan
-        o_QM = split_rows(o_QM, self._call.esp_sizes, self.groups.esp, self.rec)
-        return ragged_all_to_all(o_QM, plan.recv, plan.send, self.groups.ep, self.rec)
+        piece = self._take("exchange_out", o_QM.shape[0])
+        o_QM = split_rows(o_QM, piece.esp_sizes, self.groups.esp, self.rec)
+        return ragged_all_to_all(o_QM, piece.plan.recv, piece.plan.send, self.groups.ep, self.rec)
 
     def finish(self, r_rM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call: _TPCall = dispatched.state
-        self._call = None
+        self._box.call = None
         r_RM = gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec)         # MP rank by MP rank
         r_RM = r_RM.index_select(0, torch.argsort(call.mp_order))                 # the layer's row order
         return combine_rows(r_RM, call.pos_SK, call.routing)

@@ -16,8 +16,8 @@ the combine does the same arithmetic, so outputs, gradients, aux loss and droppe
 schedules' (to the GEMM blocking of other row counts, and the order of the ESP partials' sum at N_ESP > 2).
 
 S1 runs PipeMoE's capacity chunks (pieces [a, b) of every expert's kept slots 0..n-1, the bound agreed over the
-fused group at the first cut); S2 runs pipeline degree 1 (its MP slices are not cut), as ragged baseline-tp.
-parm-s2-saa, parm-auto and parm-tune keep the padded exchange (core.schedule.exchange_problems refuses them).
+fused group at the first cut); S2 runs pipeline degree 1 (its MP slices are not cut), and so do the ragged
+parm-s2-saa (saa_ragged.py), parm-auto and parm-tune (ragged_auto.py).
 
 Shapes: E experts (E_l per EP block), G = N_EP * N_ESP fused-group members (member g serves EP block
 g // N_ESP), R kept routes of this rank (or of its MP slice), D = the dumped rows, Q received rows, M model dim.

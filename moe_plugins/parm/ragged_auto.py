@@ -1,7 +1,7 @@
 """parm-auto and parm-tune with the ragged exchange: the same choice among S1, S2 (with SAA or not) and
 DeepSpeed's flow (baseline-tp), each candidate run by its ragged form (:mod:`moe_plugins.parm.ragged`,
 :mod:`moe_plugins.parm.saa_ragged`, :class:`moe_plugins.core.baseline_tp.RaggedBaselineTPSchedule`). Pipeline
-degree 1 (the ragged S2 and baseline-tp do not cut chunks). The choice is priced with the padded model
+degree 1 (the ragged S2 does not cut chunks). The choice is priced with the padded model
 (Algorithm 1's volumes at the observed C_l); with drops and balanced load the ragged rows are about what it
 prices.
 
