@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional, Tuple, Type
+from typing import List, Optional, Tuple, Type
 
 import torch
 
 from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, agreed_load, chunk_plan, combine_rows, exchange_counts,
-                                     experts_on_rows, ragged_all_to_all, route_order)
+from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, agreed_load, chunk_plan, combine_rows,
+                                     exchange_counts, experts_on_rows, ragged_all_to_all, route_order)
 from moe_plugins.core.schedule import (Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds,
                                        routing_stats)
 
@@ -95,7 +95,7 @@ def _replicated(experts, replicas: int, x_ElnM: torch.Tensor) -> torch.Tensor:
     return comm.grad_scale(experts(comm.grad_scale(x_ElnM, float(replicas))), 1.0 / replicas)
 
 
-class _RaggedCall:
+class _RaggedCall(PieceQueue):
     """One call of the ragged baseline, shared with the schedule's twin (PipeMoE's lane runs the exchanges): the
     blocks' routings, each route's row, the counts read on the host, and the exchange plans (the whole layer,
     or one per capacity chunk), which exchange_in, expert and exchange_out each take in order."""
@@ -103,10 +103,10 @@ class _RaggedCall:
     schedule = "baseline"          # named in its errors
 
     def __init__(self, routings: List[Routing], pos_NSK: torch.Tensor, slots: int, counts: Tuple, members: int):
+        super().__init__()
         self.routings, self.pos_NSK, self.slots, self.members = routings, pos_NSK, slots, members
         self.mine_EN, self.recv_PLN, self.contiguous = counts
-        self.plans: List[ChunkPlan] = [chunk_plan(self.mine_EN, self.recv_PLN, members)]
-        self.taken: Dict[str, int] = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
+        self.pieces = [chunk_plan(self.mine_EN, self.recv_PLN, members)]
         self.load: Optional[RowLoad] = None
 
     def local_slots(self) -> int:
@@ -125,25 +125,11 @@ class _RaggedCall:
             raise ValueError("the ragged exchange cuts capacity chunks from each expert's kept slots 0..n-1; this "
                              "gate left gaps in them: use pipeline_degree 1 or the padded exchange")
         bounds = chunk_bounds(self.slots, degree) if degree > 1 else [(0, None)]
-        self.plans = [chunk_plan(self.mine_EN, self.recv_PLN, self.members, a, b) for a, b in bounds]
-        return self.plans
+        self.pieces = [chunk_plan(self.mine_EN, self.recv_PLN, self.members, a, b) for a, b in bounds]
+        return self.pieces
 
-    def take(self, step: str, rows: int) -> ChunkPlan:
-        index = self.taken[step]
-        plan = self.plans[index] if index < len(self.plans) else None
-        expected = None if plan is None else sum(plan.send if step == "exchange_in" else plan.recv)
-        if rows != expected:
-            raise ValueError(f"schedule {self.schedule!r} with the ragged exchange: {step} got {rows} rows, not "
-                             f"those of its piece {index} of {len(self.plans)}; run the layer's pieces through "
-                             "Schedule.chunks and Schedule.join")
-        self.taken[step] = index + 1
-        return plan
-
-
-class _Box:
-    """The current call, shared by a schedule and its twin (set by prepare on the caller's thread)."""
-
-    call: Optional[_RaggedCall] = None
+    def rows_in(self, piece: ChunkPlan, step: str) -> int:
+        return sum(piece.send if step == "exchange_in" else piece.recv)
 
 
 class RaggedBaselineSchedule(BaselineSchedule):
@@ -155,7 +141,7 @@ class RaggedBaselineSchedule(BaselineSchedule):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._box = _Box()
+        self._box = CallBox()
 
     def twin(self, groups) -> "RaggedBaselineSchedule":
         twin = type(self)(self.config, groups, self.rec)
@@ -189,7 +175,7 @@ class RaggedBaselineSchedule(BaselineSchedule):
         return [d_RM.index_select(0, torch.tensor(p.rows, dtype=torch.long, device=d_RM.device)) for p in plans]
 
     def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
-        plans = dispatched.state.plans
+        plans = dispatched.state.pieces
         if len(outs) == 1:
             return outs[0]
         rows = torch.tensor([r for p in plans for r in p.rows], dtype=torch.long, device=outs[0].device)

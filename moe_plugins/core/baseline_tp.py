@@ -21,8 +21,9 @@ from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.ragged import (ChunkPlan, agreed_load, chunk_plan, combine_rows, exchange_counts,
-                                     experts_on_rows, gather_rows, ragged_all_to_all, route_order, split_rows)
+from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, agreed_load, chunk_plan, combine_rows,
+                                     exchange_counts, experts_on_rows, gather_rows, ragged_all_to_all, route_order,
+                                     split_rows)
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds
 
 
@@ -105,20 +106,22 @@ def _tp_piece(counts: Tuple, members: int, slot_bounds, sources: List[int], mp_r
                     esp_sizes=tuple(sum(map(sum, member)) for member in esp_recv))
 
 
-class _TPCall:
+class _TPCall(PieceQueue):
     """One call of the ragged baseline-tp, shared with the schedule's twin (PipeMoE's lane runs the exchanges):
     the routing, each route's row, every MP rank's slice rows (the MP split and gather) and the pieces, which
     exchange_in, expert and exchange_out each take in order."""
 
+    schedule = "baseline-tp"
+
     def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[ChunkPlan],
                  cut: Callable[[int, int], _TPPiece], width: int, mp_rank: int, device: torch.device):
+        super().__init__()
         self.routing, self.pos_SK, self.cut, self.width = routing, pos_SK, cut, width
         self.mp_order = torch.tensor([r for p in slices for r in p.rows], dtype=torch.long, device=device)
         self.mp_sizes = tuple(len(p.rows) for p in slices)
         self.slice_rows = slices[mp_rank].rows          # this MP rank's slice: the dispatched rows, in order
         self.whole = cut(0, width)
         self.pieces = [self.whole]
-        self.taken = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
         self.load: Optional[RowLoad] = None
 
     def chunked(self, degree: int) -> List[_TPPiece]:
@@ -138,22 +141,8 @@ class _TPCall:
             self.load = agreed_load(sent, gathered, self.width, groups, rec)
         return self.load
 
-    def take(self, step: str, rows: int) -> _TPPiece:
-        index = self.taken[step]
-        piece = self.pieces[index] if index < len(self.pieces) else None
-        expected = None if piece is None else sum(piece.plan.send if step == "exchange_in" else piece.esp_sizes)
-        if rows != expected:
-            raise ValueError(f"schedule 'baseline-tp' with the ragged exchange: {step} got {rows} rows, not those "
-                             f"of its piece {index} of {len(self.pieces)}; run the layer's pieces through "
-                             "Schedule.chunks and Schedule.join")
-        self.taken[step] = index + 1
-        return piece
-
-
-class _Box:
-    """The call in flight, shared by a schedule and its twin."""
-
-    call: Optional[_TPCall] = None
+    def rows_in(self, piece: _TPPiece, step: str) -> int:
+        return sum(piece.plan.send if step == "exchange_in" else piece.esp_sizes)
 
 
 class RaggedBaselineTPSchedule(BaselineTPSchedule):
@@ -167,7 +156,7 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._box = _Box()
+        self._box = CallBox()
 
     def twin(self, groups) -> "RaggedBaselineTPSchedule":
         twin = type(self)(self.config, groups, self.rec)

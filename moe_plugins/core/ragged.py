@@ -315,3 +315,35 @@ def agreed_load(sent: int, received: int, slots: int, groups: MoEProcessGroups, 
             t = rec.issue("all_reduce", group, t, "forward", reduce="max")
     most_sent, most_received, most_slots = t.tolist()                  # the host read
     return RowLoad(sent=most_sent, received=most_received, slots=most_slots)
+
+
+class PieceQueue:
+    """A ragged call's pieces (the whole call, or PipeMoE's capacity chunks), which ``exchange_in``, ``expert``
+    and ``exchange_out`` each take in order (a count per step), on the schedule and on its lane twin alike. A
+    subclass says how many rows each step of a piece gets (:meth:`rows_in`); a step handed other rows was not run
+    through ``Schedule.chunks`` / ``join``, and is refused naming the schedule."""
+
+    schedule = ""                  # named in its errors
+
+    def __init__(self) -> None:
+        self.pieces: List = []
+        self.taken = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
+
+    def rows_in(self, piece, step: str) -> int:
+        raise ValueError(f"{type(self).__name__} does not say how many rows each step of a piece gets (rows_in)")
+
+    def take(self, step: str, rows: int):
+        index = self.taken[step]
+        piece = self.pieces[index] if index < len(self.pieces) else None
+        if piece is None or rows != self.rows_in(piece, step):
+            raise ValueError(f"schedule {self.schedule!r} with the ragged exchange: {step} got {rows} rows, not "
+                             f"those of its piece {index} of {len(self.pieces)}; run the layer's pieces through "
+                             "Schedule.chunks and Schedule.join")
+        self.taken[step] = index + 1
+        return piece
+
+
+class CallBox:
+    """The call in flight, shared by a schedule and its lane twin (set by ``prepare`` on the caller's thread)."""
+
+    call: Optional[PieceQueue] = None

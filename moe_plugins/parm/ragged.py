@@ -32,11 +32,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from moe_plugins.core import comm
-from moe_plugins.core.baseline import RaggedBaselineSchedule, _Box, _RaggedCall
+from moe_plugins.core.baseline import RaggedBaselineSchedule, _RaggedCall
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, chunk_plan, clip, combine_rows, exchange_counts, experts_on_rows,
-                                     gather_rows, offsets, ragged_all_to_all, route_order, slot_rows, split_rows,
-                                     split_sizes)
+from moe_plugins.core.ragged import (CallBox, ChunkPlan, chunk_plan, clip, combine_rows, exchange_counts,
+                                     experts_on_rows, gather_rows, offsets, ragged_all_to_all, route_order, slot_rows,
+                                     split_rows, split_sizes)
 from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad
 from moe_plugins.parm.steps import _ParmSchedule, _round_up, expert_partials
 
@@ -159,7 +159,7 @@ class RaggedParmS1Schedule(_RowSteps):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._box = _Box()
+        self._box = CallBox()
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         num_experts, groups = self.config.num_experts, self.groups
