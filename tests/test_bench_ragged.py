@@ -14,8 +14,9 @@ def test_exchange_row_option_parses_and_is_checked():
     assert rows.row_problems(spec) == []
     assert rows.row_problems(matrix.parse_row("baseline@exchange=padded")) == []
     assert rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=2")) == []
-    (problem,) = rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=auto"))
-    assert "'baseline@exchange=ragged,r=auto'" in problem and "pipeline_degree ('auto')" in problem
+    assert rows.row_problems(matrix.parse_row("baseline@exchange=ragged,r=auto")) == []     # priced by row_load
+    (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged,r=auto"))
+    assert "'parm-s2@exchange=ragged,r=auto'" in problem and "runs pipeline_degree 1, not 'auto'" in problem
     assert rows.row_problems(matrix.parse_row("parm-s2-saa@exchange=ragged")) == []
     (problem,) = rows.row_problems(matrix.parse_row("parm-s2@exchange=ragged,r=2"))
     assert "schedule 'parm-s2' runs pipeline_degree 1, not '2'" in problem

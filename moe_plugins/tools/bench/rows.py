@@ -53,7 +53,8 @@ logger = logging.getLogger("moe_plugins.tools.bench")
 PLUGIN_OPTIONS = {"r": "pipeline degree: capacity chunks per layer (an int; 'auto': PipeMoE's choice from the "
                       "cost profile measured at this rate; 'tune': that choice checked by timing the layer)",
                   "exchange": "padded (default: the whole capacity buffer travels) or ragged (only occupied slots, "
-                              "one uneven all-to-all each way; schedule baseline at r=1)"}
+                              "one uneven all-to-all each way per chunk; any r for baseline, baseline-tp and "
+                              "parm-s1, r=1 for Parm's others)"}
 PROFILE = "profile"          # CaseData.extras key: the CostProfile measured on this case's layout at this rate
 LANE = "engine"              # CaseData.extras key: the layout's one CommEngine (pipeline lane), shared by every row
 
