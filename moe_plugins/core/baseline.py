@@ -24,7 +24,7 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, agreed_load, chunk_plan, combine_rows,
+from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, chunk_plan, combine_rows,
                                      exchange_counts, experts_on_rows, ragged_all_to_all, route_order)
 from moe_plugins.core.schedule import (Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds,
                                        routing_stats)
@@ -107,18 +107,14 @@ class _RaggedCall(PieceQueue):
         self.routings, self.pos_NSK, self.slots, self.members = routings, pos_NSK, slots, members
         self.mine_EN, self.recv_PLN, self.contiguous = counts
         self.pieces = [chunk_plan(self.mine_EN, self.recv_PLN, members)]
-        self.load: Optional[RowLoad] = None
 
     def local_slots(self) -> int:
         """The capacity slots this rank's chunks cut (the gate's capacity)."""
         return self.slots
 
-    def row_load(self, groups, rec) -> RowLoad:
-        """The call's rows agreed over the layer's groups (:func:`agreed_load`), once per call."""
-        if self.load is None:
-            sent, received = sum(map(sum, self.mine_EN)), sum(sum(map(sum, src)) for src in self.recv_PLN)
-            self.load = agreed_load(sent, received, self.local_slots(), groups, rec)
-        return self.load
+    def own_load(self) -> Tuple[int, int, int]:
+        sent, received = sum(map(sum, self.mine_EN)), sum(sum(map(sum, src)) for src in self.recv_PLN)
+        return sent, received, self.local_slots()
 
     def cut(self, degree: int) -> List[ChunkPlan]:
         if degree > 1 and not self.contiguous:

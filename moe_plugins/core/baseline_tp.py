@@ -21,8 +21,8 @@ from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, agreed_load, chunk_plan, combine_rows,
-                                     exchange_counts, experts_on_rows, gather_rows, ragged_all_to_all, route_order,
+from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, chunk_plan, combine_rows, exchange_counts,
+                                     experts_on_rows, gather_rows, ragged_all_to_all, route_order, slot_rows,
                                      split_rows)
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds
 
@@ -113,16 +113,15 @@ class _TPCall(PieceQueue):
 
     schedule = "baseline-tp"
 
-    def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[ChunkPlan],
+    def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[List[int]],
                  cut: Callable[[int, int], _TPPiece], width: int, mp_rank: int, device: torch.device):
         super().__init__()
         self.routing, self.pos_SK, self.cut, self.width = routing, pos_SK, cut, width
-        self.mp_order = torch.tensor([r for p in slices for r in p.rows], dtype=torch.long, device=device)
-        self.mp_sizes = tuple(len(p.rows) for p in slices)
-        self.slice_rows = slices[mp_rank].rows          # this MP rank's slice: the dispatched rows, in order
+        self.mp_order = torch.tensor([r for rows in slices for r in rows], dtype=torch.long, device=device)
+        self.mp_sizes = tuple(map(len, slices))
+        self.slice_rows = slices[mp_rank]               # this MP rank's slice: the dispatched rows, in order
         self.whole = cut(0, width)
         self.pieces = [self.whole]
-        self.load: Optional[RowLoad] = None
 
     def chunked(self, degree: int) -> List[_TPPiece]:
         """The call cut into ``degree`` capacity chunks of every slice (:func:`chunk_bounds` of the slice width),
@@ -134,12 +133,9 @@ class _TPCall(PieceQueue):
                        for piece in (self.cut(a, b) for a, b in chunk_bounds(self.width, degree))]
         return self.pieces
 
-    def row_load(self, groups, rec) -> RowLoad:
-        """The whole slice's rows sent over EP and gathered for the experts, agreed over the layer's groups."""
-        if self.load is None:
-            sent, gathered = sum(self.whole.plan.send), sum(self.whole.esp_sizes)
-            self.load = agreed_load(sent, gathered, self.width, groups, rec)
-        return self.load
+    def own_load(self) -> Tuple[int, int, int]:
+        """The whole slice's rows sent over EP and gathered over ESP for the experts, and the slice's width."""
+        return sum(self.whole.plan.send), sum(self.whole.esp_sizes), self.width
 
     def rows_in(self, piece: _TPPiece, step: str) -> int:
         return sum(piece.plan.send if step == "exchange_in" else piece.esp_sizes)
@@ -176,9 +172,8 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
         firsts = [m * width for m in range(mp.size)]
         # an EP peer sends its own MP rank's slice; the MP ranks hold the same tokens, hence the same counts
         sources = [groups.layout.coords(r)["mp"] for r in ep.ranks]
-        slices = [chunk_plan(mine_EN, recv_PLN, ep.size, first, first + width, [(firsts[m], firsts[m] + width)
-                                                                                 for m in sources])
-                  for first in firsts]
+        cells = [n for cell_N in mine_EN for n in cell_N]
+        slices = [slot_rows(cells, first, first + width) for first in firsts]     # each MP rank's slice rows
         cut = partial(_tp_piece, (mine_EN, recv_PLN), ep.size, firsts, sources, mp.rank, esp.size)
         call = self._box.call = _TPCall(routing, order.pos_NSK[0], slices, cut, width, mp.rank, x_SM.device)
         kept = sum(map(sum, mine_EN))

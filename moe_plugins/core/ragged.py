@@ -328,9 +328,20 @@ class PieceQueue:
     def __init__(self) -> None:
         self.pieces: List = []
         self.taken = {"exchange_in": 0, "expert": 0, "exchange_out": 0}
+        self.load: Optional[RowLoad] = None
 
     def rows_in(self, piece, step: str) -> int:
         raise ValueError(f"{type(self).__name__} does not say how many rows each step of a piece gets (rows_in)")
+
+    def own_load(self) -> Tuple[int, int, int]:
+        """This rank's rows sent and received in the whole call's exchange, and the capacity slots it cuts."""
+        raise ValueError(f"{type(self).__name__} does not say what its call sends and receives (own_load)")
+
+    def row_load(self, groups: MoEProcessGroups, rec: Recorder) -> RowLoad:
+        """:meth:`own_load` agreed over the layer's groups (:func:`agreed_load`), once per call."""
+        if self.load is None:
+            self.load = agreed_load(*self.own_load(), groups, rec)
+        return self.load
 
     def take(self, step: str, rows: int):
         index = self.taken[step]
