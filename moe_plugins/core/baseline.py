@@ -24,10 +24,9 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, chunk_plan, combine_rows,
-                                     exchange_counts, experts_on_rows, ragged_all_to_all, route_order)
-from moe_plugins.core.schedule import (Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds,
-                                       routing_stats)
+from moe_plugins.core.ragged import (ChunkPlan, PieceQueue, SharesCall, chunk_plan, combine_rows, exchange_counts,
+                                     experts_on_rows, ragged_all_to_all, route_order)
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds, routing_stats
 
 
 @dataclass(frozen=True)
@@ -128,21 +127,12 @@ class _RaggedCall(PieceQueue):
         return sum(piece.send if step == "exchange_in" else piece.recv)
 
 
-class RaggedBaselineSchedule(BaselineSchedule):
+class RaggedBaselineSchedule(SharesCall, BaselineSchedule):
     """The baseline with the ragged exchange (``"exchange": "ragged"``): the same gate, drops and expert math;
     only the kept routes travel, in one uneven all-to-all each way per piece (core/ragged.py). One host read
     per call (the split sizes). Pipeline degree r > 1 cuts capacity chunks [a, b) of every expert's kept slots."""
 
     exchange_mode = "ragged"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._box = CallBox()
-
-    def twin(self, groups) -> "RaggedBaselineSchedule":
-        twin = type(self)(self.config, groups, self.rec)
-        twin._box = self._box
-        return twin
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, esp, ep = self.config, self.groups.esp, self.groups.ep
@@ -161,9 +151,6 @@ class RaggedBaselineSchedule(BaselineSchedule):
         return Dispatched(d=d_RM, cap_dim=0, state=call, aux_loss=routings[esp.rank].aux_loss,
                           exp_counts_E=counts, dropped=dropped)
 
-    def row_load(self, dispatched: Dispatched) -> RowLoad:
-        return dispatched.state.row_load(self.groups, self.rec)
-
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         d_RM, plans = dispatched.d, dispatched.state.cut(degree)
         if len(plans) == 1:
@@ -176,11 +163,6 @@ class RaggedBaselineSchedule(BaselineSchedule):
             return outs[0]
         rows = torch.tensor([r for p in plans for r in p.rows], dtype=torch.long, device=outs[0].device)
         return torch.cat(outs).index_select(0, torch.argsort(rows))      # back to the layer's row order
-
-    def _take(self, step: str, rows: int) -> ChunkPlan:
-        if self._box.call is None:
-            raise ValueError(f"schedule 'baseline' with the ragged exchange: {step} before prepare")
-        return self._box.call.take(step, rows)
 
     def exchange_in(self, d_RM: torch.Tensor) -> torch.Tensor:
         plan = self._take("exchange_in", d_RM.shape[0])

@@ -21,10 +21,10 @@ from moe_plugins.core import comm
 from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.layout import ParallelLayout
-from moe_plugins.core.ragged import (CallBox, ChunkPlan, PieceQueue, chunk_plan, combine_rows, exchange_counts,
+from moe_plugins.core.ragged import (ChunkPlan, PieceQueue, SharesCall, chunk_plan, combine_rows, exchange_counts,
                                      experts_on_rows, gather_rows, ragged_all_to_all, route_order, slot_rows,
                                      split_rows)
-from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule, chunk_bounds
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -141,7 +141,7 @@ class _TPCall(PieceQueue):
         return sum(piece.plan.send if step == "exchange_in" else piece.esp_sizes)
 
 
-class RaggedBaselineTPSchedule(BaselineTPSchedule):
+class RaggedBaselineTPSchedule(SharesCall, BaselineTPSchedule):
     """baseline-tp with the ragged exchange: MP rank m sends the kept routes of its capacity slice
     [m c, (m+1) c) (c = C / N_MP, C rounded up to N_MP), in one uneven EP all-to-all each way per piece; the ESP
     all-gather and split of the capacity and the final MP all-gather are uneven too (core/ragged.py). One host
@@ -149,15 +149,6 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
     [a, b) of each slice), one exchange each way per chunk."""
 
     exchange_mode = "ragged"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._box = CallBox()
-
-    def twin(self, groups) -> "RaggedBaselineTPSchedule":
-        twin = type(self)(self.config, groups, self.rec)
-        twin._box = self._box
-        return twin
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         cfg, groups = self.config, self.groups
@@ -185,9 +176,6 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
     def routing_of(self, dispatched: Dispatched) -> Routing:
         return dispatched.state.routing
 
-    def row_load(self, dispatched: Dispatched) -> RowLoad:
-        return dispatched.state.row_load(self.groups, self.rec)
-
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         if degree == 1:
             return [dispatched.d]
@@ -198,11 +186,6 @@ class RaggedBaselineTPSchedule(BaselineTPSchedule):
             return outs[0]
         at = torch.cat([piece.at for piece in dispatched.state.pieces])
         return torch.cat(outs).index_select(0, torch.argsort(at))          # back to the slice's row order
-
-    def _take(self, step: str, rows: int) -> _TPPiece:
-        if self._box.call is None:
-            raise ValueError(f"schedule 'baseline-tp' with the ragged exchange: {step} before prepare")
-        return self._box.call.take(step, rows)
 
     def exchange_in(self, d_rM: torch.Tensor) -> torch.Tensor:
         piece = self._take("exchange_in", d_rM.shape[0])

@@ -358,3 +358,26 @@ class CallBox:
     """The call in flight, shared by a schedule and its lane twin (set by ``prepare`` on the caller's thread)."""
 
     call: Optional[PieceQueue] = None
+
+
+class SharesCall:
+    """Mixed into a ragged schedule (before its Schedule base) whose per-call state, a :class:`PieceQueue` in a
+    :class:`CallBox`, its lane twin shares: the box, the twin, the next piece of a step, and the call's agreed
+    load for a degree word."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._box = CallBox()
+
+    def twin(self, groups):
+        twin = type(self)(self.config, groups, self.rec)
+        twin._box = self._box
+        return twin
+
+    def _take(self, step: str, rows: int):
+        if self._box.call is None:
+            raise ValueError(f"schedule {self.name!r} with the ragged exchange: {step} before prepare")
+        return self._box.call.take(step, rows)
+
+    def row_load(self, dispatched) -> RowLoad:
+        return dispatched.state.row_load(self.groups, self.rec)

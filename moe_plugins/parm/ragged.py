@@ -34,7 +34,7 @@ import torch
 from moe_plugins.core import comm
 from moe_plugins.core.baseline import RaggedBaselineSchedule, _RaggedCall
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (CallBox, ChunkPlan, chunk_plan, clip, combine_rows, exchange_counts,
+from moe_plugins.core.ragged import (ChunkPlan, SharesCall, chunk_plan, clip, combine_rows, exchange_counts,
                                      experts_on_rows, gather_rows, offsets, ragged_all_to_all, route_order, slot_rows,
                                      split_rows, split_sizes)
 from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad
@@ -146,20 +146,14 @@ class _S1Call(_RaggedCall):
         return super().cut(degree)
 
 
-class RaggedParmS1Schedule(_RowSteps):
+class RaggedParmS1Schedule(SharesCall, _RowSteps):
     """parm-s1 with the ragged exchange: this MP rank's token block's kept routes, dumped to the N_ESP shards of
     their EP block, in one uneven EP&ESP all-to-all each way per piece."""
 
     name = "parm-s1"
     exchange_mode = "ragged"
     chunks = RaggedBaselineSchedule.chunks        # the pieces are plans of the call in dispatched.state
-    row_load = RaggedBaselineSchedule.row_load
     join = RaggedBaselineSchedule.join
-    twin = RaggedBaselineSchedule.twin            # the lane's twin shares the call box
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._box = CallBox()
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         num_experts, groups = self.config.num_experts, self.groups
@@ -177,9 +171,7 @@ class RaggedParmS1Schedule(_RowSteps):
                           dropped=block.dropped)
 
     def _plan(self, step: str, rows: int) -> ChunkPlan:
-        if self._box.call is None:
-            raise ValueError(f"schedule 'parm-s1' with the ragged exchange: {step} before prepare")
-        return self._box.call.take(step, rows)
+        return self._take(step, rows)
 
     def finish(self, r_DM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call: _S1Call = dispatched.state
