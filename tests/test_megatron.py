@@ -70,10 +70,10 @@ def test_flag_takes_a_json_object_or_a_file(tmp_path):
     assert mp.resolve_plugin(args.moe_plugins) == PluginConfig(ranks_per_node=8, exchange="ragged")
     for section, exchange in (('{"schedule": "parm-s2-saa"}', "ragged"), ('{"schedule": "parm-auto"}', "ragged"),
                               ('{"schedule": "parm-s2"}', "ragged"), ('{"pipeline_degree": "auto"}', "ragged"),
-                              ('{"schedule": "parm-s2", "pipeline_degree": "auto"}', "padded"),
+                              ('{"schedule": "parm-s2", "pipeline_degree": "auto"}', "ragged"),
                               ('{"exchange": "padded"}', "padded"), ('{"lancet": {"defer_wgrad": true}}', "padded"),
                               ('{"schedule": "baseline-tp"}', "ragged"), ('{"pipeline_degree": 3}', "ragged")):
-        assert mp.resolve_plugin(section).exchange == exchange, section   # parm-s2 at a word, Lancet: padded
+        assert mp.resolve_plugin(section).exchange == exchange, section   # Lancet's defer_wgrad: padded
     assert parser.parse_args([]).moe_plugins is None
 
 

@@ -31,7 +31,8 @@ MODEL_KEYS = {"all_to_all@ep": "all_to_all", "all_to_all@ep_esp": "all_to_all", 
               "gemm": "gemm"}
 LEAN_COSTS = PipeCosts(alpha_a=1e-9, beta_a=1e-8, alpha_e=1e-9, beta_e=1e-9)
 CASES = [("baseline", 1, 4, 1), ("baseline", 1, 2, 2), ("baseline", 2, 2, 1), ("parm-s1", 2, 2, 1),
-         ("parm-s1", 2, 1, 2), ("baseline-tp", 2, 2, 2), ("baseline-tp", 2, 2, 1)]
+         ("parm-s1", 2, 1, 2), ("baseline-tp", 2, 2, 2), ("baseline-tp", 2, 2, 1), ("parm-s2", 2, 2, 2),
+         ("parm-s2-saa", 2, 1, 2), ("parm-auto", 2, 2, 1), ("parm-tune", 2, 2, 2)]
 
 
 def _lean_profiles(root: Path) -> str:
@@ -53,17 +54,14 @@ def test_grid_rows_points():
     assert [grid_rows(n) for n in (0, 1, 8, 9, 11, 16, 17, 33, 100)] == [0, 1, 8, 10, 12, 16, 20, 40, 112]
 
 
-def test_which_ragged_forms_take_a_degree_word():
-    """The ragged forms that cut capacity chunks and agree their rows take "auto" and "tune"; the others are
-    refused, naming the schedule and the word."""
+def test_every_ragged_form_takes_a_degree_word():
+    """Every ragged form cuts capacity chunks and agrees its rows, so takes "auto" and "tune" (a form that agrees
+    none is refused: tests/test_ragged.py)."""
     for schedule, mp, ep, esp in CASES:
-        spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, schedule=schedule,
-                          exchange="ragged", pipeline_degree="auto", profile_dir="/nonexistent")
-        assert not [p for p in spec_problems(spec) if "exchange" in p], (schedule, spec_problems(spec))
-    spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=2, ep=2, schedule="parm-s2", exchange="ragged",
-                      pipeline_degree="tune")
-    assert any("schedule 'parm-s2' runs pipeline_degree 1, not 'tune'" in p for p in spec_problems(spec)), \
-        spec_problems(spec)
+        for word in ("auto", "tune"):
+            spec = VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, schedule=schedule,
+                              exchange="ragged", pipeline_degree=word, profile_dir="/nonexistent")
+            assert not [p for p in spec_problems(spec) if "exchange" in p], (schedule, word, spec_problems(spec))
 
 
 @pytest.mark.parametrize("share", ["ci", pytest.param("other", marks=pytest.mark.full(
@@ -83,7 +81,7 @@ def test_auto_and_tune_with_the_ragged_exchange_equal_padded(world, tmp_path, sh
     chunks_run = []
     for spec, (padded, ragged) in zip(specs, pairs):
         _check_pair(spec, padded, ragged)
-        group = "ep_esp" if spec.schedule == "parm-s1" else "ep"
+        group = "ep_esp" if "forward:all_to_all@ep_esp" in ragged[0]["ledger"]["moe"] else "ep"   # Parm's fused
         forward = {r["ledger"]["moe"][f"forward:all_to_all@{group}"]["count"] for r in ragged}
         assert len(forward) == 1 and (forward.pop() - 1) % 2 == 0, (spec, forward)
         chunks = (ragged[0]["ledger"]["moe"][f"forward:all_to_all@{group}"]["count"] - 1) // 2

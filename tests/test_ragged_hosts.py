@@ -35,9 +35,11 @@ def _spec(**kw) -> DeepSpeedVerifySpec:
                                    dict(mp=2, ep=2, k=2, drop=True, schedule="parm-s1"),
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s1", pipeline_degree=2),
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s2"),
-                                   dict(mp=2, ep=4, k=1, drop=True, schedule="parm-s2"),
+                                   dict(mp=2, ep=4, k=1, drop=True, schedule="parm-s2", pipeline_degree=2),
                                    dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-auto"),
-                                   dict(mp=2, ep=2, k=2, drop=True, schedule="parm-s2-saa")],
+                                   dict(mp=2, ep=2, k=2, drop=True, schedule="parm-s2-saa"),
+                                   dict(mp=2, ep=2, k=2, drop=False, skew=20.0, schedule="parm-s2-saa",
+                                        pipeline_degree=3)],
                          ids=str)
 def test_deepspeed_layer_with_the_ragged_exchange_equals_stock(world, combo):
     report = world(WORLD).run(run_rank, _spec(**combo))[0]
@@ -80,7 +82,7 @@ def test_megatron_layer_with_the_ragged_exchange_equals_stock(world):
     for kw in (dict(ep=4, k=2, drop=False), dict(ep=2, mp=2, esp=2, k=1, drop=True),
                dict(ep=4, k=2, drop=False, pipeline_degree=2), dict(ep=2, k=2, drop=True),
                dict(ep=2, mp=2, k=2, drop=False, schedule="parm-s1"),
-               dict(ep=2, mp=2, k=1, drop=True, schedule="parm-s2"),
+               dict(ep=2, mp=2, k=1, drop=True, schedule="parm-s2", pipeline_degree=2),
                dict(ep=2, mp=2, k=2, drop=True, schedule="parm-auto")):
         spec = MegatronVerifySpec(world=WORLD, ranks_per_node=2, experts=4, tokens=16, hidden=8, ffn=16,
                                   min_capacity=0, dtype="float64", exchange="ragged", **kw)

@@ -22,8 +22,8 @@ from moe_plugins.core.dispatch import combine, dispatch
 from moe_plugins.core.gating import Routing
 from moe_plugins.core.layout import ParallelLayout
 from moe_plugins.core.ragged import (ChunkPlan, PieceQueue, SharesCall, chunk_plan, combine_rows, exchange_counts,
-                                     experts_on_rows, gather_rows, ragged_all_to_all, route_order, slot_rows,
-                                     split_rows)
+                                     experts_on_rows, gather_rows, joined, pieces_of, ragged_all_to_all,
+                                     route_order, slot_rows, split_rows)
 from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule, chunk_bounds
 
 
@@ -179,13 +179,10 @@ class RaggedBaselineTPSchedule(SharesCall, BaselineTPSchedule):
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         if degree == 1:
             return [dispatched.d]
-        return [dispatched.d.index_select(0, piece.at) for piece in dispatched.state.chunked(degree)]
+        return pieces_of(dispatched.d, dispatched.state.chunked(degree))
 
     def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
-        if len(outs) == 1:
-            return outs[0]
-        at = torch.cat([piece.at for piece in dispatched.state.pieces])
-        return torch.cat(outs).index_select(0, torch.argsort(at))          # back to the slice's row order
+        return outs[0] if len(outs) == 1 else joined(outs, dispatched.state.pieces)   # the slice's row order
 
     def exchange_in(self, d_rM: torch.Tensor) -> torch.Tensor:
         piece = self._take("exchange_in", d_rM.shape[0])

@@ -216,6 +216,16 @@ def combine_rows(r_QM: torch.Tensor, pos_SK: torch.Tensor, routing: Routing) -> 
     return out_SM.to(r_QM.dtype)
 
 
+def pieces_of(d_RM: torch.Tensor, pieces: Sequence) -> List[torch.Tensor]:
+    """Each piece's rows of a dispatched buffer, taken at the piece's ``at`` (positions in the buffer)."""
+    return [d_RM.index_select(0, piece.at) for piece in pieces]
+
+
+def joined(outs: Sequence[torch.Tensor], pieces: Sequence) -> torch.Tensor:
+    """The pieces' outputs back in the dispatched buffer's row order (the inverse of :func:`pieces_of`)."""
+    return torch.cat(list(outs)).index_select(0, torch.argsort(torch.cat([piece.at for piece in pieces])))
+
+
 # ---- the exchange ----------------------------------------------------------------------------------------
 
 def uneven_all_to_all(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], group: Group, rec: Recorder,

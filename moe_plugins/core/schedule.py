@@ -106,7 +106,6 @@ class Schedule(ABC):
     # how the exchange moves the dispatched slots: "padded" (the whole (E, C, M) buffer) or "ragged" (occupied
     # slots only, core/ragged.py); a schedule offers the other through exchange_variant
     exchange_mode: ClassVar[str] = "padded"
-    ragged_chunks: ClassVar[bool] = True     # its ragged variant runs PipeMoE's capacity chunks
 
     @classmethod
     def exchange_variant(cls, exchange: str) -> Optional[Type["Schedule"]]:
@@ -242,10 +241,6 @@ def exchange_problems(cls: Type[Schedule], exchange: Any, pipeline_degree: Any =
     if problems:
         return problems
     fixed = isinstance(pipeline_degree, int) or (isinstance(pipeline_degree, str) and pipeline_degree.isdigit())
-    if exchange == "ragged" and pipeline_degree not in (1, "1") and not variant.ragged_chunks:
-        return [f"exchange ('ragged') with schedule {cls.name!r} runs pipeline_degree 1, not {pipeline_degree!r} "
-                "(its MP slices are not cut into capacity chunks); use pipeline_degree 1, schedule 'baseline', or "
-                "the padded exchange"]
     if exchange == "ragged" and not fixed and variant.row_load is Schedule.row_load:
         return [f"exchange ('ragged') with schedule {cls.name!r} and pipeline_degree ({pipeline_degree!r}) is not "
                 "supported: its ragged form does not agree a call's rows over the ranks that run it (row_load), "

@@ -65,7 +65,6 @@ class HecateSchedule(Schedule):
 
     name = NAME
     exchange_mode = "ragged"
-    ragged_chunks = True
     needs_expert_weights = True
     options: ClassVar[HecateConfig] = HecateConfig()
     activation: ClassVar[Optional[str]] = None     # the copies' activation; None: MoEConfig.activation

@@ -16,8 +16,9 @@ the combine does the same arithmetic, so outputs, gradients, aux loss and droppe
 schedules' (to the GEMM blocking of other row counts, and the order of the ESP partials' sum at N_ESP > 2).
 
 S1 runs PipeMoE's capacity chunks (pieces [a, b) of every expert's kept slots 0..n-1, the bound agreed over the
-fused group at the first cut); S2 runs pipeline degree 1 (its MP slices are not cut), and so do the ragged
-parm-s2-saa (saa_ragged.py), parm-auto and parm-tune (ragged_auto.py).
+fused group at the first cut); S2 cuts the same chunks [a, b) of every MP rank's slice (as the ragged
+baseline-tp), and so do the ragged parm-s2-saa (saa_ragged.py), parm-auto and parm-tune (ragged_auto.py). Each
+answers ``row_load`` (PipeMoE's degree words).
 
 Shapes: E experts (E_l per EP block), G = N_EP * N_ESP fused-group members (member g serves EP block
 g // N_ESP), R kept routes of this rank (or of its MP slice), D = the dumped rows, Q received rows, M model dim.
@@ -27,17 +28,18 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from moe_plugins.core import comm
 from moe_plugins.core.baseline import RaggedBaselineSchedule, _RaggedCall
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, SharesCall, chunk_plan, clip, combine_rows, exchange_counts,
-                                     experts_on_rows, gather_rows, offsets, ragged_all_to_all, route_order, slot_rows,
-                                     split_rows, split_sizes)
-from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad
+from moe_plugins.core.ragged import (ChunkPlan, PieceQueue, SharesCall, chunk_plan, clip, combine_rows,
+                                     exchange_counts, experts_on_rows, gather_rows, joined, offsets, pieces_of,
+                                     ragged_all_to_all, route_order, slot_rows, split_rows, split_sizes)
+from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad, chunk_bounds
 from moe_plugins.parm.steps import _ParmSchedule, _round_up, expert_partials
 
 # ---- pure pieces -----------------------------------------------------------------------------------------
@@ -185,34 +187,96 @@ class RaggedParmS1Schedule(SharesCall, _RowSteps):
 
 
 @dataclass(frozen=True)
-class _S2Call:
-    """One ragged S2 call: the routing, each route's row, this MP rank's exchange plan (its capacity slice), every
-    MP rank's slice rows (the MP split and gather) and the dump of this rank's slice."""
+class _S2Piece:
+    """One piece of a ragged S2 call (the whole slice, or one PipeMoE chunk [a, b) of every MP rank's slice): this
+    rank's exchange plan, every MP rank's rows per EP block (SAA's gathers), the dump of this rank's rows, and
+    ``at``: the piece's rows in the dispatched buffer (None: all of them, in order)."""
 
-    routing: Routing
-    pos_SK: torch.Tensor
     plan: ChunkPlan
-    mp_order: torch.Tensor
-    mp_sizes: Tuple[int, ...]
+    blocks_PB: Tuple[Tuple[int, ...], ...]
     dump: Tuple[int, ...]
-    rows: int
-    blocks_PB: Tuple[Tuple[int, ...], ...]      # each MP rank's slice rows per EP block (SAA's gathers)
+    at: Optional[torch.Tensor] = None
 
 
-class RaggedParmS2Schedule(_RowSteps):
+def s2_piece(counts: Tuple, kept_E: Sequence[int], members: int, esp: int, firsts: Sequence[int],
+             sources: Sequence[int], mp_rank: int, a: int, b: int) -> _S2Piece:
+    """Slots [a, b) of every MP rank's slice (slice m starts at slot ``firsts[m]``; ``sources``: the MP
+    coordinate of each fused-group member, whose own slice it sends) (pure)."""
+    mine, recv_PLN = counts
+
+    def cut(m: int) -> Tuple[int, int]:
+        return firsts[m] + a, firsts[m] + b
+
+    plan = chunk_plan(mine, recv_PLN, members, *cut(mp_rank), [cut(m) for m in sources])
+    blocks_PB = tuple(tuple(split_sizes([clip(n, *cut(m)) for n in kept_E], members // esp))
+                      for m in range(len(firsts)))
+    return _S2Piece(plan=plan, blocks_PB=blocks_PB, dump=tuple(dump_index(blocks_PB[mp_rank], esp)))
+
+
+def piece_rows(cells: Sequence[int], firsts: Sequence[int], width: int, a: int, b: int) -> List[int]:
+    """Where slots [a, b) of each slice lie in a buffer of the slices laid end to end, slice m holding slots
+    [firsts[m], firsts[m] + width) of every cell (each cell's kept slots 0..n-1) (pure)."""
+    rows, start = [], 0
+    for first in firsts:
+        within = [clip(n, first, first + width) for n in cells]
+        rows.extend(start + r for r in slot_rows(within, a, b))
+        start += sum(within)
+    return rows
+
+
+class _S2Call(PieceQueue):
+    """One ragged S2 call, shared with the schedule's lane twin: the routing, each route's row, every MP rank's
+    slice rows (the MP split and gather) and the pieces, which exchange_in, expert and exchange_out each take
+    in order. ``cells``/``firsts``: the dispatched buffer's cells and its slices' first slots (S2: this rank's
+    dumped slice; SAA: every MP rank's slice, undumped)."""
+
+    schedule = "parm-s2"
+
+    def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[List[int]],
+                 cut: Callable[[int, int], _S2Piece], width: int, saa: bool, cells: List[int], firsts: List[int],
+                 device: torch.device):
+        super().__init__()
+        self.routing, self.pos_SK, self.cut, self.width, self.saa = routing, pos_SK, cut, width, saa
+        self.cells, self.firsts = cells, firsts
+        self.mp_order = torch.tensor([r for rows in slices for r in rows], dtype=torch.long, device=device)
+        self.mp_sizes = tuple(map(len, slices))
+        self.whole = cut(0, width)
+        self.pieces = [self.whole]
+
+    def chunked(self, degree: int) -> List[_S2Piece]:
+        """The call cut into ``degree`` capacity chunks of every slice, each located in the dispatched buffer."""
+        device = self.mp_order.device
+        self.pieces = [replace(self.cut(a, b), at=torch.tensor(piece_rows(self.cells, self.firsts, self.width, a, b),
+                                                              dtype=torch.long, device=device))
+                       for a, b in chunk_bounds(self.width, degree)]
+        return self.pieces
+
+    def own_load(self) -> Tuple[int, int, int]:
+        return sum(self.whole.plan.send), sum(self.whole.plan.recv), self.width
+
+    def rows_in(self, piece: _S2Piece, step: str) -> int:
+        if step != "exchange_in":
+            return sum(piece.plan.recv)
+        return sum(map(sum, piece.blocks_PB)) if self.saa else sum(piece.plan.send)
+
+
+class RaggedParmS2Schedule(SharesCall, _RowSteps):
     """parm-s2 with the ragged exchange: MP rank p sends the kept routes of its capacity slice [p w, (p+1) w)
     (w = C / N_MP, C rounded up to N_MP), dumped to their EP block's N_ESP shards, in one uneven EP&ESP
-    all-to-all each way; the MP split and gather are uneven too. Pipeline degree 1 only."""
+    all-to-all each way per piece; the MP split and gather are uneven too. Pipeline degree r > 1 cuts every
+    slice into r capacity chunks (the same [a, b) of each slice)."""
 
     name = "parm-s2"
     exchange_mode = "ragged"
-    ragged_chunks = False
-    _call: Optional[_S2Call] = None
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         call, rows_RM = self._route(x_SM, params)
         d_rM = split_rows(rows_RM, call.mp_sizes, self.groups.mp, self.rec)              # this MP rank's slice
-        return Dispatched(d=dump_rows(d_rM, call.dump), cap_dim=0, state=call, aux_loss=call.routing.aux_loss,
+        return self._dispatched(dump_rows(d_rM, call.whole.dump), call)
+
+    @staticmethod
+    def _dispatched(d: torch.Tensor, call: _S2Call) -> Dispatched:
+        return Dispatched(d=d, cap_dim=0, state=call, aux_loss=call.routing.aux_loss,
                           exp_counts_E=call.routing.exp_counts_E, dropped=call.routing.dropped)
 
     def _route(self, x_SM: torch.Tensor, params: LayerParams) -> Tuple[_S2Call, torch.Tensor]:
@@ -225,33 +289,34 @@ class RaggedParmS2Schedule(_RowSteps):
             raise ValueError(f"schedule {self.name!r} with the ragged exchange cuts each MP rank's capacity slice from "
                              "every expert's kept slots 0..n-1; this gate left gaps: use the padded exchange")
         p, width = groups.mp.size, _round_up(routing.capacity, groups.mp.size) // groups.mp.size
-        bounds = [(m * width, (m + 1) * width) for m in range(p)]
-        sources = [bounds[groups.layout.coords(r)["mp"]] for r in groups.ep_esp.ranks]
-        plan = chunk_plan(mine, recv_PLN, groups.ep_esp.size, *bounds[groups.mp.rank], sources)
+        firsts = [m * width for m in range(p)]
+        sources = [groups.layout.coords(r)["mp"] for r in groups.ep_esp.ranks]
         kept_E = undumped(mine, num_experts, groups.ep_esp.size, groups.esp.size)
-        slices = [slot_rows(kept_E, a, b) for a, b in bounds]
-        mp_order = _index([r for rows in slices for r in rows], x_SM)
-        blocks = groups.ep_esp.size // groups.esp.size
-        blocks_PB = tuple(tuple(split_sizes([clip(n, a, b) for n in kept_E], blocks)) for a, b in bounds)
-        mine_blocks = blocks_PB[groups.mp.rank]
-        call = self._call = _S2Call(routing=routing, pos_SK=order.pos_NSK[0], plan=plan, mp_order=mp_order,
-                                    mp_sizes=tuple(map(len, slices)), rows=sum(mine_blocks), blocks_PB=blocks_PB,
-                                    dump=tuple(dump_index(mine_blocks, groups.esp.size)))
-        return call, x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, mp_order)
+        slices = [slot_rows(kept_E, first, first + width) for first in firsts]
+        cut = partial(s2_piece, (mine, recv_PLN), kept_E, groups.ep_esp.size, groups.esp.size, firsts, sources,
+                      groups.mp.rank)
+        cells, at = (kept_E, firsts) if self.saa else ([cell[0] for cell in mine], [firsts[groups.mp.rank]])
+        call = self._box.call = _S2Call(routing, order.pos_NSK[0], slices, cut, width, self.saa, cells, at,
+                                        x_SM.device)
+        return call, x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, call.mp_order)
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
-        if degree != 1:
-            raise ValueError(f"schedule {self.name!r} with the ragged exchange runs pipeline_degree 1, not {degree}")
-        return [dispatched.d]
+        return [dispatched.d] if degree == 1 else pieces_of(dispatched.d, dispatched.state.chunked(degree))
+
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        return outs[0] if len(outs) == 1 else joined(outs, dispatched.state.pieces)
 
     def _plan(self, step: str, rows: int) -> ChunkPlan:
-        if self._call is None:
-            raise ValueError(f"schedule {self.name!r} with the ragged exchange: {step} before prepare")
-        return self._call.plan
+        return self._take(step, rows).plan
+
+    def _done(self, dispatched: Dispatched) -> _S2Call:
+        call: _S2Call = dispatched.state
+        if self._box.call is call:
+            self._box.call = None
+        return call
 
     def finish(self, r_DM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        call: _S2Call = dispatched.state
-        self._call = None
-        r_rM = local_combine(r_DM, call.dump, call.rows)
+        call = self._done(dispatched)
+        r_rM = local_combine(r_DM, call.whole.dump, sum(call.whole.blocks_PB[self.groups.mp.rank]))
         r_RM = gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec)          # MP rank by MP rank
         return combine_rows(r_RM.index_select(0, torch.argsort(call.mp_order)), call.pos_SK, call.routing)

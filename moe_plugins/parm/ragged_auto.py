@@ -1,7 +1,8 @@
 """parm-auto and parm-tune with the ragged exchange: the same choice among S1, S2 (with SAA or not) and
 DeepSpeed's flow (baseline-tp), each candidate run by its ragged form (:mod:`moe_plugins.parm.ragged`,
-:mod:`moe_plugins.parm.saa_ragged`, :class:`moe_plugins.core.baseline_tp.RaggedBaselineTPSchedule`). Pipeline
-degree 1 (the ragged S2 does not cut chunks). The choice is priced with the padded model
+:mod:`moe_plugins.parm.saa_ragged`, :class:`moe_plugins.core.baseline_tp.RaggedBaselineTPSchedule`), at any
+pipeline degree (the running candidate cuts its chunks and answers ``row_load``; PipeMoE's lane twin shares the
+candidates' calls and which one runs). The choice is priced with the padded model
 (Algorithm 1's volumes at the observed C_l); with drops and balanced load the ragged rows are about what it
 prices.
 
@@ -11,15 +12,26 @@ prices.
 
 from __future__ import annotations
 
-from typing import List, Optional, Type
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Type
 
 import torch
 
 from moe_plugins.core.baseline_tp import RaggedBaselineTPSchedule
-from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, Schedule
+from moe_plugins.core.schedule import Dispatched, Exchange, LayerParams, RowLoad, Schedule
 from moe_plugins.parm.ragged import RaggedParmS1Schedule, RaggedParmS2Schedule
 from moe_plugins.parm.saa_ragged import RaggedParmS2SAASchedule
 from moe_plugins.parm.steps import _ParmSchedule
+
+
+FORMS = (RaggedParmS1Schedule, RaggedParmS2Schedule, RaggedParmS2SAASchedule)
+
+
+@dataclass
+class _Pick:
+    """The candidate this call runs (its registered name; None between calls), shared with the lane twin."""
+
+    name: Optional[str] = None
 
 
 class _RaggedParmSteps(_ParmSchedule):
@@ -29,28 +41,40 @@ class _RaggedParmSteps(_ParmSchedule):
 
     def __init__(self, config, groups, rec, *args, **kwargs):
         super().__init__(config, groups, rec, *args, **kwargs)
-        self._s1 = RaggedParmS1Schedule(config, groups, rec)
-        self._s2 = RaggedParmS2Schedule(config, groups, rec)
-        self._s2saa = RaggedParmS2SAASchedule(config, groups, rec)
-        self._run: Optional[Schedule] = None
+        self._forms: Dict[str, Schedule] = {form.name: form(config, groups, rec) for form in FORMS}
+        self._pick = _Pick()
+
+    def ragged_twin(self, groups) -> Schedule:
+        """The lane twin (``twin``): parm-auto's, whose candidates share this one's calls and whose pick is this
+        one's."""
+        twin = type(self)(self.config, groups, self.rec, self._state)      # parm-auto's: the shared S2Form
+        twin._forms = {name: form.twin(groups) for name, form in self._forms.items()}
+        twin._tp, twin._pick = self._tp.twin(groups), self._pick
+        return twin
 
     def _prepare_tokens(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
-        self._run = self._s1
-        return self._s1.prepare(x_SM, params)
+        return self._start(RaggedParmS1Schedule.name).prepare(x_SM, params)
 
     def _prepare_capacity(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
-        self._run = self._s2saa if self._state.saa else self._s2          # the call's S2 form
-        return self._run.prepare(x_SM, params)
+        form = RaggedParmS2SAASchedule.name if self._state.saa else RaggedParmS2Schedule.name   # the call's S2 form
+        return self._start(form).prepare(x_SM, params)
+
+    def _start(self, name: str) -> Schedule:
+        self._pick.name = name
+        return self._forms[name]
 
     def _running(self) -> Schedule:
         if self._state.tp:           # parm-auto's call state: DeepSpeed's flow (parm-auto routes its other steps)
             return self._tp
-        if self._run is None:
+        if self._pick.name is None:
             raise ValueError(f"schedule {self.name!r} with the ragged exchange: a step before prepare")
-        return self._run
+        return self._forms[self._pick.name]
 
     def exchange(self, d: torch.Tensor) -> Exchange:
-        return (self._run or self._s1).exchange(d)
+        return self._forms[self._pick.name or RaggedParmS1Schedule.name].exchange(d)
+
+    def row_load(self, dispatched: Dispatched) -> Optional[RowLoad]:
+        return self._running().row_load(dispatched)
 
     def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
         return self._running().chunks(dispatched, degree)
@@ -68,14 +92,14 @@ class _RaggedParmSteps(_ParmSchedule):
         return self._running().exchange_out(o)
 
     def finish(self, r: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        run, self._run = self._running(), None
+        run, self._pick.name = self._running(), None
         return run.finish(r, dispatched)
 
 
 def ragged_form(cls: Type[Schedule]) -> Type[Schedule]:
     """``cls`` (parm-auto, parm-tune, or a costed subclass) choosing among the ragged candidates."""
     return type(cls.__name__, (cls, _RaggedParmSteps),
-                {"exchange_mode": "ragged", "ragged_chunks": False, "tp_class": RaggedBaselineTPSchedule,
+                {"exchange_mode": "ragged", "tp_class": RaggedBaselineTPSchedule, "twin": _RaggedParmSteps.ragged_twin,
                  "padded_form": cls, "__module__": __name__})
 
 

@@ -18,7 +18,7 @@ dim; ``blocks_PB[p][b]``: MP rank p's rows of EP block b.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from moe_plugins.core.engine import now_ns
 from moe_plugins.core.groups import Group
 from moe_plugins.core.ragged import combine_rows, offsets, uneven_all_to_all
 from moe_plugins.core.schedule import Dispatched, LayerParams
-from moe_plugins.parm.ragged import RaggedParmS2Schedule, _S2Call, dump_rows
+from moe_plugins.parm.ragged import RaggedParmS2Schedule, _S2Piece, dump_rows
 from moe_plugins.parm.saa import block_order
 
 
@@ -139,28 +139,28 @@ def saa_scatter_rows(rows_RM: torch.Tensor, s: RowSAA, rec: Recorder) -> torch.T
 
 class RaggedParmS2SAASchedule(RaggedParmS2Schedule):
     """parm-s2-saa with the ragged exchange: ragged S2 whose EP&ESP all-to-all back and MP gather overlap block by
-    block (:func:`saa_gather_rows`), and whose dispatch side is their adjoint (backward overlapped too)."""
+    block (:func:`saa_gather_rows`), and whose dispatch side is their adjoint (backward overlapped too); per piece
+    at pipeline degree r > 1 (every MP rank's piece rows go in, come back)."""
 
     name = "parm-s2-saa"
     saa = True
-    _rows: Optional[RowSAA] = None
 
     def prepare(self, x_SM: torch.Tensor, params: LayerParams) -> Dispatched:
         call, rows_RM = self._route(x_SM, params)
+        return self._dispatched(rows_RM, call)
+
+    def _sizes(self, piece: _S2Piece) -> RowSAA:
         groups = self.groups
-        self._rows = RowSAA(send=call.plan.send, recv=call.plan.recv, blocks_PB=call.blocks_PB, dump=call.dump,
-                            ep_esp=groups.ep_esp, mp=groups.mp, esp=groups.esp.size,
-                            order=tuple(block_order(groups.layout, groups.mp, groups.esp.size)))
-        return Dispatched(d=rows_RM, cap_dim=0, state=call, aux_loss=call.routing.aux_loss,
-                          exp_counts_E=call.routing.exp_counts_E, dropped=call.routing.dropped)
+        return RowSAA(send=piece.plan.send, recv=piece.plan.recv, blocks_PB=piece.blocks_PB, dump=piece.dump,
+                      ep_esp=groups.ep_esp, mp=groups.mp, esp=groups.esp.size,
+                      order=tuple(block_order(groups.layout, groups.mp, groups.esp.size)))
 
     def exchange_in(self, rows_RM: torch.Tensor) -> torch.Tensor:
-        return saa_scatter_rows(rows_RM, self._rows, self.rec)
+        return saa_scatter_rows(rows_RM, self._sizes(self._take("exchange_in", rows_RM.shape[0])), self.rec)
 
     def exchange_out(self, o_QM: torch.Tensor) -> torch.Tensor:
-        return saa_gather_rows(o_QM, self._rows, self.rec)
+        return saa_gather_rows(o_QM, self._sizes(self._take("exchange_out", o_QM.shape[0])), self.rec)
 
     def finish(self, r_RM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        call: _S2Call = dispatched.state
-        self._call = self._rows = None
+        call = self._done(dispatched)
         return combine_rows(r_RM.index_select(0, torch.argsort(call.mp_order)), call.pos_SK, call.routing)
