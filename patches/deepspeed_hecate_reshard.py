@@ -2,8 +2,9 @@
 Hecate layer's experts every n optimizer steps (moe_plugins/hecate/reshard.py, rehome.py).
 
 - :func:`reshard_problems`: before the engine sets anything up, the engines it runs on: ZeRO stage 0, 1 or 2, in
-  fp32, bf16 or fp16 (the 16-bit model's fp32 masters move as below), without optimizer offload (it keeps master
-  copies on the host, which the move does not reach). One line per problem, naming the field.
+  fp32, bf16 or fp16 (the 16-bit model's fp32 masters move as below), with or without ZeRO-Offload
+  (``offload_optimizer``: the flat fp32 partitions and their moments then live on the host; the same views and
+  gathers move them there). One line per problem, naming the field.
 - ZeRO 1/2 (:func:`zero_views`): the experts' parameters are views of the group's flat buffer, and the fp32
   master partition and its Adam moments are flat tensors of the same layout; with the expert group on one rank
   (expert-DP 1: ``ep_size`` = world) each expert parameter's slices of those move with it, in place. An expert
@@ -59,10 +60,6 @@ def reshard_problems(engine: Any, cfg: Any) -> List[str]:
     stage = int(engine.zero_optimization_stage())
     if stage not in (0, 1, 2):
         problems.append(f"{FIELD} ({every}) runs on ZeRO stage 0, 1 or 2, and zero_optimization.stage is {stage}")
-    offload = getattr(engine, "zero_cpu_offload", lambda: False)()
-    if offload:
-        problems.append(f"{FIELD} ({every}) cannot run with zero_optimization.offload_optimizer: the master copies "
-                        "it keeps on the host are not moved")
     return problems
 
 

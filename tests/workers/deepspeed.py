@@ -44,7 +44,8 @@ class TinyMoEModel(nn.Module):
 # halved (and the step skipped) at an overflow
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 15, "loss_scale_window": 4, "hysteresis": 1}
 HALF_DTYPES = {False: torch.float32, True: torch.bfloat16, "fp32-accum": torch.bfloat16, "bf16-fused": torch.bfloat16,
-               "fp16": torch.float16, "fp16-fused": torch.float16}
+               "fp16": torch.float16, "fp16-fused": torch.float16, "offload": torch.float32,
+               "bf16-offload": torch.bfloat16}
 
 
 def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, half: Any = False) -> Dict[str, Any]:
@@ -57,6 +58,9 @@ def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, half: 
            "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if low == torch.bfloat16 else {}),
            **({"fp16": dict(FP16)} if low == torch.float16 else {}),
            **({"data_types": {"grad_accum_dtype": "fp32"}} if half == "fp32-accum" else {})}
+    if isinstance(half, str) and half.endswith("offload"):     # ZeRO-Offload, the torch Adam on the host
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if plugin is not None:
         cfg["moe_plugins"] = plugin
     return cfg

@@ -41,7 +41,7 @@ def _layer(handle, engine):
 
 
 def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any] = None,
-                    dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+                    dtype: torch.dtype = torch.float32, masters: bool = False) -> Dict[str, Any]:
     """jobs.train, one step at a time, with the homes after each step; ``forced`` (the engine's resharder, homes): moved
     there after the first step, whatever Algorithm 2 would plan (in bf16 the experts by global id with their fp32
     masters and moments are kept just before and after that move)."""
@@ -49,11 +49,11 @@ def _train_tracking(engine, layer, seed: int, steps: range, forced: Optional[Any
     for step in steps:
         losses += jobs.train(engine, seed, range(step, step + 1), dtype)
         if forced is not None and step == steps.start:
-            if dtype != torch.float32:
+            if masters:
                 around["before"] = by_expert(engine, layer.schedule.homes, masters=True)
             optimizer, extra = forced[0]._moving()          # what the engine's own re-shards move (ZeRO's state)
             forced[0].resharder.reshard(optimizer, [forced[1]], extra)
-            if dtype != torch.float32:
+            if masters:
                 around["after"] = by_expert(engine, layer.schedule.homes, masters=True)
         homes.append(layer.schedule.homes if layer is not None else None)
     return {"losses": losses, "homes": homes, "forced": around}
@@ -102,10 +102,11 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
             engine = make_engine(stage, plugin, ep, k, seed, half=half)
             layer = _layer(handle, engine)
             force = (handle.hecate.resharders[0], tuple(forced)) if forced and handle else None
-            out[name] = _train_tracking(engine, layer, seed, range(steps), force, jobs.HALF_DTYPES[half])
+            out[name] = _train_tracking(engine, layer, seed, range(steps), force, jobs.HALF_DTYPES[half], bool(half))
             homes = layer.schedule.homes if layer is not None else None
             out[name]["experts"] = by_expert(engine, homes, masters=bool(half))
             out[name]["optimizer"] = type(engine.optimizer).__name__
+            out[name]["offload"] = bool(engine.zero_cpu_offload())
             out[name]["skipped"] = engine.skipped_steps
             out[name]["dtype"] = next(engine.module.parameters()).dtype
             if handle is not None:
@@ -117,10 +118,10 @@ def train_vs_stock(stage: int, every: int, ep: int, k: int, seed: int, steps: in
 
 
 def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Optional[Dict[str, Any]], ep: int,
-                      k: int, path: str, steps: int = 4, stage: int = 0) -> Dict[str, Any]:
+                      k: int, path: str, steps: int = 4, stage: int = 0, half: Any = False) -> Dict[str, Any]:
     """Train ``steps`` steps under ``save_plugin`` and save; go on 2 steps. A fresh engine (another seed) under
     ``load_plugin`` loads the checkpoint and runs the same 2 steps. The experts by global id after the save and
-    after the load, and the homes at the save."""
+    after the load, and the homes at the save; ``half``: as jobs.make_engine's (``"offload"``: ZeRO-Offload)."""
     import moe_plugins
     init_deepspeed_comm()
     seed, results = 5, {}
@@ -128,7 +129,7 @@ def checkpoint_across(save_plugin: Optional[Dict[str, Any]], load_plugin: Option
         with ExitStack() as stack:
             stack.enter_context(deepspeed_groups(None))
             handle = stack.enter_context(moe_plugins.enable()) if plugin is not None else None
-            engine = make_engine(stage, plugin, ep, k, init_seed)
+            engine = make_engine(stage, plugin, ep, k, init_seed, half=half)
             layer = _layer(handle, engine)
             if role == "saver":
                 jobs.train(engine, seed, range(steps))
