@@ -35,8 +35,6 @@ def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: s
     if stage in (1, 2) and not engine.zero_contiguous_gradients():
         problems.append(f"{PATH} needs zero_optimization.contiguous_gradients true with ZeRO {stage} (got false): "
                         "without it DeepSpeed reduces through buffered_reduce_fallback, which Lina does not hook")
-    if stage in (1, 2) and engine.zero_offload_optimizer() is not None:
-        problems.append(f"{PATH} does not support zero_optimization.offload_optimizer (not checked)")
     if stage in (1, 2) and getattr(cfg.zero_config, "zenflow", None) is not None:
         problems.append(f"{PATH} does not support zero_optimization.zenflow")
     if stage == 1 and engine.bfloat16_enabled() and engine.get_data_types()[1] == torch.float32:

@@ -284,9 +284,12 @@ def zero0_masters(opt: Any) -> Dict[int, Dict[str, torch.Tensor]]:
 
 def reduced_grads(engine) -> List[torch.Tensor]:
     """The gradients DeepSpeed hands to the optimizer: ZeRO 0 the parameters' (all-reduced), ZeRO 1/2 this
-    rank's partition (``averaged_gradients``)."""
+    rank's partition (``averaged_gradients``; with ZeRO-Offload the host fp32 partitions' ``grad``)."""
     if engine.zero_optimization_stage() == 0:
         return [p.grad.detach().clone() for p in engine.module.parameters() if p.grad is not None]
+    if engine.zero_cpu_offload():
+        return [flat.grad.detach().clone() for flat in engine.optimizer.single_partition_of_fp32_groups
+                if flat.grad is not None]
     out = []
     for i in sorted(engine.optimizer.averaged_gradients):
         g = engine.optimizer.averaged_gradients[i]
