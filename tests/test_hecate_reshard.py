@@ -160,7 +160,9 @@ def test_deepspeed_training_with_resharding_equals_stock(world, stage, ep, k, fo
 
 @pytest.mark.parametrize("save,load,stage", [("reshard", None, 0), ("reshard", "reshard", 0), (None, "reshard", 0),
                                              ("reshard", None, 2), (None, "reshard", 2), ("reshard", None, "2-offload"),
-                                             (None, "reshard", "2-offload")],
+                                             pytest.param(None, "reshard", "2-offload", marks=pytest.mark.full(
+                                                 covered_by="[offload-resharded-to-stock] and "
+                                                            "[zero2-stock-to-resharded]"))],
                          ids=["resharded-to-stock", "resharded-to-resharded", "stock-to-resharded",
                               "zero2-resharded-to-stock", "zero2-stock-to-resharded", "offload-resharded-to-stock",
                               "offload-stock-to-resharded"])
@@ -208,7 +210,12 @@ HALF_OPTIMIZERS = {"fp32-accum": "BF16_Optimizer", "bf16-fused": "FP16_Optimizer
     (2, 4, (3, 2, 1, 0), True), (1, 2, (1, 0, 0, 1), True), (0, 4, (3, 2, 1, 0), True), (0, 2, (1, 0, 0, 1), True),
     (1, 2, (1, 0, 0, 1), "fp32-accum"), (2, 4, (3, 2, 1, 0), "fp16"), (1, 2, (1, 0, 0, 1), "fp16"),
     (0, 2, (1, 0, 0, 1), "fp16"), (0, 4, (3, 2, 1, 0), "fp16-fused"), (0, 2, (1, 0, 0, 1), "bf16-fused"),
-    (2, 4, (3, 2, 1, 0), "offload"), (1, 2, (1, 0, 0, 1), "offload"), (2, 2, (1, 0, 0, 1), "bf16-offload")],
+    (2, 4, (3, 2, 1, 0), "offload"),
+    pytest.param(1, 2, (1, 0, 0, 1), "offload", marks=pytest.mark.full(
+        covered_by="[offload-zero2-ep4] (ZeRO-Offload's host partitions moved) and [zero1-ep2-expert_dp2] (gathered "
+                   "whole at expert-DP 2)")),
+    pytest.param(2, 2, (1, 0, 0, 1), "bf16-offload", marks=pytest.mark.full(
+        covered_by="[offload-zero2-ep4] and [zero2-ep4] (bf16's masters)"))],
     ids=["zero2-ep4", "zero1-ep2-expert_dp2", "zero0-ep4", "zero0-ep2-expert_dp2", "bf16opt-zero1-ep2-expert_dp2",
          "fp16-zero2-ep4", "fp16-zero1-ep2-expert_dp2", "fp16-zero0-ep2-expert_dp2", "fp16opt-fp16-zero0-ep4",
          "fp16opt-bf16-zero0-ep2-expert_dp2", "offload-zero2-ep4", "offload-zero1-ep2-expert_dp2",
