@@ -79,10 +79,11 @@ def test_parm_ragged_under_pipemoe_chunks(world, schedule):
     """S1's chunks of every expert's kept slots; S2's (and SAA's) the same chunk [a, b) of every MP rank's slice:
     each chunk one uneven exchange each way (SAA: its overlapped gather per chunk too), equal to padded and the
     reference."""
+    cases = ([(k, drop, r) for k in (1, 2) for drop, r in ((True, 3), (False, 2))] if schedule == "parm-s1" else
+             [(1, True, 3), (2, False, 2)])        # S2's two forms: one k each way (S1's: both)
     specs = [VerifySpec(world=WORLD, ranks_per_node=2, mp=mp, ep=ep, esp=esp, k=k, drop=drop, pipeline_degree=r,
                         tokens=12, seed=3 + k, schedule=schedule)
-             for mp, ep, esp in ((2, 2, 1), (2, 1, 2), (4, 4, 1)) for k in (1, 2)
-             for drop, r in ((True, 3), (False, 2))]
+             for mp, ep, esp in ((2, 2, 1), (2, 1, 2), (4, 4, 1)) for k, drop, r in cases]
     specs.append(VerifySpec(world=WORLD, ranks_per_node=2, mp=2, ep=2, esp=2, k=2, skew=20.0, drop=False,
                             pipeline_degree=3, schedule=schedule))
     pairs = world(WORLD).run(padded_and_ragged, specs)[0]
