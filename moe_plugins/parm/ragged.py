@@ -295,8 +295,9 @@ class RaggedParmS2Schedule(SharesCall, _RowSteps):
         slices = [slot_rows(kept_E, first, first + width) for first in firsts]
         cut = partial(s2_piece, (mine, recv_PLN), kept_E, groups.ep_esp.size, groups.esp.size, firsts, sources,
                       groups.mp.rank)
-        cells, at = (kept_E, firsts) if self.saa else ([cell[0] for cell in mine], [firsts[groups.mp.rank]])
-        call = self._box.call = _S2Call(routing, order.pos_NSK[0], slices, cut, width, self.saa, cells, at,
+        # the dispatched buffer: SAA's every MP rank's slice, undumped; S2's this rank's slice, dumped
+        cells, starts = (kept_E, firsts) if self.saa else ([cell[0] for cell in mine], [firsts[groups.mp.rank]])
+        call = self._box.call = _S2Call(routing, order.pos_NSK[0], slices, cut, width, self.saa, cells, starts,
                                         x_SM.device)
         return call, x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, call.mp_order)
 
