@@ -106,22 +106,35 @@ def _tp_piece(counts: Tuple, members: int, slot_bounds, sources: List[int], mp_r
                     esp_sizes=tuple(sum(map(sum, member)) for member in esp_recv))
 
 
-class _TPCall(PieceQueue):
-    """One call of the ragged baseline-tp, shared with the schedule's twin (PipeMoE's lane runs the exchanges):
-    the routing, each route's row, every MP rank's slice rows (the MP split and gather) and the pieces, which
+class SlicedCall(PieceQueue):
+    """One ragged call whose capacity is split over MP (baseline-tp's, and Parm's S2 in parm/ragged.py), shared
+    with the schedule's lane twin: the routing, each route's row, every MP rank's slice rows (the MP split and
+    gather), ``cut(a, b)``: the piece of slots [a, b) of every slice of ``width`` slots, and the pieces, which
     exchange_in, expert and exchange_out each take in order."""
+
+    def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[List[int]],
+                 cut: Callable[[int, int], object], width: int, device: torch.device):
+        super().__init__()
+        self.routing, self.pos_SK, self.cut, self.width = routing, pos_SK, cut, width
+        self.mp_order = torch.tensor([r for rows in slices for r in rows], dtype=torch.long, device=device)
+        self.mp_sizes = tuple(map(len, slices))
+        self.whole = cut(0, width)
+        self.pieces = [self.whole]
+
+    def combine(self, r_RM: torch.Tensor) -> torch.Tensor:
+        """The layer's output from every MP rank's slice rows, MP rank by MP rank."""
+        return combine_rows(r_RM.index_select(0, torch.argsort(self.mp_order)), self.pos_SK, self.routing)
+
+
+class _TPCall(SlicedCall):
+    """One call of the ragged baseline-tp (:class:`SlicedCall`); its pieces are :class:`_TPPiece`s."""
 
     schedule = "baseline-tp"
 
     def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[List[int]],
                  cut: Callable[[int, int], _TPPiece], width: int, mp_rank: int, device: torch.device):
-        super().__init__()
-        self.routing, self.pos_SK, self.cut, self.width = routing, pos_SK, cut, width
-        self.mp_order = torch.tensor([r for rows in slices for r in rows], dtype=torch.long, device=device)
-        self.mp_sizes = tuple(map(len, slices))
+        super().__init__(routing, pos_SK, slices, cut, width, device)
         self.slice_rows = slices[mp_rank]               # this MP rank's slice: the dispatched rows, in order
-        self.whole = cut(0, width)
-        self.pieces = [self.whole]
 
     def chunked(self, degree: int) -> List[_TPPiece]:
         """The call cut into ``degree`` capacity chunks of every slice (:func:`chunk_bounds` of the slice width),
@@ -201,6 +214,4 @@ class RaggedBaselineTPSchedule(SharesCall, BaselineTPSchedule):
     def finish(self, r_rM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call: _TPCall = dispatched.state
         self._box.call = None
-        r_RM = gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec)         # MP rank by MP rank
-        r_RM = r_RM.index_select(0, torch.argsort(call.mp_order))                 # the layer's row order
-        return combine_rows(r_RM, call.pos_SK, call.routing)
+        return call.combine(gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec))   # MP rank by MP rank

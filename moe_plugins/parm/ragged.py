@@ -35,8 +35,9 @@ import torch
 
 from moe_plugins.core import comm
 from moe_plugins.core.baseline import RaggedBaselineSchedule, _RaggedCall
+from moe_plugins.core.baseline_tp import SlicedCall
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, PieceQueue, SharesCall, chunk_plan, clip, combine_rows,
+from moe_plugins.core.ragged import (ChunkPlan, SharesCall, chunk_plan, clip, combine_rows,
                                      exchange_counts, experts_on_rows, gather_rows, joined, offsets, pieces_of,
                                      ragged_all_to_all, route_order, slot_rows, split_rows, split_sizes)
 from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad, chunk_bounds
@@ -224,24 +225,18 @@ def piece_rows(cells: Sequence[int], firsts: Sequence[int], width: int, a: int, 
     return rows
 
 
-class _S2Call(PieceQueue):
-    """One ragged S2 call, shared with the schedule's lane twin: the routing, each route's row, every MP rank's
-    slice rows (the MP split and gather) and the pieces, which exchange_in, expert and exchange_out each take
-    in order. ``cells``/``firsts``: the dispatched buffer's cells and its slices' first slots (S2: this rank's
-    dumped slice; SAA: every MP rank's slice, undumped)."""
+class _S2Call(SlicedCall):
+    """One ragged S2 call (:class:`moe_plugins.core.baseline_tp.SlicedCall`; its pieces :class:`_S2Piece`s).
+    ``cells``/``firsts``: the dispatched buffer's cells and its slices' first slots (S2: this rank's dumped slice;
+    SAA: every MP rank's slice, undumped)."""
 
     schedule = "parm-s2"
 
     def __init__(self, routing: Routing, pos_SK: torch.Tensor, slices: List[List[int]],
                  cut: Callable[[int, int], _S2Piece], width: int, saa: bool, cells: List[int], firsts: List[int],
                  device: torch.device):
-        super().__init__()
-        self.routing, self.pos_SK, self.cut, self.width, self.saa = routing, pos_SK, cut, width, saa
-        self.cells, self.firsts = cells, firsts
-        self.mp_order = torch.tensor([r for rows in slices for r in rows], dtype=torch.long, device=device)
-        self.mp_sizes = tuple(map(len, slices))
-        self.whole = cut(0, width)
-        self.pieces = [self.whole]
+        super().__init__(routing, pos_SK, slices, cut, width, device)
+        self.saa, self.cells, self.firsts = saa, cells, firsts
 
     def chunked(self, degree: int) -> List[_S2Piece]:
         """The call cut into ``degree`` capacity chunks of every slice, each located in the dispatched buffer."""
@@ -319,5 +314,4 @@ class RaggedParmS2Schedule(SharesCall, _RowSteps):
     def finish(self, r_DM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         call = self._done(dispatched)
         r_rM = local_combine(r_DM, call.whole.dump, sum(call.whole.blocks_PB[self.groups.mp.rank]))
-        r_RM = gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec)          # MP rank by MP rank
-        return combine_rows(r_RM.index_select(0, torch.argsort(call.mp_order)), call.pos_SK, call.routing)
+        return call.combine(gather_rows(r_rM, call.mp_sizes, self.groups.mp, self.rec))   # MP rank by MP rank

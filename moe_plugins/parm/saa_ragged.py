@@ -26,7 +26,7 @@ import torch.distributed as dist
 from moe_plugins.core.comm import Recorder
 from moe_plugins.core.engine import now_ns
 from moe_plugins.core.groups import Group
-from moe_plugins.core.ragged import combine_rows, offsets, uneven_all_to_all
+from moe_plugins.core.ragged import offsets, uneven_all_to_all
 from moe_plugins.core.schedule import Dispatched, LayerParams
 from moe_plugins.parm.ragged import RaggedParmS2Schedule, _S2Piece, dump_rows
 from moe_plugins.parm.saa import block_order
@@ -162,5 +162,4 @@ class RaggedParmS2SAASchedule(RaggedParmS2Schedule):
         return saa_gather_rows(o_QM, self._sizes(self._take("exchange_out", o_QM.shape[0])), self.rec)
 
     def finish(self, r_RM: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        call = self._done(dispatched)
-        return combine_rows(r_RM.index_select(0, torch.argsort(call.mp_order)), call.pos_SK, call.routing)
+        return self._done(dispatched).combine(r_RM)
