@@ -13,11 +13,13 @@ DeepSpeed's own dense collective then waits instead of running: ``DeepSpeedEngin
 (ZeRO 0) and ``DeepSpeedZeroOptimizer.average_tensor`` (ZeRO 1/2) first wait for the micro-ops of every dense
 gradient involved (submitting any not yet submitted), then run as stock with ``deepspeed.comm.all_reduce`` /
 ``reduce`` (SUM) on the DP group replaced by a no-op for the duration of the call. Collectives on other groups
-(expert-DP) run; partitions and bookkeeping stay DeepSpeed's, and so does the order of division and sum: where
-DeepSpeed sums, then divides (ZeRO 0; ZeRO 1/2 with ``reduce_scatter`` off), it divides Lina's sums; ZeRO 1/2's
-reduce-scatter path (the default) divides each bucket before its sum, so Lina divides each dense gradient when it
-submits it, the bucket's expert slices before DeepSpeed's call, and that call runs without its division. In fp16
-this is more than rounding: a sum of loss-scaled gradients overflows where the sum of the divided ones may not.
+(expert-DP) run; partitions and bookkeeping stay DeepSpeed's, and so does the order of division and sum
+(``GradScaling``): ZeRO 0 multiplies each gradient before its sum and/or the sum after it, as
+``prescale_gradients`` and ``gradient_predivide_factor`` say, so Lina does both on each dense gradient (at submit,
+after the wait) and DeepSpeed's call runs without them; ZeRO 1/2's reduce-scatter path (the one DeepSpeed allows
+with MoE) divides each bucket before its sum, so Lina divides each dense gradient when it submits it, the bucket's
+expert slices before DeepSpeed's call, and that call runs without its division. In fp16 this is more than
+rounding: a sum of loss-scaled gradients overflows where the sum of the divided ones may not.
 Expert parameters (``allreduce=False``) are never reduced by Lina.
 
 Stock ZeRO 1/2 all-reduces each bucket too (``use_multi_rank_bucket_allreduce``, the default); with it off,
@@ -47,7 +49,8 @@ from moe_plugins.lina.config import LinaConfig
 from moe_plugins.lina.microops import micro_op_bytes
 from moe_plugins.lina.reducer import GradReducer, PendingReduce
 from moe_plugins.patches import deepspeed_lina_packing as packing
-from moe_plugins.patches.deepspeed_lina_config import config_problems
+from moe_plugins.patches.deepspeed_lina_config import (GradScaling, config_problems, reduce_scatter_scaling,
+                                                       zero0_scaling)
 
 logger = logging.getLogger("moe_plugins.deepspeed")
 
@@ -86,7 +89,7 @@ class LinaEngine:
         self.handles: List[Any] = []
         self.submitted = self.skipped = self.passed = 0
         self.mode = ""
-        self.predivide: Optional[float] = None  # ZeRO 1/2's reduce-scatter path: divide, then sum (zero12)
+        self.scaling = GradScaling()            # DeepSpeed's division around the sum, done by Lina instead
         self.packer: Any = None                 # patches/deepspeed_lina_packing.EnginePacker when packing != 1
 
     # -- micro-ops -------------------------------------------------------------------------------------
@@ -97,8 +100,7 @@ class LinaEngine:
         if id(param) in self.pending:
             raise RuntimeError(f"{PATH}: a gradient was submitted twice before DeepSpeed reduced it (shape "
                                f"{tuple(param.shape)}); was backward run twice on one micro-batch?")
-        if self.predivide is not None:
-            grad.div_(self.predivide)
+        self.scaling.apply(self.scaling.before, grad)
         self.pending[id(param)] = self.reducer.submit(grad.view(-1), self.dp)
         self.submitted += 1
 
@@ -118,6 +120,7 @@ class LinaEngine:
             handle = self.pending.pop(id(p), None)
             if handle is not None:
                 handle.wait()
+                self.scaling.apply(self.scaling.after, grad_of(p))
 
     def boundary_hook(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook (ZeRO 0; ZeRO 1 without overlap_comm): submit where DeepSpeed will reduce."""
@@ -152,7 +155,9 @@ class LinaEngine:
             self._check_dtypes({g.dtype for g in grads}, self.ds_engine.communication_data_type)
             self.settle([p for p in self.dense if p.grad is not None], lambda p: p.grad)
             from deepspeed.utils import groups as ds_groups
-            with self.skipping(ds_groups._get_sequence_data_parallel_group()):
+            undivided = Patcher([Patch(self.ds_engine, "gradient_average", False)]) if self.scaling.active \
+                else contextlib.nullcontext()
+            with undivided, self.skipping(ds_groups._get_sequence_data_parallel_group()):
                 return original(grads, elements_per_buffer)
         return _reduce_non_expert_gradients
 
@@ -160,8 +165,9 @@ class LinaEngine:
         """Patch the ZeRO 1/2 optimizer of this engine (its instance attributes)."""
         hooked = bool(zero.partition_gradients or zero.overlap_comm or zero.use_grad_accum_attribute)
         self.mode = "after-bucketing" if hooked else "boundary-hook"
-        if zero.reduce_scatter and zero.gradient_average:      # stock divides each bucket before it sums it
-            self.predivide = dist.get_world_size(group=zero.dp_process_group) / float(zero.sequence_parallel_size)
+        if zero.reduce_scatter:                     # stock divides each bucket before it sums it
+            dp_size = dist.get_world_size(group=zero.dp_process_group) / float(zero.sequence_parallel_size)
+            self.scaling = reduce_scatter_scaling(zero.gradient_average, dp_size)
         original_ready, original_average = zero.reduce_ready_partitions_and_remove_grads, zero.average_tensor
 
         def reduce_ready_partitions_and_remove_grads(param, i):
@@ -181,11 +187,11 @@ class LinaEngine:
             params = [zero.bit16_groups[i][idx] for i, idx, _ in bucket.params]
             self.settle([p for p in params if not _is_moe_param(p)], zero.get_gradient_for_reduction)
             undivided = contextlib.nullcontext()
-            if self.predivide is not None:     # the dense slices were divided at submit: the rest here, as stock
+            if self.scaling.active:            # the dense slices were divided at submit: the rest here, as stock
                 offset = 0                     # divides the whole bucket (its params' gradients back to back)
                 for p in params:
                     if _is_moe_param(p):
-                        tensor.narrow(0, offset, p.numel()).div_(self.predivide)
+                        self.scaling.apply(self.scaling.before, tensor.narrow(0, offset, p.numel()))
                     offset += p.numel()
                 undivided = Patcher([Patch(zero, "gradient_average", False)])
             with undivided, self.skipping(zero.dp_process_group):
@@ -283,6 +289,7 @@ class LinaHooks:
         layout, then hook this engine (collective-free)."""
         if setup is None:
             return
+        from deepspeed.utils import groups as ds_groups
         problems, packer = [], None
         if len(setup.layouts) != 1:
             found = "; ".join(f"mp={lay.mp} ep={lay.ep} esp={lay.esp}" for lay in setup.layouts)
@@ -290,7 +297,6 @@ class LinaHooks:
                             f"{len(setup.layouts)} ({found or 'no DeepSpeed MoE layer was swapped'})")
         else:
             (layout, (groups, comm, profile_fn)), = setup.layouts.items()
-            from deepspeed.utils import groups as ds_groups
             ds_dp = tuple(dist.get_process_group_ranks(ds_groups._get_sequence_data_parallel_group()))
             if ds_dp != tuple(groups.dp.ranks):
                 problems.append(f"{PATH}: DeepSpeed's data-parallel group {list(ds_dp)} differs from the MoE "
@@ -309,7 +315,9 @@ class LinaHooks:
             state.patchers.append(packer.patcher().apply())
         stage = engine.zero_optimization_stage()
         if stage == 0:
-            state.mode = "boundary-hook"
+            dp_size = dist.get_world_size(ds_groups._get_sequence_data_parallel_group()) / engine.sequence_parallel_size
+            state.mode, state.scaling = "boundary-hook", zero0_scaling(
+                engine.gradient_average, engine._config.prescale_gradients, engine.gradient_predivide_factor(), dp_size)
             patches = [Patch(engine, "_reduce_non_expert_gradients", state.zero0(engine._reduce_non_expert_gradients))]
             state.handles += [p.register_post_accumulate_grad_hook(state.boundary_hook) for p in dense]
         else:

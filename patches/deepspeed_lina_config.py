@@ -3,7 +3,8 @@ parsed config before anything is set up, one line per problem naming the field."
 
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -44,13 +45,50 @@ def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: s
     if grad_dtype is not None and comm_dtype != grad_dtype:
         problems.append(f"{PATH} needs communication_data_type equal to the gradients' dtype ({grad_dtype}); got "
                         f"{comm_dtype}: Lina sums the gradients in their own dtype")
-    if cfg.prescale_gradients:
-        problems.append(f"{PATH} does not support prescale_gradients (true): Lina sums before DeepSpeed divides")
-    if cfg.gradient_predivide_factor != 1.0:
-        problems.append(f"{PATH} does not support gradient_predivide_factor ({cfg.gradient_predivide_factor}) != 1")
     sparse = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.sparse]
     if sparse:
         problems.append(f"{PATH} does not support sparse gradients (nn.Embedding(sparse=True): {', '.join(sparse)})")
     if getattr(engine, "sequence_parallel_size", 1) > 1:
         problems.append(f"{PATH} does not support sequence parallelism (size {engine.sequence_parallel_size})")
     return problems
+
+
+@dataclass(frozen=True)
+class GradScaling:
+    """What DeepSpeed does to a dense gradient around its sum, as it does it (``("mul" | "div", x)``): Lina sums
+    instead, so it applies ``before`` to each rank's gradient when it submits it and ``after`` to the sum, and
+    DeepSpeed's own call runs undivided; the same operations in the same order give the same bits."""
+    before: Optional[Tuple[str, float]] = None
+    after: Optional[Tuple[str, float]] = None
+
+    @property
+    def active(self) -> bool:
+        return self.before is not None or self.after is not None
+
+    @staticmethod
+    def apply(step: Optional[Tuple[str, float]], grad: torch.Tensor) -> None:
+        if step is not None:
+            op, x = step
+            if op == "mul":
+                grad.mul_(x)
+            else:
+                grad.div_(x)
+
+
+def zero0_scaling(average: bool, prescale: bool, predivide: float, dp_size: float) -> GradScaling:
+    """``DeepSpeedEngine.allreduce_bucket`` (0.19.8, ZeRO 0's dense gradients): with ``prescale_gradients`` each
+    gradient is multiplied by 1/dp before the sum; else by 1/predivide before (unless 1) and predivide/dp after
+    (unless equal); nothing unless the reduction averages."""
+    if not average:
+        return GradScaling()
+    if prescale:
+        return GradScaling(before=("mul", 1.0 / dp_size))
+    return GradScaling(before=("mul", 1.0 / predivide) if predivide != 1.0 else None,
+                       after=("mul", predivide / dp_size) if predivide != dp_size else None)
+
+
+def reduce_scatter_scaling(average: bool, dp_size: float) -> GradScaling:
+    """ZeRO 1/2's reduce-scatter path (``average_tensor``, the only one DeepSpeed allows with MoE): the bucket
+    divided by dp before its sum. It reads neither ``prescale_gradients`` nor ``gradient_predivide_factor``
+    (ZeRO 2 refuses them itself)."""
+    return GradScaling(before=("div", dp_size)) if average else GradScaling()

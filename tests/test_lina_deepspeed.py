@@ -70,6 +70,26 @@ def test_dp2_bitwise_with_zero_offload(world, stage, gas):
     _check(results, 0.0, True, 20, stage == 2)
 
 
+@pytest.mark.parametrize("stage,extra,scaling", [
+    (0, {"prescale_gradients": True}, (("mul", 0.5), None)),
+    (0, {"gradient_predivide_factor": 3.0}, (("mul", 1 / 3.0), ("mul", 1.5))),
+    pytest.param(0, {"gradient_predivide_factor": 2.0}, (("mul", 0.5), None), marks=pytest.mark.full(
+        covered_by="[0-predivide3] (the predivide path; at DP 2 a factor 2 skips the multiply after the sum)")),
+    (1, {"prescale_gradients": True, "gradient_predivide_factor": 3.0}, (("div", 2.0), None))],
+    ids=["0-prescale", "0-predivide3", "0-predivide2", "1-both"])
+def test_prescale_and_predivide(world, stage, extra, scaling):
+    """DeepSpeed's ``prescale_gradients`` and ``gradient_predivide_factor``: at ZeRO 0 Lina multiplies each dense
+    gradient before its sum and the sum after it as ``allreduce_bucket`` would (``GradScaling``), and DeepSpeed's
+    call runs undivided: bitwise equal to the run without Lina at DP 2 (gradient accumulation 2), 20 steps'
+    losses equal. ZeRO 1's reduce-scatter path reads neither setting, with Lina or without."""
+    results = world(2).run(jobs.compare, stage, 2, 20, LINA, None, 1, extra, timeout_s=300)
+    _check(results, 0.0, True, 20, False)
+    read = (extra.get("prescale_gradients", False), extra.get("gradient_predivide_factor", 1.0))
+    for res in results:
+        assert res["read"] == (read, read), res["read"]        # DeepSpeed took the settings in both runs
+        assert res["lina"][0]["scaling"] == scaling, res["lina"][0]["scaling"]
+
+
 @pytest.mark.parametrize("gas", [1, 2])
 def test_bf16_at_zero_0(world, gas):
     """bf16 at ZeRO 0: DeepSpeed 0.19.8 wraps the torch optimizer in its FP16_UnfusedOptimizer (an fp32 master per
@@ -159,9 +179,10 @@ def test_settings_lina_cannot_reproduce_are_all_named():
     text = "; ".join(problems)
     for needle in ("moe_plugins.lina needs DeepSpeed 0.19.8", "found 0.20.0",
                    "zero_optimization.stage 0, 1 or 2 (got 3)", "communication_data_type equal to the gradients",
-                   "prescale_gradients (true)", "gradient_predivide_factor (2.0)", "nn.Embedding(sparse=True): 1"):
+                   "nn.Embedding(sparse=True): 1"):
         assert needle in text, (needle, text)
-    assert len(problems) == 6             # packing's own settings: tests/test_lina_packing_deepspeed.py
+    assert len(problems) == 4             # packing's own settings: tests/test_lina_packing_deepspeed.py
+    assert "prescale" not in text and "predivide" not in text     # DeepSpeed's scaling: test_prescale_and_predivide
     more = config_problems(_fake_engine(stage=1, contiguous=False, offload=object(), zenflow={}), model.float()[:1],
                            LinaConfig(), "0.19.8")
     assert len(more) == 2 and all(field in text for field, text in zip(
@@ -177,8 +198,8 @@ def test_settings_lina_cannot_reproduce_are_all_named():
 def test_bad_input_through_deepspeed_initialize(world):
     out = world(2).run(jobs.bad_inputs, timeout_s=300)[0]
     settings = out["settings"]
-    for needle in ("contiguous_gradients true with ZeRO 2", "communication_data_type equal to the gradients",
-                   "prescale_gradients (true)"):        # packing's own: tests/test_lina_packing_deepspeed.py
+    for needle in ("contiguous_gradients true with ZeRO 2", "communication_data_type equal to the gradients"):
+        # packing's own: tests/test_lina_packing_deepspeed.py
         assert needle in settings, (needle, settings)
     assert out["settings_lina_engines"] == 0
     assert "exactly one layout; found 2" in out["layouts"], out["layouts"]

@@ -95,12 +95,25 @@ def test_packing_with_zero_offload_equals_stock(world, packing, stage):
     DeepSpeed's offloaded run (1e-5), the experts and their moments by global id within 1e-4 relative, the offload
     on in both runs."""
     results = world(4).run(jobs.train_vs_stock, packing, 4, 1, 3, STEPS, stage, 1, 1, None, "offload")
+    assert all(res["off"]["offload"] and res["on"]["offload"] for res in results)
+    _equal_to_stock(results)
+
+
+def test_packing_with_gradient_predivide_factor_equals_stock(world):
+    """DeepSpeed's ``gradient_predivide_factor`` (3, ZeRO 0; packing 2): Lina multiplies the dense gradients around
+    their sums as DeepSpeed's ``allreduce_bucket`` would, DeepSpeed the experts' over the packed expert-DP group;
+    20 losses equal stock DeepSpeed's with the same factor (1e-5), the experts and their moments within 1e-4."""
+    results = world(4).run(jobs.train_vs_stock, 2, 4, 1, 3, STEPS, 0, 1, 1, None, "predivide")
+    assert all(res["off"]["predivide"] == res["on"]["predivide"] == 3.0 for res in results)
+    _equal_to_stock(results)
+
+
+def _equal_to_stock(results):
     for rank, res in enumerate(results):
         off, on = res["off"], res["on"]
         rel = max(abs(a - b) / abs(a) for a, b in zip(off["losses"], on["losses"]))
         assert len(on["losses"]) == STEPS and rel <= 1e-5, (rank, rel)
         assert on["packings"] == results[0]["on"]["packings"] and on["packings"][-1] > 1, on["packings"]
-        assert off["offload"] and on["offload"]
     off_experts, on_experts = _merged(results, "off"), _merged(results, "on")
     assert set(off_experts) == set(on_experts) and any(n.endswith("exp_avg_sq") for n in off_experts)
     worst = max(float((off_experts[n] - on_experts[n]).abs().max() / off_experts[n].abs().max().clamp_min(1e-12))

@@ -7,6 +7,7 @@ A failed or timed-out job tears the pool down (its collectives may be wedged); t
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -38,6 +39,9 @@ def init_gloo(rank: int, world: int, init_method: str, timeout_s: float) -> None
 
 def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], timeout_s: float,
                  tasks: "mp.Queue", results: "mp.Queue") -> None:
+    # a crash in native code (a segmentation fault, glibc's abort on a corrupted heap) prints every thread's
+    # Python stack to stderr, where the test's report shows it beside the parent's "exited with code -6"
+    faulthandler.enable(all_threads=True)
     host, port = init_method[len("tcp://"):].rsplit(":", 1)
     # the variables torchrun would set: hosts (DeepSpeed) read them even when the group already exists
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),

@@ -45,19 +45,22 @@ class TinyMoEModel(nn.Module):
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 15, "loss_scale_window": 4, "hysteresis": 1}
 HALF_DTYPES = {False: torch.float32, True: torch.bfloat16, "fp32-accum": torch.bfloat16, "bf16-fused": torch.bfloat16,
                "fp16": torch.float16, "fp16-fused": torch.float16, "offload": torch.float32,
-               "bf16-offload": torch.bfloat16}
+               "bf16-offload": torch.bfloat16, "predivide": torch.float32}
 
 
 def ds_config(stage: int, plugin: Optional[Dict[str, Any]], gas: int = 1, half: Any = False) -> Dict[str, Any]:
     """``half`` (a key of HALF_DTYPES): True for DeepSpeed's bf16; ``"fp32-accum"`` with fp32 gradient
     accumulation too (at ZeRO 1, DeepSpeed's BF16_Optimizer); ``"fp16"`` for its fp16 (:data:`FP16`); the
-    ``-fused`` ones as fp16/bf16, built by :func:`make_engine` around DeepSpeed's fused-Adam optimizer."""
+    ``-fused`` ones as fp16/bf16, built by :func:`make_engine` around DeepSpeed's fused-Adam optimizer;
+    ``"predivide"``: fp32 with ``gradient_predivide_factor`` 3."""
     low = HALF_DTYPES[half]
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if low == torch.bfloat16 else {}),
            **({"fp16": dict(FP16)} if low == torch.float16 else {}),
            **({"data_types": {"grad_accum_dtype": "fp32"}} if half == "fp32-accum" else {})}
+    if half == "predivide":
+        cfg["gradient_predivide_factor"] = 3.0
     if isinstance(half, str) and half.endswith("offload"):     # ZeRO-Offload, the torch Adam on the host
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         cfg["zero_force_ds_cpu_optimizer"] = False

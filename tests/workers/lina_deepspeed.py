@@ -102,7 +102,9 @@ def run(cfg: Dict[str, Any], gas: int, steps: int) -> Dict[str, Any]:
         out["skipped"] = engine.skipped_steps
         out["offload"] = bool(engine.zero_cpu_offload())
         out["lina"] = [{"mode": s.mode, "submitted": s.submitted, "skipped": s.skipped, "passed": s.passed,
-                        "dense": len(s.dense)} for s in plugin.lina.engines]
+                        "dense": len(s.dense), "scaling": (s.scaling.before, s.scaling.after)}
+                       for s in plugin.lina.engines]
+        out["read"] = (engine._config.prescale_gradients, engine.gradient_predivide_factor())
         optimizer = engine.optimizer
         engine.destroy()
         out["left_after_destroy"] = len(plugin.lina.engines)
@@ -149,7 +151,7 @@ def compare(stage: int, gas: int, steps: int, lina: Dict[str, Any],
     return {"diffs": diffs, "bitwise": bitwise, "steps": (len(stock["grads"]), len(on["grads"])),
             "stock_losses": stock["losses"], "lina_losses": on["losses"], "lina": on["lina"],
             "stock_lina": stock["lina"], "records": on["records"], "grads": on["grads"][:1],
-            "offload": (stock["offload"], on["offload"]),
+            "offload": (stock["offload"], on["offload"]), "read": (stock["read"], on["read"]),
             "left": (on["left_after_destroy"], on["left_patched"]), "skipped": (stock["skipped"], on["skipped"]),
             "finite": [tuple(all(bool(t.isfinite().all()) for t in step) for step in pair)
                        for pair in zip(stock["grads"], on["grads"])]}

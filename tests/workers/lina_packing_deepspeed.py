@@ -81,7 +81,8 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
                 scales.append(_loss_scale(engine.optimizer))
             res: Dict[str, Any] = {"losses": losses, "packings": packings, "experts": by_expert(engine),
                                    "skipped": engine.skipped_steps, "scales": scales,
-                                   "offload": bool(engine.zero_cpu_offload())}
+                                   "offload": bool(engine.zero_cpu_offload()),
+                                   "predivide": engine.gradient_predivide_factor()}
             if packer is not None:
                 ctl = packer.controller
                 res["decisions"] = [(s, t.expert_mean_s, t.a2a_mean_s, a, b) for s, t, a, b in ctl.decisions]
@@ -94,7 +95,7 @@ def train_vs_stock(packing: Union[int, str], ep: int, k: int, seed: int, steps: 
                 res["lane"] = (getattr(swapped.lane, "degree", 1), swapped.schedule.rec.engine is packer.reducer.engine,
                                swapped.groups.layout.ep)
                 res["lancet_runs"] = sum(o.calls for o in handle.lancet.overlaps)
-                if half and half != "offload":          # unpacked and packed again (a regroup each way), the masters carried whole
+                if jobs.HALF_DTYPES[half] != torch.float32:   # unpacked, packed again: the masters carried whole
                     with ctl.unpacked():
                         res["unpacked_experts"] = by_expert(engine)
                     res["experts_after"] = by_expert(engine)
