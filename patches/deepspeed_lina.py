@@ -16,10 +16,12 @@ gradient involved (submitting any not yet submitted), then run as stock with ``d
 (expert-DP) run; partitions and bookkeeping stay DeepSpeed's, and so does the order of division and sum
 (``GradScaling``): ZeRO 0 multiplies each gradient before its sum and/or the sum after it, as
 ``prescale_gradients`` and ``gradient_predivide_factor`` say, so Lina does both on each dense gradient (at submit,
-after the wait) and DeepSpeed's call runs without them; ZeRO 1/2's reduce-scatter path (the one DeepSpeed allows
-with MoE) divides each bucket before its sum, so Lina divides each dense gradient when it submits it, the bucket's
-expert slices before DeepSpeed's call, and that call runs without its division. In fp16 this is more than
-rounding: a sum of loss-scaled gradients overflows where the sum of the divided ones may not.
+after the wait) and DeepSpeed's call runs without them, and where its ``communication_data_type`` differs from the
+gradients' it sums an fp32 (say) copy of each and copies the result back, as DeepSpeed casts its bucket; ZeRO
+1/2's reduce-scatter path (the one DeepSpeed allows with MoE) divides each bucket before its sum, so Lina divides
+each dense gradient when it submits it, the bucket's expert slices before DeepSpeed's call, and that call runs
+without its division. In fp16 this is more than rounding: a sum of loss-scaled gradients overflows where the sum
+of the divided ones may not.
 Expert parameters (``allreduce=False``) are never reduced by Lina.
 
 Stock ZeRO 1/2 all-reduces each bucket too (``use_multi_rank_bucket_allreduce``, the default); with it off,
@@ -36,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -90,6 +92,8 @@ class LinaEngine:
         self.submitted = self.skipped = self.passed = 0
         self.mode = ""
         self.scaling = GradScaling()            # DeepSpeed's division around the sum, done by Lina instead
+        self.sum_dtype: Optional[torch.dtype] = None   # ZeRO 0: DeepSpeed's communication_data_type
+        self.staged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}   # (sum in sum_dtype, the gradient)
         self.packer: Any = None                 # patches/deepspeed_lina_packing.EnginePacker when packing != 1
 
     # -- micro-ops -------------------------------------------------------------------------------------
@@ -100,8 +104,12 @@ class LinaEngine:
         if id(param) in self.pending:
             raise RuntimeError(f"{PATH}: a gradient was submitted twice before DeepSpeed reduced it (shape "
                                f"{tuple(param.shape)}); was backward run twice on one micro-batch?")
-        self.scaling.apply(self.scaling.before, grad)
-        self.pending[id(param)] = self.reducer.submit(grad.view(-1), self.dp)
+        flat = grad.view(-1)
+        if self.sum_dtype is not None and flat.dtype != self.sum_dtype:     # as allreduce_bucket casts its bucket
+            self.staged[id(param)] = (flat.to(self.sum_dtype), flat)
+            flat = self.staged[id(param)][0]
+        self.scaling.apply(self.scaling.before, flat)
+        self.pending[id(param)] = self.reducer.submit(flat, self.dp)
         self.submitted += 1
 
     def wait(self, param: torch.Tensor) -> None:
@@ -120,7 +128,10 @@ class LinaEngine:
             handle = self.pending.pop(id(p), None)
             if handle is not None:
                 handle.wait()
-                self.scaling.apply(self.scaling.after, grad_of(p))
+                staged = self.staged.pop(id(p), None)
+                self.scaling.apply(self.scaling.after, grad_of(p) if staged is None else staged[0])
+                if staged is not None:
+                    staged[1].copy_(staged[0])
 
     def boundary_hook(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook (ZeRO 0; ZeRO 1 without overlap_comm): submit where DeepSpeed will reduce."""
@@ -152,7 +163,6 @@ class LinaEngine:
 
     def zero0(self, original: Callable) -> Callable:
         def _reduce_non_expert_gradients(grads, elements_per_buffer):
-            self._check_dtypes({g.dtype for g in grads}, self.ds_engine.communication_data_type)
             self.settle([p for p in self.dense if p.grad is not None], lambda p: p.grad)
             from deepspeed.utils import groups as ds_groups
             undivided = Patcher([Patch(self.ds_engine, "gradient_average", False)]) if self.scaling.active \
@@ -218,6 +228,7 @@ class LinaEngine:
             undo_all(patcher.restore for patcher in reversed(patchers))
         finally:
             self.pending.clear()
+            self.staged.clear()
 
 
 def _packer(engine, model: torch.nn.Module, lina: LinaConfig, layout: ParallelLayout, plugin: Any,
@@ -318,6 +329,7 @@ class LinaHooks:
             dp_size = dist.get_world_size(ds_groups._get_sequence_data_parallel_group()) / engine.sequence_parallel_size
             state.mode, state.scaling = "boundary-hook", zero0_scaling(
                 engine.gradient_average, engine._config.prescale_gradients, engine.gradient_predivide_factor(), dp_size)
+            state.sum_dtype = engine.communication_data_type
             patches = [Patch(engine, "_reduce_non_expert_gradients", state.zero0(engine._reduce_non_expert_gradients))]
             state.handles += [p.register_post_accumulate_grad_hook(state.boundary_hook) for p in dense]
         else:

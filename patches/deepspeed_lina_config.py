@@ -42,9 +42,10 @@ def config_problems(engine, model: torch.nn.Module, lina: LinaConfig, version: s
         problems.append(f"{PATH} does not support bf16 with data_types.grad_accum_dtype fp32 at ZeRO 1: DeepSpeed's "
                         "BF16_Optimizer reduces its own fp32 copies of the gradients, not the gradients Lina reduces")
     grad_dtype, comm_dtype = _grad_dtype(engine, model), engine.communication_data_type
-    if grad_dtype is not None and comm_dtype != grad_dtype:
-        problems.append(f"{PATH} needs communication_data_type equal to the gradients' dtype ({grad_dtype}); got "
-                        f"{comm_dtype}: Lina sums the gradients in their own dtype")
+    if stage in (1, 2) and grad_dtype is not None and comm_dtype != grad_dtype:
+        problems.append(f"{PATH} needs communication_data_type equal to the gradients' dtype ({grad_dtype}) at "
+                        f"ZeRO {stage}; got {comm_dtype}: ZeRO 1/2 keep the sum in it in their partitions, and Lina "
+                        "sums the gradients in their own dtype there (ZeRO 0 runs it: Lina sums in it too)")
     sparse = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.sparse]
     if sparse:
         problems.append(f"{PATH} does not support sparse gradients (nn.Embedding(sparse=True): {', '.join(sparse)})")

@@ -90,6 +90,27 @@ def test_prescale_and_predivide(world, stage, extra, scaling):
         assert res["lina"][0]["scaling"] == scaling, res["lina"][0]["scaling"]
 
 
+@pytest.mark.parametrize("half,extra", [
+    ("bf16", {"gradient_predivide_factor": 3.0}),
+    pytest.param("fp16", {}, marks=pytest.mark.full(
+        covered_by="[bf16-extra0] (the cast, the fp32 sum and the copy back; fp16's loss scale is the gradients')"))],
+    ids=["bf16-predivide3", "fp16"])
+def test_fp32_communication_at_zero_0(world, half, extra):
+    """``communication_data_type`` fp32 with 16-bit gradients at ZeRO 0: DeepSpeed casts its bucket to fp32, sums
+    and scales there, and copies back; Lina does the same per dense gradient (an fp32 copy summed by the micro-ops,
+    scaled, copied back at the wait). Bitwise equal to the run without Lina at DP 2 (gradient accumulation 2), 20
+    steps' losses equal; the micro-ops moved fp32. With factor 3 a sum in the gradients' own dtype would differ
+    (the products round in bf16)."""
+    setting = {"bf16": {"enabled": True}} if half == "bf16" else {"fp16": {"enabled": True, "loss_scale": 1024}}
+    results = world(2).run(jobs.compare, 0, 2, 20, LINA, None, 1,
+                           {**setting, "communication_data_type": "fp32", **extra}, timeout_s=300)
+    low = torch.bfloat16 if half == "bf16" else torch.float16
+    assert all(g.dtype == low for g in results[0]["grads"][0]), [g.dtype for g in results[0]["grads"][0]]
+    _check(results, 0.0, True, 20, False)
+    micro = [r for r in results[0]["records"] if r["priority"] == "background"]
+    assert micro and all(r["bytes"] == 4 * r["numel"] for r in micro)      # summed in fp32
+
+
 @pytest.mark.parametrize("gas", [1, 2])
 def test_bf16_at_zero_0(world, gas):
     """bf16 at ZeRO 0: DeepSpeed 0.19.8 wraps the torch optimizer in its FP16_UnfusedOptimizer (an fp32 master per
@@ -178,10 +199,9 @@ def test_settings_lina_cannot_reproduce_are_all_named():
                                model, LinaConfig(packing=2), "0.20.0")
     text = "; ".join(problems)
     for needle in ("moe_plugins.lina needs DeepSpeed 0.19.8", "found 0.20.0",
-                   "zero_optimization.stage 0, 1 or 2 (got 3)", "communication_data_type equal to the gradients",
-                   "nn.Embedding(sparse=True): 1"):
+                   "zero_optimization.stage 0, 1 or 2 (got 3)", "nn.Embedding(sparse=True): 1"):
         assert needle in text, (needle, text)
-    assert len(problems) == 4             # packing's own settings: tests/test_lina_packing_deepspeed.py
+    assert len(problems) == 3             # packing's own settings: tests/test_lina_packing_deepspeed.py
     assert "prescale" not in text and "predivide" not in text     # DeepSpeed's scaling: test_prescale_and_predivide
     more = config_problems(_fake_engine(stage=1, contiguous=False, offload=object(), zenflow={}), model.float()[:1],
                            LinaConfig(), "0.19.8")
@@ -193,6 +213,11 @@ def test_settings_lina_cannot_reproduce_are_all_named():
         _fake_engine(stage=1, bf16=True, comm=torch.bfloat16, accumulate=torch.float32), model[:1].bfloat16(),
         LinaConfig(), "0.19.8")[0]
     assert config_problems(_fake_engine(stage=2), model[:1].float(), LinaConfig(), "0.19.8") == []
+    for stage in (1, 2):                  # ZeRO 0 sums in communication_data_type: test_fp32_communication_at_zero_0
+        (comm,) = config_problems(_fake_engine(stage=stage, bf16=True, accumulate=torch.bfloat16), model[:1].bfloat16(),
+                                  LinaConfig(), "0.19.8")
+        assert f"communication_data_type equal to the gradients' dtype (torch.bfloat16) at ZeRO {stage}" in comm
+    assert config_problems(_fake_engine(stage=0, bf16=True), model[:1].bfloat16(), LinaConfig(), "0.19.8") == []
 
 
 def test_bad_input_through_deepspeed_initialize(world):
