@@ -126,6 +126,17 @@ class SlicedCall(PieceQueue):
         return combine_rows(r_RM.index_select(0, torch.argsort(self.mp_order)), self.pos_SK, self.routing)
 
 
+class SlicedChunks:
+    """``chunks`` / ``join`` of a ragged schedule whose call state (``dispatched.state``) is a :class:`SlicedCall`:
+    chunk j is the j-th piece of every MP rank's slice; the outputs go back in the slice's row order."""
+
+    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
+        return [dispatched.d] if degree == 1 else pieces_of(dispatched.d, dispatched.state.chunked(degree))
+
+    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
+        return outs[0] if len(outs) == 1 else joined(outs, dispatched.state.pieces)
+
+
 class _TPCall(SlicedCall):
     """One call of the ragged baseline-tp (:class:`SlicedCall`); its pieces are :class:`_TPPiece`s."""
 
@@ -154,7 +165,7 @@ class _TPCall(SlicedCall):
         return sum(piece.plan.send if step == "exchange_in" else piece.esp_sizes)
 
 
-class RaggedBaselineTPSchedule(SharesCall, BaselineTPSchedule):
+class RaggedBaselineTPSchedule(SharesCall, SlicedChunks, BaselineTPSchedule):
     """baseline-tp with the ragged exchange: MP rank m sends the kept routes of its capacity slice
     [m c, (m+1) c) (c = C / N_MP, C rounded up to N_MP), in one uneven EP all-to-all each way per piece; the ESP
     all-gather and split of the capacity and the final MP all-gather are uneven too (core/ragged.py). One host
@@ -188,14 +199,6 @@ class RaggedBaselineTPSchedule(SharesCall, BaselineTPSchedule):
 
     def routing_of(self, dispatched: Dispatched) -> Routing:
         return dispatched.state.routing
-
-    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
-        if degree == 1:
-            return [dispatched.d]
-        return pieces_of(dispatched.d, dispatched.state.chunked(degree))
-
-    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
-        return outs[0] if len(outs) == 1 else joined(outs, dispatched.state.pieces)   # the slice's row order
 
     def exchange_in(self, d_rM: torch.Tensor) -> torch.Tensor:
         piece = self._take("exchange_in", d_rM.shape[0])

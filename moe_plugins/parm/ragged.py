@@ -35,11 +35,11 @@ import torch
 
 from moe_plugins.core import comm
 from moe_plugins.core.baseline import RaggedBaselineSchedule, _RaggedCall
-from moe_plugins.core.baseline_tp import SlicedCall
+from moe_plugins.core.baseline_tp import SlicedCall, SlicedChunks
 from moe_plugins.core.gating import Routing
-from moe_plugins.core.ragged import (ChunkPlan, SharesCall, chunk_plan, clip, combine_rows,
-                                     exchange_counts, experts_on_rows, gather_rows, joined, offsets, pieces_of,
-                                     ragged_all_to_all, route_order, slot_rows, split_rows, split_sizes)
+from moe_plugins.core.ragged import (ChunkPlan, SharesCall, chunk_plan, clip, combine_rows, exchange_counts,
+                                     experts_on_rows, gather_rows, offsets, ragged_all_to_all, route_order, slot_rows,
+                                     split_rows, split_sizes)
 from moe_plugins.core.schedule import Dispatched, LayerParams, RowLoad, chunk_bounds
 from moe_plugins.parm.steps import _ParmSchedule, _round_up, expert_partials
 
@@ -255,7 +255,7 @@ class _S2Call(SlicedCall):
         return sum(map(sum, piece.blocks_PB)) if self.saa else sum(piece.plan.send)
 
 
-class RaggedParmS2Schedule(SharesCall, _RowSteps):
+class RaggedParmS2Schedule(SharesCall, SlicedChunks, _RowSteps):
     """parm-s2 with the ragged exchange: MP rank p sends the kept routes of its capacity slice [p w, (p+1) w)
     (w = C / N_MP, C rounded up to N_MP), dumped to their EP block's N_ESP shards, in one uneven EP&ESP
     all-to-all each way per piece; the MP split and gather are uneven too. Pipeline degree r > 1 cuts every
@@ -295,12 +295,6 @@ class RaggedParmS2Schedule(SharesCall, _RowSteps):
         call = self._box.call = _S2Call(routing, order.pos_NSK[0], slices, cut, width, self.saa, cells, starts,
                                         x_SM.device)
         return call, x_SM.index_select(0, order.token_X[:sum(kept_E)]).index_select(0, call.mp_order)
-
-    def chunks(self, dispatched: Dispatched, degree: int) -> List[torch.Tensor]:
-        return [dispatched.d] if degree == 1 else pieces_of(dispatched.d, dispatched.state.chunked(degree))
-
-    def join(self, outs: List[torch.Tensor], dispatched: Dispatched) -> torch.Tensor:
-        return outs[0] if len(outs) == 1 else joined(outs, dispatched.state.pieces)
 
     def _plan(self, step: str, rows: int) -> ChunkPlan:
         return self._take(step, rows).plan
