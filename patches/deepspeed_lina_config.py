@@ -1,5 +1,6 @@
 """What Lina's gradient micro-ops need of a DeepSpeed engine's settings (patches/deepspeed_lina.py): read from its
-parsed config before anything is set up, one line per problem naming the field."""
+parsed config before anything is set up, one line per problem naming the field; and how DeepSpeed scales the
+gradients around their sum (``GradScaling``, pure), which Lina then does instead."""
 
 from __future__ import annotations
 

@@ -220,6 +220,24 @@ def test_settings_lina_cannot_reproduce_are_all_named():
     assert config_problems(_fake_engine(stage=0, bf16=True), model[:1].bfloat16(), LinaConfig(), "0.19.8") == []
 
 
+def test_grad_scaling_follows_deepspeed_arithmetic():
+    """allreduce_bucket's (ZeRO 0) and average_tensor's reduce-scatter (ZeRO 1/2) scaling, case by case: nothing
+    without averaging, prescale wins over the factor, no multiply after the sum when the factor is the DP size."""
+    from moe_plugins.patches.deepspeed_lina_config import GradScaling, reduce_scatter_scaling, zero0_scaling
+    assert zero0_scaling(False, True, 3.0, 2.0) == GradScaling() and not GradScaling().active
+    assert zero0_scaling(True, True, 3.0, 4.0) == GradScaling(before=("mul", 0.25))
+    assert zero0_scaling(True, False, 1.0, 4.0) == GradScaling(after=("mul", 0.25))
+    assert zero0_scaling(True, False, 4.0, 4.0) == GradScaling(before=("mul", 0.25))
+    assert zero0_scaling(True, False, 2.0, 8.0) == GradScaling(before=("mul", 0.5), after=("mul", 0.25))
+    assert reduce_scatter_scaling(True, 4.0) == GradScaling(before=("div", 4.0))
+    assert not reduce_scatter_scaling(False, 4.0).active
+    grad = torch.tensor([3.0, 6.0], dtype=torch.float64)
+    GradScaling.apply(("div", 3.0), grad)
+    GradScaling.apply(("mul", 0.5), grad)
+    GradScaling.apply(None, grad)
+    assert grad.tolist() == [0.5, 1.0]
+
+
 def test_bad_input_through_deepspeed_initialize(world):
     out = world(2).run(jobs.bad_inputs, timeout_s=300)[0]
     settings = out["settings"]
