@@ -3,6 +3,11 @@
 Spawning 4 ranks per test costs seconds on 2 cores; the pool pays it once. A job is a module-level
 function run on every rank with the same arguments; its per-rank return values come back in rank order.
 A failed or timed-out job tears the pool down (its collectives may be wedged); the next job restarts it.
+
+Jobs and results cross the queues as bytes of plain ``pickle`` (tensors by value). multiprocessing's own pickler
+would move every tensor into shared memory, in place, from the queue's feeder thread (a race with the thread
+still using it), and a worker's pickling of its result keeps a duplicated file descriptor, and so the shared
+memory, open for good: every tensor a job returned leaked one of each in the worker for the pool's life.
 """
 
 from __future__ import annotations
@@ -10,12 +15,12 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
@@ -52,13 +57,13 @@ def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], t
         job = tasks.get()
         if job is None:
             break
-        job_id, fn, args, kwargs = job
+        job_id, payload = job
         try:
+            fn, args, kwargs = pickle.loads(payload)
             value = fn(*args, **kwargs)
-            # pickled here as the queue's feeder thread would: there an error is printed and the result lost,
-            # and the parent would wait for it until its timeout
-            ForkingPickler.dumps(value)
-            results.put((job_id, rank, True, value))
+            # pickled here, not by the queue's feeder thread: there an error is printed and the result lost, and
+            # the parent would wait for it until its timeout
+            results.put((job_id, rank, True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
         except Exception:  # reported to the parent, which raises WorkerError
             results.put((job_id, rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -107,8 +112,9 @@ class WorkerPool:
         if not self._procs:
             self._start()
         self._job += 1
+        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         for q in self._tasks:
-            q.put((self._job, fn, args, kwargs))
+            q.put((self._job, payload))
         got: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
         start = time.monotonic()
@@ -118,7 +124,7 @@ class WorkerPool:
                 job_id, rank, ok, value = self._results.get(timeout=max(min(POLL_S, deadline - time.monotonic()),
                                                                         0.01))
                 if job_id == self._job:
-                    (got if ok else errors)[rank] = value
+                    (got if ok else errors)[rank] = pickle.loads(value) if ok else value
             except queue.Empty:
                 errors.update(_dead(self._procs, got, errors))
             if errors and not hurried:      # the others are likely blocked in a collective: wait briefly only

@@ -8,10 +8,20 @@ import torch
 import torch.distributed as dist
 
 
-def unsendable() -> Dict[str, torch.Tensor]:
-    """A result torch refuses to send between processes: a non-leaf tensor that requires grad."""
-    w = torch.ones(2, requires_grad=True)
-    return {"x": w * 2}
+def unsendable() -> Dict[str, object]:
+    """A result pickle refuses: a lock (before the pool sent plain pickle bytes, torch's non-leaf tensor that
+    requires grad was one; it now goes by value, as a leaf)."""
+    import threading
+    return {"x": torch.ones(2), "lock": threading.Lock()}
+
+
+def tensors(n: int) -> Dict[int, torch.Tensor]:
+    return {i: torch.full((64,), float(dist.get_rank() * 1000 + i)) for i in range(n)}
+
+
+def open_fds() -> int:
+    import os
+    return len(os.listdir("/proc/self/fd"))
 
 
 def rank() -> int:
