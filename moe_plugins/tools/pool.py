@@ -4,15 +4,17 @@ Spawning 4 ranks per test costs seconds on 2 cores; the pool pays it once. A job
 function run on every rank with the same arguments; its per-rank return values come back in rank order.
 A failed or timed-out job tears the pool down (its collectives may be wedged); the next job restarts it.
 
-Jobs and results cross the queues as bytes of plain ``pickle`` (tensors by value). multiprocessing's own pickler
-would move every tensor into shared memory, in place, from the queue's feeder thread (a race with the thread
-still using it), and a worker's pickling of its result keeps a duplicated file descriptor, and so the shared
-memory, open for good: every tensor a job returned leaked one of each in the worker for the pool's life.
+Jobs and results cross the queues as bytes of plain ``pickle`` (:func:`to_bytes`: tensors by value, a view of a
+larger buffer with its own elements only). multiprocessing's own pickler would move every tensor into shared
+memory, in place, from the queue's feeder thread (a race with the thread still using it), and a worker's pickling
+of its result keeps a duplicated file descriptor, and so the shared memory, open for good: every tensor a job
+returned leaked one of each in the worker for the pool's life.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -22,6 +24,27 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+
+class _ByValue(pickle.Pickler):
+    """Plain pickle, but a CPU tensor viewing a larger storage is sent as a copy of its own elements: torch pickles
+    a tensor with its whole storage, so 50 small views of one 4 MB buffer would be 200 MB."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided \
+                or obj.device.type != "cpu" or obj.untyped_storage().nbytes() <= obj.numel() * obj.element_size():
+            return NotImplemented
+        own = obj.detach().clone().requires_grad_(obj.requires_grad)
+        return (torch.nn.Parameter, (own, obj.requires_grad)) if type(obj) is torch.nn.Parameter else \
+            own.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def to_bytes(value: Any) -> bytes:
+    """``value`` as the pool sends it (see the module docstring); ``pickle.loads`` reads it."""
+    out = io.BytesIO()
+    _ByValue(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return out.getvalue()
 
 
 class WorkerError(RuntimeError):
@@ -63,7 +86,7 @@ def _worker_main(rank: int, world: int, init_method: str, env: Dict[str, str], t
             value = fn(*args, **kwargs)
             # pickled here, not by the queue's feeder thread: there an error is printed and the result lost, and
             # the parent would wait for it until its timeout
-            results.put((job_id, rank, True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
+            results.put((job_id, rank, True, to_bytes(value)))
         except Exception:  # reported to the parent, which raises WorkerError
             results.put((job_id, rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -112,7 +135,7 @@ class WorkerPool:
         if not self._procs:
             self._start()
         self._job += 1
-        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = to_bytes((fn, args, kwargs))
         for q in self._tasks:
             q.put((self._job, payload))
         got: Dict[int, Any] = {}
