@@ -139,6 +139,11 @@ class LinaEngine:
         if ds.is_gradient_accumulation_boundary() and ds.enable_backward_allreduce and not ds.inside_no_sync_ctxt:
             self.submit(param, param.grad)
 
+    def undivided(self, owner: Any) -> Any:
+        """DeepSpeed's own scaling off for one call (``gradient_average`` of ``owner``: the engine at ZeRO 0, the ZeRO
+        optimizer at 1/2) where Lina scales instead (:attr:`scaling`)."""
+        return Patcher([Patch(owner, "gradient_average", False)]) if self.scaling.active else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def skipping(self, dp_pg: Any) -> Iterator[None]:
         """DeepSpeed's SUM all_reduce / reduce on ``dp_pg`` do nothing (Lina summed already); others run."""
@@ -165,9 +170,7 @@ class LinaEngine:
         def _reduce_non_expert_gradients(grads, elements_per_buffer):
             self.settle([p for p in self.dense if p.grad is not None], lambda p: p.grad)
             from deepspeed.utils import groups as ds_groups
-            undivided = Patcher([Patch(self.ds_engine, "gradient_average", False)]) if self.scaling.active \
-                else contextlib.nullcontext()
-            with undivided, self.skipping(ds_groups._get_sequence_data_parallel_group()):
+            with self.undivided(self.ds_engine), self.skipping(ds_groups._get_sequence_data_parallel_group()):
                 return original(grads, elements_per_buffer)
         return _reduce_non_expert_gradients
 
@@ -196,15 +199,13 @@ class LinaEngine:
             bucket = zero.ipg_buckets[communication_data_type]
             params = [zero.bit16_groups[i][idx] for i, idx, _ in bucket.params]
             self.settle([p for p in params if not _is_moe_param(p)], zero.get_gradient_for_reduction)
-            undivided = contextlib.nullcontext()
             if self.scaling.active:            # the dense slices were divided at submit: the rest here, as stock
                 offset = 0                     # divides the whole bucket (its params' gradients back to back)
                 for p in params:
                     if _is_moe_param(p):
                         self.scaling.apply(self.scaling.before, tensor.narrow(0, offset, p.numel()))
                     offset += p.numel()
-                undivided = Patcher([Patch(zero, "gradient_average", False)])
-            with undivided, self.skipping(zero.dp_process_group):
+            with self.undivided(zero), self.skipping(zero.dp_process_group):
                 return original_average(tensor, communication_data_type)
 
         patches = [Patch(zero, "reduce_ready_partitions_and_remove_grads", reduce_ready_partitions_and_remove_grads),
